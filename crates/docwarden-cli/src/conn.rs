@@ -1,0 +1,65 @@
+//! Connection options shared by every subcommand, and the session they open.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use docwarden_testkit::{Target, connect, mask_uri};
+use mongodb::Client;
+
+/// Where to connect.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ConnArgs {
+    /// MongoDB URI. Without it (and without MONGODB_URI) an embedded secantusd-rs is
+    /// started for the run and stopped afterwards.
+    #[arg(long, env = "MONGODB_URI", global = true)]
+    pub(crate) uri: Option<String>,
+    /// Keep the embedded server's data (and log) in this directory.
+    #[arg(long, global = true)]
+    pub(crate) data_dir: Option<PathBuf>,
+    /// Seconds to wait for the server to answer.
+    #[arg(long, default_value_t = 8, global = true)]
+    pub(crate) connect_timeout: u64,
+}
+
+/// An open connection; drop it to stop an embedded server.
+pub(crate) struct Session {
+    pub(crate) target: Target,
+    pub(crate) client: Client,
+}
+
+impl Session {
+    pub(crate) fn uri(&self) -> String {
+        self.target.uri()
+    }
+
+    /// Whether this run started its own server.
+    pub(crate) fn embedded(&self) -> bool {
+        matches!(self.target, Target::Embedded(_))
+    }
+}
+
+impl ConnArgs {
+    /// Connects to `--uri` / `MONGODB_URI`, or starts the embedded server.
+    pub(crate) async fn open(&self, quiet: bool) -> anyhow::Result<Session> {
+        let uri = self.uri.clone().filter(|u| !u.trim().is_empty());
+        if uri.is_none() && !quiet {
+            eprintln!("docwarden: no --uri or MONGODB_URI: starting an embedded secantusd-rs…");
+        }
+        let target = Target::resolve(uri, self.data_dir.clone()).await?;
+        if !quiet && let Target::Embedded(server) = &target {
+            eprintln!(
+                "docwarden: embedded server on {} (log: {})",
+                server.uri(),
+                server.log_path().display()
+            );
+        }
+        let client = connect(
+            &target.uri(),
+            Duration::from_secs(self.connect_timeout.max(1)),
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        tracing::debug!(uri = %mask_uri(&target.uri()), "connected");
+        Ok(Session { target, client })
+    }
+}

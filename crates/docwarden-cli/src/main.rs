@@ -1,0 +1,60 @@
+//! The `docwarden` command.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod conn;
+mod demo;
+mod doctor;
+mod output;
+
+/// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,
+/// prove the guarantees, measure them.
+#[derive(Debug, Parser)]
+#[command(name = "docwarden", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Connect, report server version, topology, clock offset, and probe every capability.
+    Doctor(doctor::Args),
+    /// Run the seed scenarios, narrated, against the embedded server or --uri.
+    Demo(demo::Args),
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Doctor(args) => doctor::run(args).await,
+        Command::Demo(args) => demo::run(args).await,
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    // Ctrl-C drops the running command, which stops an embedded server it started.
+    tokio::select! {
+        result = run(cli) => match result {
+            Ok(code) => code,
+            Err(err) => {
+                eprintln!("docwarden: {err:#}");
+                ExitCode::from(2)
+            }
+        },
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("docwarden: interrupted");
+            ExitCode::from(130)
+        }
+    }
+}

@@ -1,0 +1,8 @@
+#![doc = include_str!("../README.md")]
+
+pub mod capabilities;
+pub mod clock;
+pub mod error;
+pub mod validate;
+
+pub use error::{Error, Result};

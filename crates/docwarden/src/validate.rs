@@ -1,0 +1,151 @@
+//! Validation of names, durations and sizes, shared by every handle.
+//!
+//! Everything a caller passes in is checked here before anything is written, so bad
+//! input is always an [`Error::InvalidInput`] and never a half-applied change.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// The longest resource, owner, queue or key name accepted, in bytes.
+pub const MAX_NAME_LEN: usize = 512;
+
+/// The largest BSON document MongoDB stores (16 MiB).
+pub const MAX_DOCUMENT_BYTES: usize = 16 * 1024 * 1024;
+
+/// Checks a name (resource, owner, queue, key): non-empty, at most [`MAX_NAME_LEN`] bytes,
+/// no NUL byte.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn name(what: &'static str, value: &str) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(what, "must not be empty"));
+    }
+    if value.len() > MAX_NAME_LEN {
+        return Err(Error::invalid(
+            what,
+            format!("is {} bytes, the limit is {MAX_NAME_LEN}", value.len()),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(Error::invalid(what, "must not contain a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Checks a MongoDB collection name: a valid [`name`], no `$`, not starting with
+/// `system.`.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn collection_name(what: &'static str, value: &str) -> Result<()> {
+    name(what, value)?;
+    if value.contains('$') || value.starts_with("system.") {
+        return Err(Error::invalid(
+            what,
+            format!("`{value}` is not a usable collection name"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that a duration is positive and fits in BSON milliseconds (`i64`), returning it
+/// in milliseconds.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn duration_ms(what: &'static str, value: Duration) -> Result<i64> {
+    if value.is_zero() {
+        return Err(Error::invalid(what, "must be greater than zero"));
+    }
+    let ms = i64::try_from(value.as_millis())
+        .map_err(|_| Error::invalid(what, "is too long to store in milliseconds"))?;
+    if ms == 0 {
+        return Err(Error::invalid(what, "must be at least one millisecond"));
+    }
+    Ok(ms)
+}
+
+/// Checks a ratio such as a renewal fraction: strictly between 0 and 1.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn fraction(what: &'static str, value: f64) -> Result<f64> {
+    if value.is_finite() && value > 0.0 && value < 1.0 {
+        Ok(value)
+    } else {
+        Err(Error::invalid(
+            what,
+            format!("{value} is not strictly between 0 and 1"),
+        ))
+    }
+}
+
+/// Checks that a count is at least one.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn positive(what: &'static str, value: usize) -> Result<usize> {
+    if value == 0 {
+        Err(Error::invalid(what, "must be at least 1"))
+    } else {
+        Ok(value)
+    }
+}
+
+/// A random 128-bit identifier rendered as 32 lowercase hex digits: owner ids and claim
+/// tokens. Drawn from the operating system's generator, never from a session id.
+pub fn random_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(name("resource", "a").is_ok());
+        assert!(matches!(
+            name("resource", ""),
+            Err(Error::InvalidInput {
+                what: "resource",
+                ..
+            })
+        ));
+        assert!(name("resource", &"x".repeat(MAX_NAME_LEN)).is_ok());
+        assert!(name("resource", &"x".repeat(MAX_NAME_LEN + 1)).is_err());
+        assert!(name("resource", "a\0b").is_err());
+        assert!(collection_name("collection", "locks").is_ok());
+        assert!(collection_name("collection", "a$b").is_err());
+        assert!(collection_name("collection", "system.x").is_err());
+    }
+
+    #[test]
+    fn durations_are_checked() {
+        assert_eq!(duration_ms("ttl", Duration::from_secs(2)).ok(), Some(2000));
+        assert!(duration_ms("ttl", Duration::ZERO).is_err());
+        assert!(duration_ms("ttl", Duration::from_micros(10)).is_err());
+        assert!(duration_ms("ttl", Duration::MAX).is_err());
+    }
+
+    #[test]
+    fn fractions_and_counts_are_checked() {
+        assert!(fraction("f", 0.5).is_ok());
+        for bad in [0.0, 1.0, -0.1, f64::NAN, f64::INFINITY] {
+            assert!(fraction("f", bad).is_err());
+        }
+        assert!(positive("n", 0).is_err());
+        assert_eq!(positive("n", 3).ok(), Some(3));
+    }
+
+    #[test]
+    fn random_ids_are_128_bit_hex() {
+        let a = random_id();
+        let b = random_id();
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod backoff;
 pub mod capabilities;
 pub mod clock;
 pub mod error;

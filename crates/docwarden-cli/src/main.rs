@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod conn;
 mod demo;
 mod doctor;
@@ -24,12 +25,15 @@ enum Command {
     Doctor(doctor::Args),
     /// Run the seed scenarios, narrated, against the embedded server or --uri.
     Demo(demo::Args),
+    /// Measure each module's throughput as a ratio to raw update_one on the same server.
+    Bench(bench::Args),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Doctor(args) => doctor::run(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }
 

@@ -28,7 +28,10 @@ impl Backoff {
     pub fn new(base: Duration, max: Duration) -> Result<Self> {
         validate::duration_ms("backoff base", base)?;
         if max < base {
-            return Err(crate::Error::invalid("backoff max", "must not be below the base"));
+            return Err(crate::Error::invalid(
+                "backoff max",
+                "must not be below the base",
+            ));
         }
         Ok(Self {
             base,

@@ -1,0 +1,182 @@
+//! `docwarden bench`: throughput and latency of each module, as a ratio to raw
+//! `update_one` measured in the same run on the same server.
+//!
+//! Every workload is a closure run by `workers` tasks in a loop for a fixed duration
+//! ([`measure`]); latencies go into an HDR histogram. The reference row (`update_one` by
+//! `_id`) is measured first with the same worker count, and every other row's ratio is its
+//! ops/s over the reference's.
+
+use std::future::Future;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use mongodb::Database;
+use mongodb::bson::{Document, doc};
+
+use crate::conn::ConnArgs;
+
+/// The load one workload runs under.
+#[derive(Debug, Clone)]
+pub(crate) struct Load {
+    /// Concurrent tasks.
+    pub(crate) workers: usize,
+    /// How long each workload runs.
+    pub(crate) duration: Duration,
+}
+
+/// One measured workload.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct BenchRow {
+    pub(crate) name: String,
+    pub(crate) workers: usize,
+    /// Items completed (jobs, applies, acquire+release pairs…).
+    pub(crate) ops: u64,
+    pub(crate) ops_per_sec: f64,
+    /// Latency of one call of the workload's operation, microseconds.
+    pub(crate) p50_us: u64,
+    pub(crate) p99_us: u64,
+    /// ops/s divided by the reference `update_one` ops/s of this run.
+    pub(crate) ratio: f64,
+}
+
+/// Runs `op(worker)` on `load.workers` tasks until `load.duration` has passed. Each call
+/// is one measured operation; its `Ok(n)` counts `n` items (a batch claim of 10 jobs
+/// returns 10, a failed attempt that did no work returns 0).
+pub(crate) async fn measure<F, Fut>(name: &str, load: &Load, op: F) -> anyhow::Result<BenchRow>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = anyhow::Result<u64>> + Send,
+{
+    let op = Arc::new(op);
+    let items = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + load.duration;
+    let mut tasks = Vec::new();
+    for worker in 0..load.workers {
+        let op = Arc::clone(&op);
+        let items = Arc::clone(&items);
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new(3)?;
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                let n = op(worker).await?;
+                let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+                hist.record(us.max(1))?;
+                items.fetch_add(n, Ordering::Relaxed);
+            }
+            anyhow::Ok(hist)
+        }));
+    }
+    let mut hist = Histogram::<u64>::new(3)?;
+    for task in tasks {
+        hist.add(task.await??)?;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let ops = items.load(Ordering::Relaxed);
+    #[allow(clippy::cast_precision_loss)]
+    let ops_per_sec = ops as f64 / elapsed;
+    Ok(BenchRow {
+        name: name.to_owned(),
+        workers: load.workers,
+        ops,
+        ops_per_sec,
+        p50_us: hist.value_at_quantile(0.5),
+        p99_us: hist.value_at_quantile(0.99),
+        ratio: f64::NAN,
+    })
+}
+
+/// The reference: `update_one({_id}, {$inc})` on one of 1,000 documents.
+pub(crate) async fn reference(db: &Database, load: &Load) -> anyhow::Result<BenchRow> {
+    let coll = db.collection::<Document>("bench_reference");
+    let docs: Vec<Document> = (0..1000_i64)
+        .map(|i| doc! { "_id": i, "n": 0_i64 })
+        .collect();
+    coll.insert_many(docs).await?;
+    let row = measure("update_one (reference)", load, move |_| {
+        let coll = coll.clone();
+        async move {
+            let id = rand::random_range(0..1000_i64);
+            coll.update_one(doc! { "_id": id }, doc! { "$inc": { "n": 1 } })
+                .await?;
+            Ok(1)
+        }
+    })
+    .await?;
+    Ok(BenchRow { ratio: 1.0, ..row })
+}
+
+/// Arguments of `docwarden bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Worker counts to sweep, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    workers: Vec<usize>,
+    /// Seconds per workload.
+    #[arg(long, default_value_t = 5)]
+    duration: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
+    anyhow::ensure!(
+        !args.workers.is_empty() && args.workers.iter().all(|w| *w > 0),
+        "--workers must list counts of at least 1"
+    );
+    let session = args.conn.open(args.json).await?;
+    let mut rows = Vec::new();
+    for &workers in &args.workers {
+        let load = Load {
+            workers,
+            duration: Duration::from_secs(args.duration),
+        };
+        let db = session
+            .client
+            .database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
+        let reference = reference(&db, &load).await?;
+        let base = reference.ops_per_sec;
+        let mut measured = vec![reference];
+        for row in workloads(&db, &load).await? {
+            measured.push(BenchRow {
+                ratio: row.ops_per_sec / base,
+                ..row
+            });
+        }
+        db.drop().await?;
+        rows.extend(measured);
+    }
+    if args.json {
+        crate::output::print_json(&rows)?;
+    } else {
+        print!("{}", markdown(&rows));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every module's workloads, in a fixed order.
+async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let rows = Vec::new();
+    Ok(rows)
+}
+
+/// The rows as a markdown table.
+pub(crate) fn markdown(rows: &[BenchRow]) -> String {
+    let mut out = String::from(
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× |\n",
+            r.name, r.workers, r.ops, r.ops_per_sec, r.p50_us, r.p99_us, r.ratio
+        ));
+    }
+    out
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what is missing, then cargo fmt --check, clippy with
+# -D warnings, and every unit, integration and doc test against the embedded server
+# (or MONGODB_URI if set). Exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/prereqs.sh
+step() { echo "[docwarden test] $*" >&2; }
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+step "cargo test (unit, integration and doc tests; the embedded server starts per test binary)"
+cargo test --workspace --no-fail-fast
+step "checking that no embedded server was left running by the tests"
+sleep 1
+if [ -z "${DOCWARDEN_ALLOW_RUNNING_SERVERS:-}" ] && pgrep -f "docwarden-embedded-" >/dev/null 2>&1; then
+  echo "[docwarden test] orphan embedded servers remain:" >&2
+  pgrep -a -f "docwarden-embedded-" >&2 || true
+  exit 1
+fi
+step "all passed"

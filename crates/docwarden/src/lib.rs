@@ -2,6 +2,7 @@
 
 pub mod backoff;
 pub mod capabilities;
+pub mod check;
 pub mod clock;
 pub mod error;
 pub mod validate;

@@ -1,0 +1,187 @@
+//! The lease-mutex checker.
+//!
+//! Leases can overlap in real time — a holder that pauses past its ttl still believes it
+//! holds the lock — so "never two holders" is not the property. The property is:
+//!
+//! 1. **Tokens increase**: of two successful acquires of one resource where one ended
+//!    before the other began, the later has the higher token.
+//! 2. **Stale writes are refused**: a fenced write with token `t` that began after an
+//!    acquire with a higher token had ended must not be accepted.
+//! 3. **No lost updates**: the final value of each counter equals the number of
+//!    acknowledged increments (every read-modify-write under the lock counted once), and in
+//!    the set workload every acknowledged add is in the final read.
+//!
+//! Events used: `acquire` (Ok, token), `write` (Ok = accepted, Failed = refused; token).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Event, OpOutcome, Violation};
+
+/// Checks properties 1 and 2 on the events of one run.
+pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    let mut acquires: BTreeMap<&str, Vec<&Event>> = BTreeMap::new();
+    for e in events {
+        if e.op == "acquire" && e.outcome == OpOutcome::Ok && e.token.is_some() {
+            acquires.entry(&e.key).or_default().push(e);
+        }
+    }
+    for list in acquires.values_mut() {
+        list.sort_by_key(|e| e.end_us);
+        // Property 1: compare each acquire with every earlier one that ended before it began.
+        let mut max_before: Vec<(u64, i64)> = Vec::new(); // (end_us, token), sorted by end
+        for e in list.iter() {
+            let token = e.token.unwrap_or(i64::MIN);
+            if let Some((_, prev)) = max_before
+                .iter()
+                .filter(|(end, _)| *end < e.start_us)
+                .max_by_key(|(_, t)| *t)
+                && *prev >= token
+            {
+                violations.push(Violation::new(
+                    "token-not-increasing",
+                    e.key.clone(),
+                    format!(
+                        "process {} acquired with token {token} after token {prev} had been granted",
+                        e.process
+                    ),
+                ));
+            }
+            max_before.push((e.end_us, token));
+        }
+    }
+    // Property 2.
+    for w in events
+        .iter()
+        .filter(|e| e.op == "write" && e.outcome == OpOutcome::Ok)
+    {
+        let Some(token) = w.token else { continue };
+        let newer = acquires.get(w.key.as_str()).and_then(|list| {
+            list.iter()
+                .filter(|a| a.end_us < w.start_us && a.token.is_some_and(|t| t > token))
+                .min_by_key(|a| a.end_us)
+        });
+        if let Some(a) = newer {
+            violations.push(Violation::new(
+                "stale-write-accepted",
+                w.key.clone(),
+                format!(
+                    "process {} wrote with token {token} after process {} had acquired token {}",
+                    w.process,
+                    a.process,
+                    a.token.unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    violations
+}
+
+/// Property 3 for counters: `acknowledged[key]` increments were acknowledged, the final
+/// read found `final_values[key]`.
+pub fn check_counters(
+    acknowledged: &BTreeMap<String, i64>,
+    final_values: &BTreeMap<String, i64>,
+) -> Vec<Violation> {
+    let keys: BTreeSet<&String> = acknowledged.keys().chain(final_values.keys()).collect();
+    let mut violations = Vec::new();
+    for key in keys {
+        let acked = acknowledged.get(key).copied().unwrap_or(0);
+        let found = final_values.get(key).copied().unwrap_or(0);
+        if found < acked {
+            violations.push(Violation::new(
+                "lost-update",
+                key.clone(),
+                format!("{acked} increments acknowledged, counter reads {found}: {} lost", acked - found),
+            ));
+        } else if found > acked {
+            violations.push(Violation::new(
+                "unacknowledged-update",
+                key.clone(),
+                format!("counter reads {found} but only {acked} increments were acknowledged"),
+            ));
+        }
+    }
+    violations
+}
+
+/// Property 3 for sets: every acknowledged element is in the final read.
+pub fn check_set(acknowledged: &BTreeSet<String>, final_read: &BTreeSet<String>) -> Vec<Violation> {
+    acknowledged
+        .difference(final_read)
+        .map(|e| Violation::new("lost-add", e.clone(), "acknowledged add missing from the final read"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acquire(p: u32, key: &str, s: u64, e: u64, token: i64) -> Event {
+        Event::new(p, "acquire", key, s, e).token(token)
+    }
+    fn write(p: u32, key: &str, s: u64, e: u64, token: i64, ok: bool) -> Event {
+        Event::new(p, "write", key, s, e)
+            .token(token)
+            .outcome(if ok { OpOutcome::Ok } else { OpOutcome::Failed })
+    }
+
+    #[test]
+    fn a_clean_history_has_no_violations() {
+        let h = vec![
+            acquire(1, "r", 0, 10, 1),
+            write(1, "r", 11, 20, 1, true),
+            acquire(2, "r", 30, 40, 2),
+            // The paused holder writes late and is refused: fine.
+            write(1, "r", 50, 60, 1, false),
+            write(2, "r", 50, 60, 2, true),
+            // A concurrent acquire (overlapping in time) may carry any token.
+            acquire(3, "s", 0, 100, 5),
+            acquire(4, "s", 50, 60, 4),
+        ];
+        assert!(check_tokens(&h).is_empty());
+    }
+
+    #[test]
+    fn planted_token_regression_is_found() {
+        let h = vec![acquire(1, "r", 0, 10, 5), acquire(2, "r", 20, 30, 5)];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, "token-not-increasing");
+    }
+
+    #[test]
+    fn planted_stale_write_is_found() {
+        let h = vec![
+            acquire(1, "r", 0, 10, 1),
+            acquire(2, "r", 30, 40, 2),
+            write(1, "r", 50, 60, 1, true),
+        ];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, "stale-write-accepted");
+        // A write that began before the newer acquire ended is concurrent with it: allowed.
+        let h = vec![
+            acquire(1, "r", 0, 10, 1),
+            acquire(2, "r", 30, 40, 2),
+            write(1, "r", 35, 60, 1, true),
+        ];
+        assert!(check_tokens(&h).is_empty());
+    }
+
+    #[test]
+    fn counters_and_sets() {
+        let acked: BTreeMap<String, i64> = [("a".to_owned(), 3), ("b".to_owned(), 2)].into();
+        let ok: BTreeMap<String, i64> = [("a".to_owned(), 3), ("b".to_owned(), 2)].into();
+        assert!(check_counters(&acked, &ok).is_empty());
+        let lost: BTreeMap<String, i64> = [("a".to_owned(), 2), ("b".to_owned(), 2)].into();
+        let v = check_counters(&acked, &lost);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, "lost-update");
+
+        let acked: BTreeSet<String> = ["x", "y"].iter().map(|s| s.to_string()).collect();
+        let read: BTreeSet<String> = ["x"].iter().map(|s| s.to_string()).collect();
+        assert!(check_set(&acked, &acked).is_empty());
+        assert_eq!(check_set(&acked, &read).len(), 1);
+    }
+}

@@ -1,0 +1,83 @@
+//! The queue checker: every enqueued job's effect exactly once, none lost, none stuck.
+//!
+//! Input is what a final read found: for each enqueued job, how many times its effect was
+//! committed (the workload's handler writes one effect document per execution, fenced by
+//! the claim) and the job's final state.
+
+use std::collections::BTreeMap;
+
+use super::Violation;
+
+/// What the final read found about one job.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobObservation {
+    /// Committed effects of this job.
+    pub effects: u64,
+    /// The job's final state as stored (`succeeded`, `dead`, `running`…), or `None` if the
+    /// job document is gone.
+    pub state: Option<String>,
+}
+
+/// Checks every enqueued job. A job that is `dead` (it exhausted its attempts on
+/// purpose) must have no effect; any other job must have exactly one and be `succeeded`.
+pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for (id, job) in jobs {
+        let state = job.state.as_deref().unwrap_or("missing");
+        if job.effects > 1 {
+            violations.push(Violation::new(
+                "duplicate-effect",
+                id.clone(),
+                format!("effect committed {} times", job.effects),
+            ));
+        }
+        match state {
+            "running" => violations.push(Violation::new(
+                "stuck-job",
+                id.clone(),
+                "still running after the run drained",
+            )),
+            "dead" | "cancelled" => {}
+            "succeeded" if job.effects == 0 => violations.push(Violation::new(
+                "lost-job",
+                id.clone(),
+                "marked succeeded but no effect was committed",
+            )),
+            "succeeded" => {}
+            other if job.effects == 0 => violations.push(Violation::new(
+                "lost-job",
+                id.clone(),
+                format!("never completed (state {other})"),
+            )),
+            _ => {}
+        }
+    }
+    violations
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(effects: u64, state: &str) -> JobObservation {
+        JobObservation {
+            effects,
+            state: Some(state.to_owned()),
+        }
+    }
+
+    #[test]
+    fn exactly_once_passes_and_planted_faults_are_found() {
+        let mut jobs: BTreeMap<String, JobObservation> =
+            (0..5).map(|i| (format!("j{i}"), obs(1, "succeeded"))).collect();
+        jobs.insert("dead".into(), obs(0, "dead"));
+        assert!(check_jobs(&jobs).is_empty());
+
+        jobs.insert("dup".into(), obs(2, "succeeded"));
+        jobs.insert("lost".into(), obs(0, "ready"));
+        jobs.insert("stuck".into(), obs(0, "running"));
+        jobs.insert("gone".into(), JobObservation::default());
+        let kinds: Vec<&str> = check_jobs(&jobs).iter().map(|v| v.kind).collect();
+        assert_eq!(kinds, vec!["duplicate-effect", "lost-job", "lost-job", "stuck-job"]);
+    }
+}

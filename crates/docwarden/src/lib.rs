@@ -5,6 +5,7 @@ pub mod capabilities;
 pub mod check;
 pub mod clock;
 pub mod error;
+pub mod lock;
 pub mod validate;
 
 pub use error::{Error, Result};

@@ -1,0 +1,28 @@
+//! Locks and leases: a lock collection with fencing tokens (seed 004) and document locks
+//! stored in the entity itself (seed 003).
+//!
+//! **Guarantee:** at most one [`Lease`] on a resource is valid at any instant *by the
+//! server's clock* (expiry is decided in the acquire filter against the estimated server
+//! time, with its error bound and a skew margin), renew and release are compare-and-set on
+//! `(resource, owner, token)`, and fencing tokens strictly increase per resource across
+//! release, expiry, garbage collection of the lock document and crashes (they come from a
+//! counter collection no TTL index touches). [`DocumentLocks`] hands out a random lock id
+//! per acquisition and fences the releasing write by it.
+//!
+//! **Limits:** a lease is a promise about time, not about the holder: a process paused past
+//! its ttl still believes it holds the lease. Writes made under a lease must therefore be
+//! fenced ([`Fence`] for another collection, or the lock id for document locks). With
+//! `w:1` a failover can roll back an acquire or a counter increment; use majority write
+//! concern where that matters. See `docs/locks.md`.
+
+mod collection;
+mod document;
+mod fence;
+mod lease;
+mod watchdog;
+
+pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
+pub use document::{DocumentGuard, DocumentLockOptions, DocumentLocks};
+pub use fence::{Fence, FenceOptions, FenceOutcome};
+pub use lease::{Lease, Owner};
+pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

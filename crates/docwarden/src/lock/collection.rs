@@ -1,0 +1,647 @@
+//! The lock collection (seed 004's shape): one document per resource in `<name>`, and a
+//! fencing-token counter per resource in `<name>.tokens` that no TTL index touches.
+//!
+//! An acquire is three single-document operations:
+//! 1. the **acquire** itself, one atomic `findOneAndUpdate` upsert on `{_id: resource}` with
+//!    the filter `owner == null OR expires_at < cutoff` (the cut-off comes from the
+//!    estimated server clock minus its bound and the skew margin). A held lock makes the
+//!    upsert hit the `_id` index: duplicate key → `Ok(None)`. It writes a random `pending`
+//!    nonce.
+//! 2. the **token**: `$inc` on the counter document (never deleted), raised to at least the
+//!    lock document's previous token + 1.
+//! 3. the **commit**: the token is written into the lock document, compare-and-set on
+//!    `(owner, pending nonce)`. If the lease was taken over in between, the acquire
+//!    reports `Ok(None)` and its token is never used.
+//!
+//! Because the token is drawn *while the lock is held* and from a counter that survives the
+//! lock document, every lease handed out carries a token strictly greater than every token
+//! handed out before it on that resource, even after the lock document was deleted.
+
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::{IndexOptions, ReturnDocument};
+use mongodb::{Collection, Database, IndexModel};
+use tracing::instrument;
+
+use super::lease::{Lease, Owner};
+use crate::backoff::Backoff;
+use crate::clock::{ServerTime, TimeSource};
+use crate::error::{self, Error, Result};
+use crate::validate;
+
+/// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
+const GC_INDEX: &str = "expires_at_gc";
+
+/// Options of a [`LockCollection`], validated by [`LockCollection::open`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct LockOptions {
+    /// How long after `expires_at` the TTL index may delete a lock document (garbage
+    /// collection only; expiry itself is decided in the acquire filter). Default 1 hour.
+    pub gc_after: Duration,
+    /// First delay of a blocking [`LockCollection::acquire`] retry. Default 5 ms.
+    pub backoff_base: Duration,
+    /// Largest delay between blocking acquire retries. Default 250 ms.
+    pub backoff_max: Duration,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        Self {
+            gc_after: Duration::from_secs(3600),
+            backoff_base: Duration::from_millis(5),
+            backoff_max: Duration::from_millis(250),
+        }
+    }
+}
+
+impl LockOptions {
+    /// Sets [`LockOptions::gc_after`].
+    pub fn gc_after(mut self, gc_after: Duration) -> Self {
+        self.gc_after = gc_after;
+        self
+    }
+
+    /// Sets [`LockOptions::backoff_base`] and [`LockOptions::backoff_max`].
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let gc = validate::duration_ms("gc_after", self.gc_after)?;
+        if gc < 1_000 {
+            return Err(Error::invalid("gc_after", "must be at least one second"));
+        }
+        Backoff::new(self.backoff_base, self.backoff_max)?;
+        Ok(())
+    }
+}
+
+/// Which locks [`LockCollection::list`] returns. Empty: every held lock.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ListFilter {
+    /// Only locks held by this owner id.
+    pub owner: Option<String>,
+    /// Only the lock on this resource.
+    pub resource: Option<String>,
+}
+
+impl ListFilter {
+    /// Only locks held by `owner`.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// Only the lock on `resource`.
+    pub fn resource(mut self, resource: impl Into<String>) -> Self {
+        self.resource = Some(resource.into());
+        self
+    }
+}
+
+/// A held lock as stored, for listing.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct LockRecord {
+    /// The resource.
+    pub resource: String,
+    /// The holder's owner id.
+    pub owner: String,
+    /// The fencing token; `None` while an acquire is between its steps.
+    pub token: Option<i64>,
+    /// When it was acquired (server time).
+    #[serde(serialize_with = "as_rfc3339")]
+    pub acquired_at: DateTime,
+    /// When it expires unless renewed (server time).
+    #[serde(serialize_with = "as_rfc3339")]
+    pub expires_at: DateTime,
+    /// Whether it has certainly expired (any acquirer may take it over now).
+    pub expired: bool,
+}
+
+fn as_rfc3339<S: serde::Serializer>(d: &DateTime, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(
+        &d.try_to_rfc3339_string()
+            .unwrap_or_else(|_| d.timestamp_millis().to_string()),
+    )
+}
+
+/// A lock collection: leases on named resources with fencing tokens.
+///
+/// Cloning is cheap (collections and the time source are shared handles).
+///
+/// ```no_run
+/// # async fn example(db: mongodb::Database, client: mongodb::Client) -> docwarden::Result<()> {
+/// use std::time::Duration;
+/// use docwarden::clock::{ClockOptions, TimeSource};
+/// use docwarden::lock::{LockCollection, LockOptions, Owner};
+///
+/// let time = TimeSource::server(client, ClockOptions::default())?;
+/// let locks = LockCollection::open(&db, "workitem.lock", time, LockOptions::default()).await?;
+/// let me = Owner::random();
+/// if let Some(lease) = locks.acquire(&me, "workitem-42", Duration::from_secs(10), Duration::from_secs(2)).await? {
+///     // … work, fencing every write with lease.token …
+///     locks.release(&lease).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct LockCollection {
+    locks: Collection<Document>,
+    tokens: Collection<Document>,
+    time: TimeSource,
+    options: LockOptions,
+}
+
+impl LockCollection {
+    /// Opens the lock collection `name` (and its counter collection `<name>.tokens`) in
+    /// `db`, creating its indexes if they are missing: `{owner: 1, _id: 1}` for listing
+    /// and releasing by owner, and a TTL index on `expires_at` with `gc_after`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or options; a database error if the indexes
+    /// cannot be created.
+    pub async fn open(
+        db: &Database,
+        name: &str,
+        time: TimeSource,
+        options: LockOptions,
+    ) -> Result<Self> {
+        validate::collection_name("lock collection", name)?;
+        options.validate()?;
+        let this = Self {
+            locks: db.collection(name),
+            tokens: db.collection(&format!("{name}.tokens")),
+            time,
+            options,
+        };
+        this.ensure_indexes().await?;
+        Ok(this)
+    }
+
+    /// Creates the indexes (idempotent). A TTL index created earlier with another
+    /// `gc_after` is changed with `collMod`.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn ensure_indexes(&self) -> Result<()> {
+        self.locks
+            .create_index(
+                IndexModel::builder()
+                    .keys(doc! { "owner": 1, "_id": 1 })
+                    .options(IndexOptions::builder().name("owner_id".to_owned()).build())
+                    .build(),
+            )
+            .await?;
+        let gc = IndexModel::builder()
+            .keys(doc! { "expires_at": 1 })
+            .options(
+                IndexOptions::builder()
+                    .name(GC_INDEX.to_owned())
+                    .expire_after(self.options.gc_after)
+                    .build(),
+            )
+            .build();
+        match self.locks.create_index(gc).await {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(error::error_code(&e), Some(85 | 86)) => {
+                let secs = i64::try_from(self.options.gc_after.as_secs()).unwrap_or(i64::MAX);
+                self.locks
+                    .client()
+                    .database(&self.locks.namespace().db)
+                    .run_command(doc! {
+                        "collMod": self.locks.name(),
+                        "index": { "name": GC_INDEX, "expireAfterSeconds": secs },
+                    })
+                    .await?;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The lock collection's name.
+    pub fn name(&self) -> &str {
+        self.locks.name()
+    }
+
+    /// The time source every expiry decision uses.
+    pub fn time(&self) -> &TimeSource {
+        &self.time
+    }
+
+    /// Tries once to acquire `resource` for `ttl`. `Ok(None)` when it is held by someone
+    /// else and not certainly expired (contention is not an error).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an empty or too long resource or a zero ttl (nothing is
+    /// written); a database error.
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    pub async fn try_acquire(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>> {
+        validate::name("resource", resource)?;
+        validate::name("owner", owner.id())?;
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let now = self.time.now().await?;
+        let cutoff = now.expired_before(self.time.skew_margin_ms());
+        let nonce = validate::random_id();
+        let acquired_at = now.estimate();
+        let expires_at = now.plus_ms(ttl_ms);
+
+        // Step 1: the acquire, one atomic upsert.
+        let before = match self
+            .locks
+            .find_one_and_update(
+                acquire_filter(resource, cutoff),
+                doc! { "$set": {
+                    "owner": owner.id(),
+                    "pending": &nonce,
+                    "acquired_at": acquired_at,
+                    "expires_at": expires_at,
+                } },
+            )
+            .upsert(true)
+            .return_document(ReturnDocument::Before)
+            .await
+        {
+            Ok(before) => before,
+            Err(e) if error::is_duplicate_key(&e) => {
+                tracing::trace!(resource, "held");
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let previous = before
+            .as_ref()
+            .and_then(|d| d.get_i64("token").ok())
+            .unwrap_or(0);
+
+        // Steps 2 and 3: draw the token while holding the lock, then commit it.
+        match self.commit_token(owner, resource, &nonce, previous).await {
+            Ok(Some(token)) => {
+                tracing::debug!(resource, token, "acquired");
+                Ok(Some(Lease {
+                    resource: resource.to_owned(),
+                    owner: owner.id().to_owned(),
+                    token,
+                    acquired_at,
+                    expires_at,
+                }))
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    resource,
+                    "lease taken over between acquire and token commit"
+                );
+                Ok(None)
+            }
+            Err(err) => {
+                // Best effort: free the half-acquired lock instead of letting it expire.
+                let _ = self
+                    .locks
+                    .update_one(
+                        doc! { "_id": resource, "owner": owner.id(), "pending": &nonce },
+                        release_update(),
+                    )
+                    .await;
+                Err(err)
+            }
+        }
+    }
+
+    async fn commit_token(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        nonce: &str,
+        previous: i64,
+    ) -> Result<Option<i64>> {
+        let floor = previous.checked_add(1).ok_or_else(|| Error::Malformed {
+            id: resource.to_owned(),
+            reason: "fencing token overflow".into(),
+        })?;
+        let counter = self
+            .tokens
+            .find_one_and_update(doc! { "_id": resource }, next_token_pipeline(floor))
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await?
+            .ok_or_else(|| Error::Malformed {
+                id: resource.to_owned(),
+                reason: "token counter upsert returned nothing".into(),
+            })?;
+        let token = counter.get_i64("token").map_err(|e| Error::Malformed {
+            id: resource.to_owned(),
+            reason: format!("token counter: {e}"),
+        })?;
+        let committed = self
+            .locks
+            .update_one(
+                doc! { "_id": resource, "owner": owner.id(), "pending": nonce },
+                doc! { "$set": { "token": token }, "$unset": { "pending": "" } },
+            )
+            .await?;
+        Ok((committed.matched_count == 1).then_some(token))
+    }
+
+    /// Acquires `resource` for `ttl`, retrying with jittered exponential backoff until it
+    /// is acquired or `wait` has passed (`Ok(None)`). A zero `wait` tries once.
+    ///
+    /// # Errors
+    /// As [`LockCollection::try_acquire`].
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    pub async fn acquire(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        let deadline = Instant::now() + wait;
+        let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        loop {
+            if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
+                return Ok(Some(lease));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+        }
+    }
+
+    /// Extends `lease` to `ttl` from now (server time). Allowed only while the lease is
+    /// still *certainly* valid (its expiry is after the server time estimate plus bound
+    /// and skew margin) and still holds `(resource, owner, token)`; a lease that has
+    /// lapsed cannot be revived, even if nobody took it over yet.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
+    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let now = self.time.now().await?;
+        let expires_at = now.plus_ms(ttl_ms);
+        let result = self
+            .locks
+            .update_one(
+                renew_filter(lease, &now, self.time.skew_margin_ms()),
+                doc! { "$set": { "expires_at": expires_at } },
+            )
+            .await?;
+        if result.matched_count == 0 {
+            return Err(lost(lease));
+        }
+        lease.expires_at = expires_at;
+        Ok(())
+    }
+
+    /// Releases `lease`: compare-and-set on `(resource, owner, token)`. The document stays
+    /// (with `owner: null` and its token) until the TTL index collects it. Releasing a
+    /// lease that expired but was not taken over still frees the resource.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the lease was taken over, released or deleted already (so a
+    /// non-holder can never release); a database error.
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    pub async fn release(&self, lease: &Lease) -> Result<()> {
+        let result = self
+            .locks
+            .update_one(cas_filter(lease), release_update())
+            .await?;
+        if result.matched_count == 0 {
+            return Err(lost(lease));
+        }
+        Ok(())
+    }
+
+    /// Releases every lease held by `owner` (for example when a process shuts down or an
+    /// operator cleans up after it) and returns how many were released.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an invalid owner id; a database error.
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    pub async fn release_all(&self, owner: &Owner) -> Result<u64> {
+        validate::name("owner", owner.id())?;
+        let result = self
+            .locks
+            .update_many(doc! { "owner": owner.id() }, release_update())
+            .await?;
+        Ok(result.modified_count)
+    }
+
+    /// The held locks matching `filter`, by resource.
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] for a lock document docwarden did not write; a database error.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<LockRecord>> {
+        let mut query = doc! { "owner": { "$ne": Bson::Null } };
+        if let Some(owner) = &filter.owner {
+            query.insert("owner", owner.as_str());
+        }
+        if let Some(resource) = &filter.resource {
+            query.insert("_id", resource.as_str());
+        }
+        let now = self.time.now().await?;
+        let cutoff = now.expired_before(self.time.skew_margin_ms());
+        let docs: Vec<Document> = self
+            .locks
+            .find(query)
+            .sort(doc! { "_id": 1 })
+            .await?
+            .try_collect()
+            .await?;
+        docs.iter().map(|d| record(d, cutoff)).collect()
+    }
+
+    /// The last fencing token handed out for `resource` (from the counter, which survives
+    /// the lock document), or `None` if it was never acquired.
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] for a counter docwarden did not write; a database error.
+    pub async fn last_token(&self, resource: &str) -> Result<Option<i64>> {
+        validate::name("resource", resource)?;
+        let Some(d) = self.tokens.find_one(doc! { "_id": resource }).await? else {
+            return Ok(None);
+        };
+        d.get_i64("token").map(Some).map_err(|e| Error::Malformed {
+            id: resource.to_owned(),
+            reason: format!("token counter: {e}"),
+        })
+    }
+}
+
+fn lost(lease: &Lease) -> Error {
+    Error::LeaseLost {
+        resource: lease.resource.clone(),
+        token: lease.token.to_string(),
+    }
+}
+
+/// `_id == resource AND (owner == null OR expires_at < cutoff)`.
+pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
+    doc! {
+        "_id": resource,
+        "$or": [
+            { "owner": Bson::Null },
+            { "expires_at": { "$lt": cutoff } },
+        ],
+    }
+}
+
+/// The holder's identity: `(resource, owner, token)`.
+pub(crate) fn cas_filter(lease: &Lease) -> Document {
+    doc! { "_id": &lease.resource, "owner": &lease.owner, "token": lease.token }
+}
+
+/// The holder's identity and an expiry that is still certainly in the future.
+pub(crate) fn renew_filter(lease: &Lease, now: &ServerTime, margin_ms: i64) -> Document {
+    let valid_after = DateTime::from_millis(
+        now.estimate_ms
+            .saturating_add(now.bound_ms)
+            .saturating_add(margin_ms),
+    );
+    let mut f = cas_filter(lease);
+    f.insert("expires_at", doc! { "$gt": valid_after });
+    f
+}
+
+/// Frees the lock, keeps its token, and starts the garbage-collection clock at the
+/// server's now.
+fn release_update() -> Document {
+    doc! {
+        "$set": { "owner": Bson::Null },
+        "$unset": { "pending": "" },
+        "$currentDate": { "expires_at": true },
+    }
+}
+
+/// `token = max(token + 1, floor)` on the counter document (0 if new).
+fn next_token_pipeline(floor: i64) -> Vec<Document> {
+    vec![doc! { "$set": { "token": { "$max": [
+        { "$add": [ { "$ifNull": [ "$token", 0_i64 ] }, 1_i64 ] },
+        floor,
+    ] } } }]
+}
+
+fn record(d: &Document, cutoff: DateTime) -> Result<LockRecord> {
+    let id = d.get("_id").map(ToString::to_string).unwrap_or_default();
+    let malformed = |reason: String| Error::Malformed {
+        id: id.clone(),
+        reason,
+    };
+    let resource = d.get_str("_id").map_err(|e| malformed(e.to_string()))?;
+    let owner = d.get_str("owner").map_err(|e| malformed(e.to_string()))?;
+    let expires_at = *d
+        .get_datetime("expires_at")
+        .map_err(|e| malformed(e.to_string()))?;
+    let acquired_at = *d
+        .get_datetime("acquired_at")
+        .map_err(|e| malformed(e.to_string()))?;
+    let token = if d.contains_key("pending") {
+        None
+    } else {
+        Some(d.get_i64("token").map_err(|e| malformed(e.to_string()))?)
+    };
+    Ok(LockRecord {
+        resource: resource.to_owned(),
+        owner: owner.to_owned(),
+        token,
+        acquired_at,
+        expires_at,
+        expired: expires_at < cutoff,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease() -> Lease {
+        Lease {
+            resource: "r".into(),
+            owner: "o".into(),
+            token: 7,
+            acquired_at: DateTime::from_millis(0),
+            expires_at: DateTime::from_millis(5_000),
+        }
+    }
+
+    #[test]
+    fn acquire_filter_is_free_or_expired() {
+        let f = acquire_filter("r", DateTime::from_millis(1_000));
+        assert_eq!(f.get_str("_id").ok(), Some("r"));
+        let or = f.get_array("$or").map(Vec::len).ok();
+        assert_eq!(or, Some(2));
+        assert_eq!(
+            f,
+            doc! { "_id": "r", "$or": [ { "owner": null }, { "expires_at": { "$lt": DateTime::from_millis(1_000) } } ] }
+        );
+    }
+
+    #[test]
+    fn renew_requires_identity_and_certain_validity() {
+        let now = ServerTime {
+            estimate_ms: 1_000,
+            bound_ms: 5,
+        };
+        let f = renew_filter(&lease(), &now, 250);
+        assert_eq!(
+            f,
+            doc! { "_id": "r", "owner": "o", "token": 7_i64, "expires_at": { "$gt": DateTime::from_millis(1_255) } }
+        );
+    }
+
+    #[test]
+    fn the_counter_never_goes_below_the_floor() {
+        let p = next_token_pipeline(42);
+        let max = p[0]
+            .get_document("$set")
+            .and_then(|s| s.get_document("token"))
+            .and_then(|t| t.get_array("$max"))
+            .map(|a| a.len())
+            .ok();
+        assert_eq!(max, Some(2));
+    }
+
+    #[test]
+    fn options_are_validated() {
+        assert!(LockOptions::default().validate().is_ok());
+        assert!(
+            LockOptions::default()
+                .gc_after(Duration::from_millis(10))
+                .validate()
+                .is_err()
+        );
+        assert!(
+            LockOptions::default()
+                .backoff(Duration::ZERO, Duration::from_secs(1))
+                .validate()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn records_decode_pending_and_committed() -> Result<()> {
+        let d = doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": DateTime::from_millis(10) };
+        let r = record(&d, DateTime::from_millis(20))?;
+        assert_eq!(r.token, Some(3));
+        assert!(r.expired);
+        let mut p = d.clone();
+        p.insert("pending", "n");
+        assert_eq!(record(&p, DateTime::from_millis(0))?.token, None);
+        assert!(record(&doc! { "_id": "r" }, DateTime::from_millis(0)).is_err());
+        Ok(())
+    }
+}

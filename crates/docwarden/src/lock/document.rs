@@ -1,0 +1,411 @@
+//! Document locks (seed 003's shape): the lock lives in the entity document itself, as a
+//! random `lock_id` and the server time `lock_time` it was taken.
+//!
+//! **Guarantee:** a document is locked by at most one [`DocumentGuard`] whose lock is still
+//! valid, and [`DocumentLocks::release_with`] writes the holder's change and clears the lock
+//! in one update fenced by the lock id: if the lock was taken over (after it expired) or
+//! cleared, nothing is written and the holder gets [`Error::LeaseLost`]. An expired lock
+//! can be taken over: the filter is `lock_id == null OR lock_time < cutoff` (the seed ANDs
+//! the two, so an expired lock could never be taken over and a released document could
+//! never be locked again).
+//!
+//! **Limits:** expiry is a promise about time (see the module docs of [`crate::lock`]); the
+//! lock id fences only writes that go through [`DocumentLocks::release_with`]. Writes made
+//! elsewhere while holding the lock are not fenced.
+
+use std::time::Duration;
+
+use mongodb::Collection;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::ReturnDocument;
+use tracing::instrument;
+
+use crate::clock::TimeSource;
+use crate::error::{self, Error, Result};
+use crate::validate;
+
+/// Options of [`DocumentLocks`], validated by [`DocumentLocks::new`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct DocumentLockOptions {
+    /// How long a lock is valid after `lock_time` before it may be taken over. Default 30 s.
+    pub max_duration: Duration,
+    /// The field holding the lock id. Default `lock_id`.
+    pub lock_id_field: String,
+    /// The field holding the lock time. Default `lock_time`.
+    pub lock_time_field: String,
+}
+
+impl Default for DocumentLockOptions {
+    fn default() -> Self {
+        Self {
+            max_duration: Duration::from_secs(30),
+            lock_id_field: "lock_id".to_owned(),
+            lock_time_field: "lock_time".to_owned(),
+        }
+    }
+}
+
+impl DocumentLockOptions {
+    /// Sets [`DocumentLockOptions::max_duration`].
+    pub fn max_duration(mut self, max_duration: Duration) -> Self {
+        self.max_duration = max_duration;
+        self
+    }
+
+    /// Sets the lock id and lock time field names.
+    pub fn fields(mut self, lock_id: impl Into<String>, lock_time: impl Into<String>) -> Self {
+        self.lock_id_field = lock_id.into();
+        self.lock_time_field = lock_time.into();
+        self
+    }
+}
+
+/// A held document lock: the locked document as it was after locking, and the lock id that
+/// fences the release.
+#[derive(Clone, Debug, PartialEq)]
+#[must_use = "a document lock is held until released or expired"]
+pub struct DocumentGuard {
+    /// The document's `_id`.
+    pub id: Bson,
+    /// The random 128-bit lock id written into the document.
+    pub lock_id: String,
+    /// Server time (estimated) written as the lock time.
+    pub locked_at: DateTime,
+    /// The document after locking.
+    pub document: Document,
+}
+
+/// Document locks on one collection.
+///
+/// ```no_run
+/// # async fn example(db: mongodb::Database, time: docwarden::clock::TimeSource) -> docwarden::Result<()> {
+/// use docwarden::lock::{DocumentLockOptions, DocumentLocks};
+/// use mongodb::bson::doc;
+/// let dummies = DocumentLocks::new(db.collection("dummies"), time, DocumentLockOptions::default())?;
+/// let guard = dummies.lock_or_create("id-1", doc! { "value": "initial" }).await?;
+/// dummies.release_with(guard, doc! { "$set": { "value": "changed" } }).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct DocumentLocks {
+    coll: Collection<Document>,
+    time: TimeSource,
+    options: DocumentLockOptions,
+    max_ms: i64,
+}
+
+impl DocumentLocks {
+    /// Document locks on `coll` (only the `_id` index is needed).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero `max_duration` or bad field names.
+    pub fn new(
+        coll: Collection<Document>,
+        time: TimeSource,
+        options: DocumentLockOptions,
+    ) -> Result<Self> {
+        let max_ms = validate::duration_ms("max_duration", options.max_duration)?;
+        for (what, f) in [
+            ("lock id field", &options.lock_id_field),
+            ("lock time field", &options.lock_time_field),
+        ] {
+            validate::name(what, f)?;
+            if f.starts_with('$') || f.contains('.') || f == "_id" {
+                return Err(Error::invalid(what, "must be a plain top-level field name"));
+            }
+        }
+        if options.lock_id_field == options.lock_time_field {
+            return Err(Error::invalid(
+                "lock time field",
+                "must differ from the lock id field",
+            ));
+        }
+        Ok(Self {
+            coll,
+            time,
+            options,
+            max_ms,
+        })
+    }
+
+    /// Locks the existing document `id`. `Ok(None)` if there is no such document.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyLocked`] if it is locked and the lock has not certainly expired;
+    /// [`Error::InvalidInput`] for a null, empty or array id; a database error.
+    #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
+    pub async fn lock(
+        &self,
+        id: impl Into<Bson> + std::fmt::Display,
+    ) -> Result<Option<DocumentGuard>> {
+        let id = id.into();
+        check_id(&id)?;
+        let (filter, update, lock_id, locked_at) = self.lock_ops(&id).await?;
+        let after = self
+            .coll
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::After)
+            .await?;
+        if let Some(document) = after {
+            return Ok(Some(DocumentGuard {
+                id,
+                lock_id,
+                locked_at,
+                document,
+            }));
+        }
+        let exists = self
+            .coll
+            .find_one(doc! { "_id": id.clone() })
+            .projection(doc! { "_id": 1 })
+            .await?
+            .is_some();
+        if exists {
+            Err(already_locked(&id))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Locks document `id`, creating it from `initial` if it does not exist (one atomic
+    /// upsert). Concurrent creators of the same new document race on the `_id` index:
+    /// exactly one wins, the others get [`Error::AlreadyLocked`].
+    ///
+    /// # Errors
+    /// [`Error::AlreadyLocked`] if it is locked (including the duplicate-key race of the
+    /// upsert); [`Error::InvalidInput`] if `initial` has `$` fields, the lock fields, or an
+    /// `_id` other than `id`; a database error.
+    #[instrument(skip(self, id, initial), fields(collection = %self.coll.name(), id = %id))]
+    pub async fn lock_or_create(
+        &self,
+        id: impl Into<Bson> + std::fmt::Display,
+        mut initial: Document,
+    ) -> Result<DocumentGuard> {
+        let id = id.into();
+        check_id(&id)?;
+        if let Some(given) = initial.remove("_id")
+            && given != id
+        {
+            return Err(Error::invalid(
+                "initial document",
+                "has an `_id` other than `id`",
+            ));
+        }
+        for key in initial.keys() {
+            if key.starts_with('$')
+                || *key == self.options.lock_id_field
+                || *key == self.options.lock_time_field
+            {
+                return Err(Error::invalid(
+                    "initial document",
+                    format!("must not contain `{key}`"),
+                ));
+            }
+        }
+        let (filter, mut update, lock_id, locked_at) = self.lock_ops(&id).await?;
+        if !initial.is_empty() {
+            update.insert("$setOnInsert", initial);
+        }
+        match self
+            .coll
+            .find_one_and_update(filter, update)
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await
+        {
+            Ok(Some(document)) => Ok(DocumentGuard {
+                id,
+                lock_id,
+                locked_at,
+                document,
+            }),
+            Ok(None) => Err(Error::Malformed {
+                id: id.to_string(),
+                reason: "upsert returned no document".into(),
+            }),
+            Err(e) if error::is_duplicate_key(&e) => Err(already_locked(&id)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes the operator update `update` and clears the lock, in one update fenced by
+    /// the guard's lock id.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the lock was taken over or cleared (nothing was written);
+    /// [`Error::InvalidInput`] if `update` is not an operator document or touches `_id` or
+    /// the lock fields; a database error.
+    #[instrument(skip(self, guard, update), fields(collection = %self.coll.name(), id = %guard.id))]
+    pub async fn release_with(&self, guard: DocumentGuard, update: Document) -> Result<()> {
+        let update = release_update(
+            &self.options.lock_id_field,
+            &self.options.lock_time_field,
+            update,
+        )?;
+        let result = self
+            .coll
+            .update_one(
+                doc! { "_id": guard.id.clone(), self.options.lock_id_field.as_str(): &guard.lock_id },
+                update,
+            )
+            .await?;
+        if result.matched_count == 0 {
+            return Err(Error::LeaseLost {
+                resource: guard.id.to_string(),
+                token: guard.lock_id,
+            });
+        }
+        Ok(())
+    }
+
+    /// Clears the lock without other changes ([`DocumentLocks::release_with`] with an
+    /// empty update).
+    ///
+    /// # Errors
+    /// As [`DocumentLocks::release_with`].
+    pub async fn release(&self, guard: DocumentGuard) -> Result<()> {
+        self.release_with(guard, Document::new()).await
+    }
+
+    async fn lock_ops(&self, id: &Bson) -> Result<(Document, Document, String, DateTime)> {
+        let now = self.time.now().await?;
+        let cutoff = DateTime::from_millis(
+            now.expired_before(self.time.skew_margin_ms())
+                .timestamp_millis()
+                .saturating_sub(self.max_ms),
+        );
+        let lock_id = validate::random_id();
+        let locked_at = now.estimate();
+        let filter = takeover_filter(
+            id,
+            &self.options.lock_id_field,
+            &self.options.lock_time_field,
+            cutoff,
+        );
+        let update = doc! { "$set": {
+            self.options.lock_id_field.as_str(): &lock_id,
+            self.options.lock_time_field.as_str(): locked_at,
+        } };
+        Ok((filter, update, lock_id, locked_at))
+    }
+}
+
+/// The caller's operator update with the lock fields cleared.
+pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> Result<Document> {
+    for (op, value) in &update {
+        let Bson::Document(fields) = value else {
+            return Err(Error::invalid(
+                "release update",
+                format!("`{op}` must take a document"),
+            ));
+        };
+        if !op.starts_with('$') {
+            return Err(Error::invalid(
+                "release update",
+                format!("`{op}` is not an update operator"),
+            ));
+        }
+        for k in fields.keys() {
+            let root = k.split('.').next().unwrap_or(k);
+            if root == "_id" || root == id_f || root == time_f {
+                return Err(Error::invalid(
+                    "release update",
+                    format!("must not touch `{k}`"),
+                ));
+            }
+        }
+    }
+    match update.get_mut("$set") {
+        Some(Bson::Document(set)) => {
+            set.insert(id_f, Bson::Null);
+            set.insert(time_f, Bson::Null);
+        }
+        _ => {
+            update.insert("$set", doc! { id_f: Bson::Null, time_f: Bson::Null });
+        }
+    }
+    Ok(update)
+}
+
+/// `_id == id AND (lock_id == null OR lock_time < cutoff)` — the seed's filter with its AND
+/// bug fixed.
+pub(crate) fn takeover_filter(
+    id: &Bson,
+    lock_id: &str,
+    lock_time: &str,
+    cutoff: DateTime,
+) -> Document {
+    doc! {
+        "_id": id.clone(),
+        "$or": [
+            { lock_id: Bson::Null },
+            { lock_time: { "$lt": cutoff } },
+        ],
+    }
+}
+
+fn check_id(id: &Bson) -> Result<()> {
+    match id {
+        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => {
+            Err(Error::invalid("document id", "must be a plain value"))
+        }
+        Bson::String(s) => validate::name("document id", s),
+        _ => Ok(()),
+    }
+}
+
+fn already_locked(id: &Bson) -> Error {
+    Error::AlreadyLocked {
+        resource: match id {
+            Bson::String(s) => s.clone(),
+            other => other.to_string(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::{ClockOptions, LocalClock};
+
+    #[test]
+    fn release_clears_the_lock_and_refuses_to_touch_it() -> Result<()> {
+        assert_eq!(
+            release_update("l", "t", doc! { "$set": { "v": 1 } })?,
+            doc! { "$set": { "v": 1, "l": null, "t": null } }
+        );
+        assert_eq!(
+            release_update("l", "t", doc! { "$inc": { "n": 1 } })?,
+            doc! { "$inc": { "n": 1 }, "$set": { "l": null, "t": null } }
+        );
+        assert!(release_update("l", "t", doc! { "$set": { "l": 1 } }).is_err());
+        assert!(release_update("l", "t", doc! { "$unset": { "t.x": "" } }).is_err());
+        assert!(release_update("l", "t", doc! { "$set": { "_id": 2 } }).is_err());
+        assert!(release_update("l", "t", doc! { "v": 1 }).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn options_and_ids_are_validated() {
+        let time = TimeSource::local_unchecked(LocalClock::system(), ClockOptions::default());
+        assert!(time.is_ok());
+        assert!(check_id(&Bson::Null).is_err());
+        assert!(check_id(&Bson::from("")).is_err());
+        assert!(check_id(&Bson::from(3_i64)).is_ok());
+    }
+
+    #[test]
+    fn the_takeover_filter_is_an_or() {
+        let f = takeover_filter(
+            &Bson::from("a"),
+            "lock_id",
+            "lock_time",
+            DateTime::from_millis(5),
+        );
+        assert_eq!(
+            f,
+            doc! { "_id": "a", "$or": [ { "lock_id": null }, { "lock_time": { "$lt": DateTime::from_millis(5) } } ] }
+        );
+    }
+}

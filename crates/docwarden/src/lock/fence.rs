@@ -1,0 +1,251 @@
+//! Fenced writes to another collection (Kleppmann's storage-side check): a write made under
+//! a lease is applied only if the token stored in the target document is lower than or
+//! equal to the lease's token, and the write stores the lease's token.
+//!
+//! **Guarantee:** once a write with token `t` was applied to a document, no write with a
+//! token below `t` is ever applied to it: a holder that was paused past its lease and
+//! wakes up after a newer holder wrote gets [`FenceOutcome::Stale`].
+//!
+//! **Limits:** the check is per document. If the newer holder has not written to that
+//! document yet, the old holder's write still goes through (its token is still the highest
+//! the storage has seen); register the new token first ([`Fence::apply`] with an empty
+//! update) when that matters. One document must be fenced by the tokens of one resource
+//! only: tokens of different resources are not comparable.
+
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+use tracing::instrument;
+
+use super::lease::Lease;
+use crate::error::{Error, Result};
+use crate::validate;
+
+/// Options of a [`Fence`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct FenceOptions {
+    /// The field of the target documents that stores the highest token applied. Default
+    /// `fence_token`.
+    pub token_field: String,
+}
+
+impl Default for FenceOptions {
+    fn default() -> Self {
+        Self {
+            token_field: "fence_token".to_owned(),
+        }
+    }
+}
+
+impl FenceOptions {
+    /// Sets [`FenceOptions::token_field`].
+    pub fn token_field(mut self, field: impl Into<String>) -> Self {
+        self.token_field = field.into();
+        self
+    }
+}
+
+/// What a fenced write did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FenceOutcome {
+    /// The update was applied and the document now carries the lease's token.
+    Applied,
+    /// The document carries a higher token: a newer holder wrote. Nothing was written.
+    Stale {
+        /// The token stored in the document.
+        seen: i64,
+    },
+    /// No document matched the filter. Nothing was written.
+    NotFound,
+}
+
+impl FenceOutcome {
+    /// Whether the update was applied.
+    pub fn is_applied(&self) -> bool {
+        matches!(self, FenceOutcome::Applied)
+    }
+
+    /// `Ok(true)` if applied, `Ok(false)` if no document matched, and
+    /// [`Error::Stale`] if a newer token was seen.
+    ///
+    /// # Errors
+    /// [`Error::Stale`] for [`FenceOutcome::Stale`].
+    pub fn into_result(self, lease: &Lease) -> Result<bool> {
+        match self {
+            FenceOutcome::Applied => Ok(true),
+            FenceOutcome::NotFound => Ok(false),
+            FenceOutcome::Stale { seen } => Err(Error::Stale {
+                resource: lease.resource.clone(),
+                token: lease.token,
+                seen,
+            }),
+        }
+    }
+}
+
+/// Fenced writes to one collection.
+///
+/// ```no_run
+/// # async fn example(db: mongodb::Database, lease: docwarden::lock::Lease) -> docwarden::Result<()> {
+/// use docwarden::lock::{Fence, FenceOptions};
+/// use mongodb::bson::doc;
+/// let accounts = Fence::new(db.collection("accounts"), FenceOptions::default())?;
+/// let outcome = accounts
+///     .apply(&lease, doc! { "_id": 42 }, doc! { "$inc": { "balance": -10 } })
+///     .await?;
+/// outcome.into_result(&lease)?; // Error::Stale if a newer holder wrote first
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Fence {
+    coll: Collection<Document>,
+    field: String,
+}
+
+impl Fence {
+    /// Fenced writes to `coll`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an empty or `$`-prefixed token field.
+    pub fn new(coll: Collection<Document>, options: FenceOptions) -> Result<Self> {
+        validate::name("token field", &options.token_field)?;
+        if options.token_field.starts_with('$') || options.token_field == "_id" {
+            return Err(Error::invalid("token field", "must be a plain field name"));
+        }
+        Ok(Self {
+            coll,
+            field: options.token_field,
+        })
+    }
+
+    /// Applies the operator update `update` to the one document matching `filter`, only if
+    /// the document's stored token is absent or not above `lease.token`; the document then
+    /// stores `lease.token`. An empty `update` only records the token.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] if `update` is not an operator document or touches the
+    /// token field (nothing is written); a database error.
+    #[instrument(skip(self, lease, filter, update), fields(resource = %lease.resource, token = lease.token))]
+    pub async fn apply(
+        &self,
+        lease: &Lease,
+        filter: Document,
+        update: Document,
+    ) -> Result<FenceOutcome> {
+        let update = fenced_update(&self.field, lease.token, update)?;
+        let guarded = fenced_filter(&self.field, lease.token, filter.clone());
+        for _ in 0..3 {
+            let result = self
+                .coll
+                .update_one(guarded.clone(), update.clone())
+                .await?;
+            if result.matched_count == 1 {
+                return Ok(FenceOutcome::Applied);
+            }
+            let Some(current) = self
+                .coll
+                .find_one(filter.clone())
+                .projection(doc! { self.field.as_str(): 1 })
+                .await?
+            else {
+                return Ok(FenceOutcome::NotFound);
+            };
+            match current.get(&self.field) {
+                Some(Bson::Int64(seen)) if *seen > lease.token => {
+                    return Ok(FenceOutcome::Stale { seen: *seen });
+                }
+                Some(Bson::Int64(_)) | Some(Bson::Null) | None => {
+                    // The document changed between the two reads; try again.
+                }
+                Some(other) => {
+                    return Err(Error::Malformed {
+                        id: current
+                            .get("_id")
+                            .map(ToString::to_string)
+                            .unwrap_or_default(),
+                        reason: format!("fence token field holds {other}"),
+                    });
+                }
+            }
+        }
+        Ok(FenceOutcome::NotFound)
+    }
+}
+
+/// `filter AND (field == null OR field <= token)`.
+pub(crate) fn fenced_filter(field: &str, token: i64, filter: Document) -> Document {
+    doc! { "$and": [
+        filter,
+        { "$or": [ { field: Bson::Null }, { field: { "$lte": token } } ] },
+    ] }
+}
+
+/// The caller's operator update with `$set: {field: token}` added.
+pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Result<Document> {
+    for (op, value) in &update {
+        if !op.starts_with('$') {
+            return Err(Error::invalid(
+                "fenced update",
+                format!("`{op}` is not an update operator"),
+            ));
+        }
+        let Bson::Document(fields) = value else {
+            return Err(Error::invalid(
+                "fenced update",
+                format!("`{op}` must take a document"),
+            ));
+        };
+        if fields
+            .keys()
+            .any(|k| k == field || k.starts_with(&format!("{field}.")))
+        {
+            return Err(Error::invalid(
+                "fenced update",
+                format!("must not touch the token field `{field}`"),
+            ));
+        }
+    }
+    match update.get_mut("$set") {
+        Some(Bson::Document(set)) => {
+            set.insert(field, token);
+        }
+        _ => {
+            update.insert("$set", doc! { field: token });
+        }
+    }
+    Ok(update)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn update_gets_the_token_and_refuses_to_touch_it() -> Result<()> {
+        assert_eq!(
+            fenced_update("f", 3, doc! { "$inc": { "n": 1 } })?,
+            doc! { "$inc": { "n": 1 }, "$set": { "f": 3_i64 } }
+        );
+        assert_eq!(
+            fenced_update("f", 3, doc! { "$set": { "a": 1 } })?,
+            doc! { "$set": { "a": 1, "f": 3_i64 } }
+        );
+        assert_eq!(
+            fenced_update("f", 3, doc! {})?,
+            doc! { "$set": { "f": 3_i64 } }
+        );
+        assert!(fenced_update("f", 3, doc! { "$set": { "f": 9 } }).is_err());
+        assert!(fenced_update("f", 3, doc! { "$unset": { "f.x": "" } }).is_err());
+        assert!(fenced_update("f", 3, doc! { "n": 1 }).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn filter_admits_missing_or_lower_tokens() {
+        assert_eq!(
+            fenced_filter("f", 5, doc! { "_id": 1 }),
+            doc! { "$and": [ { "_id": 1 }, { "$or": [ { "f": null }, { "f": { "$lte": 5_i64 } } ] } ] }
+        );
+    }
+}

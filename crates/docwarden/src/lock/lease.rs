@@ -1,0 +1,120 @@
+//! The lease value and the owner handle.
+
+use mongodb::bson::DateTime;
+
+use crate::clock::ServerTime;
+use crate::error::Result;
+use crate::validate;
+
+/// Who holds leases: a random 128-bit id (32 hex digits).
+///
+/// Owner ids are secrets that let their bearer renew and release leases, so they are drawn
+/// from the operating system's generator and never derived from web session ids.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    id: String,
+}
+
+impl Owner {
+    /// A new owner with a random 128-bit id.
+    pub fn random() -> Self {
+        Self {
+            id: validate::random_id(),
+        }
+    }
+
+    /// An owner whose id was created earlier (persisted by a process that restarted, or
+    /// given to `docwarden locks release --owner`).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidInput`] if `id` is empty, longer than
+    /// [`validate::MAX_NAME_LEN`] or contains a NUL byte.
+    pub fn from_existing(id: impl Into<String>) -> Result<Self> {
+        let id = id.into();
+        validate::name("owner", &id)?;
+        Ok(Self { id })
+    }
+
+    /// The owner id as stored in lock documents.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.id)
+    }
+}
+
+/// A lease on one resource of a [`super::LockCollection`]: the value a holder keeps and
+/// passes back to renew, release and fence writes.
+///
+/// The `token` is the fencing token: it strictly increases per resource, so storage that
+/// remembers the highest token it has seen can refuse a write from a holder whose lease was
+/// lost ([`super::Fence`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The locked resource (the lock document's `_id`).
+    pub resource: String,
+    /// The owner id of the holder.
+    pub owner: String,
+    /// The fencing token of this acquisition.
+    pub token: i64,
+    /// Server time (estimated) when the lease was acquired.
+    pub acquired_at: DateTime,
+    /// Server time (estimated) when the lease expires unless renewed.
+    pub expires_at: DateTime,
+}
+
+impl Lease {
+    /// Whether the lease is still certainly valid at `now`, `margin_ms` included: the
+    /// check a holder makes before acting on it (the storage-side check is [`super::Fence`]).
+    pub fn is_certainly_valid(&self, now: &ServerTime, margin_ms: i64) -> bool {
+        now.certainly_before(self.expires_at, margin_ms)
+    }
+
+    /// Milliseconds left until `expires_at`, by the estimate `now` (negative once expired).
+    pub fn remaining_ms(&self, now: &ServerTime) -> i64 {
+        self.expires_at
+            .timestamp_millis()
+            .saturating_sub(now.estimate_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_random_and_validated() {
+        let a = Owner::random();
+        let b = Owner::random();
+        assert_ne!(a, b);
+        assert_eq!(a.id().len(), 32);
+        assert!(Owner::from_existing("").is_err());
+        assert!(Owner::from_existing("x".repeat(validate::MAX_NAME_LEN + 1)).is_err());
+        assert_eq!(
+            Owner::from_existing("abc").map(|o| o.to_string()).ok(),
+            Some("abc".into())
+        );
+    }
+
+    #[test]
+    fn validity_uses_bound_and_margin() {
+        let lease = Lease {
+            resource: "r".into(),
+            owner: "o".into(),
+            token: 1,
+            acquired_at: DateTime::from_millis(0),
+            expires_at: DateTime::from_millis(1_000),
+        };
+        let now = ServerTime {
+            estimate_ms: 800,
+            bound_ms: 10,
+        };
+        assert!(lease.is_certainly_valid(&now, 100));
+        assert!(!lease.is_certainly_valid(&now, 190));
+        assert_eq!(lease.remaining_ms(&now), 200);
+    }
+}

@@ -1,0 +1,251 @@
+//! The watchdog: a background task that renews a lease at a fraction of its ttl and tells
+//! the holder at once when the lease is lost.
+//!
+//! **Guarantee:** while the watchdog runs, the lease is renewed every `ttl · fraction`;
+//! the moment a renewal is refused ([`LostReason::TakenOver`]), or the lease has certainly
+//! lapsed by the local monotonic clock because renewals kept failing
+//! ([`LostReason::Expired`]), [`Watchdog::lost`] resolves and [`Watchdog::lease`] returns
+//! `None`. Dropping the watchdog stops the renewals (the lease then expires on its own).
+//!
+//! **Limits:** the holder learns of a loss at the next renewal attempt at the latest, not
+//! before: work that must never overlap another holder's has to be fenced (see
+//! [`super::Fence`]). A holder that is paused is paused together with its watchdog.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::collection::LockCollection;
+use super::lease::Lease;
+use crate::error::{Error, Result};
+use crate::validate;
+
+/// Options of a [`Watchdog`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct WatchdogOptions {
+    /// Renew every `ttl · renew_fraction`, strictly between 0 and 1. Default 1/3.
+    pub renew_fraction: f64,
+}
+
+impl Default for WatchdogOptions {
+    fn default() -> Self {
+        Self {
+            renew_fraction: 1.0 / 3.0,
+        }
+    }
+}
+
+impl WatchdogOptions {
+    /// Sets [`WatchdogOptions::renew_fraction`].
+    pub fn renew_fraction(mut self, fraction: f64) -> Self {
+        self.renew_fraction = fraction;
+        self
+    }
+}
+
+/// Why a watched lease is no longer held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// A renewal was refused: the lease was taken over, released by someone else (for
+    /// example `release_all`), its document deleted, or it had already lapsed.
+    TakenOver,
+    /// Renewals failed (server unreachable) until the lease had certainly lapsed.
+    Expired,
+    /// The watchdog was stopped or released; the lease is no longer renewed.
+    Stopped,
+}
+
+#[derive(Clone, Debug)]
+enum State {
+    Held(Lease),
+    Lost(LostReason, Lease),
+}
+
+/// Keeps a lease alive; see the module docs.
+#[derive(Debug)]
+pub struct Watchdog {
+    rx: watch::Receiver<State>,
+    cancel: CancellationToken,
+    locks: LockCollection,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts renewing `lease` for `ttl` at a time. Must be called inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero ttl or a fraction outside (0, 1).
+    pub fn start(
+        locks: LockCollection,
+        lease: Lease,
+        ttl: Duration,
+        options: WatchdogOptions,
+    ) -> Result<Self> {
+        validate::duration_ms("ttl", ttl)?;
+        let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
+        let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
+        let (tx, rx) = watch::channel(State::Held(lease.clone()));
+        let cancel = CancellationToken::new();
+        let span = tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token);
+        let task = tokio::spawn(
+            run(locks.clone(), lease, ttl, interval, tx, cancel.clone()).instrument(span),
+        );
+        Ok(Self {
+            rx,
+            cancel,
+            locks,
+            task: Some(task),
+        })
+    }
+
+    /// The lease as last renewed, or `None` once it is lost.
+    pub fn lease(&self) -> Option<Lease> {
+        if self.cancel.is_cancelled() {
+            return None;
+        }
+        match &*self.rx.borrow() {
+            State::Held(l) => Some(l.clone()),
+            State::Lost(..) => None,
+        }
+    }
+
+    /// Whether the lease is known to be lost.
+    pub fn is_lost(&self) -> bool {
+        matches!(&*self.rx.borrow(), State::Lost(..))
+    }
+
+    /// Resolves as soon as the lease is lost (use it in a `select!` next to the work).
+    pub async fn lost(&self) -> LostReason {
+        let mut rx = self.rx.clone();
+        match rx.wait_for(|s| matches!(s, State::Lost(..))).await {
+            Ok(state) => match &*state {
+                State::Lost(reason, _) => *reason,
+                State::Held(_) => LostReason::Stopped,
+            },
+            Err(_) => LostReason::Stopped,
+        }
+    }
+
+    /// Stops renewing; the lease expires on its own.
+    pub fn stop(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Stops renewing and releases the lease.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if it was already lost; a database error.
+    pub async fn release(mut self) -> Result<()> {
+        self.cancel.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        let state = self.rx.borrow().clone();
+        match state {
+            State::Held(lease) => self.locks.release(&lease).await,
+            State::Lost(_, lease) => Err(Error::LeaseLost {
+                resource: lease.resource,
+                token: lease.token.to_string(),
+            }),
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn run(
+    locks: LockCollection,
+    mut lease: Lease,
+    ttl: Duration,
+    interval: Duration,
+    tx: watch::Sender<State>,
+    cancel: CancellationToken,
+) {
+    let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
+    // Until when the lease is certainly valid, by the local monotonic clock.
+    let mut valid_until = match locks.time().now().await {
+        Ok(now) => {
+            let left = lease
+                .expires_at
+                .timestamp_millis()
+                .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
+            Instant::now()
+                + Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin)
+        }
+        Err(_) => Instant::now(),
+    };
+    let mut next = next_renewal(Instant::now(), interval, valid_until);
+    loop {
+        let wake = next.min(valid_until);
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep_until(wake.into()) => {}
+        }
+        if Instant::now() >= valid_until && Instant::now() < next {
+            tracing::warn!("lease lapsed before it could be renewed");
+            let _ = tx.send(State::Lost(LostReason::Expired, lease.clone()));
+            return;
+        }
+        let attempt_started = Instant::now();
+        let mut renewed = lease.clone();
+        let outcome = tokio::select! {
+            () = cancel.cancelled() => return,
+            r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew(&mut renewed, ttl)) => r,
+        };
+        match outcome {
+            Ok(Ok(())) => {
+                lease = renewed;
+                valid_until = attempt_started + ttl.saturating_sub(margin);
+                next = next_renewal(attempt_started, interval, valid_until);
+                tracing::trace!("renewed");
+                let _ = tx.send(State::Held(lease.clone()));
+            }
+            Ok(Err(Error::LeaseLost { .. })) => {
+                tracing::warn!("lease lost: renewal refused");
+                let _ = tx.send(State::Lost(LostReason::TakenOver, lease.clone()));
+                return;
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(%err, "renewal failed; retrying");
+                next = Instant::now() + interval / 4;
+                if Instant::now() >= valid_until {
+                    let _ = tx.send(State::Lost(LostReason::Expired, lease.clone()));
+                    return;
+                }
+            }
+            Err(_) => {
+                tracing::warn!("renewal timed out; retrying");
+                next = Instant::now();
+                if Instant::now() >= valid_until {
+                    let _ = tx.send(State::Lost(LostReason::Expired, lease.clone()));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The next renewal: after `interval`, but at the latest halfway to `valid_until`.
+fn next_renewal(from: Instant, interval: Duration, valid_until: Instant) -> Instant {
+    let half = valid_until.saturating_duration_since(from) / 2;
+    from + interval.min(half)
+}
+
+impl LockCollection {
+    /// Starts a [`Watchdog`] that keeps `lease` alive, renewing it for `ttl` at a time.
+    ///
+    /// # Errors
+    /// As [`Watchdog::start`].
+    pub fn watch(&self, lease: Lease, ttl: Duration, options: WatchdogOptions) -> Result<Watchdog> {
+        Watchdog::start(self.clone(), lease, ttl, options)
+    }
+}

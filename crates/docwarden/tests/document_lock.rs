@@ -1,0 +1,367 @@
+//! Document locks (seed 003) against the real server: lock, lock_or_create, the upsert
+//! race, expired-lock takeover (the seed's AND bug fixed), fenced release, mutual
+//! exclusion; each concurrency test with a control.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{DocumentLockOptions, DocumentLocks};
+use docwarden_testkit::TestDb;
+use mongodb::Collection;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::ReturnDocument;
+
+fn locks(t: &TestDb, coll: &Collection<Document>, max: Duration) -> anyhow::Result<DocumentLocks> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(DocumentLocks::new(
+        coll.clone(),
+        time,
+        DocumentLockOptions::default().max_duration(max),
+    )?)
+}
+
+#[tokio::test]
+async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_basic").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    coll.insert_one(
+        doc! { "_id": "d1", "value": "a", "lock_id": Bson::Null, "lock_time": Bson::Null },
+    )
+    .await?;
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+
+    let guard = locks.lock("d1").await?.context("exists")?;
+    assert_eq!(guard.document.get_str("lock_id")?, guard.lock_id);
+    assert_eq!(guard.lock_id.len(), 32);
+    assert!(matches!(
+        locks.lock("d1").await,
+        Err(Error::AlreadyLocked { .. })
+    ));
+    assert!(matches!(
+        locks.lock_or_create("d1", doc! {}).await,
+        Err(Error::AlreadyLocked { .. })
+    ));
+    locks
+        .release_with(guard, doc! { "$set": { "value": "b" } })
+        .await?;
+    let d = coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?;
+    assert_eq!(d.get_str("value")?, "b");
+    assert_eq!(d.get("lock_id"), Some(&Bson::Null));
+    assert_eq!(d.get("lock_time"), Some(&Bson::Null));
+
+    // A released document can be locked again (with the seed's AND filter it cannot:
+    // `lock_time < cutoff` never matches null).
+    let again = locks.lock("d1").await?.context("relock")?;
+    locks.release(again).await?;
+    let seed_and = coll
+        .find_one_and_update(
+            doc! { "_id": "d1", "lock_id": Bson::Null, "lock_time": { "$lt": DateTime::now() } },
+            doc! { "$set": { "lock_id": "seed", "lock_time": DateTime::now() } },
+        )
+        .await?;
+    assert!(
+        seed_and.is_none(),
+        "control: the seed's AND filter cannot relock a released document"
+    );
+
+    // A missing document is not created by lock().
+    assert!(locks.lock("missing").await?.is_none());
+    assert_eq!(coll.count_documents(doc! { "_id": "missing" }).await?, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_or_create_upserts_with_the_initial_document() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_upsert").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+    let guard = locks
+        .lock_or_create("new", doc! { "value": "initial", "n": 1_i64 })
+        .await?;
+    assert_eq!(guard.document.get_str("value")?, "initial");
+    assert!(matches!(
+        locks.lock_or_create("new", doc! { "value": "other" }).await,
+        Err(Error::AlreadyLocked { .. })
+    ));
+    locks
+        .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
+        .await?;
+    // Existing document: the initial fields are not applied.
+    let guard = locks
+        .lock_or_create("new", doc! { "value": "ignored" })
+        .await?;
+    assert_eq!(guard.document.get_str("value")?, "initial");
+    assert_eq!(guard.document.get_i64("n")?, 2);
+    locks.release(guard).await?;
+    assert_eq!(coll.count_documents(doc! {}).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_racing_creators_one_winner_seven_already_locked() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_upsert_race").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+    for round in 0..5 {
+        let id = format!("race-{round}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let mut tasks = Vec::new();
+        for i in 0..8 {
+            let (locks, barrier, id) = (locks.clone(), Arc::clone(&barrier), id.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                locks
+                    .lock_or_create(id.as_str(), doc! { "creator": i })
+                    .await
+            }));
+        }
+        let (mut winners, mut already) = (0, 0);
+        for task in tasks {
+            match task.await? {
+                Ok(_) => winners += 1,
+                Err(Error::AlreadyLocked { .. }) => already += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        assert_eq!((winners, already), (1, 7), "round {round}");
+        assert_eq!(coll.count_documents(doc! { "_id": &id }).await?, 1);
+    }
+
+    // Control: a non-atomic read-then-lock on a free document lets several tasks "win".
+    let mut extra_winners = 0;
+    for round in 0..20 {
+        let id = format!("naive-{round}");
+        coll.insert_one(doc! { "_id": &id, "lock_id": Bson::Null })
+            .await?;
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let mut tasks = Vec::new();
+        for i in 0..8 {
+            let (coll, barrier, id) = (coll.clone(), Arc::clone(&barrier), id.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let d = coll.find_one(doc! { "_id": &id }).await?.context("naive")?;
+                if d.get("lock_id") == Some(&Bson::Null) {
+                    coll.update_one(doc! { "_id": &id }, doc! { "$set": { "lock_id": i } })
+                        .await?;
+                    return anyhow::Ok(1);
+                }
+                Ok(0)
+            }));
+        }
+        let mut winners = 0;
+        for task in tasks {
+            winners += task.await??;
+        }
+        extra_winners += winners - 1;
+    }
+    assert!(
+        extra_winners > 0,
+        "the control must let more than one task lock"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_takeover").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    let locks = locks(&t, &coll, Duration::from_secs(1))?;
+    let a = locks.lock_or_create("d", doc! { "value": "start" }).await?;
+    assert!(matches!(
+        locks.lock("d").await,
+        Err(Error::AlreadyLocked { .. })
+    ));
+    tokio::time::sleep(Duration::from_millis(1_800)).await; // a pauses past max_duration
+
+    // Control first (on a copy): the seed's AND filter cannot take over the expired lock.
+    let expired = coll.find_one(doc! { "_id": "d" }).await?.context("d")?;
+    let mut copy = expired.clone();
+    copy.insert("_id", "d-copy");
+    coll.insert_one(copy).await?;
+    let cutoff = DateTime::from_millis(DateTime::now().timestamp_millis() - 1_000);
+    let seed = coll
+        .find_one_and_update(
+            doc! { "_id": "d-copy", "lock_id": Bson::Null, "lock_time": { "$lt": cutoff } },
+            doc! { "$set": { "lock_id": "seed", "lock_time": DateTime::now() } },
+        )
+        .upsert(true)
+        .return_document(ReturnDocument::After)
+        .await;
+    let seed_takeovers = match seed {
+        Ok(Some(_)) => 1,
+        Err(e) if docwarden::error::is_duplicate_key(&e) => 0,
+        other => anyhow::bail!("unexpected {other:?}"),
+    };
+    assert_eq!(
+        seed_takeovers, 0,
+        "control: the seed's AND filter says 'already locked' forever"
+    );
+
+    let b = locks.lock("d").await?.context("b takes over")?;
+    assert_ne!(b.lock_id, a.lock_id);
+    let lost = locks
+        .release_with(a, doc! { "$set": { "value": "from a" } })
+        .await;
+    assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
+    locks
+        .release_with(b, doc! { "$set": { "value": "from b" } })
+        .await?;
+    let d = coll.find_one(doc! { "_id": "d" }).await?.context("d")?;
+    assert_eq!(d.get_str("value")?, "from b");
+
+    // A lock that was cleared (released by hand) is lost as well.
+    let c = locks.lock("d").await?.context("c")?;
+    coll.update_one(
+        doc! { "_id": "d" },
+        doc! { "$set": { "lock_id": Bson::Null } },
+    )
+    .await?;
+    assert!(matches!(
+        locks.release(c).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    Ok(())
+}
+
+async fn counter_rounds(
+    locks: Option<DocumentLocks>,
+    coll: &Collection<Document>,
+) -> anyhow::Result<i64> {
+    const TASKS: usize = 8;
+    const ROUNDS: i64 = 50;
+    coll.insert_one(doc! { "_id": "counter", "n": 0_i64 })
+        .await?;
+    let mut tasks = Vec::new();
+    for _ in 0..TASKS {
+        let (locks, coll) = (locks.clone(), coll.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..ROUNDS {
+                match &locks {
+                    Some(locks) => loop {
+                        match locks.lock("counter").await {
+                            Ok(Some(guard)) => {
+                                let n = guard.document.get_i64("n")?;
+                                tokio::task::yield_now().await;
+                                locks
+                                    .release_with(guard, doc! { "$set": { "n": n + 1 } })
+                                    .await?;
+                                break;
+                            }
+                            Ok(None) => anyhow::bail!("counter missing"),
+                            Err(Error::AlreadyLocked { .. }) => {
+                                tokio::time::sleep(Duration::from_millis(rand_ms())).await;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    },
+                    None => {
+                        let d = coll
+                            .find_one(doc! { "_id": "counter" })
+                            .await?
+                            .context("counter")?;
+                        let n = d.get_i64("n")?;
+                        tokio::task::yield_now().await;
+                        coll.update_one(doc! { "_id": "counter" }, doc! { "$set": { "n": n + 1 } })
+                            .await?;
+                    }
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let n = coll
+        .find_one(doc! { "_id": "counter" })
+        .await?
+        .context("counter")?
+        .get_i64("n")?;
+    Ok(i64::try_from(TASKS)? * ROUNDS - n)
+}
+
+fn rand_ms() -> u64 {
+    u64::from(std::process::id() % 3) + 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn document_locks_lose_no_update_and_the_control_does() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_mutual_exclusion").await?;
+    let coll = t.db.collection::<Document>("locked");
+    let started = Instant::now();
+    let lost = counter_rounds(Some(locks(&t, &coll, Duration::from_secs(30))?), &coll).await?;
+    eprintln!(
+        "document locks: lost {lost} in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(lost, 0);
+    let control = t.db.collection::<Document>("unlocked");
+    let lost = counter_rounds(None, &control).await?;
+    eprintln!("control: lost {lost}");
+    assert!(lost > 0, "the control must lose updates");
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_and_nothing_is_written() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_bad_input").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let invalid = |e: &Error| matches!(e, Error::InvalidInput { .. });
+    let zero = DocumentLocks::new(
+        coll.clone(),
+        time.clone(),
+        DocumentLockOptions::default().max_duration(Duration::ZERO),
+    );
+    assert!(zero.as_ref().is_err_and(invalid));
+    let same = DocumentLocks::new(
+        coll.clone(),
+        time.clone(),
+        DocumentLockOptions::default().fields("l", "l"),
+    );
+    assert!(same.as_ref().is_err_and(invalid));
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+    assert!(
+        locks
+            .lock_or_create("a", doc! { "lock_id": "mine" })
+            .await
+            .as_ref()
+            .is_err_and(invalid)
+    );
+    assert!(
+        locks
+            .lock_or_create("a", doc! { "$set": { "x": 1 } })
+            .await
+            .as_ref()
+            .is_err_and(invalid)
+    );
+    assert!(
+        locks
+            .lock_or_create("a", doc! { "_id": "b" })
+            .await
+            .as_ref()
+            .is_err_and(invalid)
+    );
+    assert!(
+        locks
+            .lock_or_create("", doc! {})
+            .await
+            .as_ref()
+            .is_err_and(invalid)
+    );
+    let long = "x".repeat(docwarden::validate::MAX_NAME_LEN + 1);
+    assert!(locks.lock(long.as_str()).await.as_ref().is_err_and(invalid));
+    assert_eq!(coll.count_documents(doc! {}).await?, 0);
+    let guard = locks.lock_or_create("ok", doc! {}).await?;
+    let bad = locks
+        .release_with(guard.clone(), doc! { "$set": { "lock_id": "x" } })
+        .await;
+    assert!(bad.as_ref().is_err_and(invalid));
+    let still_locked = coll.find_one(doc! { "_id": "ok" }).await?.context("ok")?;
+    assert_eq!(still_locked.get_str("lock_id")?, guard.lock_id);
+    locks.release(guard).await?;
+    Ok(())
+}

@@ -1,0 +1,725 @@
+//! The lock collection against the real server: mutual exclusion, fencing across pauses,
+//! crashes and deleted lock documents, clock skew, release-all, blocking acquire, bad input
+//! and the watchdog. Every concurrency test has a control run without the safeguard.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
+use docwarden::lock::{
+    Fence, FenceOptions, FenceOutcome, ListFilter, LockCollection, LockOptions, LostReason, Owner,
+    WatchdogOptions,
+};
+use docwarden_testkit::TestDb;
+use mongodb::Collection;
+use mongodb::bson::{Document, doc};
+
+const LOCKS: &str = "locks";
+
+async fn open_with(t: &TestDb, time: TimeSource) -> anyhow::Result<LockCollection> {
+    Ok(LockCollection::open(
+        &t.db,
+        LOCKS,
+        time,
+        LockOptions::default().backoff(Duration::from_millis(1), Duration::from_millis(20)),
+    )
+    .await?)
+}
+
+async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {
+    open_with(
+        t,
+        TimeSource::server(t.client.clone(), ClockOptions::default())?,
+    )
+    .await
+}
+
+/// An unsynchronized read-modify-write of counter `r`.
+async fn read_modify_write(counters: &Collection<Document>, r: i64) -> anyhow::Result<()> {
+    let d = counters
+        .find_one(doc! { "_id": r })
+        .await?
+        .context("counter document")?;
+    let n = d.get_i64("n")?;
+    tokio::task::yield_now().await;
+    counters
+        .update_one(doc! { "_id": r }, doc! { "$set": { "n": n + 1 } })
+        .await?;
+    Ok(())
+}
+
+async fn counters(t: &TestDb, name: &str, resources: i64) -> anyhow::Result<Collection<Document>> {
+    let c = t.db.collection::<Document>(name);
+    c.insert_many((0..resources).map(|r| doc! { "_id": r, "n": 0_i64 }))
+        .await?;
+    Ok(c)
+}
+
+async fn total(c: &Collection<Document>) -> anyhow::Result<i64> {
+    let mut sum = 0;
+    let mut cursor = c.find(doc! {}).await?;
+    while cursor.advance().await? {
+        sum += cursor.deserialize_current()?.get_i64("n")?;
+    }
+    Ok(sum)
+}
+
+const TASKS: usize = 16;
+const ROUNDS: usize = 300;
+const RESOURCES: i64 = 4;
+
+/// Runs TASKS × ROUNDS read-modify-writes on RESOURCES counters, under the lock or not.
+/// Returns (lost updates, token regressions).
+async fn run_counters(
+    t: &TestDb,
+    locks: Option<LockCollection>,
+    name: &str,
+) -> anyhow::Result<(i64, usize)> {
+    let c = counters(t, name, RESOURCES).await?;
+    let tokens: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let c = c.clone();
+        let locks = locks.clone();
+        let tokens = Arc::clone(&tokens);
+        tasks.push(tokio::spawn(async move {
+            let owner = Owner::random();
+            for round in 0..ROUNDS {
+                let r = i64::try_from((task + round) % 4)?;
+                match &locks {
+                    Some(locks) => {
+                        let lease = locks
+                            .acquire(
+                                &owner,
+                                &format!("counter-{r}"),
+                                Duration::from_secs(30),
+                                Duration::from_secs(60),
+                            )
+                            .await?
+                            .context("acquire timed out")?;
+                        tokens
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("poisoned"))?
+                            .entry(r)
+                            .or_default()
+                            .push(lease.token);
+                        read_modify_write(&c, r).await?;
+                        locks.release(&lease).await?;
+                    }
+                    None => read_modify_write(&c, r).await?,
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let expected = i64::try_from(TASKS * ROUNDS)?;
+    let lost = expected - total(&c).await?;
+    let regressions = tokens
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .values()
+        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
+        .sum();
+    Ok((lost, regressions))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_16_tasks_300_rounds_loses_no_update() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_mutual_exclusion").await?;
+    let locks = open(&t).await?;
+    let started = Instant::now();
+    let (lost, regressions) = run_counters(&t, Some(locks), "counters").await?;
+    eprintln!(
+        "with lock: {TASKS} tasks × {ROUNDS} rounds on {RESOURCES} resources in {:.1} s: lost {lost}, token regressions {regressions}",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(lost, 0, "lost updates under the lock");
+    assert_eq!(
+        regressions, 0,
+        "fencing tokens must strictly increase per resource"
+    );
+
+    // Control: the same read-modify-writes without the lock lose updates.
+    let started = Instant::now();
+    let (lost, _) = run_counters(&t, None, "counters_control").await?;
+    eprintln!(
+        "control without lock: lost {lost} in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(lost > 0, "the control must lose updates");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_paused_holder").await?;
+    let locks = open(&t).await?;
+    let accounts = t.db.collection::<Document>("accounts");
+    accounts
+        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
+        .await?;
+    let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
+
+    let (a, b) = (Owner::random(), Owner::random());
+    let mut la = locks
+        .try_acquire(&a, "account-1", Duration::from_secs(1))
+        .await?
+        .context("a acquires")?;
+    assert!(
+        fence
+            .apply(
+                &la,
+                doc! { "_id": 1 },
+                doc! { "$inc": { "balance": -10_i64 } }
+            )
+            .await?
+            .is_applied()
+    );
+    assert!(
+        locks
+            .try_acquire(&b, "account-1", Duration::from_secs(10))
+            .await?
+            .is_none()
+    );
+
+    tokio::time::sleep(Duration::from_millis(2_500)).await; // a is paused past its ttl
+
+    let lb = locks
+        .acquire(
+            &b,
+            "account-1",
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
+        .await?
+        .context("b acquires after a's lease expired")?;
+    assert!(lb.token > la.token, "{} > {}", lb.token, la.token);
+    assert_eq!(
+        fence
+            .apply(
+                &lb,
+                doc! { "_id": 1 },
+                doc! { "$inc": { "balance": -20_i64 } }
+            )
+            .await?,
+        FenceOutcome::Applied
+    );
+
+    // a wakes up and carries on as if it still held the lease.
+    let renew = locks.renew(&mut la, Duration::from_secs(1)).await;
+    assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
+    let release = locks.release(&la).await;
+    assert!(
+        matches!(release, Err(Error::LeaseLost { .. })),
+        "{release:?}"
+    );
+    let write = fence
+        .apply(
+            &la,
+            doc! { "_id": 1 },
+            doc! { "$inc": { "balance": -10_i64 } },
+        )
+        .await?;
+    assert_eq!(write, FenceOutcome::Stale { seen: lb.token });
+    assert!(matches!(write.into_result(&la), Err(Error::Stale { .. })));
+
+    let d = accounts
+        .find_one(doc! { "_id": 1 })
+        .await?
+        .context("account")?;
+    assert_eq!(d.get_i64("balance")?, 70, "the stale write was not applied");
+    assert_eq!(d.get_i64("fence_token")?, lb.token);
+    let held = locks
+        .list(&ListFilter::default().resource("account-1"))
+        .await?;
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].owner, b.id());
+
+    // Control: without the fence the paused holder's write goes through.
+    let unfenced = accounts
+        .update_one(doc! { "_id": 1 }, doc! { "$inc": { "balance": -10_i64 } })
+        .await?;
+    assert_eq!(
+        unfenced.modified_count, 1,
+        "the control's stale write is applied"
+    );
+    locks.release(&lb).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lapsed_lease_cannot_be_renewed_even_if_not_taken_over() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_lapsed_renew").await?;
+    let locks = open(&t).await?;
+    let a = Owner::random();
+    let mut la = locks
+        .try_acquire(&a, "r", Duration::from_secs(1))
+        .await?
+        .context("acquire")?;
+    locks.renew(&mut la, Duration::from_secs(1)).await?;
+    // A non-holder cannot renew or release, even knowing the token.
+    let mut forged = la.clone();
+    forged.owner = Owner::random().id().to_owned();
+    assert!(matches!(
+        locks.renew(&mut forged, Duration::from_secs(5)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        locks.release(&forged).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    let mut wrong_token = la.clone();
+    wrong_token.token += 1;
+    assert!(matches!(
+        locks.release(&wrong_token).await,
+        Err(Error::LeaseLost { .. })
+    ));
+
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let renew = locks.renew(&mut la, Duration::from_secs(5)).await;
+    assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
+    // Releasing still frees it (nobody else took it).
+    locks.release(&la).await?;
+    assert!(locks.list(&ListFilter::default()).await?.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_crash_tokens").await?;
+    let locks = open(&t).await?;
+    let lock_docs = t.db.collection::<Document>(LOCKS);
+    let mut seen: Vec<i64> = Vec::new();
+    let mut regressions = 0;
+    let mut check = |token: i64, seen: &mut Vec<i64>| {
+        if seen.iter().any(|s| *s >= token) {
+            regressions += 1;
+        }
+        seen.push(token);
+    };
+
+    // A acquires with a watchdog and "crashes": everything is dropped without release.
+    {
+        let a = Owner::random();
+        let la = locks
+            .try_acquire(&a, "job", Duration::from_secs(1))
+            .await?
+            .context("a")?;
+        check(la.token, &mut seen);
+        let dog = locks.watch(la, Duration::from_secs(1), WatchdogOptions::default())?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(dog);
+    }
+    let b = Owner::random();
+    assert!(
+        locks
+            .try_acquire(&b, "job", Duration::from_secs(1))
+            .await?
+            .is_none(),
+        "still held right after the crash"
+    );
+    let started = Instant::now();
+    let lb = locks
+        .acquire(&b, "job", Duration::from_secs(1), Duration::from_secs(6))
+        .await?
+        .context("b acquires after expiry")?;
+    eprintln!(
+        "b acquired {:.2} s after a's crash",
+        started.elapsed().as_secs_f64()
+    );
+    check(lb.token, &mut seen);
+    locks.release(&lb).await?;
+
+    let c = Owner::random();
+    let lc = locks
+        .try_acquire(&c, "job", Duration::from_secs(30))
+        .await?
+        .context("c")?;
+    check(lc.token, &mut seen);
+    // c crashes, and its lock document is deleted (what the TTL index does, later).
+    let deleted = lock_docs.delete_many(doc! { "_id": "job" }).await?;
+    assert_eq!(deleted.deleted_count, 1);
+
+    let d = Owner::random();
+    let ld = locks
+        .try_acquire(&d, "job", Duration::from_secs(30))
+        .await?
+        .context("d")?;
+    check(ld.token, &mut seen);
+    assert_eq!(locks.last_token("job").await?, Some(ld.token));
+    // Once more: delete while free, acquire again.
+    locks.release(&ld).await?;
+    lock_docs.delete_many(doc! { "_id": "job" }).await?;
+    let le = locks
+        .try_acquire(&d, "job", Duration::from_secs(30))
+        .await?
+        .context("e")?;
+    check(le.token, &mut seen);
+    eprintln!("tokens seen: {seen:?}");
+    assert_eq!(regressions, 0, "tokens {seen:?}");
+    assert!(seen.windows(2).all(|w| w[1] > w[0]));
+
+    // Control: a token kept only in the lock document resets when the document is deleted.
+    let naive = t.db.collection::<Document>("naive_locks");
+    let mut naive_seen = Vec::new();
+    let mut naive_regressions = 0;
+    for _ in 0..3 {
+        let after = naive
+            .find_one_and_update(doc! { "_id": "job" }, doc! { "$inc": { "token": 1_i64 } })
+            .upsert(true)
+            .return_document(mongodb::options::ReturnDocument::After)
+            .await?
+            .context("naive")?;
+        let token = after.get_i64("token")?;
+        if naive_seen.iter().any(|s| *s >= token) {
+            naive_regressions += 1;
+        }
+        naive_seen.push(token);
+        naive.delete_many(doc! { "_id": "job" }).await?;
+    }
+    assert!(
+        naive_regressions > 0,
+        "the control's tokens {naive_seen:?} must repeat"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_30s_ahead_cannot_take_an_unexpired_lease() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_clock_skew").await?;
+    let holder = open(&t).await?;
+    let lease = holder
+        .try_acquire(&Owner::random(), "r", Duration::from_secs(10))
+        .await?
+        .context("holder")?;
+
+    let skewed = open_with(
+        &t,
+        TimeSource::server_with_local(
+            t.new_client().await?,
+            LocalClock::with_offset_ms(30_000),
+            ClockOptions::default(),
+        )?,
+    )
+    .await?;
+    let mut steals = 0;
+    for _ in 0..5 {
+        if skewed
+            .try_acquire(&Owner::random(), "r", Duration::from_secs(10))
+            .await?
+            .is_some()
+        {
+            steals += 1;
+        }
+    }
+    assert_eq!(steals, 0, "a skewed client stole an unexpired lease");
+    // It computes server time, so a lease it takes expires by the server's clock.
+    let own = skewed
+        .try_acquire(&Owner::random(), "other", Duration::from_secs(10))
+        .await?
+        .context("free resource")?;
+    let server_now = LocalClock::system().now_ms();
+    let left = own.expires_at.timestamp_millis() - server_now;
+    assert!((8_000..=12_000).contains(&left), "expires in {left} ms");
+
+    // Control: trusting the client's clock steals the lease.
+    let control = open_with(
+        &t,
+        TimeSource::local_unchecked(LocalClock::with_offset_ms(30_000), ClockOptions::default())?,
+    )
+    .await?;
+    let mut control_steals = 0;
+    if let Some(stolen) = control
+        .try_acquire(&Owner::random(), "r", Duration::from_secs(10))
+        .await?
+    {
+        control_steals += 1;
+        assert!(stolen.token > lease.token);
+    }
+    assert!(control_steals > 0, "the control must steal the lease");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn release_all_releases_exactly_that_owners_leases() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_release_all").await?;
+    let locks = open(&t).await?;
+    let (a, b, c) = (Owner::random(), Owner::random(), Owner::random());
+    let mut b_leases = Vec::new();
+    for i in 0..3 {
+        locks
+            .try_acquire(&a, &format!("a-{i}"), Duration::from_secs(30))
+            .await?
+            .context("a")?;
+        b_leases.push(
+            locks
+                .try_acquire(&b, &format!("b-{i}"), Duration::from_secs(30))
+                .await?
+                .context("b")?,
+        );
+    }
+    assert_eq!(locks.release_all(&a).await?, 3);
+    assert!(
+        locks
+            .list(&ListFilter::default().owner(a.id()))
+            .await?
+            .is_empty()
+    );
+    assert_eq!(
+        locks
+            .list(&ListFilter::default().owner(b.id()))
+            .await?
+            .len(),
+        3
+    );
+    assert_eq!(locks.release_all(&c).await?, 0);
+    let mut taken_from_a = 0;
+    let mut taken_from_b = 0;
+    for i in 0..3 {
+        if locks
+            .try_acquire(&c, &format!("a-{i}"), Duration::from_secs(30))
+            .await?
+            .is_some()
+        {
+            taken_from_a += 1;
+        }
+        if locks
+            .try_acquire(&c, &format!("b-{i}"), Duration::from_secs(30))
+            .await?
+            .is_some()
+        {
+            taken_from_b += 1;
+        }
+    }
+    assert_eq!((taken_from_a, taken_from_b), (3, 0));
+    for mut l in b_leases {
+        locks.renew(&mut l, Duration::from_secs(30)).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn blocking_acquire_returns_within_wait_when_held() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_blocking_acquire").await?;
+    let locks = open(&t).await?;
+    let holder = Owner::random();
+    let held = locks
+        .try_acquire(&holder, "r", Duration::from_secs(30))
+        .await?
+        .context("holder")?;
+    let wait = Duration::from_millis(1_500);
+    let started = Instant::now();
+    let got = locks
+        .acquire(&Owner::random(), "r", Duration::from_secs(5), wait)
+        .await?;
+    let elapsed = started.elapsed();
+    eprintln!(
+        "blocking acquire gave up after {:.3} s (wait {:.3} s)",
+        elapsed.as_secs_f64(),
+        wait.as_secs_f64()
+    );
+    assert!(got.is_none());
+    assert!(elapsed >= wait, "{elapsed:?}");
+    assert!(elapsed < wait + Duration::from_millis(750), "{elapsed:?}");
+
+    // And it does return the lease soon after the holder releases.
+    let releaser = {
+        let locks = locks.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            locks.release(&held).await
+        })
+    };
+    let started = Instant::now();
+    let got = locks
+        .acquire(
+            &Owner::random(),
+            "r",
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+        )
+        .await?;
+    releaser.await??;
+    assert!(got.is_some());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_and_nothing_is_written() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_bad_input").await?;
+    let locks = open(&t).await?;
+    let me = Owner::random();
+    let invalid = |r: docwarden::Result<Option<docwarden::lock::Lease>>| {
+        matches!(r, Err(Error::InvalidInput { .. }))
+    };
+    assert!(invalid(locks.try_acquire(&me, "r", Duration::ZERO).await));
+    assert!(invalid(
+        locks.try_acquire(&me, "", Duration::from_secs(1)).await
+    ));
+    let long = "x".repeat(docwarden::validate::MAX_NAME_LEN + 1);
+    assert!(invalid(
+        locks.try_acquire(&me, &long, Duration::from_secs(1)).await
+    ));
+    assert!(invalid(
+        locks
+            .acquire(&me, "r", Duration::ZERO, Duration::from_secs(1))
+            .await
+    ));
+    assert!(invalid(
+        locks
+            .acquire(&me, "", Duration::from_secs(1), Duration::from_secs(1))
+            .await
+    ));
+    assert!(matches!(
+        Owner::from_existing(""),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        Owner::from_existing(long.clone()),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        locks.last_token("").await,
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        LockCollection::open(&t.db, "", locks.time().clone(), LockOptions::default()).await,
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        LockCollection::open(
+            &t.db,
+            "x",
+            locks.time().clone(),
+            LockOptions::default().gc_after(Duration::ZERO)
+        )
+        .await,
+        Err(Error::InvalidInput { .. })
+    ));
+    let lease = locks
+        .try_acquire(&me, "ok", Duration::from_secs(5))
+        .await?
+        .context("valid")?;
+    let mut renewed = lease.clone();
+    assert!(matches!(
+        locks.renew(&mut renewed, Duration::ZERO).await,
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(matches!(
+        locks.watch(
+            lease.clone(),
+            Duration::from_secs(1),
+            WatchdogOptions::default().renew_fraction(1.5)
+        ),
+        Err(Error::InvalidInput { .. })
+    ));
+    locks.release(&lease).await?;
+    // Only the valid acquire wrote anything.
+    let lock_docs = t.db.collection::<Document>(LOCKS);
+    let token_docs = t.db.collection::<Document>(&format!("{LOCKS}.tokens"));
+    assert_eq!(
+        lock_docs
+            .count_documents(doc! { "_id": { "$ne": "ok" } })
+            .await?,
+        0
+    );
+    assert_eq!(
+        token_docs
+            .count_documents(doc! { "_id": { "$ne": "ok" } })
+            .await?,
+        0
+    );
+    assert_eq!(lock_docs.count_documents(doc! {}).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_watchdog_keeps_a_lease_alive_and_reports_its_loss_at_once() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog").await?;
+    let locks = open(&t).await?;
+    let (a, b) = (Owner::random(), Owner::random());
+    let ttl = Duration::from_secs(1);
+    let lease = locks.try_acquire(&a, "kept", ttl).await?.context("a")?;
+    let first_expiry = lease.expires_at;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+
+    // Several ttls pass; another owner keeps trying.
+    let mut steals = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(3_500) {
+        if locks.try_acquire(&b, "kept", ttl).await?.is_some() {
+            steals += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert_eq!(steals, 0, "the watched lease was stolen");
+    let current = dog.lease().context("still held")?;
+    assert!(current.expires_at > first_expiry);
+    assert!(!dog.is_lost());
+
+    // An operator releases everything a holds: the watchdog notices at its next renewal.
+    assert_eq!(locks.release_all(&a).await?, 1);
+    let taken = locks
+        .try_acquire(&b, "kept", Duration::from_secs(30))
+        .await?
+        .context("b")?;
+    assert!(taken.token > current.token);
+    let noticed = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(2), dog.lost()).await?;
+    eprintln!(
+        "watchdog reported {reason:?} after {:.3} s",
+        noticed.elapsed().as_secs_f64()
+    );
+    assert_eq!(reason, LostReason::TakenOver);
+    assert!(dog.lease().is_none());
+    assert!(matches!(dog.release().await, Err(Error::LeaseLost { .. })));
+
+    // Control: without a watchdog the same lease is stolen after its ttl.
+    let unwatched = locks
+        .try_acquire(&a, "unwatched", ttl)
+        .await?
+        .context("a2")?;
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let mut control_steals = 0;
+    if locks.try_acquire(&b, "unwatched", ttl).await?.is_some() {
+        control_steals += 1;
+    }
+    assert!(control_steals > 0, "the unwatched lease must be taken over");
+    assert!(matches!(
+        locks.release(&unwatched).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_released_watchdog_frees_the_lease() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_release").await?;
+    let locks = open(&t).await?;
+    let a = Owner::random();
+    let lease = locks
+        .try_acquire(&a, "r", Duration::from_secs(2))
+        .await?
+        .context("a")?;
+    let dog = locks.watch(lease, Duration::from_secs(2), WatchdogOptions::default())?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    dog.release().await?;
+    assert!(
+        locks
+            .try_acquire(&Owner::random(), "r", Duration::from_secs(2))
+            .await?
+            .is_some()
+    );
+    Ok(())
+}

@@ -6,6 +6,7 @@ pub mod check;
 pub mod clock;
 pub mod error;
 pub mod lock;
+pub mod sequence;
 pub mod validate;
 
 pub use error::{Error, Result};

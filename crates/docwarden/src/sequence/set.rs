@@ -1,0 +1,411 @@
+//! A last-writer-wins element set: `add(key, member, seq)` and `remove(key, member, seq)`.
+//!
+//! Each call is one atomic pipeline update on the document `{<key_field>: key}`. The
+//! document keeps, next to a plain array of the present members (`<field>`, for reads and
+//! multikey indexes), one state entry per member ever seen (`_seq_<field>`, an array of
+//! `{member, seq, present}`), and the highest compaction watermark (`_seq_<field>_floor`).
+//!
+//! **Why an array of entries, not a sub-document keyed by member:** members are then
+//! stored as values, so any string (`"a.b@c.d"`, `"$cash"`) works unencoded, the state is
+//! indexable (`_seq_<field>.member`) and readable from any language, and the pipeline needs
+//! only `$filter`/`$concatArrays`/`$cond` (no dynamic field names). The price is O(members)
+//! work per update, which suits sets of up to a few thousand members per document.
+//!
+//! **Rule:** an operation `(seq, present)` replaces the member's state `(seq₀, present₀)`
+//! when `seq > seq₀`, or when `seq == seq₀` and the operation is a remove while the state
+//! is present — **remove wins at equal sequence numbers**. So the final state is the
+//! maximum under the order `(seq, remove > add)`, which does not depend on arrival order.
+//! The same operation again is [`Outcome::Duplicate`]; a losing one is [`Outcome::Stale`];
+//! one with `seq` below the document's compaction watermark is [`Outcome::Stale`] too.
+
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::{Collection, IndexModel};
+
+use super::{Outcome, encode, validate_seq};
+use crate::error::{Error, Result};
+
+/// Options of a [`SequencedSet`], validated by [`SequencedSet::new`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SetOptions {
+    /// The field that identifies the document (`_id` by default). Any other field gets a
+    /// unique index.
+    pub key_field: String,
+    /// The field holding the plain array of present members (`members` by default).
+    pub field: String,
+    /// Create a multikey index on the present-members array (off by default).
+    pub index_members: bool,
+}
+
+impl Default for SetOptions {
+    fn default() -> Self {
+        Self {
+            key_field: "_id".to_owned(),
+            field: "members".to_owned(),
+            index_members: false,
+        }
+    }
+}
+
+impl SetOptions {
+    /// The field identifying the document, e.g. `student_id`.
+    #[must_use]
+    pub fn key_field(mut self, key_field: impl Into<String>) -> Self {
+        self.key_field = key_field.into();
+        self
+    }
+
+    /// The field holding the present members, e.g. `classes`.
+    #[must_use]
+    pub fn field(mut self, field: impl Into<String>) -> Self {
+        self.field = field.into();
+        self
+    }
+
+    /// Whether to index the present-members array.
+    #[must_use]
+    pub fn index_members(mut self, on: bool) -> Self {
+        self.index_members = on;
+        self
+    }
+}
+
+/// The stored state of one member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemberState {
+    /// The member.
+    pub member: String,
+    /// Sequence number of the operation that set this state.
+    pub seq: i64,
+    /// Whether the member is in the set (`false`: a tombstone).
+    pub present: bool,
+}
+
+/// A handle on a collection of sequenced sets (one set per document, in one field).
+#[derive(Debug, Clone)]
+pub struct SequencedSet {
+    pub(super) collection: Collection<Document>,
+    pub(super) key_field: String,
+    pub(super) field: String,
+    pub(super) state_field: String,
+    pub(super) floor_field: String,
+}
+
+impl SequencedSet {
+    /// A handle on `collection`; validates the options and creates the indexes
+    /// (idempotently): a unique index on the key field unless it is `_id`, and the
+    /// members index if asked for.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a key field or set field that is not a plain name (see
+    /// [`encode::field`]; the key field may be `_id`); [`Error::Database`] if the indexes
+    /// cannot be created.
+    pub async fn new(collection: Collection<Document>, options: SetOptions) -> Result<Self> {
+        if options.key_field != "_id" {
+            encode::field("key field", &options.key_field)?;
+        }
+        encode::field("set field", &options.field)?;
+        if options.field == options.key_field {
+            return Err(Error::invalid(
+                "set field",
+                "must differ from the key field",
+            ));
+        }
+        super::ensure_key_index(&collection, &options.key_field).await?;
+        if options.index_members {
+            collection
+                .create_index(
+                    IndexModel::builder()
+                        .keys(doc! { options.field.as_str(): 1 })
+                        .build(),
+                )
+                .await?;
+        }
+        Ok(Self {
+            state_field: format!("_seq_{}", options.field),
+            floor_field: format!("_seq_{}_floor", options.field),
+            collection,
+            key_field: options.key_field,
+            field: options.field,
+        })
+    }
+
+    /// The collection this handle writes to.
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.collection
+    }
+
+    /// The field holding the present members.
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// The field holding the per-member state entries.
+    pub fn state_field(&self) -> &str {
+        &self.state_field
+    }
+
+    /// Adds `member` to the set of `key` as of `seq`. One round trip.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad key, member or negative `seq`;
+    /// [`Error::Malformed`] if the stored document is not in the expected shape;
+    /// [`Error::Database`] otherwise (a duplicate-key error from a consumer
+    /// racing to create the document is absorbed, not returned).
+    pub async fn add(&self, key: impl Into<Bson>, member: &str, seq: i64) -> Result<Outcome> {
+        self.apply(key.into(), member, seq, true).await
+    }
+
+    /// Removes `member` from the set of `key` as of `seq` (leaving a tombstone). One round
+    /// trip.
+    ///
+    /// # Errors
+    /// As [`SequencedSet::add`].
+    pub async fn remove(&self, key: impl Into<Bson>, member: &str, seq: i64) -> Result<Outcome> {
+        self.apply(key.into(), member, seq, false).await
+    }
+
+    async fn apply(&self, key: Bson, member: &str, seq: i64, present: bool) -> Result<Outcome> {
+        let key = encode::key(key)?;
+        encode::member(member)?;
+        validate_seq(seq)?;
+        let pipeline = self.pipeline(member, seq, present);
+        let outcome = super::apply(
+            &self.collection,
+            doc! { self.key_field.as_str(): key.clone() },
+            pipeline,
+            &key,
+        )
+        .await?;
+        tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
+        Ok(outcome)
+    }
+
+    /// The update pipeline for one operation (public for inspection and other-language
+    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it).
+    pub fn pipeline(&self, member: &str, seq: i64, present: bool) -> Vec<Document> {
+        let m = encode::literal(member);
+        let state = format!("${}", self.state_field);
+        let members = format!("${}", self.field);
+        let floor = format!("${}", self.floor_field);
+        let state_or_empty = doc! { "$ifNull": [state.as_str(), []] };
+        let members_or_empty = doc! { "$ifNull": [members.as_str(), []] };
+        let current = doc! { "$arrayElemAt": [
+            { "$filter": {
+                "input": state_or_empty.clone(),
+                "as": "e",
+                "cond": { "$eq": ["$$e.member", m.clone()] },
+            } },
+            0,
+        ] };
+        let cur_seq = doc! { "$ifNull": ["$$cur.seq", -1_i64] };
+        let cur_present = doc! { "$eq": [{ "$ifNull": ["$$cur.present", false] }, true] };
+        let same_seq = doc! { "$eq": [seq, cur_seq.clone()] };
+        // Equal sequence numbers: remove wins, so an add ties only with itself (present),
+        // and a remove beats a present state and ties with a tombstone.
+        let tie_branches = if present {
+            vec![doc! {
+                "case": { "$and": [same_seq, cur_present] },
+                "then": Outcome::Duplicate.as_str(),
+            }]
+        } else {
+            vec![
+                doc! {
+                    "case": { "$and": [same_seq.clone(), cur_present.clone()] },
+                    "then": Outcome::Applied.as_str(),
+                },
+                doc! {
+                    "case": same_seq,
+                    "then": Outcome::Duplicate.as_str(),
+                },
+            ]
+        };
+        let mut branches = vec![
+            doc! {
+                "case": { "$lt": [seq, "$$floor"] },
+                "then": Outcome::Stale.as_str(),
+            },
+            doc! {
+                "case": { "$gt": [seq, cur_seq] },
+                "then": Outcome::Applied.as_str(),
+            },
+        ];
+        branches.extend(tie_branches);
+        let outcome = doc! { "$let": {
+            "vars": { "cur": current, "floor": { "$ifNull": [floor.as_str(), 0_i64] } },
+            "in": { "$switch": { "branches": branches, "default": Outcome::Stale.as_str() } },
+        } };
+        let applied =
+            doc! { "$eq": [format!("${}", super::OUTCOME_FIELD), Outcome::Applied.as_str()] };
+        let new_state = doc! { "$concatArrays": [
+            { "$filter": {
+                "input": state_or_empty.clone(),
+                "as": "e",
+                "cond": { "$ne": ["$$e.member", m.clone()] },
+            } },
+            [{ "member": m.clone(), "seq": seq, "present": present }],
+        ] };
+        let new_members = if present {
+            doc! { "$cond": [
+                { "$in": [m.clone(), members_or_empty.clone()] },
+                members_or_empty.clone(),
+                { "$concatArrays": [members_or_empty.clone(), [m]] },
+            ] }
+        } else {
+            doc! { "$filter": {
+                "input": members_or_empty.clone(),
+                "as": "x",
+                "cond": { "$ne": ["$$x", m] },
+            } }
+        };
+        vec![
+            doc! { "$set": { super::OUTCOME_FIELD: outcome } },
+            doc! { "$set": {
+                self.state_field.as_str(): { "$cond": [applied.clone(), new_state, state_or_empty] },
+                self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
+            } },
+        ]
+    }
+
+    /// The present members of `key`'s set (in no particular order), or `None` when there
+    /// is no document for `key`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad key; [`Error::Malformed`] if the field is not an
+    /// array of strings; [`Error::Database`] otherwise.
+    pub async fn members(&self, key: impl Into<Bson>) -> Result<Option<Vec<String>>> {
+        let key = encode::key(key.into())?;
+        let Some(doc) = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { self.field.as_str(): 1 })
+            .await?
+        else {
+            return Ok(None);
+        };
+        let malformed = |reason: String| Error::Malformed {
+            id: key.to_string(),
+            reason,
+        };
+        let Some(values) = doc.get(&self.field) else {
+            return Ok(Some(Vec::new()));
+        };
+        let Bson::Array(values) = values else {
+            return Err(malformed(format!("`{}` is not an array", self.field)));
+        };
+        values
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| malformed(format!("`{}` holds a non-string", self.field)))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// The stored state entries of `key` (present members and tombstones), or `None` when
+    /// there is no document for `key`.
+    ///
+    /// # Errors
+    /// As [`SequencedSet::members`].
+    pub async fn states(&self, key: impl Into<Bson>) -> Result<Option<Vec<MemberState>>> {
+        let key = encode::key(key.into())?;
+        let Some(doc) = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { self.state_field.as_str(): 1 })
+            .await?
+        else {
+            return Ok(None);
+        };
+        let malformed = |reason: &str| Error::Malformed {
+            id: key.to_string(),
+            reason: format!("`{}`: {reason}", self.state_field),
+        };
+        let entries = match doc.get(&self.state_field) {
+            None => return Ok(Some(Vec::new())),
+            Some(Bson::Array(a)) => a,
+            Some(_) => return Err(malformed("not an array")),
+        };
+        entries
+            .iter()
+            .map(|e| {
+                let e = e
+                    .as_document()
+                    .ok_or_else(|| malformed("entry is not a document"))?;
+                Ok(MemberState {
+                    member: e
+                        .get_str("member")
+                        .map_err(|_| malformed("entry without member"))?
+                        .to_owned(),
+                    seq: e
+                        .get_i64("seq")
+                        .map_err(|_| malformed("entry without seq"))?,
+                    present: e
+                        .get_bool("present")
+                        .map_err(|_| malformed("entry without present"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+/// The model the pipeline implements: `(seq, present)` replaces `current` when it is
+/// greater under `(seq, remove > add)`. Used by tests and the demo as the reference.
+pub fn resolve(current: Option<(i64, bool)>, seq: i64, present: bool) -> Outcome {
+    match current {
+        None => Outcome::Applied,
+        Some((s, _)) if seq > s => Outcome::Applied,
+        Some((s, p)) if seq == s => match (p, present) {
+            (true, true) | (false, false) => Outcome::Duplicate,
+            (true, false) => Outcome::Applied,
+            (false, true) => Outcome::Stale,
+        },
+        Some(_) => Outcome::Stale,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn model(ops: &[(i64, bool)]) -> Option<(i64, bool)> {
+        let mut sorted = ops.to_vec();
+        // Sequential order; at equal seq the add is applied first, then the remove.
+        sorted.sort_by_key(|&(s, p)| (s, !p));
+        sorted.last().copied()
+    }
+
+    proptest! {
+        #[test]
+        fn resolve_converges_for_any_order(ops in prop::collection::vec((0_i64..6, any::<bool>()), 1..12),
+                                           perm in any::<prop::sample::Index>()) {
+            let mut shuffled = ops.clone();
+            let n = shuffled.len();
+            shuffled.rotate_left(perm.index(n));
+            shuffled.reverse();
+            let mut state: BTreeMap<(), (i64, bool)> = BTreeMap::new();
+            for (s, p) in shuffled {
+                if resolve(state.get(&()).copied(), s, p) == Outcome::Applied {
+                    state.insert((), (s, p));
+                }
+            }
+            prop_assert_eq!(state.get(&()).copied(), model(&ops));
+        }
+    }
+
+    #[test]
+    fn remove_wins_ties() {
+        assert_eq!(resolve(Some((3, true)), 3, false), Outcome::Applied);
+        assert_eq!(resolve(Some((3, false)), 3, true), Outcome::Stale);
+        assert_eq!(resolve(Some((3, false)), 3, false), Outcome::Duplicate);
+        assert_eq!(resolve(Some((3, true)), 3, true), Outcome::Duplicate);
+        assert_eq!(resolve(Some((3, true)), 2, false), Outcome::Stale);
+        assert_eq!(resolve(None, 0, false), Outcome::Applied);
+    }
+}

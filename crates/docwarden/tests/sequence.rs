@@ -1,0 +1,684 @@
+//! Sequenced updates against the real server: any order, any duplication, one document.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use docwarden::Error;
+use docwarden::sequence::{FieldsOptions, Outcome, SequencedFields, SequencedSet, SetOptions};
+use docwarden_testkit::TestDb;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+use proptest::prelude::*;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+const CONSUMERS: usize = 8;
+const MEMBERS: [&str; 4] = ["CS 101", "MATH 2", "$cash", "a.b@c.d"];
+
+/// One enroll (`present`) or unenroll message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Op {
+    member: usize,
+    seq: i64,
+    present: bool,
+}
+
+/// The model: apply the history one by one in sequence order (at equal seq the add first,
+/// so the remove wins) and keep, per member, the last state.
+fn model(ops: &[Op]) -> BTreeMap<String, (i64, bool)> {
+    let mut sorted = ops.to_vec();
+    sorted.sort_by_key(|o| (o.seq, !o.present));
+    let mut state = BTreeMap::new();
+    for o in sorted {
+        state.insert(MEMBERS[o.member].to_owned(), (o.seq, o.present));
+    }
+    state
+}
+
+fn present(model: &BTreeMap<String, (i64, bool)>) -> BTreeSet<String> {
+    model
+        .iter()
+        .filter(|(_, (_, p))| *p)
+        .map(|(m, _)| m.clone())
+        .collect()
+}
+
+/// Every op delivered 1–3 times, shuffled.
+fn deliveries(ops: &[Op], rng: &mut StdRng) -> Vec<Op> {
+    let mut out = Vec::new();
+    for o in ops {
+        for _ in 0..rand::Rng::random_range(rng, 1..=3) {
+            out.push(*o);
+        }
+    }
+    out.shuffle(rng);
+    out
+}
+
+/// `CONSUMERS` tasks take messages from a shared queue and apply them with `apply`;
+/// returns the outcome of every delivery.
+async fn consume<F, Fut>(messages: Vec<Op>, apply: F) -> anyhow::Result<Vec<(Op, Outcome)>>
+where
+    F: Fn(Op) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Outcome>> + Send,
+{
+    let queue = Arc::new(Mutex::new(messages));
+    let apply = Arc::new(apply);
+    let mut tasks = Vec::new();
+    for _ in 0..CONSUMERS {
+        let queue = Arc::clone(&queue);
+        let apply = Arc::clone(&apply);
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            loop {
+                let next = queue.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.pop();
+                let Some(op) = next else { break };
+                seen.push((op, apply(op).await?));
+            }
+            anyhow::Ok(seen)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+async fn student_set(t: &TestDb) -> anyhow::Result<SequencedSet> {
+    Ok(SequencedSet::new(
+        t.db.collection("students"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes"),
+    )
+    .await?)
+}
+
+/// Runs one history through `CONSUMERS` racing consumers on `key` and returns the number
+/// of violations: wrong final state, wrong present list, more than one document, or a
+/// message applied twice.
+async fn run_history(set: &SequencedSet, key: i64, ops: &[Op], seed: u64) -> anyhow::Result<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let msgs = deliveries(ops, &mut rng);
+    let s = set.clone();
+    let outcomes = consume(msgs, move |o| {
+        let s = s.clone();
+        async move {
+            let m = MEMBERS[o.member];
+            Ok(if o.present {
+                s.add(key, m, o.seq).await?
+            } else {
+                s.remove(key, m, o.seq).await?
+            })
+        }
+    })
+    .await?;
+    let mut violations = 0;
+    let expected = model(ops);
+    let states = set.states(key).await?.unwrap_or_default();
+    let got: BTreeMap<String, (i64, bool)> = states
+        .into_iter()
+        .map(|s| (s.member, (s.seq, s.present)))
+        .collect();
+    if got != expected {
+        eprintln!("key {key}: state {got:?} != model {expected:?} for {ops:?}");
+        violations += 1;
+    }
+    let members: BTreeSet<String> = set
+        .members(key)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    if members != present(&expected) {
+        eprintln!("key {key}: members {members:?} != model {expected:?}");
+        violations += 1;
+    }
+    let docs = set
+        .collection()
+        .count_documents(doc! { "student_id": key })
+        .await?;
+    if docs != 1 {
+        violations += 1;
+    }
+    let mut applied: HashMap<Op, u32> = HashMap::new();
+    for (op, outcome) in outcomes {
+        if outcome == Outcome::Applied {
+            *applied.entry(op).or_default() += 1;
+        }
+    }
+    violations += applied.values().filter(|n| **n > 1).count() as u64;
+    Ok(violations)
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    (0..MEMBERS.len(), 0_i64..12, any::<bool>()).prop_map(|(member, seq, present)| Op {
+        member,
+        seq,
+        present,
+    })
+}
+
+#[test]
+fn any_order_and_duplication_by_8_consumers_equals_the_sequential_model() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_proptest"))?;
+    let set = rt.block_on(student_set(&t))?;
+    let next_key = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 28,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(ops in prop::collection::vec(op_strategy(), 1..16), seed in any::<u64>())| {
+        let key = next_key.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let violations = rt.block_on(run_history(&set, key, &ops, seed))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(violations, 0);
+    });
+    drop(set);
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seed_insert_delete_insert_applied_as_1_3_2_keeps_the_last_insert() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_seed_132").await?;
+    let set = student_set(&t).await?;
+    assert_eq!(set.add(1, "CS 101", 1).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "CS 101", 3).await?, Outcome::Applied);
+    assert_eq!(set.remove(1, "CS 101", 2).await?, Outcome::Stale);
+    assert_eq!(set.members(1).await?, Some(vec!["CS 101".to_owned()]));
+    // Every permutation of the three, each delivered twice, ends the same way.
+    let ops = [(1_i64, true), (2, false), (3, true)];
+    let perms = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    for (i, p) in perms.iter().enumerate() {
+        let key = 100 + i64::try_from(i)?;
+        for round in 0..2 {
+            for &j in p {
+                let (seq, add) = ops[j];
+                let o = if add {
+                    set.add(key, "CS 101", seq).await?
+                } else {
+                    set.remove(key, "CS 101", seq).await?
+                };
+                if round == 1 {
+                    assert_ne!(o, Outcome::Applied, "a duplicate must not apply");
+                }
+            }
+        }
+        assert_eq!(
+            set.members(key).await?,
+            Some(vec!["CS 101".to_owned()]),
+            "{p:?}"
+        );
+    }
+    // Control: the seed's two updates in the same order lose the insert or split the
+    // student into two documents.
+    let coll: Collection<Document> = t.db.collection("seed_students");
+    seed_apply(&coll, 1, "CS 101", 1, true).await?;
+    seed_apply(&coll, 1, "CS 101", 3, true).await?;
+    seed_apply(&coll, 1, "CS 101", 2, false).await?;
+    let (docs, diverged) = seed_check(&coll, 1, &BTreeSet::from(["CS 101".to_owned()])).await?;
+    assert!(
+        docs > 1 || diverged,
+        "the seed's approach should fail 1,3,2"
+    );
+    Ok(())
+}
+
+/// The seed's update, translated exactly (its `$or` written as the array MongoDB needs),
+/// with upsert.
+async fn seed_apply(
+    coll: &Collection<Document>,
+    student: i64,
+    class: &str,
+    seq: i64,
+    insert: bool,
+) -> anyhow::Result<Outcome> {
+    let (filter, update) = if insert {
+        (
+            doc! {
+                "student_id": student,
+                "classes": { "$not": { "$elemMatch": { "name": class } } },
+                "$or": [
+                    { "deleted_classes": { "$not": { "$elemMatch": { "name": class } } } },
+                    { "deleted_classes": { "$elemMatch": { "name": class, "seq": { "$lt": seq } } } },
+                ],
+            },
+            doc! {
+                "$push": { "classes": { "name": class, "seq": seq } },
+                "$pull": { "deleted_classes": { "name": class } },
+            },
+        )
+    } else {
+        (
+            doc! {
+                "student_id": student,
+                "deleted_classes": { "$not": { "$elemMatch": { "name": class } } },
+                "$or": [
+                    { "classes": { "$not": { "$elemMatch": { "name": class } } } },
+                    { "classes": { "$elemMatch": { "name": class, "seq": { "$lt": seq } } } },
+                ],
+            },
+            doc! {
+                "$push": { "deleted_classes": { "name": class, "seq": seq } },
+                "$pull": { "classes": { "name": class } },
+            },
+        )
+    };
+    let r = coll.update_one(filter, update).upsert(true).await?;
+    Ok(if r.modified_count > 0 || r.upserted_id.is_some() {
+        Outcome::Applied
+    } else {
+        Outcome::Stale
+    })
+}
+
+/// (documents for the student, whether their classes differ from `expected`).
+async fn seed_check(
+    coll: &Collection<Document>,
+    student: i64,
+    expected: &BTreeSet<String>,
+) -> anyhow::Result<(u64, bool)> {
+    let docs = coll.count_documents(doc! { "student_id": student }).await?;
+    let mut classes = BTreeSet::new();
+    let mut cursor = coll.find(doc! { "student_id": student }).await?;
+    use futures::TryStreamExt;
+    while let Some(d) = cursor.try_next().await? {
+        for c in d.get_array("classes").cloned().unwrap_or_default() {
+            if let Some(name) = c.as_document().and_then(|c| c.get_str("name").ok()) {
+                classes.insert(name.to_owned());
+            }
+        }
+    }
+    Ok((docs, &classes != expected))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_the_seed_two_update_upsert_diverges_or_duplicates() -> anyhow::Result<()> {
+    // The same harness as the property test, with the seed's updates instead.
+    let t = TestDb::new("sequence_seed_control").await?;
+    let coll: Collection<Document> = t.db.collection("seed_students");
+    let set = student_set(&t).await?; // the same histories through docwarden, as a check
+    let mut seed_duplicates = 0;
+    let mut seed_diverged = 0;
+    let mut ours = 0;
+    let mut rng = StdRng::seed_from_u64(1);
+    for key in 0..16_i64 {
+        let ops: Vec<Op> = (0..10)
+            .map(|_| Op {
+                member: rand::Rng::random_range(&mut rng, 0..2),
+                seq: rand::Rng::random_range(&mut rng, 0..1000),
+                present: rand::Rng::random_bool(&mut rng, 0.5),
+            })
+            .collect();
+        let msgs = deliveries(&ops, &mut rng);
+        let c = coll.clone();
+        consume(msgs, move |o| {
+            let c = c.clone();
+            async move { seed_apply(&c, key, MEMBERS[o.member], o.seq, o.present).await }
+        })
+        .await?;
+        let (docs, diverged) = seed_check(&coll, key, &present(&model(&ops))).await?;
+        seed_duplicates += docs.saturating_sub(1);
+        seed_diverged += u64::from(diverged);
+        ours += run_history(&set, key, &ops, rand::Rng::random(&mut rng)).await?;
+    }
+    eprintln!("seed: {seed_duplicates} duplicate documents, {seed_diverged} diverged students");
+    assert!(
+        seed_duplicates + seed_diverged > 0,
+        "the control must show the seed's flaw"
+    );
+    assert_eq!(ours, 0, "docwarden must converge on the same histories");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_one_document_per_key_when_8_consumers_race_to_create_it() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_create_race").await?;
+    let set = student_set(&t).await?;
+    let by_id = SequencedSet::new(t.db.collection("by_id"), SetOptions::default()).await?;
+    let seed_coll: Collection<Document> = t.db.collection("seed");
+    let keys = 20_i64;
+    let mut seed_docs = 0;
+    for key in 0..keys {
+        let barrier = Arc::new(tokio::sync::Barrier::new(CONSUMERS));
+        let mut tasks = Vec::new();
+        for c in 0..CONSUMERS {
+            let (set, by_id, seed_coll, barrier) = (
+                set.clone(),
+                by_id.clone(),
+                seed_coll.clone(),
+                Arc::clone(&barrier),
+            );
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let member = format!("class {}", c % 4); // pairs deliver the same message
+                let seq = i64::try_from(c % 4)?;
+                let a = set.add(key, &member, seq).await?;
+                let b = by_id.add(key, &member, seq).await?;
+                seed_apply(&seed_coll, key, &member, seq, true).await?;
+                anyhow::Ok([a, b])
+            }));
+        }
+        let mut applied = 0;
+        for task in tasks {
+            applied += task
+                .await??
+                .iter()
+                .filter(|o| **o == Outcome::Applied)
+                .count();
+        }
+        assert_eq!(
+            applied, 8,
+            "each of the 4 messages applied once per collection"
+        );
+        assert_eq!(
+            set.collection()
+                .count_documents(doc! { "student_id": key })
+                .await?,
+            1
+        );
+        assert_eq!(
+            by_id
+                .collection()
+                .count_documents(doc! { "_id": key })
+                .await?,
+            1
+        );
+        assert_eq!(set.members(key).await?.map(|m| m.len()), Some(4));
+        seed_docs += seed_coll
+            .count_documents(doc! { "student_id": key })
+            .await?;
+    }
+    assert_eq!(set.collection().count_documents(doc! {}).await?, 20);
+    // Control: the seed's upsert, racing the same duplicated messages, makes extra students.
+    eprintln!("seed: {seed_docs} documents for {keys} students");
+    assert!(seed_docs > u64::try_from(keys)?);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_validation").await?;
+    let set = SequencedSet::new(t.db.collection("s"), SetOptions::default()).await?;
+    let fields = SequencedFields::new(t.db.collection("f"), FieldsOptions::default()).await?;
+    let invalid = |r: docwarden::Result<Outcome>| matches!(r, Err(Error::InvalidInput { .. }));
+    assert!(invalid(set.add(1, "a", -1).await));
+    assert!(invalid(set.remove(1, "a", i64::MIN).await));
+    assert!(invalid(set.add(1, "", 1).await));
+    assert!(invalid(set.add(1, "a\0", 1).await));
+    assert!(invalid(set.add("", "a", 1).await));
+    assert!(invalid(set.add(Bson::Null, "a", 1).await));
+    assert!(invalid(set.add(doc! { "$gt": 1 }, "a", 1).await));
+    assert!(invalid(fields.set(1, "a", 1, -5).await));
+    for bad in ["", "$set", "a.b", "_id", "_seq", "_seq_x"] {
+        assert!(invalid(fields.set(1, bad, 1, 1).await), "{bad:?}");
+    }
+    assert!(matches!(
+        set.compact(1, -1).await,
+        Err(Error::InvalidInput { .. })
+    ));
+    for bad in ["", "$x", "a.b", "_seq"] {
+        assert!(
+            SequencedSet::new(t.db.collection("s2"), SetOptions::default().field(bad))
+                .await
+                .is_err()
+        );
+    }
+    assert!(
+        SequencedSet::new(
+            t.db.collection("s3"),
+            SetOptions::default().key_field("k").field("k")
+        )
+        .await
+        .is_err()
+    );
+    // Nothing was written by refused calls.
+    assert_eq!(set.collection().count_documents(doc! {}).await?, 0);
+    assert_eq!(fields.collection().count_documents(doc! {}).await?, 0);
+    // Members are values: `$` and `.` are stored exactly as given, never interpreted.
+    assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "a.b@c.d", 0).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "$classes", 1).await?, Outcome::Applied);
+    let mut m = set.members(1).await?.unwrap_or_default();
+    m.sort();
+    assert_eq!(m, ["$cash", "$classes", "a.b@c.d"]);
+    assert_eq!(set.remove(1, "$cash", 2).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Stale);
+    // Values too: a `$`-string is a value, not a field path.
+    assert_eq!(fields.set("k", "name", "$name", 1).await?, Outcome::Applied);
+    assert_eq!(
+        fields.get("k", "name").await?,
+        Some((Bson::from("$name"), 1))
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_outcomes").await?;
+    let set = student_set(&t).await?;
+    assert_eq!(set.remove(7, "X", 5).await?, Outcome::Applied); // remove before add
+    assert_eq!(set.add(7, "X", 4).await?, Outcome::Stale);
+    assert_eq!(set.remove(7, "X", 5).await?, Outcome::Duplicate);
+    assert_eq!(set.add(7, "X", 5).await?, Outcome::Stale); // remove wins at equal seq
+    assert_eq!(set.add(7, "X", 6).await?, Outcome::Applied);
+    assert_eq!(set.add(7, "X", 6).await?, Outcome::Duplicate);
+    assert_eq!(set.remove(7, "X", 6).await?, Outcome::Applied); // …in either order
+    assert_eq!(set.members(7).await?, Some(vec![]));
+
+    let f = SequencedFields::new(
+        t.db.collection("profiles"),
+        FieldsOptions::default().key_field("student_id"),
+    )
+    .await?;
+    assert_eq!(f.set(1, "name", "Jane", 3).await?, Outcome::Applied);
+    assert_eq!(f.set(1, "name", "John", 2).await?, Outcome::Stale);
+    assert_eq!(f.set(1, "name", "Jane", 3).await?, Outcome::Duplicate);
+    let address = doc! { "city": "Oslo", "zip": "0150", "$weird": "no" };
+    let address = {
+        let mut a = address;
+        a.remove("$weird");
+        a
+    };
+    assert_eq!(
+        f.set(1, "address", address.clone(), 1).await?,
+        Outcome::Applied
+    );
+    assert_eq!(
+        f.get(1, "address").await?,
+        Some((Bson::Document(address), 1))
+    );
+    // Equal seq, different values: the greater value wins whatever the order.
+    for (key, order) in [(10, [5, 7]), (11, [7, 5])] {
+        for v in order {
+            f.set(key, "score", v, 9).await?;
+        }
+        assert_eq!(f.get(key, "score").await?, Some((Bson::Int32(7), 9)));
+    }
+    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Duplicate); // $eq: 7 == 7
+    assert_eq!(f.get(99, "score").await?, None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registers_converge_under_8_consumers() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_registers").await?;
+    let f = SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let mut rng = StdRng::seed_from_u64(5);
+    for key in 0..8_i64 {
+        // Distinct seqs per field; values are sub-documents and strings derived from seq.
+        let ops: Vec<Op> = (0..12_i64)
+            .map(|seq| Op {
+                member: rand::Rng::random_range(&mut rng, 0..2),
+                seq: seq * 3 + rand::Rng::random_range(&mut rng, 0..3),
+                present: rand::Rng::random_bool(&mut rng, 0.5),
+            })
+            .collect();
+        let value = |o: Op| -> Bson {
+            if o.present {
+                Bson::Document(doc! { "seq": o.seq, "note": format!("${}", o.seq) })
+            } else {
+                Bson::String(format!("v{}", o.seq))
+            }
+        };
+        let msgs = deliveries(&ops, &mut rng);
+        let f2 = f.clone();
+        let outcomes = consume(msgs, move |o| {
+            let f = f2.clone();
+            async move { Ok(f.set(key, ["a", "b"][o.member], value(o), o.seq).await?) }
+        })
+        .await?;
+        for member in 0..2 {
+            let last = ops
+                .iter()
+                .filter(|o| o.member == member)
+                .max_by_key(|o| o.seq);
+            let got = f.get(key, ["a", "b"][member]).await?;
+            assert_eq!(
+                got,
+                last.map(|o| (value(*o), o.seq)),
+                "key {key} field {member}"
+            );
+        }
+        let mut applied: HashMap<Op, u32> = HashMap::new();
+        for (op, o) in outcomes {
+            if o == Outcome::Applied {
+                *applied.entry(op).or_default() += 1;
+            }
+        }
+        assert!(applied.values().all(|n| *n == 1));
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compaction_removes_only_tombstones_below_the_watermark() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_compaction").await?;
+    let set = student_set(&t).await?;
+    set.add(1, "a", 1).await?;
+    set.remove(1, "a", 2).await?;
+    set.add(1, "b", 3).await?;
+    set.remove(1, "b", 5).await?;
+    set.add(1, "c", 4).await?;
+    set.remove(1, "d", 3).await?;
+    let r = set.compact(1, 4).await?;
+    assert_eq!((r.matched, r.modified), (1, 1));
+    let mut states: Vec<(String, i64, bool)> = set
+        .states(1)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| (s.member, s.seq, s.present))
+        .collect();
+    states.sort();
+    assert_eq!(
+        states,
+        [("b".into(), 5, false), ("c".into(), 4, true)],
+        "tombstones a@2 and d@3 go, b@5 (not below 4) and the present c@4 stay"
+    );
+    // Later operations (seq >= watermark) still converge.
+    assert_eq!(set.add(1, "a", 6).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "b", 4).await?, Outcome::Stale); // the b@5 tombstone still wins
+    assert_eq!(set.remove(1, "c", 4).await?, Outcome::Applied); // remove wins the tie
+    // A message below the watermark breaks the caller's promise; it is refused, so a
+    // compacted member is not resurrected.
+    assert_eq!(set.add(1, "d", 1).await?, Outcome::Stale);
+    let mut m = set.members(1).await?.unwrap_or_default();
+    m.sort();
+    assert_eq!(m, ["a"]);
+    // A lower watermark never lowers the floor.
+    set.compact(1, 2).await?;
+    assert_eq!(set.add(1, "d", 3).await?, Outcome::Stale);
+
+    // Over the collection, interleaved with racing consumers delivering everything at or
+    // above the watermark: every student ends at the model.
+    let watermark = 6;
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut histories = Vec::new();
+    for key in 100..112_i64 {
+        let ops: Vec<Op> = (0..12)
+            .map(|_| Op {
+                member: rand::Rng::random_range(&mut rng, 0..3),
+                seq: rand::Rng::random_range(&mut rng, 0..12),
+                present: rand::Rng::random_bool(&mut rng, 0.4),
+            })
+            .collect();
+        for o in ops.iter().filter(|o| o.seq < watermark) {
+            if o.present {
+                set.add(key, MEMBERS[o.member], o.seq).await?;
+            } else {
+                set.remove(key, MEMBERS[o.member], o.seq).await?;
+            }
+        }
+        histories.push((key, ops));
+    }
+    let later: Vec<(i64, Op)> = histories
+        .iter()
+        .flat_map(|(k, ops)| ops.iter().filter(|o| o.seq >= watermark).map(|o| (*k, *o)))
+        .collect();
+    let s = set.clone();
+    let compactor = tokio::spawn(async move { s.compact_all(watermark).await });
+    let s = set.clone();
+    let keyed: Vec<Op> = later
+        .iter()
+        .map(|(k, o)| Op {
+            member: o.member + 4 * usize::try_from(*k).unwrap_or(0),
+            ..*o
+        })
+        .collect();
+    let mut keyed = deliveries(&keyed, &mut rng);
+    keyed.shuffle(&mut rng);
+    consume(keyed, move |o| {
+        let s = s.clone();
+        async move {
+            let key = i64::try_from(o.member / 4)?;
+            let m = MEMBERS[o.member % 4];
+            Ok(if o.present {
+                s.add(key, m, o.seq).await?
+            } else {
+                s.remove(key, m, o.seq).await?
+            })
+        }
+    })
+    .await?;
+    compactor.await??;
+    for (key, ops) in &histories {
+        let expected: BTreeMap<String, (i64, bool)> = model(ops)
+            .into_iter()
+            .filter(|(_, (seq, p))| *p || *seq >= watermark)
+            .collect();
+        let got: BTreeMap<String, (i64, bool)> = set
+            .states(*key)
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| (s.member, (s.seq, s.present)))
+            .collect();
+        // A tombstone below the watermark may survive if compaction ran before it was
+        // superseded... it cannot: all ops below the watermark were applied first.
+        assert_eq!(got, expected, "key {key}");
+        let members: BTreeSet<String> = set
+            .members(*key)
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        assert_eq!(members, present(&model(ops)), "key {key}");
+    }
+    Ok(())
+}

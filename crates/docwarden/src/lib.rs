@@ -5,7 +5,9 @@ pub mod capabilities;
 pub mod check;
 pub mod clock;
 pub mod error;
+pub mod guard;
 pub mod lock;
+pub mod queue;
 pub mod sequence;
 pub mod validate;
 

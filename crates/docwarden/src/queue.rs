@@ -1,0 +1,230 @@
+//! A job queue in a MongoDB collection: skip-locked claims, leases, fenced completion.
+//!
+//! **Guarantee:** a job is held by at most one claim at a time. A claim is one atomic
+//! single-document update (or a bulk of them, re-checked per document) that writes a
+//! lease `{owner, token, until}` with a fresh 128-bit token and an expiry computed from
+//! the server's clock ([`TimeSource`]). Every later transition — heartbeat, complete,
+//! fail, release, cancel — matches `{_id, state: "running", "lease.token": token}`, so a
+//! worker that paused past its lease, or was cut off, cannot overwrite the job after
+//! someone else took it: it gets [`Error::LeaseLost`] and nothing is written.
+//!
+//! **Limits:** delivery is at least once. A handler whose lease expired may still have
+//! performed external side effects before its fenced completion is refused; make them
+//! idempotent, or fence them with [`ClaimedJob::fence`] when they write to the job
+//! document. Expired leases are re-claimable after `lease_ttl` plus the clock bound and
+//! skew margin. The job document format is in `docs/queue.md`.
+//!
+//! ```no_run
+//! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {
+//! use docwarden::clock::{ClockOptions, TimeSource};
+//! use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
+//! let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
+//! let queue = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+//! queue.enqueue(mongodb::bson::doc! { "ip": "8.8.8.8" }, &EnqueueOptions::default()).await?;
+//! if let Some(job) = queue.claim("worker-1").await? {
+//!     queue.complete(&job, mongodb::bson::Bson::Null).await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use mongodb::bson::{Document, doc};
+use mongodb::options::IndexOptions;
+use mongodb::{Collection, Database, IndexModel};
+
+use crate::clock::TimeSource;
+use crate::error::{Error, Result};
+use crate::validate;
+
+mod claim;
+mod enqueue;
+mod job;
+mod ops;
+mod options;
+mod transition;
+mod worker;
+
+pub use enqueue::Enqueued;
+pub use job::{ClaimedJob, Job, JobState, Lease};
+pub use ops::{CancelOutcome, ListFilter, QueueStats};
+pub use options::{ClaimStrategy, EnqueueOptions, QueueOptions, RunAt, WorkerOptions};
+pub use transition::FailOutcome;
+pub use worker::{HandlerResult, Worker, WorkerHandle, WorkerReport};
+
+use job::{claimable_states, field, unfinished_states};
+
+/// Index names, so `explain` output and `docs/queue.md` can refer to them.
+pub mod index {
+    /// Due jobs in claim order: `{priority: -1, run_at: 1}`, partial on
+    /// `state ∈ {ready, retrying}`.
+    pub const CLAIM: &str = "docwarden_claim";
+    /// Running jobs by lease expiry: `{"lease.until": 1}`, partial on `state: running`.
+    pub const LEASE_EXPIRY: &str = "docwarden_lease_expiry";
+    /// Running jobs by token (fetch after a claim): `{"lease.token": 1}`, partial on
+    /// `state: running`.
+    pub const LEASE_TOKEN: &str = "docwarden_lease_token";
+    /// At most one unfinished job per dedupe key: unique `{dedupe_key: 1}`, partial on
+    /// an existing key and an unfinished state.
+    pub const DEDUPE: &str = "docwarden_dedupe";
+    /// Purge of finished jobs: `{state: 1, finished_at: 1}`, partial on the finished
+    /// states (so it never competes with the claim index).
+    pub const STATE: &str = "docwarden_state";
+}
+
+#[derive(Debug)]
+struct Inner {
+    coll: Collection<Document>,
+    time: TimeSource,
+    options: QueueOptions,
+    ttl_ms: i64,
+    last_reap: Mutex<Option<Instant>>,
+}
+
+/// A handle on one queue (one collection). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct JobQueue {
+    inner: Arc<Inner>,
+}
+
+impl JobQueue {
+    /// A handle on `collection`, without touching the server. Call
+    /// [`JobQueue::ensure_indexes`] once (or use [`JobQueue::open`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] if the options are invalid.
+    pub fn new(
+        collection: Collection<Document>,
+        time: TimeSource,
+        options: QueueOptions,
+    ) -> Result<Self> {
+        validate::collection_name("queue collection", collection.name())?;
+        options.validate()?;
+        let ttl_ms = validate::duration_ms("lease ttl", options.lease_ttl)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                coll: collection,
+                time,
+                options,
+                ttl_ms,
+                last_reap: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// A handle on collection `name` of `db`, with its indexes created.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or options; a database error if the
+    /// indexes cannot be created.
+    pub async fn open(
+        db: &Database,
+        name: &str,
+        time: TimeSource,
+        options: QueueOptions,
+    ) -> Result<Self> {
+        validate::collection_name("queue collection", name)?;
+        let queue = Self::new(db.collection(name), time, options)?;
+        queue.ensure_indexes().await?;
+        Ok(queue)
+    }
+
+    /// Creates the queue's indexes (idempotent).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn ensure_indexes(&self) -> Result<()> {
+        let running = doc! { field::STATE: job::JobState::Running.as_str() };
+        let models = vec![
+            IndexModel::builder()
+                .keys(doc! { field::PRIORITY: -1, field::RUN_AT: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::CLAIM.to_owned())
+                        .partial_filter_expression(
+                            doc! { field::STATE: { "$in": claimable_states() } },
+                        )
+                        .build(),
+                )
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { field::LEASE_UNTIL: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::LEASE_EXPIRY.to_owned())
+                        .partial_filter_expression(running.clone())
+                        .build(),
+                )
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { field::LEASE_TOKEN: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::LEASE_TOKEN.to_owned())
+                        .partial_filter_expression(running)
+                        .build(),
+                )
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { field::DEDUPE_KEY: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::DEDUPE.to_owned())
+                        .unique(true)
+                        .partial_filter_expression(doc! {
+                            field::DEDUPE_KEY: { "$exists": true },
+                            field::STATE: { "$in": unfinished_states() },
+                        })
+                        .build(),
+                )
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { field::STATE: 1, field::FINISHED_AT: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::STATE.to_owned())
+                        .partial_filter_expression(
+                            doc! { field::STATE: { "$in": job::finished_states() } },
+                        )
+                        .build(),
+                )
+                .build(),
+        ];
+        self.inner.coll.create_indexes(models).await?;
+        Ok(())
+    }
+
+    /// The collection holding the jobs.
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.inner.coll
+    }
+
+    /// The time source leases are computed with.
+    pub fn time(&self) -> &TimeSource {
+        &self.inner.time
+    }
+
+    /// The options this handle was built with.
+    pub fn options(&self) -> &QueueOptions {
+        &self.inner.options
+    }
+
+    /// The job with this id, parsed.
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] if the stored document does not parse; a database error.
+    pub async fn get(&self, id: mongodb::bson::oid::ObjectId) -> Result<Option<Job>> {
+        match self.inner.coll.find_one(doc! { field::ID: id }).await? {
+            Some(d) => Job::from_document(&d).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+fn lease_lost(id: &mongodb::bson::Bson, token: &str) -> Error {
+    Error::LeaseLost {
+        resource: job::render_id(id),
+        token: token.to_owned(),
+    }
+}

@@ -1,0 +1,350 @@
+//! Claims: one job or a batch, highest priority due job first, with a fresh lease.
+//!
+//! The claim filter `{state: {$in: [ready, retrying]}, run_at: {$lte: now}}` with sort
+//! `{priority: -1, run_at: 1}` is served by the partial index
+//! [`index::CLAIM`](super::index::CLAIM) (`{priority: -1, run_at: 1}` over claimable
+//! jobs only), so a claim walks the index in claim order and never scans finished jobs.
+//! Expired leases are swept back to `retrying` by one indexed `updateMany`
+//! ([`index::LEASE_EXPIRY`](super::index::LEASE_EXPIRY)) at most every
+//! `reap_interval`, with a cut-off of server time minus the clock bound and the skew
+//! margin, so they become claimable like any other due job.
+
+use std::time::Instant;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::{Hint, ReturnDocument};
+
+use super::job::{ClaimedJob, Job, JobState, claimable_states, fence_filter, field};
+use super::options::ClaimStrategy;
+use super::{JobQueue, index};
+use crate::clock::ServerTime;
+use crate::error::{Error, Result};
+use crate::validate;
+
+/// The claim index, named explicitly: the claim filter is exactly the index's partial
+/// filter, so the hint is always valid, and the plan never depends on the planner's
+/// trial (or on a server that does not match `$in` against partial filters).
+pub(crate) fn claim_hint() -> Hint {
+    Hint::Name(index::CLAIM.to_owned())
+}
+
+/// How many times one claim call retries after burying a malformed job.
+const MAX_ROUNDS: usize = 8;
+
+impl JobQueue {
+    /// The claim filter for server time `now`: claimable state and due. A job is due
+    /// when `run_at` may have passed by the server's clock (`now.latest()`): a job can
+    /// start up to the clock bound (milliseconds) early, and a job enqueued "now" by one
+    /// client is at once claimable by every other.
+    pub(crate) fn due_filter(now: &ServerTime) -> Document {
+        doc! {
+            field::STATE: { "$in": claimable_states() },
+            field::RUN_AT: { "$lte": now.latest() },
+        }
+    }
+
+    /// The claim order: highest priority first, then oldest `run_at`.
+    pub(crate) fn claim_sort() -> Document {
+        doc! { field::PRIORITY: -1, field::RUN_AT: 1 }
+    }
+
+    fn claim_update(owner: &str, token: &str, until: DateTime, now: DateTime) -> Document {
+        doc! {
+            "$set": {
+                field::STATE: JobState::Running.as_str(),
+                field::LEASE: { "owner": owner, "token": token, "until": until },
+                field::UPDATED_AT: now,
+            },
+            "$inc": { field::ATTEMPTS: 1_i64 },
+        }
+    }
+
+    /// Claims the highest priority due job for `owner`, or `None` if none is due.
+    ///
+    /// A job whose stored document turns out malformed is moved to `dead` with the
+    /// reason, and the claim goes on to the next job.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad owner name; a database error.
+    #[tracing::instrument(skip(self), level = "debug")]
+    pub async fn claim(&self, owner: &str) -> Result<Option<ClaimedJob>> {
+        validate::name("owner", owner)?;
+        for _ in 0..MAX_ROUNDS {
+            self.maybe_reap().await?;
+            let token = validate::random_id();
+            let attempt = match self.inner.options.claim_strategy {
+                ClaimStrategy::FindOneAndUpdate => self.claim_fam(owner, &token).await,
+                ClaimStrategy::UpdateThenFetch => self.claim_update_fetch(owner, &token).await,
+            };
+            match attempt {
+                Ok(Some(d)) => match self.accept(d, &token).await? {
+                    Some(claimed) => return Ok(Some(claimed)),
+                    None => continue,
+                },
+                Ok(None) => return Ok(None),
+                Err(e) if !e.is_retryable() => {
+                    if self.bury_malformed(None).await? == 0 {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    async fn claim_fam(&self, owner: &str, token: &str) -> Result<Option<Document>> {
+        let now = self.inner.time.now().await?;
+        let update =
+            Self::claim_update(owner, token, now.plus_ms(self.inner.ttl_ms), now.estimate());
+        Ok(self
+            .inner
+            .coll
+            .find_one_and_update(Self::due_filter(&now), update)
+            .sort(Self::claim_sort())
+            .hint(claim_hint())
+            .return_document(ReturnDocument::After)
+            .await?)
+    }
+
+    async fn claim_update_fetch(&self, owner: &str, token: &str) -> Result<Option<Document>> {
+        let now = self.inner.time.now().await?;
+        let update =
+            Self::claim_update(owner, token, now.plus_ms(self.inner.ttl_ms), now.estimate());
+        let r = self
+            .inner
+            .coll
+            .update_one(Self::due_filter(&now), update)
+            .sort(Self::claim_sort())
+            .hint(claim_hint())
+            .await?;
+        if r.modified_count == 0 {
+            return Ok(None);
+        }
+        Ok(self
+            .inner
+            .coll
+            .find_one(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: token })
+            .await?)
+    }
+
+    /// Claims up to `k` due jobs with one lease token: a find of candidate ids in claim
+    /// order, one `updateMany` that re-checks the claim filter per document (so racing
+    /// workers never share a job), and a find by token.
+    ///
+    /// Candidates are drawn from the first `4k` due jobs at random, so concurrent
+    /// batch claimers mostly pick disjoint jobs; the priority order therefore holds
+    /// between batches, not strictly inside the window.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
+    #[tracing::instrument(skip(self), level = "debug")]
+    pub async fn claim_batch(&self, owner: &str, k: usize) -> Result<Vec<ClaimedJob>> {
+        validate::name("owner", owner)?;
+        validate::positive("batch size", k)?;
+        if k == 1 {
+            return Ok(self.claim(owner).await?.into_iter().collect());
+        }
+        for _ in 0..MAX_ROUNDS {
+            self.maybe_reap().await?;
+            let now = self.inner.time.now().await?;
+            let window = i64::try_from(k.saturating_mul(4)).unwrap_or(i64::MAX);
+            let mut ids: Vec<Bson> = self
+                .inner
+                .coll
+                .find(Self::due_filter(&now))
+                .sort(Self::claim_sort())
+                .hint(claim_hint())
+                .projection(doc! { field::ID: 1 })
+                .limit(window)
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await?
+                .into_iter()
+                .filter_map(|d| d.get(field::ID).cloned())
+                .collect();
+            if ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            if ids.len() > k {
+                use rand::seq::SliceRandom;
+                ids.shuffle(&mut rand::rng());
+                ids.truncate(k);
+            }
+            let token = validate::random_id();
+            let mut filter = Self::due_filter(&now);
+            filter.insert(field::ID, doc! { "$in": ids.clone() });
+            let update = Self::claim_update(
+                owner,
+                &token,
+                now.plus_ms(self.inner.ttl_ms),
+                now.estimate(),
+            );
+            let failed = match self
+                .inner
+                .coll
+                .update_many(filter, update)
+                .hint(claim_hint())
+                .await
+            {
+                Ok(_) => None,
+                Err(e) => Some(Error::from(e)),
+            };
+            let docs: Vec<Document> = self
+                .inner
+                .coll
+                .find(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: &token })
+                .await?
+                .try_collect()
+                .await?;
+            let mut claimed = Vec::with_capacity(docs.len());
+            for d in docs {
+                if let Some(c) = self.accept(d, &token).await? {
+                    claimed.push(c);
+                }
+            }
+            if let Some(e) = failed {
+                if e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0 {
+                    if claimed.is_empty() {
+                        return Err(e);
+                    }
+                    tracing::warn!(error = %e, "batch claim partly failed");
+                }
+            }
+            if !claimed.is_empty() {
+                claimed.sort_by(|a, b| {
+                    b.job
+                        .priority
+                        .cmp(&a.job.priority)
+                        .then(a.job.run_at.cmp(&b.job.run_at))
+                });
+                return Ok(claimed);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// Parses a freshly claimed document; a malformed one is moved to `dead` (fenced by
+    /// our token) with the reason, and `None` is returned.
+    async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
+        match Job::from_document(&d) {
+            Ok(job) => match job.lease.clone() {
+                Some(lease) if lease.token == token => Ok(Some(ClaimedJob { job, lease })),
+                _ => Ok(None),
+            },
+            Err(Error::Malformed { reason, id }) => {
+                let raw_id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
+                tracing::warn!(job = %id, %reason, "malformed job moved to dead");
+                self.bury(fence_filter(&raw_id, token), &reason).await?;
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn bury(&self, filter: Document, reason: &str) -> Result<bool> {
+        let now = self.inner.time.now().await?.estimate();
+        let r = self
+            .inner
+            .coll
+            .update_one(
+                filter,
+                doc! { "$set": {
+                    field::STATE: JobState::Dead.as_str(),
+                    field::LAST_ERROR: format!("malformed job document: {reason}"),
+                    field::FINISHED_AT: now,
+                    field::UPDATED_AT: now,
+                } },
+            )
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// After a claim failed on the server (for example `$inc` on a string `attempts`):
+    /// parses the due candidates and moves the malformed ones to `dead`. Returns how
+    /// many were moved.
+    async fn bury_malformed(&self, ids: Option<Vec<Bson>>) -> Result<usize> {
+        let now = self.inner.time.now().await?;
+        let mut filter = Self::due_filter(&now);
+        if let Some(ids) = ids {
+            filter.insert(field::ID, doc! { "$in": ids });
+        }
+        let docs: Vec<Document> = self
+            .inner
+            .coll
+            .find(filter)
+            .sort(Self::claim_sort())
+            .limit(16)
+            .await?
+            .try_collect()
+            .await?;
+        let mut buried = 0;
+        for d in docs {
+            if let Err(Error::Malformed { reason, id }) = Job::from_document(&d) {
+                let raw_id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
+                let state = d.get(field::STATE).cloned().unwrap_or(Bson::Null);
+                tracing::warn!(job = %id, %reason, "malformed job moved to dead");
+                if self
+                    .bury(doc! { field::ID: raw_id, field::STATE: state }, &reason)
+                    .await?
+                {
+                    buried += 1;
+                }
+            }
+        }
+        Ok(buried)
+    }
+
+    /// Sweeps expired leases if the last sweep is older than `reap_interval`.
+    async fn maybe_reap(&self) -> Result<()> {
+        {
+            let mut last = self
+                .inner
+                .last_reap
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| t.elapsed() < self.inner.options.reap_interval) {
+                return Ok(());
+            }
+            *last = Some(Instant::now());
+        }
+        self.reap_expired().await.map(drop)
+    }
+
+    /// Moves every running job whose lease has certainly expired (server time minus the
+    /// clock bound and the skew margin) back to `retrying`, due at once — or to `dead`
+    /// if it has used all its attempts. Returns how many jobs were moved. Their holders'
+    /// later transitions fail with [`Error::LeaseLost`].
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn reap_expired(&self) -> Result<u64> {
+        let now = self.inner.time.now().await?;
+        let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
+        let out_of_attempts = doc! { "$gte": ["$attempts", "$max_attempts"] };
+        let r = self
+            .inner
+            .coll
+            .update_many(
+                doc! {
+                    field::STATE: JobState::Running.as_str(),
+                    field::LEASE_UNTIL: { "$lt": cutoff },
+                },
+                vec![doc! { "$set": {
+                    field::STATE: { "$cond": [
+                        out_of_attempts.clone(), JobState::Dead.as_str(), JobState::Retrying.as_str()
+                    ] },
+                    field::LAST_ERROR: "lease expired before the job finished",
+                    field::FINISHED_AT: { "$cond": [out_of_attempts, now.estimate(), Bson::Null] },
+                    field::RUN_AT: now.estimate(),
+                    field::UPDATED_AT: now.estimate(),
+                } }],
+            )
+            .await?;
+        if r.modified_count > 0 {
+            tracing::info!(jobs = r.modified_count, "expired leases swept");
+        }
+        Ok(r.modified_count)
+    }
+}

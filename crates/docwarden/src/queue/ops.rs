@@ -1,0 +1,315 @@
+//! Operations: stats, list, retry dead jobs, cancel, purge, and the claim's query plan.
+//!
+//! These are for operators and the CLI; each is one or two indexed commands. Cancelling
+//! a running job takes its lease away: the worker's later transitions are refused.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::options::ReturnDocument;
+
+use super::job::{JobState, field, finished_states, unfinished_states};
+use super::{JobQueue, index};
+use crate::error::{Error, Result};
+use crate::validate;
+
+/// Counts and ages that tell whether a queue is healthy.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct QueueStats {
+    /// Jobs per stored state (unknown states are counted under their own string).
+    pub by_state: BTreeMap<String, u64>,
+    /// How long the oldest due job (ready or retrying) has been waiting, in ms.
+    pub oldest_due_ms: Option<i64>,
+    /// Running jobs whose lease has certainly expired (their worker is gone or stuck;
+    /// the next claim sweeps them).
+    pub expired_running: u64,
+    /// All jobs.
+    pub total: u64,
+}
+
+/// Which jobs [`JobQueue::list`] returns.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ListFilter {
+    /// Only this state; all states when `None`.
+    pub state: Option<JobState>,
+    /// At most this many (newest `updated_at` first). Default 50.
+    pub limit: i64,
+}
+
+impl Default for ListFilter {
+    fn default() -> Self {
+        Self {
+            state: None,
+            limit: 50,
+        }
+    }
+}
+
+impl ListFilter {
+    /// Sets [`ListFilter::state`].
+    pub fn state(mut self, state: JobState) -> Self {
+        self.state = Some(state);
+        self
+    }
+    /// Sets [`ListFilter::limit`].
+    pub fn limit(mut self, limit: i64) -> Self {
+        self.limit = limit;
+        self
+    }
+}
+
+/// What [`JobQueue::cancel`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CancelOutcome {
+    /// The job was cancelled; it was in `was`.
+    Cancelled {
+        /// The state before.
+        was: JobState,
+    },
+    /// The job had already finished in this state; nothing changed.
+    AlreadyFinished(JobState),
+    /// No job with that id.
+    NotFound,
+}
+
+impl JobQueue {
+    /// Counts by state, the oldest due job's wait, and running jobs with expired leases.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn stats(&self) -> Result<QueueStats> {
+        let coll = &self.inner.coll;
+        let mut stats = QueueStats::default();
+        let mut groups = coll
+            .aggregate(vec![
+                doc! { "$group": { "_id": "$state", "n": { "$sum": 1 } } },
+            ])
+            .await?;
+        while let Some(g) = groups.try_next().await? {
+            let state = match g.get("_id") {
+                Some(Bson::String(s)) => s.clone(),
+                Some(other) => format!("<{other}>"),
+                None => "<missing>".into(),
+            };
+            let n = match g.get("n") {
+                Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+                Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+                _ => 0,
+            };
+            stats.total += n;
+            *stats.by_state.entry(state).or_default() += n;
+        }
+        let now = self.inner.time.now().await?;
+        let oldest = coll
+            .find_one(Self::due_filter(&now))
+            .sort(doc! { field::RUN_AT: 1 })
+            .projection(doc! { field::RUN_AT: 1 })
+            .await?;
+        stats.oldest_due_ms = oldest
+            .and_then(|d| d.get_datetime(field::RUN_AT).ok().copied())
+            .map(|t| now.estimate_ms.saturating_sub(t.timestamp_millis()).max(0));
+        let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
+        stats.expired_running = coll
+            .count_documents(doc! {
+                field::STATE: JobState::Running.as_str(),
+                field::LEASE_UNTIL: { "$lt": cutoff },
+            })
+            .await?;
+        Ok(stats)
+    }
+
+    /// The stored job documents matching `filter`, newest change first (raw, so a
+    /// malformed document is shown as it is; parse with
+    /// [`Job::from_document`](super::Job::from_document)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a limit below 1; a database error.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Document>> {
+        if filter.limit < 1 {
+            return Err(Error::invalid("limit", "must be at least 1"));
+        }
+        let query = match filter.state {
+            Some(s) => doc! { field::STATE: s.as_str() },
+            None => doc! {},
+        };
+        Ok(self
+            .inner
+            .coll
+            .find(query)
+            .sort(doc! { field::UPDATED_AT: -1 })
+            .limit(filter.limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// Moves dead jobs (all, or those in `ids`) back to `ready` with their attempts
+    /// reset, due now. A dead job whose dedupe key is taken by a newer unfinished job
+    /// stays dead. Returns how many were revived.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn retry_dead(&self, ids: Option<&[ObjectId]>) -> Result<u64> {
+        let now = self.inner.time.now().await?.estimate();
+        let mut filter = doc! { field::STATE: JobState::Dead.as_str() };
+        if let Some(ids) = ids {
+            filter.insert(field::ID, doc! { "$in": ids.to_vec() });
+        }
+        let update = doc! {
+            "$set": {
+                field::STATE: JobState::Ready.as_str(),
+                field::ATTEMPTS: 0_i64,
+                field::RUN_AT: now,
+                field::UPDATED_AT: now,
+            },
+            "$unset": { field::FINISHED_AT: "" },
+        };
+        match self
+            .inner
+            .coll
+            .update_many(filter.clone(), update.clone())
+            .await
+        {
+            Ok(r) => Ok(r.modified_count),
+            Err(e) if crate::error::is_duplicate_key(&e) => {
+                // Some keys are taken: revive one by one, skipping those.
+                let docs: Vec<Document> = self
+                    .inner
+                    .coll
+                    .find(filter)
+                    .projection(doc! { field::ID: 1 })
+                    .await?
+                    .try_collect()
+                    .await?;
+                let mut n = 0;
+                for d in docs {
+                    let Some(id) = d.get(field::ID) else { continue };
+                    match self
+                        .inner
+                        .coll
+                        .update_one(
+                            doc! { field::ID: id.clone(), field::STATE: JobState::Dead.as_str() },
+                            update.clone(),
+                        )
+                        .await
+                    {
+                        Ok(r) => n += r.modified_count,
+                        Err(e) if crate::error::is_duplicate_key(&e) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Ok(n)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Cancels an unfinished job. A running job loses its lease: its worker's later
+    /// transitions fail with [`Error::LeaseLost`].
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn cancel(&self, id: ObjectId) -> Result<CancelOutcome> {
+        let now = self.inner.time.now().await?.estimate();
+        let before = self
+            .inner
+            .coll
+            .find_one_and_update(
+                doc! { field::ID: id, field::STATE: { "$in": unfinished_states() } },
+                doc! { "$set": {
+                    field::STATE: JobState::Cancelled.as_str(),
+                    field::LAST_ERROR: "cancelled by an operator",
+                    field::FINISHED_AT: now,
+                    field::UPDATED_AT: now,
+                } },
+            )
+            .return_document(ReturnDocument::Before)
+            .projection(doc! { field::STATE: 1 })
+            .await?;
+        let state_of = |d: &Document| {
+            d.get_str(field::STATE)
+                .ok()
+                .and_then(JobState::parse)
+                .unwrap_or(JobState::Ready)
+        };
+        if let Some(d) = before {
+            return Ok(CancelOutcome::Cancelled { was: state_of(&d) });
+        }
+        match self
+            .inner
+            .coll
+            .find_one(doc! { field::ID: id })
+            .projection(doc! { field::STATE: 1 })
+            .await?
+        {
+            Some(d) => Ok(CancelOutcome::AlreadyFinished(state_of(&d))),
+            None => Ok(CancelOutcome::NotFound),
+        }
+    }
+
+    /// Deletes finished jobs (succeeded, dead, cancelled) that finished more than
+    /// `older_than` ago. Returns how many were deleted.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero duration; a database error.
+    pub async fn purge(&self, older_than: Duration) -> Result<u64> {
+        let ms = validate::duration_ms("purge age", older_than)?;
+        let now = self.inner.time.now().await?;
+        let cutoff = mongodb::bson::DateTime::from_millis(now.estimate_ms.saturating_sub(ms));
+        let r = self
+            .inner
+            .coll
+            .delete_many(doc! {
+                field::STATE: { "$in": finished_states() },
+                field::FINISHED_AT: { "$lt": cutoff },
+            })
+            .await?;
+        Ok(r.deleted_count)
+    }
+
+    /// The server's `explain` (queryPlanner) of the claim query — the find equivalent of
+    /// the claim's filter and sort — and of the `findAndModify` a single claim sends.
+    /// Tests assert the winning plans use [`index::CLAIM`](super::index::CLAIM).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn explain_claim(&self) -> Result<(Document, Document)> {
+        let now = self.inner.time.now().await?;
+        let db = self
+            .inner
+            .coll
+            .client()
+            .database(&self.inner.coll.namespace().db);
+        let name = self.inner.coll.name();
+        let find = db
+            .run_command(doc! {
+                "explain": {
+                    "find": name,
+                    "filter": Self::due_filter(&now),
+                    "sort": Self::claim_sort(),
+                    "hint": index::CLAIM,
+                    "limit": 1,
+                },
+                "verbosity": "queryPlanner",
+            })
+            .await?;
+        let fam = db
+            .run_command(doc! {
+                "explain": {
+                    "findAndModify": name,
+                    "query": Self::due_filter(&now),
+                    "sort": Self::claim_sort(),
+                    "hint": index::CLAIM,
+                    "update": { "$set": { "explain": true } },
+                },
+                "verbosity": "queryPlanner",
+            })
+            .await?;
+        Ok((find, fam))
+    }
+}

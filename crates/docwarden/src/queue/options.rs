@@ -1,0 +1,308 @@
+//! Options of the queue handle, of one enqueue, and of a worker; each validated once.
+
+use std::time::Duration;
+
+use mongodb::bson::DateTime;
+
+use crate::error::{Error, Result};
+use crate::validate;
+
+/// How a single claim talks to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimStrategy {
+    /// One `findAndModify` with a sort: one round trip, returns the claimed document.
+    FindOneAndUpdate,
+    /// `updateOne` with a sort (MongoDB 8.0), then a find by the new token: two round
+    /// trips, no pre/post image kept for a retried write. Falls back to
+    /// [`ClaimStrategy::FindOneAndUpdate`] when the server ignores the sort.
+    UpdateThenFetch,
+}
+
+/// Options of a [`JobQueue`](super::JobQueue).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct QueueOptions {
+    /// How long a claim holds a job without a heartbeat. Default 30 s.
+    pub lease_ttl: Duration,
+    /// Maximum attempts of a job enqueued without its own. Default 5.
+    pub max_attempts: u32,
+    /// First retry delay; doubles per attempt (with jitter). Default 1 s.
+    pub retry_base: Duration,
+    /// Longest retry delay. Default 10 min.
+    pub retry_max: Duration,
+    /// How often a claim also sweeps expired leases back to `retrying` when due jobs
+    /// exist (an empty queue always sweeps). Default 1 s.
+    pub reap_interval: Duration,
+    /// Single-claim strategy. Default [`ClaimStrategy::FindOneAndUpdate`] (measured
+    /// faster, see `docs/queue.md`).
+    pub claim_strategy: ClaimStrategy,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(30),
+            max_attempts: 5,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(600),
+            reap_interval: Duration::from_secs(1),
+            claim_strategy: ClaimStrategy::FindOneAndUpdate,
+        }
+    }
+}
+
+impl QueueOptions {
+    /// Sets [`QueueOptions::lease_ttl`].
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+    /// Sets [`QueueOptions::max_attempts`].
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+    /// Sets [`QueueOptions::retry_base`] and [`QueueOptions::retry_max`].
+    pub fn retry_delays(mut self, base: Duration, max: Duration) -> Self {
+        self.retry_base = base;
+        self.retry_max = max;
+        self
+    }
+    /// Sets [`QueueOptions::reap_interval`].
+    pub fn reap_interval(mut self, every: Duration) -> Self {
+        self.reap_interval = every;
+        self
+    }
+    /// Sets [`QueueOptions::claim_strategy`].
+    pub fn claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
+        self.claim_strategy = strategy;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate::duration_ms("lease ttl", self.lease_ttl)?;
+        if self.max_attempts == 0 {
+            return Err(Error::invalid("max attempts", "must be at least 1"));
+        }
+        crate::backoff::Backoff::new(self.retry_base, self.retry_max)?;
+        validate::duration_ms("reap interval", self.reap_interval)?;
+        Ok(())
+    }
+}
+
+/// When an enqueued job becomes due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunAt {
+    /// As soon as it is stored.
+    Now,
+    /// This long after it is stored (server time).
+    After(Duration),
+    /// At this server time.
+    At(DateTime),
+}
+
+/// Options of one enqueue.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EnqueueOptions {
+    /// Higher runs first. Default 0.
+    pub priority: i64,
+    /// When the job becomes due. Default now.
+    pub run_at: RunAt,
+    /// Overrides [`QueueOptions::max_attempts`].
+    pub max_attempts: Option<u32>,
+    /// At most one unfinished job per key (enforced by a unique partial index).
+    pub dedupe_key: Option<String>,
+}
+
+impl Default for EnqueueOptions {
+    fn default() -> Self {
+        Self {
+            priority: 0,
+            run_at: RunAt::Now,
+            max_attempts: None,
+            dedupe_key: None,
+        }
+    }
+}
+
+impl EnqueueOptions {
+    /// Sets [`EnqueueOptions::priority`].
+    pub fn priority(mut self, p: i64) -> Self {
+        self.priority = p;
+        self
+    }
+    /// Delays the job by `d`.
+    pub fn delay(mut self, d: Duration) -> Self {
+        self.run_at = RunAt::After(d);
+        self
+    }
+    /// Runs the job at server time `at`.
+    pub fn run_at(mut self, at: DateTime) -> Self {
+        self.run_at = RunAt::At(at);
+        self
+    }
+    /// Sets [`EnqueueOptions::max_attempts`].
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = Some(n);
+        self
+    }
+    /// Sets [`EnqueueOptions::dedupe_key`].
+    pub fn dedupe_key(mut self, key: impl Into<String>) -> Self {
+        self.dedupe_key = Some(key.into());
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.max_attempts == Some(0) {
+            return Err(Error::invalid("max attempts", "must be at least 1"));
+        }
+        if let Some(key) = &self.dedupe_key {
+            validate::name("dedupe key", key)?;
+        }
+        if let RunAt::After(d) = self.run_at
+            && i64::try_from(d.as_millis()).is_err()
+        {
+            return Err(Error::invalid("delay", "is too long"));
+        }
+        Ok(())
+    }
+}
+
+/// Options of a [`Worker`](super::Worker).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct WorkerOptions {
+    /// Worker name stored in `lease.owner`; a random suffix is added. Default "worker".
+    pub name: String,
+    /// Handlers running at once. Default 4.
+    pub concurrency: usize,
+    /// Most jobs taken by one claim (batch claim when above 1). Default 1.
+    pub batch_size: usize,
+    /// Heartbeat period while a handler runs. Default: a third of the lease TTL.
+    pub heartbeat_every: Option<Duration>,
+    /// Shortest idle poll when no change stream event arrives. Default 50 ms.
+    pub poll_min: Duration,
+    /// Longest idle poll. Default 1 s.
+    pub poll_max: Duration,
+    /// How long shutdown waits for running handlers before releasing their jobs.
+    /// Default 10 s.
+    pub shutdown_deadline: Duration,
+    /// Whether to listen to a change stream for new jobs (falls back to polling when the
+    /// server refuses). Default true.
+    pub change_stream: bool,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            name: "worker".into(),
+            concurrency: 4,
+            batch_size: 1,
+            heartbeat_every: None,
+            poll_min: Duration::from_millis(50),
+            poll_max: Duration::from_secs(1),
+            shutdown_deadline: Duration::from_secs(10),
+            change_stream: true,
+        }
+    }
+}
+
+impl WorkerOptions {
+    /// Sets [`WorkerOptions::name`].
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+    /// Sets [`WorkerOptions::concurrency`].
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+    /// Sets [`WorkerOptions::batch_size`].
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Sets [`WorkerOptions::heartbeat_every`].
+    pub fn heartbeat_every(mut self, d: Duration) -> Self {
+        self.heartbeat_every = Some(d);
+        self
+    }
+    /// Sets [`WorkerOptions::poll_min`] and [`WorkerOptions::poll_max`].
+    pub fn poll(mut self, min: Duration, max: Duration) -> Self {
+        self.poll_min = min;
+        self.poll_max = max;
+        self
+    }
+    /// Sets [`WorkerOptions::shutdown_deadline`].
+    pub fn shutdown_deadline(mut self, d: Duration) -> Self {
+        self.shutdown_deadline = d;
+        self
+    }
+    /// Sets [`WorkerOptions::change_stream`].
+    pub fn change_stream(mut self, on: bool) -> Self {
+        self.change_stream = on;
+        self
+    }
+
+    pub(crate) fn validate(&self, lease_ttl: Duration) -> Result<()> {
+        validate::name("worker name", &self.name)?;
+        validate::positive("concurrency", self.concurrency)?;
+        validate::positive("batch size", self.batch_size)?;
+        if let Some(hb) = self.heartbeat_every {
+            validate::duration_ms("heartbeat period", hb)?;
+            if hb >= lease_ttl {
+                return Err(Error::invalid(
+                    "heartbeat period",
+                    "must be shorter than the lease TTL",
+                ));
+            }
+        }
+        crate::backoff::Backoff::new(self.poll_min, self.poll_max)?;
+        if i64::try_from(self.shutdown_deadline.as_millis()).is_err() {
+            return Err(Error::invalid("shutdown deadline", "is too long"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated() {
+        assert!(QueueOptions::default().validate().is_ok());
+        assert!(QueueOptions::default().max_attempts(0).validate().is_err());
+        assert!(
+            QueueOptions::default()
+                .lease_ttl(Duration::ZERO)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            EnqueueOptions::default()
+                .max_attempts(0)
+                .validate()
+                .is_err()
+        );
+        assert!(EnqueueOptions::default().dedupe_key("").validate().is_err());
+        let ttl = Duration::from_secs(3);
+        assert!(WorkerOptions::default().validate(ttl).is_ok());
+        assert!(
+            WorkerOptions::default()
+                .concurrency(0)
+                .validate(ttl)
+                .is_err()
+        );
+        assert!(
+            WorkerOptions::default()
+                .heartbeat_every(Duration::from_secs(3))
+                .validate(ttl)
+                .is_err()
+        );
+    }
+}

@@ -18,6 +18,8 @@ use mongodb::bson::{Document, doc};
 
 use crate::conn::ConnArgs;
 
+mod locks;
+
 /// The load one workload runs under.
 #[derive(Debug, Clone)]
 pub(crate) struct Load {
@@ -163,7 +165,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// Every module's workloads, in a fixed order.
 async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
-    let rows = Vec::new();
+    let mut rows = Vec::new();
+    rows.extend(locks::run(_db, _load).await?);
     Ok(rows)
 }
 

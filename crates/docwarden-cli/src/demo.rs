@@ -10,6 +10,8 @@ use mongodb::Database;
 
 use crate::conn::ConnArgs;
 
+mod locks;
+
 /// Arguments of `docwarden demo`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -27,11 +29,13 @@ pub(crate) struct Args {
 pub(crate) enum Scenario {
     /// Only check the server (what `docwarden doctor` prints, in short).
     Server,
+    /// Seed 003 (document locks) and seed 004 (lock collection with fencing tokens).
+    Locks,
 }
 
 impl Scenario {
     fn all() -> Vec<Scenario> {
-        vec![Scenario::Server]
+        vec![Scenario::Server, Scenario::Locks]
     }
 }
 
@@ -93,6 +97,7 @@ async fn run_one(
     _db: &Database,
 ) -> anyhow::Result<Vec<ScenarioReport>> {
     match scenario {
+        Scenario::Locks => locks::run(session, _db).await,
         Scenario::Server => {
             let started = Instant::now();
             let r =

@@ -8,6 +8,7 @@ mod bench;
 mod conn;
 mod demo;
 mod doctor;
+mod locks;
 mod output;
 
 /// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,
@@ -27,6 +28,8 @@ enum Command {
     Demo(demo::Args),
     /// Measure each module's throughput as a ratio to raw update_one on the same server.
     Bench(bench::Args),
+    /// List held leases of a lock collection, or release every lease of an owner.
+    Locks(locks::Args),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -34,6 +37,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Doctor(args) => doctor::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Locks(args) => locks::run(args).await,
     }
 }
 

@@ -1,0 +1,62 @@
+//! Lock workloads: acquire + release pairs on random resources of a lock collection, and
+//! lock + release_with pairs of document locks.
+
+use std::time::Duration;
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
+use mongodb::Database;
+use mongodb::bson::{Document, doc};
+
+use super::{BenchRow, Load, measure};
+
+const RESOURCES: i64 = 1_000;
+
+pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
+    let locks =
+        LockCollection::open(db, "bench_locks", time.clone(), LockOptions::default()).await?;
+    let owners: Vec<Owner> = (0..load.workers).map(|_| Owner::random()).collect();
+    let lease_row = measure("lock acquire+release", load, move |worker| {
+        let locks = locks.clone();
+        let owner = owners[worker % owners.len()].clone();
+        async move {
+            let r = rand::random_range(0..RESOURCES);
+            match locks
+                .try_acquire(&owner, &format!("r-{r}"), Duration::from_secs(30))
+                .await?
+            {
+                Some(lease) => {
+                    locks.release(&lease).await?;
+                    Ok(1)
+                }
+                None => Ok(0),
+            }
+        }
+    })
+    .await?;
+
+    let coll = db.collection::<Document>("bench_doclocks");
+    coll.insert_many((0..RESOURCES).map(|i| doc! { "_id": i, "n": 0_i64 }))
+        .await?;
+    let doc_locks = DocumentLocks::new(coll, time, DocumentLockOptions::default())?;
+    let doc_row = measure("document lock+release_with", load, move |_| {
+        let doc_locks = doc_locks.clone();
+        async move {
+            let id = rand::random_range(0..RESOURCES);
+            match doc_locks.lock(id).await {
+                Ok(Some(guard)) => {
+                    doc_locks
+                        .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
+                        .await?;
+                    Ok(1)
+                }
+                Ok(None) => Ok(0),
+                Err(docwarden::Error::AlreadyLocked { .. }) => Ok(0),
+                Err(e) => Err(e.into()),
+            }
+        }
+    })
+    .await?;
+    Ok(vec![lease_row, doc_row])
+}

@@ -1,0 +1,386 @@
+//! `docwarden demo locks`: seed 003 (document locks in the entity) and seed 004 (a lock
+//! collection with leases), narrated, each ending in a counted check.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{
+    DocumentLockOptions, DocumentLocks, Fence, FenceOptions, FenceOutcome, LockCollection,
+    LockOptions, Owner,
+};
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::{Collection, Database};
+
+use super::ScenarioReport;
+
+const TASKS: usize = 4;
+const ROUNDS: usize = 25;
+
+pub(crate) async fn run(
+    session: &crate::conn::Session,
+    db: &Database,
+) -> anyhow::Result<Vec<ScenarioReport>> {
+    let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
+    Ok(vec![
+        document_lock(db, time.clone()).await?,
+        lock_collection(db, time).await?,
+    ])
+}
+
+/// Seed 003: `Dummy(Id, Value, LockId, LockTime)`, locked by an upsert, released by a
+/// write fenced by the lock id.
+async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<ScenarioReport> {
+    let started = Instant::now();
+    let mut ops = 0_u64;
+    let mut violations = 0_u64;
+    println!("== document-lock (seed 003): the lock lives in the document (lock_id, lock_time)");
+    let coll = db.collection::<Document>("dummies");
+    let locks = DocumentLocks::new(
+        coll.clone(),
+        time,
+        DocumentLockOptions::default().max_duration(Duration::from_secs(30)),
+    )?;
+
+    let guard = locks
+        .lock_or_create("dummy-1", doc! { "value": "created" })
+        .await?;
+    ops += 1;
+    println!(
+        "   lock_or_create(dummy-1) created and locked it with a random lock id {}…",
+        &guard.lock_id[..8]
+    );
+    match locks.lock("dummy-1").await {
+        Err(Error::AlreadyLocked { .. }) => println!("   a second lock(dummy-1): already locked"),
+        other => {
+            violations += 1;
+            println!("   ! a second lock(dummy-1) returned {other:?}");
+        }
+    }
+    locks
+        .release_with(guard, doc! { "$set": { "value": "changed" } })
+        .await?;
+    ops += 2;
+    println!("   release_with wrote value=changed and cleared the lock in one fenced update");
+
+    // Eight creators race on a new document.
+    let mut tasks = Vec::new();
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    for i in 0..8 {
+        let (locks, barrier) = (locks.clone(), Arc::clone(&barrier));
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            locks
+                .lock_or_create("dummy-race", doc! { "value": i })
+                .await
+        }));
+    }
+    let (mut winners, mut already) = (0_u64, 0_u64);
+    for t in tasks {
+        match t.await? {
+            Ok(_) => winners += 1,
+            Err(Error::AlreadyLocked { .. }) => already += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    ops += 8;
+    let docs = coll.count_documents(doc! { "_id": "dummy-race" }).await?;
+    println!(
+        "   8 tasks race lock_or_create on a new id: {winners} winner, {already} already locked, {docs} document"
+    );
+    violations += winners.abs_diff(1) + docs.abs_diff(1);
+
+    // Concurrent read-modify-write under the document lock.
+    coll.insert_one(doc! { "_id": "counter", "n": 0_i64 })
+        .await?;
+    let mut tasks = Vec::new();
+    for _ in 0..TASKS {
+        let locks = locks.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ops = 0_u64;
+            for _ in 0..ROUNDS {
+                loop {
+                    ops += 1;
+                    match locks.lock("counter").await {
+                        Ok(Some(g)) => {
+                            let n = g.document.get_i64("n")?;
+                            locks
+                                .release_with(g, doc! { "$set": { "n": n + 1 } })
+                                .await?;
+                            ops += 1;
+                            break;
+                        }
+                        Ok(None) => anyhow::bail!("counter missing"),
+                        Err(Error::AlreadyLocked { .. }) => {
+                            tokio::time::sleep(Duration::from_millis(2)).await;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            anyhow::Ok(ops)
+        }));
+    }
+    for t in tasks {
+        ops += t.await??;
+    }
+    let n = coll
+        .find_one(doc! { "_id": "counter" })
+        .await?
+        .context("counter")?
+        .get_i64("n")?;
+    let expected = i64::try_from(TASKS * ROUNDS)?;
+    println!(
+        "   {TASKS} tasks × {ROUNDS} locked read-modify-writes: counter {n} of {expected}, lost {}",
+        expected - n
+    );
+    violations += u64::try_from((expected - n).abs())?;
+
+    // A holder that crashed long ago: its lock has expired and is taken over.
+    let stale = locks.lock("dummy-1").await?.context("dummy-1")?;
+    coll.update_one(
+        doc! { "_id": "dummy-1" },
+        doc! { "$set": { "lock_time": DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000) } },
+    )
+    .await?;
+    let seed_and = coll
+        .count_documents(doc! { "_id": "dummy-1", "lock_id": Bson::Null, "lock_time": { "$lt": DateTime::now() } })
+        .await?;
+    println!(
+        "   a holder crashed an hour ago; the seed's AND filter (lock_id null AND lock_time expired) matches {seed_and} document: it would say 'already locked' forever"
+    );
+    let taker = locks.lock("dummy-1").await?.context("takeover")?;
+    ops += 2;
+    println!("   the OR filter takes the expired lock over");
+    match locks
+        .release_with(
+            stale,
+            doc! { "$set": { "value": "from the crashed holder" } },
+        )
+        .await
+    {
+        Err(Error::LeaseLost { .. }) => {
+            println!(
+                "   the old holder wakes up: its release_with is refused (lock lost), nothing written"
+            );
+        }
+        other => {
+            violations += 1;
+            println!("   ! the old holder's release returned {other:?}");
+        }
+    }
+    locks.release(taker).await?;
+    ops += 2;
+    println!("   violations: {violations}");
+    Ok(ScenarioReport {
+        scenario: "document-lock",
+        operations: ops,
+        violations,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Seed 004: a separate `workitem.lock` collection, leases with fencing tokens.
+async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<ScenarioReport> {
+    let started = Instant::now();
+    let mut ops = 0_u64;
+    let mut violations = 0_u64;
+    println!(
+        "== lock-collection (seed 004): leases in workitem.lock, tokens in workitem.lock.tokens"
+    );
+    let locks = LockCollection::open(
+        db,
+        "workitem.lock",
+        time,
+        LockOptions::default().backoff(Duration::from_millis(1), Duration::from_millis(20)),
+    )
+    .await?;
+    let workitems = db.collection::<Document>("workitem");
+    workitems
+        .insert_many((0..4_i64).map(|i| doc! { "_id": i, "n": 0_i64 }))
+        .await?;
+
+    // Mutual exclusion with unsynchronized read-modify-writes.
+    let tokens: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for task in 0..TASKS * 2 {
+        let (locks, workitems, tokens) = (locks.clone(), workitems.clone(), Arc::clone(&tokens));
+        tasks.push(tokio::spawn(async move {
+            let owner = Owner::random();
+            for round in 0..ROUNDS {
+                let r = i64::try_from((task + round) % 4)?;
+                let lease = locks
+                    .acquire(
+                        &owner,
+                        &format!("workitem-{r}"),
+                        Duration::from_secs(30),
+                        Duration::from_secs(30),
+                    )
+                    .await?
+                    .context("acquire timed out")?;
+                tokens
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("poisoned"))?
+                    .entry(r)
+                    .or_default()
+                    .push(lease.token);
+                read_modify_write(&workitems, r).await?;
+                locks.release(&lease).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    ops += u64::try_from(TASKS * 2 * ROUNDS * 5)?;
+    let mut total = 0;
+    let mut cursor = workitems.find(doc! {}).await?;
+    while cursor.advance().await? {
+        total += cursor.deserialize_current()?.get_i64("n")?;
+    }
+    let expected = i64::try_from(TASKS * 2 * ROUNDS)?;
+    let regressions: usize = tokens
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .values()
+        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
+        .sum();
+    println!(
+        "   {} owners × {ROUNDS} leased read-modify-writes on 4 work items: {total} of {expected}, lost {}, token regressions {regressions}",
+        TASKS * 2,
+        expected - total
+    );
+    violations += u64::try_from((expected - total).abs())? + u64::try_from(regressions)?;
+
+    // A holder paused past its ttl.
+    let accounts = db.collection::<Document>("account");
+    accounts
+        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
+        .await?;
+    let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
+    let (a, b) = (Owner::random(), Owner::random());
+    let mut la = locks
+        .try_acquire(&a, "account-1", Duration::from_secs(1))
+        .await?
+        .context("a")?;
+    println!(
+        "   owner A leases account-1 for 1 s (token {}) and pauses for 2 s…",
+        la.token
+    );
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let lb = locks
+        .acquire(
+            &b,
+            "account-1",
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
+        .await?
+        .context("b")?;
+    fence
+        .apply(
+            &lb,
+            doc! { "_id": 1 },
+            doc! { "$inc": { "balance": -20_i64 } },
+        )
+        .await?;
+    println!(
+        "   owner B takes it over with token {} and writes (fenced)",
+        lb.token
+    );
+    let renew = locks.renew(&mut la, Duration::from_secs(1)).await;
+    let release = locks.release(&la).await;
+    let write = fence
+        .apply(
+            &la,
+            doc! { "_id": 1 },
+            doc! { "$inc": { "balance": -10_i64 } },
+        )
+        .await?;
+    ops += 6;
+    let refused = [
+        matches!(renew, Err(Error::LeaseLost { .. })),
+        matches!(release, Err(Error::LeaseLost { .. })),
+        matches!(write, FenceOutcome::Stale { .. }),
+    ];
+    println!(
+        "   A wakes up: renew {}, release {}, fenced write {}",
+        if refused[0] {
+            "refused (lease lost)"
+        } else {
+            "ACCEPTED"
+        },
+        if refused[1] {
+            "refused (lease lost)"
+        } else {
+            "ACCEPTED"
+        },
+        if refused[2] {
+            "refused (stale token)"
+        } else {
+            "ACCEPTED"
+        },
+    );
+    violations += u64::try_from(refused.iter().filter(|r| !**r).count())?;
+    locks.release(&lb).await?;
+
+    // A crash, and the lock document deleted (what the TTL index does, later).
+    let c = Owner::random();
+    let lc = locks
+        .try_acquire(&c, "account-1", Duration::from_secs(30))
+        .await?
+        .context("c")?;
+    db.collection::<Document>("workitem.lock")
+        .delete_one(doc! { "_id": "account-1" })
+        .await?;
+    let ld = locks
+        .try_acquire(&Owner::random(), "account-1", Duration::from_secs(30))
+        .await?
+        .context("d")?;
+    ops += 3;
+    println!(
+        "   owner C (token {}) crashes and its lock document is deleted; the next owner gets token {}",
+        lc.token, ld.token
+    );
+    if ld.token <= lc.token {
+        violations += 1;
+    }
+    locks.release(&ld).await?;
+
+    // The seed's "release by session" becomes release_all(owner).
+    for i in 0..3 {
+        locks
+            .try_acquire(&c, &format!("batch-{i}"), Duration::from_secs(30))
+            .await?
+            .context("batch")?;
+    }
+    let released = locks.release_all(&c).await?;
+    ops += 4;
+    println!("   release_all(owner C) released {released} lease(s)");
+    if released != 3 {
+        violations += 1;
+    }
+    println!("   violations: {violations}");
+    Ok(ScenarioReport {
+        scenario: "lock-collection",
+        operations: ops,
+        violations,
+        elapsed: started.elapsed(),
+    })
+}
+
+async fn read_modify_write(c: &Collection<Document>, r: i64) -> anyhow::Result<()> {
+    let n = c
+        .find_one(doc! { "_id": r })
+        .await?
+        .context("work item")?
+        .get_i64("n")?;
+    tokio::task::yield_now().await;
+    c.update_one(doc! { "_id": r }, doc! { "$set": { "n": n + 1 } })
+        .await?;
+    Ok(())
+}

@@ -10,6 +10,7 @@ use mongodb::Database;
 
 use crate::conn::ConnArgs;
 
+mod enrollment;
 mod locks;
 
 /// Arguments of `docwarden demo`.
@@ -31,11 +32,13 @@ pub(crate) enum Scenario {
     Server,
     /// Seed 003 (document locks) and seed 004 (lock collection with fencing tokens).
     Locks,
+    /// Seed 001: enroll/unenroll messages shuffled and duplicated still converge.
+    Enrollment,
 }
 
 impl Scenario {
     fn all() -> Vec<Scenario> {
-        vec![Scenario::Server, Scenario::Locks]
+        vec![Scenario::Server, Scenario::Locks, Scenario::Enrollment]
     }
 }
 
@@ -98,6 +101,7 @@ async fn run_one(
 ) -> anyhow::Result<Vec<ScenarioReport>> {
     match scenario {
         Scenario::Locks => locks::run(session, _db).await,
+        Scenario::Enrollment => enrollment::run(_db).await,
         Scenario::Server => {
             let started = Instant::now();
             let r =

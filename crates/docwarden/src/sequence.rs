@@ -120,14 +120,14 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 async fn apply(
     collection: &mongodb::Collection<Document>,
     filter: Document,
-    pipeline: Vec<Document>,
+    pipeline: impl Fn() -> Vec<Document>,
     key: &Bson,
 ) -> Result<Outcome> {
     let mut attempt = 0;
     loop {
         attempt += 1;
         let doc = collection
-            .find_one_and_update(filter.clone(), pipeline.clone())
+            .find_one_and_update(filter.clone(), pipeline())
             .return_document(mongodb::options::ReturnDocument::After)
             .projection(mongodb::bson::doc! { OUTCOME_FIELD: 1 })
             .await?;

@@ -98,7 +98,7 @@ impl SequencedFields {
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            Self::pipeline(field, value, seq),
+            || Self::pipeline(field, value.clone(), seq),
             &key,
         )
         .await?;

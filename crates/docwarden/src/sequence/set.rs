@@ -170,11 +170,10 @@ impl SequencedSet {
         let key = encode::key(key)?;
         encode::member(member)?;
         validate_seq(seq)?;
-        let pipeline = self.pipeline(member, seq, present);
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            pipeline,
+            || self.pipeline(member, seq, present),
             &key,
         )
         .await?;

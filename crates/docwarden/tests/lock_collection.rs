@@ -723,3 +723,38 @@ async fn a_released_watchdog_frees_the_lease() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_watchdog_reports_expiry_when_the_server_is_unreachable() -> anyhow::Result<()> {
+    let Some(mut t) = TestDb::dedicated("lock_watchdog_unreachable").await? else {
+        return Ok(()); // needs a server the test can pause
+    };
+    let locks = open(&t).await?;
+    let ttl = Duration::from_secs(2);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+    let server = t.server_mut().context("dedicated server")?;
+    server.pause().await?;
+    let paused = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(5), dog.lost()).await;
+    let noticed = paused.elapsed();
+    server.resume().await?;
+    let reason = reason?;
+    eprintln!(
+        "watchdog reported {reason:?} {:.2} s after the server stopped answering",
+        noticed.as_secs_f64()
+    );
+    assert_eq!(reason, LostReason::Expired);
+    // It gave up before the lease could have been taken over by anyone else.
+    assert!(noticed <= ttl, "{noticed:?}");
+    assert!(dog.lease().is_none());
+    // Once the server is back, the lease (no longer renewed) is free for others.
+    let next = locks
+        .acquire(&Owner::random(), "r", ttl, Duration::from_secs(10))
+        .await?;
+    assert!(next.is_some());
+    Ok(())
+}

@@ -200,6 +200,13 @@ async fn run(
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
             r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew(&mut renewed, ttl)) => r,
+            () = tokio::time::sleep_until(valid_until.into()) => {
+                // The renewal is still in flight but the lease has certainly lapsed: say so
+                // now rather than when the server answers.
+                tracing::warn!("lease lapsed while a renewal was in flight");
+                let _ = tx.send(State::Lost(LostReason::Expired, lease.clone()));
+                return;
+            }
         };
         match outcome {
             Ok(Ok(())) => {

@@ -181,13 +181,7 @@ impl JobQueue {
                 now.plus_ms(self.inner.ttl_ms),
                 now.estimate(),
             );
-            let failed = match self
-                .inner
-                .coll
-                .update_many(filter, update)
-                .hint(claim_hint())
-                .await
-            {
+            let failed = match self.inner.coll.update_many(filter, update).await {
                 Ok(_) => None,
                 Err(e) => Some(Error::from(e)),
             };
@@ -204,13 +198,13 @@ impl JobQueue {
                     claimed.push(c);
                 }
             }
-            if let Some(e) = failed {
-                if e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0 {
-                    if claimed.is_empty() {
-                        return Err(e);
-                    }
-                    tracing::warn!(error = %e, "batch claim partly failed");
+            if let Some(e) = failed
+                && (e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0)
+            {
+                if claimed.is_empty() {
+                    return Err(e);
                 }
+                tracing::warn!(error = %e, "batch claim partly failed");
             }
             if !claimed.is_empty() {
                 claimed.sort_by(|a, b| {

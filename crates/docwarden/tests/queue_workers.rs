@@ -1,0 +1,418 @@
+//! The worker runtime against the real server: exactly-once effects with 8 workers,
+//! killed workers, retries, graceful shutdown and malformed job documents.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::{
+    ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions, Worker,
+    WorkerHandle, WorkerOptions,
+};
+use docwarden_testkit::TestDb;
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::{Collection, Database};
+
+async fn open(
+    db: &Database,
+    client: &mongodb::Client,
+    opts: QueueOptions,
+) -> anyhow::Result<JobQueue> {
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    Ok(JobQueue::open(db, "jobs", time, opts).await?)
+}
+
+async fn count(c: &Collection<Document>, filter: Document) -> anyhow::Result<u64> {
+    Ok(c.count_documents(filter).await?)
+}
+
+/// Waits until `filter` matches `n` jobs, or fails after `limit`.
+async fn wait_for(
+    c: &Collection<Document>,
+    filter: Document,
+    n: u64,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let got = count(c, filter.clone()).await?;
+        if got >= n {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            started.elapsed() < limit,
+            "only {got} of {n} jobs match {filter} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The handler's side effect, fenced by the claim: `$inc effects` on the job document
+/// applies only while this claim holds the job.
+async fn fenced_effect(coll: Collection<Document>, job: ClaimedJob) -> HandlerResult {
+    let r = coll
+        .update_one(job.fence(), doc! { "$inc": { "effects": 1 } })
+        .await?;
+    if r.matched_count == 1 {
+        Ok(Bson::Int64(job.job.attempts))
+    } else {
+        Err("the effect was fenced off: lease lost".into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_thousand_jobs_eight_workers_every_effect_exactly_once() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_5000").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let started = Instant::now();
+    for chunk in 0..5 {
+        q.enqueue_many(
+            (0..1000).map(|i| (doc! { "n": chunk * 1000 + i }, EnqueueOptions::default())),
+        )
+        .await?;
+    }
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let c = coll.clone();
+        // Two workers claim one job at a time; six claim batches of up to 16 (sorted
+        // finds are slow on the embedded surrogate, batches amortise them).
+        let (concurrency, batch) = if w < 2 { (2, 1) } else { (16, 16) };
+        let opts = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(concurrency)
+            .batch_size(batch);
+        workers.push(Worker::spawn(q.clone(), opts, move |job| {
+            fenced_effect(c.clone(), job)
+        })?);
+    }
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        5000,
+        Duration::from_secs(90),
+    )
+    .await?;
+    let mut succeeded = 0;
+    for w in workers {
+        succeeded += w.shutdown().await.succeeded;
+    }
+    let lost = count(&coll, doc! { "state": { "$ne": "succeeded" } }).await?;
+    let running = count(&coll, doc! { "state": "running" }).await?;
+    let once = count(&coll, doc! { "state": "succeeded", "effects": 1 }).await?;
+    let duplicated = count(&coll, doc! { "effects": { "$gt": 1 } }).await?;
+    let missing = count(&coll, doc! { "effects": { "$exists": false } }).await?;
+    eprintln!(
+        "5000 jobs in {:?}: lost {lost}, running {running}, duplicated {duplicated}",
+        started.elapsed()
+    );
+    assert_eq!((lost, running, duplicated, missing), (0, 0, 0, 0));
+    assert_eq!(once, 5000);
+    assert_eq!(succeeded, 5000, "completions applied");
+
+    // Control: the seed's shape without its safeguards — read a ready job, then claim it
+    // by _id without re-checking its state, complete unfenced.
+    let control = t.db.collection::<Document>("control");
+    control
+        .insert_many((0..500).map(|i| doc! { "_id": i, "state": "ready" }))
+        .await?;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let c = control.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(d) = c.find_one(doc! { "state": "ready" }).await? {
+                let id = d.get("_id").cloned().unwrap_or(Bson::Null);
+                tokio::task::yield_now().await;
+                c.update_one(
+                    doc! { "_id": id.clone() },
+                    doc! { "$set": { "state": "running" } },
+                )
+                .await?;
+                c.update_one(
+                    doc! { "_id": id },
+                    doc! { "$inc": { "effects": 1 }, "$set": { "state": "succeeded" } },
+                )
+                .await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let control_dupes = count(&control, doc! { "effects": { "$gt": 1 } }).await?;
+    eprintln!("control: {control_dupes} of 500 jobs had their effect applied more than once");
+    assert!(control_dupes > 0, "the control should duplicate effects");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_workers_jobs_are_reclaimed_and_their_late_completions_refused() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_killed").await?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(2))
+        .reap_interval(Duration::from_millis(200));
+    let q = open(&t.db, &t.client, opts).await?;
+    let coll = q.collection().clone();
+    q.enqueue_many((0..40).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    // A worker that hangs in every handler, then is killed (tasks aborted).
+    let hang = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().name("hang").concurrency(4),
+        |_job| async {
+            std::future::pending::<()>().await;
+            Ok(Bson::Null)
+        },
+    )?;
+    // And a "process" that claimed a job by hand and will wake up late.
+    let zombie = q
+        .claim("zombie")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    wait_for(
+        &coll,
+        doc! { "state": "running" },
+        5,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let hung = hang.kill().await;
+    assert_eq!(hung.claimed, 4);
+    let c = coll.clone();
+    let healthy = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .name("healthy")
+            .concurrency(4)
+            .poll(Duration::from_millis(20), Duration::from_millis(200)),
+        move |job| fenced_effect(c.clone(), job),
+    )?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        40,
+        Duration::from_secs(30),
+    )
+    .await?;
+    let report = healthy.shutdown().await;
+    assert_eq!(report.succeeded, 40);
+    // The jobs of the killed worker and of the zombie were claimed twice.
+    assert_eq!(count(&coll, doc! { "attempts": 2 }).await?, 5);
+    assert_eq!(count(&coll, doc! { "effects": 1 }).await?, 40);
+    // The zombie wakes up: every write it tries is refused.
+    assert!(matches!(
+        q.complete(&zombie, "late").await,
+        Err(Error::LeaseLost { .. })
+    ));
+    let r = coll
+        .update_one(zombie.fence(), doc! { "$inc": { "effects": 1 } })
+        .await?;
+    assert_eq!(r.matched_count, 0, "the zombie's fenced effect is refused");
+    assert_eq!(count(&coll, doc! { "effects": { "$gt": 1 } }).await?, 0);
+    // Control: the same late completion without the fence lands on a finished job.
+    let r = coll
+        .update_one(
+            doc! { "_id": zombie.id() },
+            doc! { "$inc": { "effects": 1 } },
+        )
+        .await?;
+    assert_eq!(r.modified_count, 1, "control: unfenced late write applies");
+    assert_eq!(count(&coll, doc! { "effects": { "$gt": 1 } }).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_handler_is_retried_with_growing_delays_then_dead() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_retries").await?;
+    let opts =
+        QueueOptions::default().retry_delays(Duration::from_millis(300), Duration::from_secs(30));
+    let q = open(&t.db, &t.client, opts).await?;
+    let id = q
+        .enqueue(
+            doc! { "ip": "10.0.0.1" },
+            &EnqueueOptions::default().max_attempts(4),
+        )
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let calls = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let seen = Arc::clone(&calls);
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().poll(Duration::from_millis(10), Duration::from_millis(50)),
+        move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock().map_err(|e| e.to_string())?.push(Instant::now());
+                Err(format!("geo service said no (attempt {})", job.job.attempts).into())
+            }
+        },
+    )?;
+    wait_for(
+        q.collection(),
+        doc! { "state": "dead" },
+        1,
+        Duration::from_secs(20),
+    )
+    .await?;
+    let report = w.shutdown().await;
+    assert_eq!((report.retried, report.dead), (3, 1));
+    let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.attempts, 4);
+    assert_eq!(
+        job.last_error.as_deref(),
+        Some("geo service said no (attempt 4)")
+    );
+    let calls = calls.lock().map_err(|e| anyhow::anyhow!("{e}"))?.clone();
+    assert_eq!(calls.len(), 4);
+    let gaps: Vec<Duration> = calls.windows(2).map(|w| w[1] - w[0]).collect();
+    eprintln!("retry gaps {gaps:?}");
+    // Delay n is in [cap/2, cap] with cap = 300 ms · 2^(n-1).
+    for (n, gap) in gaps.iter().enumerate() {
+        let half_cap = Duration::from_millis(150) * 2_u32.pow(u32::try_from(n)?);
+        assert!(*gap >= half_cap, "gap {n} = {gap:?} below {half_cap:?}");
+    }
+    assert!(
+        gaps[2] > gaps[0] && gaps[2] > gaps[1],
+        "delays grow: {gaps:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_leaves_no_job_running() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_shutdown").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let spawn = |name: &str| -> anyhow::Result<WorkerHandle> {
+        Ok(Worker::spawn(
+            q.clone(),
+            WorkerOptions::default()
+                .name(name)
+                .concurrency(4)
+                .shutdown_deadline(Duration::from_millis(500)),
+            |job| async move {
+                // Every fifth job takes far longer than the shutdown deadline.
+                let n = job
+                    .payload()
+                    .as_document()
+                    .and_then(|d| d.get_i32("n").ok())
+                    .unwrap_or(0);
+                let ms = if n % 5 == 0 { 60_000 } else { 20 };
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(Bson::Null)
+            },
+        )?)
+    };
+    q.enqueue_many((0..20).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    let w = spawn("graceful")?;
+    wait_for(
+        &coll,
+        doc! { "state": "running" },
+        4,
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = w.shutdown().await;
+    let running = count(&coll, doc! { "state": "running" }).await?;
+    assert_eq!(running, 0, "graceful shutdown left jobs running");
+    assert!(report.released >= 1, "{report:?}");
+    // Released jobs are claimable at once (the lease TTL is 30 s) and not charged an attempt.
+    let again = q
+        .claim("next")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("nothing claimable"))?;
+    assert_eq!(again.job.attempts, 1);
+    q.release(&again).await?;
+
+    // Control: killing instead of shutting down leaves jobs running until their leases expire.
+    let w = spawn("killed")?;
+    wait_for(
+        &coll,
+        doc! { "state": "running" },
+        4,
+        Duration::from_secs(10),
+    )
+    .await?;
+    w.kill().await;
+    assert!(
+        count(&coll, doc! { "state": "running" }).await? > 0,
+        "control: a kill leaves jobs running"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_edited_job_goes_to_dead_with_the_reason_and_the_worker_keeps_running()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_malformed").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let ids: Vec<_> = q
+        .enqueue_many((0..10).map(|i| {
+            (
+                doc! { "n": i },
+                EnqueueOptions::default().priority(if i < 2 { 10 } else { 0 }),
+            )
+        }))
+        .await?
+        .iter()
+        .filter_map(|e| e.created())
+        .collect();
+    // An operator "fixes" two jobs by hand, with the wrong types.
+    coll.update_one(
+        doc! { "_id": ids[0] },
+        doc! { "$set": { "max_attempts": "three" } },
+    )
+    .await?;
+    coll.update_one(
+        doc! { "_id": ids[1] },
+        doc! { "$set": { "attempts": "none yet" } },
+    )
+    .await?;
+    let c = coll.clone();
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().concurrency(2),
+        move |job| fenced_effect(c.clone(), job),
+    )?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        8,
+        Duration::from_secs(20),
+    )
+    .await?;
+    wait_for(&coll, doc! { "state": "dead" }, 2, Duration::from_secs(20)).await?;
+    for (id, field) in [(ids[0], "max_attempts"), (ids[1], "attempts")] {
+        let d = coll
+            .find_one(doc! { "_id": id })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?;
+        assert_eq!(d.get_str("state")?, "dead");
+        let reason = d.get_str("last_error")?;
+        assert!(
+            reason.contains(field) && reason.contains("malformed"),
+            "{reason}"
+        );
+    }
+    // The worker is still alive and takes new work.
+    q.enqueue(doc! { "n": 99 }, &EnqueueOptions::default())
+        .await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        9,
+        Duration::from_secs(20),
+    )
+    .await?;
+    let report = w.shutdown().await;
+    assert_eq!(report.succeeded, 9);
+    Ok(())
+}

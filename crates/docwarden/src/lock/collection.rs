@@ -644,4 +644,113 @@ mod tests {
         assert!(record(&doc! { "_id": "r" }, DateTime::from_millis(0)).is_err());
         Ok(())
     }
+
+    /// A model of the three-step acquire (acquire, draw token, commit) under arbitrary
+    /// interleavings of several acquirers, expiries, releases and deletions of the lock
+    /// document: every committed lease carries a token above every token committed before.
+    mod model {
+        use proptest::prelude::*;
+
+        #[derive(Clone, Debug)]
+        struct LockDoc {
+            owner: Option<usize>,
+            pending: Option<u64>,
+            token: Option<i64>,
+            expired: bool,
+        }
+
+        #[derive(Clone, Debug)]
+        enum Phase {
+            Idle,
+            Acquired { nonce: u64, previous: i64 },
+            Drawn { nonce: u64, token: i64 },
+            Holding { token: i64 },
+        }
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Step(usize),
+            Expire,
+            Delete,
+            Release(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => (0..4_usize).prop_map(Op::Step),
+                2 => Just(Op::Expire),
+                1 => Just(Op::Delete),
+                1 => (0..4_usize).prop_map(Op::Release),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn committed_tokens_strictly_increase(ops in proptest::collection::vec(op(), 1..200)) {
+                let mut doc: Option<LockDoc> = None;
+                let mut counter = 0_i64;
+                let mut phases = vec![Phase::Idle; 4];
+                let mut committed: Vec<i64> = Vec::new();
+                let mut nonces = 0_u64;
+                for op in ops {
+                    match op {
+                        Op::Step(a) => match phases[a].clone() {
+                            Phase::Idle | Phase::Holding { .. } => {
+                                let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
+                                if free {
+                                    nonces += 1;
+                                    let previous = doc.as_ref().and_then(|d| d.token).unwrap_or(0);
+                                    doc = Some(LockDoc {
+                                        owner: Some(a),
+                                        pending: Some(nonces),
+                                        token: doc.as_ref().and_then(|d| d.token),
+                                        expired: false,
+                                    });
+                                    phases[a] = Phase::Acquired { nonce: nonces, previous };
+                                } else {
+                                    phases[a] = Phase::Idle;
+                                }
+                            }
+                            Phase::Acquired { nonce, previous } => {
+                                counter = (counter + 1).max(previous + 1);
+                                phases[a] = Phase::Drawn { nonce, token: counter };
+                            }
+                            Phase::Drawn { nonce, token } => {
+                                let ours = doc.as_ref().is_some_and(|d| d.owner == Some(a) && d.pending == Some(nonce));
+                                if ours {
+                                    if let Some(d) = doc.as_mut() {
+                                        d.token = Some(token);
+                                        d.pending = None;
+                                    }
+                                    prop_assert!(committed.iter().all(|t| *t < token), "{token} after {committed:?}");
+                                    committed.push(token);
+                                    phases[a] = Phase::Holding { token };
+                                } else {
+                                    phases[a] = Phase::Idle;
+                                }
+                            }
+                        },
+                        Op::Expire => {
+                            if let Some(d) = doc.as_mut() {
+                                d.expired = true;
+                            }
+                        }
+                        Op::Delete => doc = None,
+                        Op::Release(a) => {
+                            if let Phase::Holding { token } = phases[a] {
+                                if let Some(d) = doc.as_mut()
+                                    && d.owner == Some(a)
+                                    && d.token == Some(token)
+                                    && d.pending.is_none()
+                                {
+                                    d.owner = None;
+                                }
+                                phases[a] = Phase::Idle;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

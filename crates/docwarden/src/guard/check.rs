@@ -1,0 +1,96 @@
+//! The checker: which documents violate which invariants, by one aggregation.
+//!
+//! `$match: {$expr: {$not: [{$and: [...]}]}}` finds the violators and a `$project` names
+//! the invariants each one breaks. It reads a snapshot per document, not of the whole
+//! collection: run it after writers stop for an exact count.
+
+use futures::TryStreamExt;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+
+use super::invariant::{Invariant, all_of};
+use crate::error::{Error, Result};
+
+/// A document that violates one or more invariants.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Violation {
+    /// The document's `_id`.
+    pub id: Bson,
+    /// Names of the invariants it violates, in the order given.
+    pub invariants: Vec<String>,
+}
+
+/// The aggregation pipeline that lists violators (optionally of one document).
+pub(crate) fn pipeline(
+    invariants: &[Invariant],
+    only: Option<&Bson>,
+    limit: Option<i64>,
+) -> Vec<Document> {
+    let mut m = doc! { "$expr": { "$not": [all_of(invariants)] } };
+    if let Some(id) = only {
+        m.insert("_id", id.clone());
+    }
+    let names: Vec<Bson> = invariants
+        .iter()
+        .map(|i| {
+            Bson::Document(doc! { "$cond": [{ "$and": [i.expr().clone()] }, "$$REMOVE", { "$literal": i.name() }] })
+        })
+        .collect();
+    let mut p = vec![doc! { "$match": m }, doc! { "$sort": { "_id": 1 } }];
+    if let Some(n) = limit {
+        p.push(doc! { "$limit": n });
+    }
+    p.push(doc! { "$project": { "_id": 1, "failed": names } });
+    p
+}
+
+/// Lists the documents of `coll` that violate any of `invariants` (sorted by `_id`, at
+/// most `limit` of them when given).
+///
+/// # Errors
+/// [`Error::InvalidInput`] for a `limit` below 1; [`Error::Database`] if the aggregation
+/// fails.
+pub async fn violations(
+    coll: &Collection<Document>,
+    invariants: &[Invariant],
+    limit: Option<i64>,
+) -> Result<Vec<Violation>> {
+    if limit.is_some_and(|n| n < 1) {
+        return Err(Error::invalid("limit", "must be at least 1"));
+    }
+    collect(coll, pipeline(invariants, None, limit)).await
+}
+
+/// The invariants the document with `_id == id` violates (empty if none, or if there is
+/// no such document): the per-operation check of a concurrency test.
+///
+/// # Errors
+/// [`Error::Database`] if the aggregation fails.
+pub async fn violations_of(
+    coll: &Collection<Document>,
+    id: impl Into<Bson>,
+    invariants: &[Invariant],
+) -> Result<Vec<String>> {
+    let id = id.into();
+    let mut v = collect(coll, pipeline(invariants, Some(&id), Some(1))).await?;
+    Ok(v.pop().map(|v| v.invariants).unwrap_or_default())
+}
+
+async fn collect(coll: &Collection<Document>, pipeline: Vec<Document>) -> Result<Vec<Violation>> {
+    let docs: Vec<Document> = coll.aggregate(pipeline).await?.try_collect().await?;
+    docs.into_iter()
+        .map(|d| {
+            let id = d.get("_id").cloned().unwrap_or(Bson::Null);
+            let failed = d.get_array("failed").map_err(|_| Error::Malformed {
+                id: id.to_string(),
+                reason: "checker returned no `failed` list".into(),
+            })?;
+            let invariants = failed
+                .iter()
+                .filter_map(|b| b.as_str().map(str::to_owned))
+                .collect();
+            Ok(Violation { id, invariants })
+        })
+        .collect()
+}

@@ -1,0 +1,473 @@
+//! Invariants as named values that render to aggregation expressions over one document.
+//!
+//! An [`Invariant`] is a name plus an aggregation expression that is truthy when the
+//! document satisfies it. The same expression is used in three places: over the document
+//! *after* a change in a guarded update's filter, as the collection's `$jsonSchema`-free
+//! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names are
+//! checked when an invariant is built, so a bad name is an [`Error::InvalidInput`] and
+//! never a malformed query.
+
+use mongodb::bson::{Bson, Document, doc};
+
+use crate::error::{Error, Result};
+
+/// The variable an element of an array is bound to inside a [`Condition`]
+/// (`$$elem.field`). Use it in [`Condition::raw`].
+pub const ELEMENT_VAR: &str = "elem";
+
+/// The variable the document after a change is bound to inside a guarded update's filter.
+pub(crate) const NEW_VAR: &str = "dw_new";
+
+/// A comparison operator, rendered as the aggregation operator of the same name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CmpOp {
+    /// `$eq`
+    Eq,
+    /// `$ne`
+    Ne,
+    /// `$gt`
+    Gt,
+    /// `$gte`
+    Gte,
+    /// `$lt`
+    Lt,
+    /// `$lte`
+    Lte,
+}
+
+impl CmpOp {
+    fn operator(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "$eq",
+            CmpOp::Ne => "$ne",
+            CmpOp::Gt => "$gt",
+            CmpOp::Gte => "$gte",
+            CmpOp::Lt => "$lt",
+            CmpOp::Lte => "$lte",
+        }
+    }
+}
+
+/// The right-hand side of a comparison: a constant, or another top-level field of the same
+/// document (for example a `capacity` stored next to the bookings).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Operand {
+    /// A constant, compared as a literal (a string starting with `$` is not a field path).
+    Value(Bson),
+    /// A field of the document, by dotted path.
+    Field(String),
+}
+
+impl Operand {
+    /// A constant operand.
+    pub fn value(v: impl Into<Bson>) -> Self {
+        Operand::Value(v.into())
+    }
+
+    /// A field of the document (dotted path allowed).
+    pub fn field(path: impl Into<String>) -> Self {
+        Operand::Field(path.into())
+    }
+
+    fn check(&self) -> Result<()> {
+        match self {
+            Operand::Value(_) => Ok(()),
+            Operand::Field(p) => field_path("operand field", p),
+        }
+    }
+
+    fn render(&self) -> Bson {
+        match self {
+            Operand::Value(v) => Bson::Document(doc! { "$literal": v.clone() }),
+            Operand::Field(p) => Bson::String(format!("${p}")),
+        }
+    }
+}
+
+impl From<i32> for Operand {
+    fn from(v: i32) -> Self {
+        Operand::Value(v.into())
+    }
+}
+
+impl From<i64> for Operand {
+    fn from(v: i64) -> Self {
+        Operand::Value(v.into())
+    }
+}
+
+impl From<f64> for Operand {
+    fn from(v: f64) -> Self {
+        Operand::Value(v.into())
+    }
+}
+
+impl From<bool> for Operand {
+    fn from(v: bool) -> Self {
+        Operand::Value(v.into())
+    }
+}
+
+impl From<&str> for Operand {
+    fn from(v: &str) -> Self {
+        Operand::Value(v.into())
+    }
+}
+
+/// A condition on one element of an array (evaluated with the element bound to
+/// `$$elem`, so every part of it is about the same element: `$elemMatch` semantics).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Condition {
+    /// `element.field <op> value`.
+    Field {
+        /// Field of the element (dotted path allowed).
+        field: String,
+        /// The comparison.
+        op: CmpOp,
+        /// The right-hand side (a constant; a [`Operand::Field`] refers to the document).
+        value: Operand,
+    },
+    /// All of the conditions hold (true when empty).
+    All(Vec<Condition>),
+    /// Any of the conditions holds (false when empty).
+    Any(Vec<Condition>),
+    /// A raw aggregation expression; the element is `$$elem`.
+    Raw(Document),
+}
+
+impl Condition {
+    /// `element.field == value`.
+    pub fn eq(field: impl Into<String>, value: impl Into<Operand>) -> Self {
+        Self::cmp(field, CmpOp::Eq, value)
+    }
+
+    /// `element.field <op> value`.
+    pub fn cmp(field: impl Into<String>, op: CmpOp, value: impl Into<Operand>) -> Self {
+        Condition::Field {
+            field: field.into(),
+            op,
+            value: value.into(),
+        }
+    }
+
+    /// All of `conditions` hold for the same element.
+    pub fn all(conditions: Vec<Condition>) -> Self {
+        Condition::All(conditions)
+    }
+
+    /// Any of `conditions` holds.
+    pub fn any(conditions: Vec<Condition>) -> Self {
+        Condition::Any(conditions)
+    }
+
+    /// A raw aggregation expression over the element `$$elem`.
+    pub fn raw(expr: Document) -> Self {
+        Condition::Raw(expr)
+    }
+
+    fn check(&self) -> Result<()> {
+        match self {
+            Condition::Field { field, value, .. } => {
+                field_path("condition field", field)?;
+                value.check()
+            }
+            Condition::All(cs) | Condition::Any(cs) => cs.iter().try_for_each(Condition::check),
+            Condition::Raw(_) => Ok(()),
+        }
+    }
+
+    fn render(&self) -> Bson {
+        match self {
+            Condition::Field { field, op, value } => Bson::Document(doc! {
+                op.operator(): [format!("$${ELEMENT_VAR}.{field}"), value.render()]
+            }),
+            Condition::All(cs) => Bson::Document(
+                doc! { "$and": cs.iter().map(Condition::render).collect::<Vec<_>>() },
+            ),
+            Condition::Any(cs) => {
+                Bson::Document(doc! { "$or": cs.iter().map(Condition::render).collect::<Vec<_>>() })
+            }
+            Condition::Raw(d) => Bson::Document(d.clone()),
+        }
+    }
+}
+
+/// A named rule over one document, rendered as an aggregation expression.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Invariant {
+    name: String,
+    expr: Bson,
+}
+
+impl Invariant {
+    /// At least `n` elements of `array` satisfy `condition` ("at least one doctor on
+    /// call"). A missing or non-array field counts as no elements.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or field path.
+    pub fn at_least(
+        name: impl Into<String>,
+        array: &str,
+        n: i64,
+        condition: Condition,
+    ) -> Result<Self> {
+        Self::count(name.into(), array, "$gte", n, condition)
+    }
+
+    /// At most `n` elements of `array` satisfy `condition`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or field path.
+    pub fn at_most(
+        name: impl Into<String>,
+        array: &str,
+        n: i64,
+        condition: Condition,
+    ) -> Result<Self> {
+        Self::count(name.into(), array, "$lte", n, condition)
+    }
+
+    fn count(name: String, array: &str, op: &str, n: i64, condition: Condition) -> Result<Self> {
+        field_path("array", array)?;
+        condition.check()?;
+        if n < 0 {
+            return Err(Error::invalid("n", "a count bound must not be negative"));
+        }
+        let count = doc! {
+            "$size": { "$filter": {
+                "input": as_array(array),
+                "as": ELEMENT_VAR,
+                "cond": condition.render(),
+            }}
+        };
+        Self::named(name, Bson::Document(doc! { op: [count, n] }))
+    }
+
+    /// The sum of `field` over the elements of `array` is at most `cap` (seats booked ≤
+    /// capacity, stock reserved ≤ stock). Non-numeric and missing values count as 0; `cap`
+    /// may be a constant or a field of the document ([`Operand::field`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or field path.
+    pub fn sum_at_most(
+        name: impl Into<String>,
+        array: &str,
+        field: &str,
+        cap: impl Into<Operand>,
+    ) -> Result<Self> {
+        field_path("array", array)?;
+        field_path("field", field)?;
+        let cap = cap.into();
+        cap.check()?;
+        let sum = doc! { "$sum": {
+            "$map": { "input": as_array(array), "as": ELEMENT_VAR, "in": format!("$${ELEMENT_VAR}.{field}") }
+        }};
+        Self::named(
+            name.into(),
+            Bson::Document(doc! { "$lte": [sum, cap.render()] }),
+        )
+    }
+
+    /// `field <op> value` on the document (`balance >= 0`). A missing field compares as
+    /// null, which is below every number: `balance >= 0` fails on a document without a
+    /// balance.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or field path.
+    pub fn field_cmp(
+        name: impl Into<String>,
+        field: &str,
+        op: CmpOp,
+        value: impl Into<Operand>,
+    ) -> Result<Self> {
+        field_path("field", field)?;
+        let value = value.into();
+        value.check()?;
+        Self::named(
+            name.into(),
+            Bson::Document(doc! { op.operator(): [format!("${field}"), value.render()] }),
+        )
+    }
+
+    /// Any aggregation expression over the document (`$field` paths, `$$ROOT`): the escape
+    /// hatch for shapes the builders do not cover.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name.
+    pub fn raw(name: impl Into<String>, expr: Document) -> Result<Self> {
+        Self::named(name.into(), Bson::Document(expr))
+    }
+
+    fn named(name: String, expr: Bson) -> Result<Self> {
+        crate::validate::name("invariant name", &name)?;
+        Ok(Self { name, expr })
+    }
+
+    /// The invariant's name (what [`super::Outcome::Rejected`] reports).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The expression over the stored document (`$field` paths), as used in a validator.
+    pub fn expr(&self) -> &Bson {
+        &self.expr
+    }
+
+    /// The expression over the document bound to `$$<var>` instead of the stored one.
+    pub(crate) fn expr_over(&self, var: &str) -> Bson {
+        rebase(&self.expr, var)
+    }
+}
+
+/// `{$and: [...]}` of every invariant's expression (true when there are none).
+pub(crate) fn all_of(invariants: &[Invariant]) -> Bson {
+    Bson::Document(doc! {
+        "$and": invariants.iter().map(|i| i.expr.clone()).collect::<Vec<_>>()
+    })
+}
+
+/// `$array` when it is an array, `[]` otherwise (so a missing field counts as empty and a
+/// malformed one never makes the whole query fail).
+fn as_array(array: &str) -> Document {
+    doc! { "$cond": [{ "$isArray": format!("${array}") }, format!("${array}"), []] }
+}
+
+/// Checks a dotted field path: non-empty segments, none starting with `$`, no NUL.
+pub(crate) fn field_path(what: &'static str, path: &str) -> Result<()> {
+    crate::validate::name(what, path)?;
+    if path.split('.').any(|s| s.is_empty() || s.starts_with('$')) {
+        return Err(Error::invalid(
+            what,
+            format!("`{path}` is not a field path (empty segment or `$`)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a top-level field name (no dots).
+pub(crate) fn field_name(what: &'static str, name: &str) -> Result<()> {
+    field_path(what, name)?;
+    if name.contains('.') {
+        return Err(Error::invalid(
+            what,
+            format!("`{name}` must be a top-level field (no dots)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Rewrites an expression over the current document into one over `$$var`: every field
+/// path `"$a.b"` becomes `"$$var.a.b"`, and `$$ROOT` / `$$CURRENT` become `$$var`. In an
+/// aggregation expression a string starting with one `$` is always a field path, so the
+/// rewrite is exact; `$literal` contents are left alone.
+pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
+    match expr {
+        Bson::String(s) => Bson::String(rebase_str(s, var)),
+        Bson::Array(a) => Bson::Array(a.iter().map(|b| rebase(b, var)).collect()),
+        Bson::Document(d) => {
+            let mut out = Document::new();
+            for (k, v) in d {
+                if k == "$literal" {
+                    out.insert(k.clone(), v.clone());
+                } else {
+                    out.insert(k.clone(), rebase(v, var));
+                }
+            }
+            Bson::Document(out)
+        }
+        other => other.clone(),
+    }
+}
+
+fn rebase_str(s: &str, var: &str) -> String {
+    for root in ["$$ROOT", "$$CURRENT"] {
+        if s == root {
+            return format!("$${var}");
+        }
+        if let Some(rest) = s.strip_prefix(root).and_then(|r| r.strip_prefix('.')) {
+            return format!("$${var}.{rest}");
+        }
+    }
+    if s.starts_with("$$") {
+        return s.to_owned();
+    }
+    match s.strip_prefix('$') {
+        Some(path) => format!("$${var}.{path}"),
+        None => s.to_owned(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn at_least_renders_a_filtered_count() {
+        let inv =
+            Invariant::at_least("on_call", "doctors", 1, Condition::eq("on_call", true)).unwrap();
+        assert_eq!(inv.name(), "on_call");
+        let expected = Bson::Document(doc! { "$gte": [
+            { "$size": { "$filter": {
+                "input": { "$cond": [{ "$isArray": "$doctors" }, "$doctors", []] },
+                "as": "elem",
+                "cond": { "$eq": ["$$elem.on_call", { "$literal": true }] },
+            }}},
+            1_i64,
+        ]});
+        assert_eq!(inv.expr(), &expected);
+    }
+
+    #[test]
+    fn rebase_rewrites_field_paths_only() {
+        let e = Bson::Document(doc! {
+            "$and": [
+                { "$gte": ["$balance", { "$literal": "$not_a_path" }] },
+                { "$eq": ["$$ROOT.a", "$$elem.b"] },
+                { "$eq": ["$$CURRENT", "plain"] },
+            ]
+        });
+        let r = rebase(&e, "n");
+        assert_eq!(
+            r,
+            Bson::Document(doc! {
+                "$and": [
+                    { "$gte": ["$$n.balance", { "$literal": "$not_a_path" }] },
+                    { "$eq": ["$$n.a", "$$elem.b"] },
+                    { "$eq": ["$$n", "plain"] },
+                ]
+            })
+        );
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        assert!(Invariant::field_cmp("", "balance", CmpOp::Gte, 0).is_err());
+        assert!(Invariant::field_cmp("x", "$balance", CmpOp::Gte, 0).is_err());
+        assert!(Invariant::field_cmp("x", "a..b", CmpOp::Gte, 0).is_err());
+        assert!(Invariant::at_least("x", "d", -1, Condition::eq("a", 1)).is_err());
+        assert!(Invariant::at_least("x", "d", 1, Condition::eq("", 1)).is_err());
+        assert!(Invariant::sum_at_most("x", "bookings", "seats", Operand::field("cap$")).is_ok());
+        assert!(field_name("f", "a.b").is_err());
+        assert!(field_name("f", "ab").is_ok());
+    }
+
+    #[test]
+    fn sum_and_field_cmp_render() {
+        let s =
+            Invariant::sum_at_most("cap", "bookings", "seats", Operand::field("capacity")).unwrap();
+        let Bson::Document(d) = s.expr() else {
+            panic!("document")
+        };
+        let args = d.get_array("$lte").unwrap();
+        assert_eq!(args[1], Bson::String("$capacity".into()));
+        let f = Invariant::field_cmp("nonneg", "balance", CmpOp::Gte, 0_i64).unwrap();
+        assert_eq!(
+            f.expr(),
+            &Bson::Document(doc! { "$gte": ["$balance", { "$literal": 0_i64 }] })
+        );
+    }
+}

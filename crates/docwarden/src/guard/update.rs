@@ -1,0 +1,480 @@
+//! Guarded updates: one atomic `updateOne` applied only if the document after the change
+//! satisfies every invariant.
+//!
+//! The change is written as an aggregation expression `NEW(field)` for the one top-level
+//! field it touches. The update is the pipeline `[{$set: {field: NEW}}]`; its filter is
+//! `{_id, [member $elemMatch], $expr: {$let: {vars: {dw_new: ROOT ⊕ {field: NEW}},
+//! in: {$and: [dw_new.field ≠ field, inv₁(dw_new), …]}}}}`. The server evaluates the
+//! filter and writes the same document atomically, so two racing writers cannot both pass
+//! a check that only one of them may pass (no write skew). When nothing was matched, one
+//! aggregation on the same `_id` tells the outcomes apart; if that read finds the update
+//! would now pass (the document changed in between), the update is tried again.
+
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+use tracing::{debug, instrument};
+
+use super::invariant::{Invariant, NEW_VAR, field_name};
+use crate::error::{Error, Result};
+
+/// What a guarded update did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The change was written; the document now satisfies every invariant.
+    Applied,
+    /// The document was already in the requested state; nothing was written.
+    NoChange,
+    /// No document has this `_id`.
+    NotFound,
+    /// The array element to change (or remove) is not in the document.
+    NoSuchMember,
+    /// The change would break this invariant (the first failing one, in the order given);
+    /// nothing was written.
+    Rejected {
+        /// The invariant's name.
+        invariant: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Kind {
+    SetMember {
+        key_field: String,
+        key: Bson,
+        fields: Document,
+    },
+    PullMember {
+        key_field: String,
+        key: Bson,
+    },
+    Push {
+        element: Bson,
+    },
+    Inc {
+        by: Bson,
+    },
+    Set {
+        value: Bson,
+    },
+}
+
+/// A change to one top-level field of a document, checked when built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Change {
+    field: String,
+    kind: Kind,
+}
+
+impl Change {
+    /// Set `fields` on the element(s) of `array` whose `key_field` equals `key` (a doctor by
+    /// name). Key and fields are tested on the same element (`$elemMatch` semantics); if no
+    /// element has the key the outcome is [`Outcome::NoSuchMember`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`]: `array` or `key_field` is not a top-level field name, or
+    /// `fields` is empty or has a key with a dot or a leading `$`.
+    pub fn set_member(
+        array: &str,
+        key_field: &str,
+        key: impl Into<Bson>,
+        fields: Document,
+    ) -> Result<Self> {
+        field_name("array", array)?;
+        field_name("key field", key_field)?;
+        if fields.is_empty() {
+            return Err(Error::invalid("fields", "must set at least one field"));
+        }
+        for k in fields.keys() {
+            field_name("fields", k)?;
+        }
+        Ok(Self {
+            field: array.to_owned(),
+            kind: Kind::SetMember {
+                key_field: key_field.to_owned(),
+                key: key.into(),
+                fields,
+            },
+        })
+    }
+
+    /// Remove the element(s) of `array` whose `key_field` equals `key` (cancel a booking).
+    /// [`Outcome::NoSuchMember`] if there is none.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad field name.
+    pub fn pull_member(array: &str, key_field: &str, key: impl Into<Bson>) -> Result<Self> {
+        field_name("array", array)?;
+        field_name("key field", key_field)?;
+        Ok(Self {
+            field: array.to_owned(),
+            kind: Kind::PullMember {
+                key_field: key_field.to_owned(),
+                key: key.into(),
+            },
+        })
+    }
+
+    /// Append `element` to `array` (a missing array is created).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad field name.
+    pub fn push(array: &str, element: impl Into<Bson>) -> Result<Self> {
+        field_name("array", array)?;
+        Ok(Self {
+            field: array.to_owned(),
+            kind: Kind::Push {
+                element: element.into(),
+            },
+        })
+    }
+
+    /// Add `by` to a numeric top-level `field` (a missing field counts as 0).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad field name or a non-numeric `by`.
+    pub fn inc(field: &str, by: impl Into<Bson>) -> Result<Self> {
+        field_name("field", field)?;
+        let by = by.into();
+        if !matches!(
+            by,
+            Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)
+        ) {
+            return Err(Error::invalid("by", "must be a number"));
+        }
+        Ok(Self {
+            field: field.to_owned(),
+            kind: Kind::Inc { by },
+        })
+    }
+
+    /// Set a top-level `field` to `value` (taken literally).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad field name or `_id`.
+    pub fn set(field: &str, value: impl Into<Bson>) -> Result<Self> {
+        field_name("field", field)?;
+        if field == "_id" {
+            return Err(Error::invalid("field", "`_id` cannot be changed"));
+        }
+        Ok(Self {
+            field: field.to_owned(),
+            kind: Kind::Set {
+                value: value.into(),
+            },
+        })
+    }
+
+    /// The top-level field this change writes.
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    fn path(&self) -> String {
+        format!("${}", self.field)
+    }
+
+    /// The new value of the field, as an expression over the current document.
+    pub(crate) fn new_value(&self) -> Bson {
+        let path = self.path();
+        let e = match &self.kind {
+            Kind::SetMember {
+                key_field,
+                key,
+                fields,
+            } => doc! { "$cond": [
+                { "$isArray": &path },
+                { "$map": {
+                    "input": &path,
+                    "as": "m",
+                    "in": { "$cond": [
+                        { "$eq": [format!("$$m.{key_field}"), { "$literal": key.clone() }] },
+                        { "$mergeObjects": ["$$m", { "$literal": fields.clone() }] },
+                        "$$m",
+                    ]},
+                }},
+                &path,
+            ]},
+            Kind::PullMember { key_field, key } => doc! { "$cond": [
+                { "$isArray": &path },
+                { "$filter": {
+                    "input": &path,
+                    "as": "m",
+                    "cond": { "$ne": [format!("$$m.{key_field}"), { "$literal": key.clone() }] },
+                }},
+                &path,
+            ]},
+            Kind::Push { element } => doc! {
+                "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]]
+            },
+            Kind::Inc { by } => {
+                doc! { "$add": [{ "$ifNull": [&path, 0_i32] }, { "$literal": by.clone() }] }
+            }
+            Kind::Set { value } => doc! { "$literal": value.clone() },
+        };
+        Bson::Document(e)
+    }
+
+    /// Whether the member this change needs is there (`true` for changes without one).
+    fn member_present(&self) -> Bson {
+        let path = self.path();
+        match &self.kind {
+            Kind::SetMember { key_field, key, .. } | Kind::PullMember { key_field, key } => {
+                Bson::Document(doc! { "$cond": [
+                    { "$isArray": &path },
+                    { "$anyElementTrue": [{ "$map": {
+                        "input": &path,
+                        "as": "m",
+                        "in": { "$eq": [format!("$$m.{key_field}"), { "$literal": key.clone() }] },
+                    }}]},
+                    false,
+                ]})
+            }
+            _ => Bson::Boolean(true),
+        }
+    }
+
+    /// The query part that selects the member with `$elemMatch` (one element must carry
+    /// the key), if this change has a member.
+    fn member_query(&self) -> Option<Document> {
+        match &self.kind {
+            Kind::SetMember { key_field, key, .. } | Kind::PullMember { key_field, key } => {
+                Some(doc! { "$elemMatch": { key_field: { "$eq": key.clone() } } })
+            }
+            _ => None,
+        }
+    }
+
+    /// `{$let: {vars: {dw_new: ROOT with the field replaced}, in}}`.
+    fn over_new(&self, inner: Bson) -> Bson {
+        Bson::Document(doc! { "$let": {
+            "vars": { NEW_VAR: { "$mergeObjects": ["$$ROOT", { &self.field: self.new_value() }] } },
+            "in": inner,
+        }})
+    }
+
+    /// The filter of the guarded update.
+    pub(crate) fn filter(&self, target: &Bson, invariants: &[Invariant]) -> Document {
+        let mut conds = vec![Bson::Document(doc! {
+            "$ne": [format!("$${NEW_VAR}.{}", self.field), self.path()]
+        })];
+        conds.extend(invariants.iter().map(|i| i.expr_over(NEW_VAR)));
+        let mut f = doc! { "_id": target.clone() };
+        if let Some(q) = self.member_query() {
+            f.insert(self.field.clone(), q);
+        }
+        f.insert(
+            "$expr",
+            self.over_new(Bson::Document(doc! { "$and": conds })),
+        );
+        f
+    }
+
+    /// The pipeline update that writes the change.
+    pub(crate) fn pipeline(&self) -> Vec<Document> {
+        vec![doc! { "$set": { &self.field: self.new_value() } }]
+    }
+
+    /// The aggregation that explains why the filter did not match.
+    pub(crate) fn diagnose(&self, target: &Bson, invariants: &[Invariant]) -> Vec<Document> {
+        let checks: Vec<Bson> = invariants
+            .iter()
+            .map(|i| Bson::Document(doc! { "$and": [i.expr_over(NEW_VAR)] }))
+            .collect();
+        vec![
+            doc! { "$match": { "_id": target.clone() } },
+            doc! { "$project": {
+                "_id": 0,
+                "member": { "$and": [self.member_present()] },
+                "same": { "$eq": [self.new_value(), self.path()] },
+                "ok": self.over_new(Bson::Array(checks)),
+            }},
+        ]
+    }
+}
+
+/// Options of a [`Guarded`] handle.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct GuardOptions {
+    /// How many times the update is tried when the document keeps changing between the
+    /// update and the read that explains a miss (default 16).
+    pub max_attempts: usize,
+}
+
+impl Default for GuardOptions {
+    fn default() -> Self {
+        Self { max_attempts: 16 }
+    }
+}
+
+impl GuardOptions {
+    /// Sets [`GuardOptions::max_attempts`].
+    #[must_use]
+    pub fn max_attempts(mut self, n: usize) -> Self {
+        self.max_attempts = n;
+        self
+    }
+}
+
+/// A collection whose documents are changed only through guarded updates.
+///
+/// ```no_run
+/// # async fn example(coll: mongodb::Collection<mongodb::bson::Document>) -> docwarden::Result<()> {
+/// use docwarden::guard::{Change, Condition, Guarded, Invariant, Outcome};
+/// use mongodb::bson::doc;
+/// let guarded = Guarded::new(coll)?;
+/// let on_call = Invariant::at_least("someone on call", "doctors", 1, Condition::eq("on_call", true))?;
+/// let off = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false })?;
+/// match guarded.update(1, &off, &[on_call]).await? {
+///     Outcome::Applied => println!("Bob is off call"),
+///     Outcome::Rejected { invariant } => println!("refused: {invariant}"),
+///     other => println!("{other:?}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Guarded {
+    coll: Collection<Document>,
+    opts: GuardOptions,
+}
+
+impl Guarded {
+    /// A handle with default options.
+    ///
+    /// # Errors
+    /// Never with the defaults; see [`Guarded::with_options`].
+    pub fn new(coll: Collection<Document>) -> Result<Self> {
+        Self::with_options(coll, GuardOptions::default())
+    }
+
+    /// A handle with `opts`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] if `max_attempts` is 0.
+    pub fn with_options(coll: Collection<Document>, opts: GuardOptions) -> Result<Self> {
+        crate::validate::positive("max_attempts", opts.max_attempts)?;
+        Ok(Self { coll, opts })
+    }
+
+    /// The wrapped collection.
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.coll
+    }
+
+    /// Applies `change` to the document with `_id == target` only if the document after
+    /// the change satisfies every invariant, in one atomic update. A miss is explained by
+    /// one read ([`Outcome`]); nothing is written unless the outcome is
+    /// [`Outcome::Applied`].
+    ///
+    /// # Errors
+    /// [`Error::Database`] if the server fails the update (a validator refusal is code
+    /// 121); [`Error::Unavailable`] if the document changed between every one of
+    /// `max_attempts` updates and the reads explaining them (retry later).
+    #[instrument(skip(self, target, change, invariants), fields(coll = %self.coll.name(), field = %change.field))]
+    pub async fn update(
+        &self,
+        target: impl Into<Bson>,
+        change: &Change,
+        invariants: &[Invariant],
+    ) -> Result<Outcome> {
+        let target = target.into();
+        let filter = change.filter(&target, invariants);
+        let pipeline = change.pipeline();
+        for attempt in 0..self.opts.max_attempts {
+            let res = self
+                .coll
+                .update_one(filter.clone(), pipeline.clone())
+                .await?;
+            if res.matched_count > 0 {
+                return Ok(Outcome::Applied);
+            }
+            if let Some(outcome) = self.diagnose(&target, change, invariants).await? {
+                return Ok(outcome);
+            }
+            debug!(
+                attempt,
+                "document changed between update and read; retrying"
+            );
+            if attempt > 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        Err(Error::Unavailable {
+            what: "guarded update (the document kept changing)",
+        })
+    }
+
+    /// Why the filter did not match, or `None` if it would match now.
+    async fn diagnose(
+        &self,
+        target: &Bson,
+        change: &Change,
+        invariants: &[Invariant],
+    ) -> Result<Option<Outcome>> {
+        let mut cursor = self
+            .coll
+            .aggregate(change.diagnose(target, invariants))
+            .await?;
+        let Some(d) = cursor.try_next().await? else {
+            return Ok(Some(Outcome::NotFound));
+        };
+        let malformed = |reason: &str| Error::Malformed {
+            id: target.to_string(),
+            reason: format!("diagnosis: {reason}"),
+        };
+        if !d.get_bool("member").map_err(|_| malformed("member"))? {
+            return Ok(Some(Outcome::NoSuchMember));
+        }
+        if d.get_bool("same").map_err(|_| malformed("same"))? {
+            return Ok(Some(Outcome::NoChange));
+        }
+        let ok = d.get_array("ok").map_err(|_| malformed("ok"))?;
+        for (inv, passed) in invariants.iter().zip(ok) {
+            if passed != &Bson::Boolean(true) {
+                return Ok(Some(Outcome::Rejected {
+                    invariant: inv.name().to_owned(),
+                }));
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::guard::Condition;
+
+    #[test]
+    fn changes_check_their_names() {
+        assert!(Change::set_member("doctors", "name", "a", doc! {}).is_err());
+        assert!(Change::set_member("doctors", "name", "a", doc! { "a.b": 1 }).is_err());
+        assert!(Change::set_member("doctors", "name", "a", doc! { "$a": 1 }).is_err());
+        assert!(Change::set_member("doc.tors", "name", "a", doc! { "a": 1 }).is_err());
+        assert!(Change::inc("balance", "x").is_err());
+        assert!(Change::inc("balance", 5_i64).is_ok());
+        assert!(Change::set("_id", 5_i64).is_err());
+        assert!(Change::push("", 5_i64).is_err());
+    }
+
+    #[test]
+    fn set_member_filter_uses_elem_match_and_the_new_document() {
+        let inv = Invariant::at_least("on", "doctors", 1, Condition::eq("on_call", true)).unwrap();
+        let c = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false }).unwrap();
+        let f = c.filter(&Bson::Int32(1), &[inv]);
+        assert_eq!(f.get("_id"), Some(&Bson::Int32(1)));
+        assert_eq!(
+            f.get_document("doctors").unwrap(),
+            &doc! { "$elemMatch": { "name": { "$eq": "Bob" } } }
+        );
+        let text = format!("{f}");
+        assert!(text.contains("$$dw_new.doctors"), "{text}");
+        assert!(!text.contains("\"$doctors.on_call\""), "{text}");
+        assert_eq!(c.pipeline().len(), 1);
+    }
+}

@@ -1,0 +1,510 @@
+//! Guarded updates against the real server: exact outcomes, invariants that hold under
+//! racing writers (with read-then-write controls that break them), the validator as a
+//! second safeguard, the checker, and the embedded-array index.
+
+#![allow(clippy::unwrap_used)] // a test may panic on a missing document
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use docwarden::guard::{
+    self, Change, CmpOp, Condition, Guarded, IndexUse, Invariant, Operand, Outcome,
+    ValidatorInstall, ValidatorOptions,
+};
+use docwarden_testkit::TestDb;
+use mongodb::Collection;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::UpdateOptions;
+
+const WORKERS: usize = 8;
+const OPS_PER_WORKER: usize = 1_000;
+const SHIFTS: i64 = 10;
+
+fn on_call() -> Invariant {
+    Invariant::at_least(
+        "at least one doctor on call",
+        "doctors",
+        1,
+        Condition::eq("on_call", true),
+    )
+    .unwrap()
+}
+
+fn within_capacity() -> Invariant {
+    Invariant::sum_at_most(
+        "booked seats within capacity",
+        "bookings",
+        "seats",
+        Operand::field("capacity"),
+    )
+    .unwrap()
+}
+
+fn shift(id: i64, doctors: usize) -> Document {
+    let doctors: Vec<Document> = (0..doctors)
+        .map(|d| doc! { "name": format!("doctor{d}"), "on_call": true, "updated": DateTime::now() })
+        .collect();
+    doc! { "_id": id, "doctors": doctors }
+}
+
+fn doctor_on_call(d: &Document, name: &str) -> Option<bool> {
+    d.get_array("doctors")
+        .ok()?
+        .iter()
+        .filter_map(Bson::as_document)
+        .find(|m| m.get_str("name").ok() == Some(name))
+        .and_then(|m| m.get_bool("on_call").ok())
+}
+
+#[tokio::test]
+async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_outcomes").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    coll.insert_one(doc! { "_id": 1, "doctors": [
+        { "name": "Alice", "on_call": true },
+        { "name": "Bob", "on_call": true },
+    ]})
+    .await?;
+    let g = Guarded::new(coll.clone())?;
+    let inv = [on_call()];
+    let off = |n: &str| Change::set_member("doctors", "name", n, doc! { "on_call": false });
+
+    assert_eq!(g.update(99, &off("Alice")?, &inv).await?, Outcome::NotFound);
+    assert_eq!(
+        g.update(1, &off("Zoe")?, &inv).await?,
+        Outcome::NoSuchMember
+    );
+    assert_eq!(g.update(1, &off("Alice")?, &inv).await?, Outcome::Applied);
+    assert_eq!(g.update(1, &off("Alice")?, &inv).await?, Outcome::NoChange);
+    assert_eq!(
+        g.update(1, &off("Bob")?, &inv).await?,
+        Outcome::Rejected {
+            invariant: "at least one doctor on call".into()
+        }
+    );
+    let d = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
+    assert_eq!(doctor_on_call(&d, "Alice"), Some(false));
+    assert_eq!(doctor_on_call(&d, "Bob"), Some(true));
+
+    // A top-level counter: balance >= 0.
+    let accounts = t.db.collection::<Document>("accounts");
+    accounts
+        .insert_one(doc! { "_id": "acc", "balance": 10_i64 })
+        .await?;
+    let ga = Guarded::new(accounts.clone())?;
+    let nonneg = [Invariant::field_cmp(
+        "balance never negative",
+        "balance",
+        CmpOp::Gte,
+        0_i64,
+    )?];
+    assert_eq!(
+        ga.update("acc", &Change::inc("balance", -7_i64)?, &nonneg)
+            .await?,
+        Outcome::Applied
+    );
+    assert_eq!(
+        ga.update("acc", &Change::inc("balance", -7_i64)?, &nonneg)
+            .await?,
+        Outcome::Rejected {
+            invariant: "balance never negative".into()
+        }
+    );
+    assert_eq!(
+        ga.update("acc", &Change::inc("balance", 0_i64)?, &nonneg)
+            .await?,
+        Outcome::NoChange
+    );
+    assert_eq!(
+        ga.update("acc", &Change::set("balance", 3_i64)?, &nonneg)
+            .await?,
+        Outcome::NoChange
+    );
+    assert_eq!(
+        ga.update("nope", &Change::inc("balance", 1_i64)?, &nonneg)
+            .await?,
+        Outcome::NotFound
+    );
+    let a = accounts.find_one(doc! { "_id": "acc" }).await?.unwrap();
+    assert_eq!(a.get_i64("balance")?, 3);
+
+    // Push / pull with a capacity stored in the document; `$`-strings are literals.
+    let flights = t.db.collection::<Document>("flights");
+    flights
+        .insert_one(doc! { "_id": 7, "capacity": 3, "bookings": [] })
+        .await?;
+    let gf = Guarded::new(flights.clone())?;
+    let cap = [within_capacity()];
+    let book = |id: &str, seats: i32| Change::push("bookings", doc! { "id": id, "seats": seats });
+    assert_eq!(gf.update(7, &book("$a", 2)?, &cap).await?, Outcome::Applied);
+    assert_eq!(
+        gf.update(7, &book("b", 2)?, &cap).await?,
+        Outcome::Rejected {
+            invariant: "booked seats within capacity".into()
+        }
+    );
+    assert_eq!(
+        gf.update(7, &Change::pull_member("bookings", "id", "zz")?, &cap)
+            .await?,
+        Outcome::NoSuchMember
+    );
+    assert_eq!(
+        gf.update(7, &Change::pull_member("bookings", "id", "$a")?, &cap)
+            .await?,
+        Outcome::Applied
+    );
+    assert_eq!(gf.update(7, &book("b", 2)?, &cap).await?, Outcome::Applied);
+    let f = flights.find_one(doc! { "_id": 7 }).await?.unwrap();
+    assert_eq!(f.get_array("bookings")?.len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_seed_go_on_call_filter_picks_the_wrong_doctor_and_elem_match_does_not()
+-> anyhow::Result<()> {
+    let t = TestDb::new("guard_positional").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    let start = doc! { "_id": 1, "doctors": [
+        { "name": "Alice", "on_call": false },
+        { "name": "Bob", "on_call": true },
+    ]};
+    coll.insert_one(start.clone()).await?;
+    // Seed: goOnCall(1, "Bob"). Bob is already on call, yet the filter matches: its two
+    // conditions are met by two different elements (Bob's name, Alice's on_call: false).
+    let seed_filter = doc! { "_id": 1, "doctors.name": "Bob", "doctors.on_call": false };
+    assert_eq!(coll.count_documents(seed_filter.clone()).await?, 1);
+    let elem_match =
+        doc! { "_id": 1, "doctors": { "$elemMatch": { "name": "Bob", "on_call": false } } };
+    assert_eq!(coll.count_documents(elem_match).await?, 0);
+    let res = coll
+        .update_one(seed_filter, doc! { "$set": { "doctors.$.on_call": true } })
+        .await?;
+    let after = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
+    // The seed reports ON_OK (modifiedCount 1) and the changed doctor is Alice, not Bob.
+    assert_eq!(res.modified_count, 1, "the seed's update reported ON_OK");
+    assert_eq!(
+        doctor_on_call(&after, "Alice"),
+        Some(true),
+        "the seed set the wrong doctor"
+    );
+
+    // docwarden: Bob on call is already the state -> NoChange, Alice untouched.
+    coll.replace_one(doc! { "_id": 1 }, start).await?;
+    let g = Guarded::new(coll.clone())?;
+    let on = Change::set_member("doctors", "name", "Bob", doc! { "on_call": true })?;
+    assert_eq!(g.update(1, &on, &[on_call()]).await?, Outcome::NoChange);
+    let after = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
+    assert_eq!(doctor_on_call(&after, "Alice"), Some(false));
+    assert_eq!(doctor_on_call(&after, "Bob"), Some(true));
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Guarded,
+    /// Read, decide in the client, write unconditionally.
+    ReadThenWrite,
+}
+
+/// 8 workers × 1,000 random on/off toggles on 10 shifts; the shift is checked after every
+/// operation. Returns (violations seen after operations, violating documents at the end).
+async fn on_call_workload(
+    coll: Collection<Document>,
+    mode: Mode,
+    doctors: usize,
+) -> anyhow::Result<(u64, usize)> {
+    coll.insert_many((0..SHIFTS).map(|s| shift(s, doctors)))
+        .await?;
+    let violations = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let coll = coll.clone();
+        let violations = Arc::clone(&violations);
+        tasks.push(tokio::spawn(async move {
+            let g = Guarded::new(coll.clone())?;
+            let inv = [on_call()];
+            for _ in 0..OPS_PER_WORKER {
+                let s = rand::random_range(0..SHIFTS);
+                let name = format!("doctor{}", rand::random_range(0..doctors));
+                let on = rand::random_bool(0.5);
+                match mode {
+                    Mode::Guarded => {
+                        let change = Change::set_member("doctors", "name", name.as_str(), doc! { "on_call": on, "updated": DateTime::now() })?;
+                        g.update(s, &change, &inv).await?;
+                    }
+                    Mode::ReadThenWrite => {
+                        let d = coll.find_one(doc! { "_id": s }).await?.unwrap();
+                        let others_on = d.get_array("doctors")?.iter().filter_map(Bson::as_document)
+                            .filter(|m| m.get_str("name").ok() != Some(name.as_str()) && m.get_bool("on_call").unwrap_or(false))
+                            .count();
+                        if on || others_on >= 1 {
+                            // The window between the read and the write, as in any
+                            // application that decides in between.
+                            tokio::time::sleep(Duration::from_micros(300)).await;
+                            coll.update_one(
+                                doc! { "_id": s, "doctors": { "$elemMatch": { "name": name.as_str() } } },
+                                doc! { "$set": { "doctors.$.on_call": on, "doctors.$.updated": DateTime::now() } },
+                            ).await?;
+                        }
+                    }
+                }
+                if !guard::violations_of(&coll, s, &inv).await?.is_empty() {
+                    violations.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let end = guard::violations(&coll, &[on_call()], None).await?.len();
+    Ok((violations.load(Ordering::Relaxed), end))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_call_holds_under_8_workers_x_1000_toggles() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_on_call").await?;
+    let (seen, end) = on_call_workload(t.db.collection("shifts"), Mode::Guarded, 3).await?;
+    assert_eq!(seen, 0, "violations observed after operations");
+    assert_eq!(end, 0, "violating shifts at the end");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_call_control_read_then_write_breaks_the_rule() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_on_call_control").await?;
+    let (seen, end) = on_call_workload(t.db.collection("shifts"), Mode::ReadThenWrite, 3).await?;
+    eprintln!("control: {seen} violations observed, {end} violating shifts at the end");
+    assert!(
+        seen > 0,
+        "the read-then-write control should break the rule"
+    );
+    Ok(())
+}
+
+/// 8 workers × 1,000 random book/cancel operations on 10 flights of 10 seats.
+async fn capacity_workload(
+    coll: Collection<Document>,
+    mode: Mode,
+) -> anyhow::Result<(u64, usize, u64)> {
+    coll.insert_many((0..SHIFTS).map(|f| doc! { "_id": f, "capacity": 10, "bookings": [] }))
+        .await?;
+    let violations = Arc::new(AtomicU64::new(0));
+    let applied = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let coll = coll.clone();
+        let violations = Arc::clone(&violations);
+        let applied = Arc::clone(&applied);
+        tasks.push(tokio::spawn(async move {
+            let g = Guarded::new(coll.clone())?;
+            let inv = [within_capacity()];
+            let mut mine: Vec<(i64, String)> = Vec::new();
+            for _ in 0..OPS_PER_WORKER {
+                let cancel = !mine.is_empty() && rand::random_bool(0.4);
+                let f = if cancel {
+                    let (f, id) = mine.swap_remove(rand::random_range(0..mine.len()));
+                    match mode {
+                        Mode::Guarded => {
+                            let o = g
+                                .update(
+                                    f,
+                                    &Change::pull_member("bookings", "id", id.as_str())?,
+                                    &inv,
+                                )
+                                .await?;
+                            assert_eq!(o, Outcome::Applied, "cancelling my own booking");
+                        }
+                        Mode::ReadThenWrite => {
+                            coll.update_one(
+                                doc! { "_id": f },
+                                doc! { "$pull": { "bookings": { "id": id.as_str() } } },
+                            )
+                            .await?;
+                        }
+                    }
+                    f
+                } else {
+                    let f = rand::random_range(0..SHIFTS);
+                    let id = docwarden::validate::random_id();
+                    let seats = rand::random_range(1..=3_i32);
+                    let booking = doc! { "id": id.as_str(), "seats": seats };
+                    let booked = match mode {
+                        Mode::Guarded => {
+                            g.update(f, &Change::push("bookings", booking)?, &inv)
+                                .await?
+                                == Outcome::Applied
+                        }
+                        Mode::ReadThenWrite => {
+                            let d = coll.find_one(doc! { "_id": f }).await?.unwrap();
+                            let sum: i32 = d
+                                .get_array("bookings")?
+                                .iter()
+                                .filter_map(Bson::as_document)
+                                .filter_map(|b| b.get_i32("seats").ok())
+                                .sum();
+                            let fits = sum + seats <= d.get_i32("capacity")?;
+                            if fits {
+                                tokio::time::sleep(Duration::from_micros(300)).await;
+                                coll.update_one(
+                                    doc! { "_id": f },
+                                    doc! { "$push": { "bookings": booking } },
+                                )
+                                .await?;
+                            }
+                            fits
+                        }
+                    };
+                    if booked {
+                        applied.fetch_add(1, Ordering::Relaxed);
+                        mine.push((f, id));
+                    }
+                    f
+                };
+                if !guard::violations_of(&coll, f, &inv).await?.is_empty() {
+                    violations.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let end = guard::violations(&coll, &[within_capacity()], None)
+        .await?
+        .len();
+    Ok((
+        violations.load(Ordering::Relaxed),
+        end,
+        applied.load(Ordering::Relaxed),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn capacity_holds_under_8_workers_x_1000_bookings() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_capacity").await?;
+    let (seen, end, booked) = capacity_workload(t.db.collection("flights"), Mode::Guarded).await?;
+    assert!(booked > 100, "the workload booked seats ({booked})");
+    assert_eq!(seen, 0, "overbookings observed after operations");
+    assert_eq!(end, 0, "overbooked flights at the end");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn capacity_control_read_then_write_overbooks() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_capacity_control").await?;
+    let (seen, end, _) = capacity_workload(t.db.collection("flights"), Mode::ReadThenWrite).await?;
+    eprintln!("control: {seen} overbookings observed, {end} overbooked flights at the end");
+    assert!(seen > 0, "the read-then-write control should overbook");
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_validator_refuses_the_seed_bypass_update_with_121() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_validator_bypass").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    coll.insert_many([shift(1, 2), shift(2, 2)]).await?;
+    let bypass = || {
+        coll.update_one(
+            doc! { "_id": 1 },
+            doc! { "$set": { "doctors.$[doc].on_call": false, "updated": DateTime::now() } },
+        )
+        .with_options(
+            UpdateOptions::builder()
+                .array_filters(vec![doc! { "doc.on_call": true }])
+                .build(),
+        )
+    };
+    let installed =
+        guard::install_validator(&coll, &[on_call()], &ValidatorOptions::default()).await?;
+    assert_eq!(
+        installed,
+        ValidatorInstall::Installed {
+            existing_violations: vec![]
+        }
+    );
+    let err = docwarden::Error::from(bypass().await.unwrap_err());
+    assert!(err.is_validation_failure(), "expected code 121, got {err}");
+    let d = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
+    assert_eq!(
+        doctor_on_call(&d, "doctor0"),
+        Some(true),
+        "nothing was written"
+    );
+    // Guarded updates still work under the validator.
+    let g = Guarded::new(coll.clone())?;
+    let off = Change::set_member("doctors", "name", "doctor0", doc! { "on_call": false })?;
+    assert_eq!(g.update(1, &off, &[on_call()]).await?, Outcome::Applied);
+    Ok(())
+}
+
+#[tokio::test]
+async fn validator_install_lists_existing_violators_and_refuses() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_validator_refuse").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    let mut bad = shift(2, 2);
+    bad.insert("doctors", vec![doc! { "name": "x", "on_call": false }]);
+    coll.insert_many([shift(1, 2), bad.clone(), doc! { "_id": 3_i64 }])
+        .await?;
+    let inv = [on_call()];
+    let listed = guard::violations(&coll, &inv, None).await?;
+    assert_eq!(
+        listed.iter().map(|v| v.id.clone()).collect::<Vec<_>>(),
+        vec![Bson::Int64(2), Bson::Int64(3)]
+    );
+    assert_eq!(
+        listed[0].invariants,
+        vec!["at least one doctor on call".to_owned()]
+    );
+
+    let refused = guard::install_validator(&coll, &inv, &ValidatorOptions::default()).await?;
+    let ValidatorInstall::Refused { violations } = refused else {
+        panic!("expected a refusal, got {refused:?}");
+    };
+    assert_eq!(violations, listed);
+    // Not installed: another violating document is still accepted.
+    bad.insert("_id", 4_i64);
+    coll.insert_one(bad.clone()).await?;
+
+    let forced = guard::install_validator(
+        &coll,
+        &inv,
+        &ValidatorOptions::default().proceed_despite_violations(true),
+    )
+    .await?;
+    let ValidatorInstall::Installed {
+        existing_violations,
+    } = forced
+    else {
+        panic!("expected an install, got {forced:?}");
+    };
+    assert_eq!(existing_violations.len(), 3);
+    bad.insert("_id", 5_i64);
+    let err = docwarden::Error::from(coll.insert_one(bad).await.unwrap_err());
+    assert!(err.is_validation_failure(), "expected code 121, got {err}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_embedded_array_index_is_used_by_the_seed_query() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_index").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    coll.insert_many((0..50).map(|s| shift(s, 3))).await?;
+    let name = guard::ensure_array_index(&coll, "doctors.updated").await?;
+    assert_eq!(
+        guard::ensure_array_index(&coll, "doctors.updated").await?,
+        name,
+        "idempotent"
+    );
+    let one_hour_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000);
+    let used =
+        guard::index_use(&coll, doc! { "doctors.updated": { "$gte": one_hour_ago } }).await?;
+    assert_eq!(used, IndexUse::IndexScan { index: name });
+    // The check can fail: an unindexed embedded field is a collection scan.
+    let unindexed = guard::index_use(&coll, doc! { "doctors.name": "doctor1" }).await?;
+    assert_eq!(unindexed, IndexUse::CollectionScan);
+    Ok(())
+}

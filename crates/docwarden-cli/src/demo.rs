@@ -10,6 +10,7 @@ use mongodb::Database;
 
 use crate::conn::ConnArgs;
 
+mod enrich;
 mod enrollment;
 mod locks;
 
@@ -34,11 +35,18 @@ pub(crate) enum Scenario {
     Locks,
     /// Seed 001: enroll/unenroll messages shuffled and duplicated still converge.
     Enrollment,
+    /// Seed 002: workers enrich messages from a geo HTTP service through the job queue.
+    Enrich,
 }
 
 impl Scenario {
     fn all() -> Vec<Scenario> {
-        vec![Scenario::Server, Scenario::Locks, Scenario::Enrollment]
+        vec![
+            Scenario::Server,
+            Scenario::Locks,
+            Scenario::Enrollment,
+            Scenario::Enrich,
+        ]
     }
 }
 
@@ -102,6 +110,7 @@ async fn run_one(
     match scenario {
         Scenario::Locks => locks::run(session, _db).await,
         Scenario::Enrollment => enrollment::run(_db).await,
+        Scenario::Enrich => enrich::run(session, _db).await,
         Scenario::Server => {
             let started = Instant::now();
             let r =

@@ -10,6 +10,7 @@ mod demo;
 mod doctor;
 mod locks;
 mod output;
+mod queue;
 
 /// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,
 /// prove the guarantees, measure them.
@@ -30,6 +31,8 @@ enum Command {
     Bench(bench::Args),
     /// List held leases of a lock collection, or release every lease of an owner.
     Locks(locks::Args),
+    /// Operate a job queue: stats, list, retry dead jobs, cancel, purge finished jobs.
+    Queue(queue::Args),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -38,6 +41,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Locks(args) => locks::run(args).await,
+        Command::Queue(args) => queue::run(args).await,
     }
 }
 

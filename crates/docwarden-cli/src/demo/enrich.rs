@@ -1,0 +1,328 @@
+//! `docwarden demo enrich`: seed 002 — messages with random originating IPs, enriched by
+//! N workers with a location from a geo HTTP service, through the job queue.
+//!
+//! The network here is closed, so the demo starts its own small geo service on
+//! 127.0.0.1 (hand-written HTTP/1.1 over tokio) with configurable latency and failure
+//! rate, and the workers call it over real HTTP. One worker is killed mid-run; its jobs
+//! are re-claimed after their lease. Configure with environment variables:
+//! `DOCWARDEN_ENRICH_MESSAGES` (200), `DOCWARDEN_ENRICH_WORKERS` (4),
+//! `DOCWARDEN_ENRICH_LATENCY_MS` (20), `DOCWARDEN_ENRICH_FAILURE_RATE` (0.1).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions, Worker, WorkerOptions};
+use mongodb::Database;
+use mongodb::bson::{Bson, Document, doc};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use super::ScenarioReport;
+
+struct Config {
+    messages: usize,
+    workers: usize,
+    latency: Duration,
+    failure_rate: f64,
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+impl Config {
+    fn from_env() -> anyhow::Result<Self> {
+        let c = Config {
+            messages: env_or("DOCWARDEN_ENRICH_MESSAGES", 200),
+            workers: env_or("DOCWARDEN_ENRICH_WORKERS", 4),
+            latency: Duration::from_millis(env_or("DOCWARDEN_ENRICH_LATENCY_MS", 20)),
+            failure_rate: env_or("DOCWARDEN_ENRICH_FAILURE_RATE", 0.1),
+        };
+        anyhow::ensure!(
+            c.messages >= 1 && c.workers >= 2,
+            "need at least 1 message and 2 workers"
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&c.failure_rate),
+            "failure rate must be in [0, 1)"
+        );
+        Ok(c)
+    }
+}
+
+const COUNTRIES: [(&str, &str); 6] = [
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Brazil", "São Paulo"),
+    ("Kenya", "Nairobi"),
+    ("Canada", "Toronto"),
+    ("India", "Mumbai"),
+];
+
+/// The geo service: `GET /json/<ip>` → 200 with a location, or 503 at the failure rate.
+async fn geo_service(
+    listener: TcpListener,
+    latency: Duration,
+    failure_rate: f64,
+    stop: CancellationToken,
+) {
+    loop {
+        let (mut sock, _) = tokio::select! {
+            () = stop.cancelled() => return,
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(_) => continue,
+            },
+        };
+        tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(512);
+            let mut chunk = [0_u8; 512];
+            while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+                match sock.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            let text = String::from_utf8_lossy(&buf);
+            let path = text.split_whitespace().nth(1).unwrap_or("/");
+            let ip = path.strip_prefix("/json/").unwrap_or("").to_owned();
+            let jitter = latency.mul_f64(0.5 + rand::random::<f64>());
+            tokio::time::sleep(jitter).await;
+            let (status, body) = if ip.is_empty() {
+                (
+                    "404 Not Found",
+                    serde_json::json!({ "status": "fail", "message": "invalid query" }),
+                )
+            } else if rand::random::<f64>() < failure_rate {
+                (
+                    "503 Service Unavailable",
+                    serde_json::json!({ "status": "fail", "message": "overloaded" }),
+                )
+            } else {
+                let h = ip.bytes().fold(7_usize, |h, b| {
+                    h.wrapping_mul(31).wrapping_add(usize::from(b))
+                });
+                let (country, city) = COUNTRIES[h % COUNTRIES.len()];
+                (
+                    "200 OK",
+                    serde_json::json!({ "status": "success", "query": ip, "country": country, "city": city }),
+                )
+            };
+            let body = body.to_string();
+            let reply = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(reply.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+/// A minimal HTTP/1.1 GET: returns the JSON body of a 200, or an error naming the status.
+async fn fetch_location(addr: std::net::SocketAddr, ip: &str) -> anyhow::Result<serde_json::Value> {
+    let exchange = async {
+        let mut sock = TcpStream::connect(addr).await?;
+        let req = format!("GET /json/{ip} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        sock.write_all(req.as_bytes()).await?;
+        let mut raw = Vec::new();
+        sock.read_to_end(&mut raw).await?;
+        anyhow::Ok(raw)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .context("geo service timed out")??;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .context("malformed HTTP reply")?;
+    let status = head.lines().next().unwrap_or("");
+    anyhow::ensure!(status.contains(" 200 "), "geo service answered `{status}`");
+    Ok(serde_json::from_str(body)?)
+}
+
+fn random_ip() -> String {
+    (0..4)
+        .map(|_| rand::random_range(1..=255_u16).to_string())
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+pub(crate) async fn run(
+    session: &crate::conn::Session,
+    db: &Database,
+) -> anyhow::Result<Vec<ScenarioReport>> {
+    let cfg = Config::from_env()?;
+    let started = Instant::now();
+    println!(
+        "== enrich (seed 002): {} messages, {} workers, geo service latency ~{} ms, failure rate {:.0}%",
+        cfg.messages,
+        cfg.workers,
+        cfg.latency.as_millis(),
+        cfg.failure_rate * 100.0
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = CancellationToken::new();
+    let service = tokio::spawn(geo_service(
+        listener,
+        cfg.latency,
+        cfg.failure_rate,
+        stop.clone(),
+    ));
+    println!("   geo service on http://{addr}/json/<ip>");
+
+    // The messages, as in the seed: `location: null` marks one still to enrich.
+    let messages = db.collection::<Document>("message");
+    let docs: Vec<Document> = (0..cfg.messages)
+        .map(|i| doc! { "_id": i64::try_from(i).unwrap_or(i64::MAX), "originatingIp": random_ip(), "location": Bson::Null })
+        .collect();
+    messages.insert_many(docs.clone()).await?;
+    let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
+    let queue = JobQueue::open(
+        db,
+        "enrich_jobs",
+        time,
+        QueueOptions::default()
+            .lease_ttl(Duration::from_secs(3))
+            .reap_interval(Duration::from_millis(250))
+            .retry_delays(Duration::from_millis(100), Duration::from_secs(2))
+            .max_attempts(8),
+    )
+    .await?;
+    let jobs = docs.iter().map(|d| {
+        let id = d.get("_id").cloned().unwrap_or(Bson::Null);
+        let key = format!("message-{id}");
+        (
+            doc! { "message": id, "ip": d.get("originatingIp").cloned().unwrap_or(Bson::Null) },
+            EnqueueOptions::default().dedupe_key(key),
+        )
+    });
+    queue.enqueue_many(jobs).await?;
+    println!(
+        "   {} jobs enqueued (one per message, deduplicated by message id)",
+        cfg.messages
+    );
+
+    let spawn = |w: usize, messages: mongodb::Collection<Document>| {
+        Worker::spawn(
+            queue.clone(),
+            WorkerOptions::default()
+                .name(format!("enricher{w}"))
+                .concurrency(4)
+                .poll(Duration::from_millis(20), Duration::from_millis(500)),
+            move |job| {
+                let messages = messages.clone();
+                async move {
+                    let p = job.payload().as_document().cloned().unwrap_or_default();
+                    let ip = p
+                        .get_str("ip")
+                        .map_err(|e| format!("payload: {e}"))?
+                        .to_owned();
+                    let location = fetch_location(addr, &ip).await.map_err(|e| e.to_string())?;
+                    let location = mongodb::bson::to_bson(&location)?;
+                    // Idempotent write, as in the seed: only a message still without a
+                    // location is enriched, so a re-run after a lost lease cannot double it.
+                    let msg = p.get("message").cloned().unwrap_or(Bson::Null);
+                    messages
+                        .update_one(
+                            doc! { "_id": msg, "location": Bson::Null },
+                            doc! { "$set": { "location": location.clone() }, "$inc": { "enrichments": 1 } },
+                        )
+                        .await?;
+                    Ok(location)
+                }
+            },
+        )
+    };
+    let mut workers = Vec::new();
+    for w in 0..cfg.workers {
+        workers.push(spawn(w, messages.clone())?);
+    }
+    let coll = queue.collection().clone();
+    let total = u64::try_from(cfg.messages)?;
+    let mut killed = false;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let stats = queue.stats().await?;
+        let get = |s: &str| stats.by_state.get(s).copied().unwrap_or(0);
+        let finished = get("succeeded") + get("dead") + get("cancelled");
+        println!(
+            "   {:>5.1}s  succeeded {:>4}  running {:>3}  retrying {:>3}  ready {:>4}  dead {}",
+            started.elapsed().as_secs_f64(),
+            get("succeeded"),
+            get("running"),
+            get("retrying"),
+            get("ready"),
+            get("dead")
+        );
+        if !killed && get("running") > 0 && get("succeeded") >= total / 4 {
+            let victim = workers.remove(0);
+            let owner = victim.owner().to_owned();
+            let r = victim.kill().await;
+            println!(
+                "   killed worker {owner} mid-run ({} jobs claimed); its jobs return after the 3 s lease",
+                r.claimed
+            );
+            killed = true;
+        }
+        if finished >= total || Instant::now() > deadline {
+            break;
+        }
+    }
+    let mut retried = 0;
+    for w in workers {
+        retried += w.shutdown().await.retried;
+    }
+    stop.cancel();
+    let _ = service.await;
+
+    let enriched = messages
+        .count_documents(doc! { "location": { "$ne": Bson::Null } })
+        .await?;
+    let duplicated = messages
+        .count_documents(doc! { "enrichments": { "$gt": 1 } })
+        .await?;
+    let running = coll.count_documents(doc! { "state": "running" }).await?;
+    let dead = coll.count_documents(doc! { "state": "dead" }).await?;
+    let lost = total.saturating_sub(enriched).saturating_sub(dead);
+    println!("   final documents:");
+    let mut by_country = std::collections::BTreeMap::<String, u64>::new();
+    let mut cursor = messages.find(doc! {}).await?;
+    let mut shown = 0;
+    while cursor.advance().await? {
+        let d = cursor.deserialize_current()?;
+        let country = d
+            .get_document("location")
+            .ok()
+            .and_then(|l| l.get_str("country").ok())
+            .unwrap_or("(none)")
+            .to_owned();
+        if shown < 5 {
+            println!(
+                "     {{ _id: {}, originatingIp: {}, location.country: {country} }}",
+                d.get("_id").map(ToString::to_string).unwrap_or_default(),
+                d.get_str("originatingIp").unwrap_or("?")
+            );
+            shown += 1;
+        }
+        *by_country.entry(country).or_default() += 1;
+    }
+    println!("     … by country: {by_country:?}");
+    println!(
+        "   {enriched}/{total} enriched, {retried} failed calls retried, {dead} dead after {} attempts, lost {lost}, duplicated {duplicated}, stuck running {running}",
+        8
+    );
+    Ok(vec![ScenarioReport {
+        scenario: "enrich",
+        operations: total,
+        violations: lost + duplicated + running,
+        elapsed: started.elapsed(),
+    }])
+}

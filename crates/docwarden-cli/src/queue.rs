@@ -1,0 +1,252 @@
+//! `docwarden queue`: operate a job queue collection — stats, list, retry dead jobs,
+//! cancel a job, purge finished jobs.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::{CancelOutcome, JobQueue, JobState, ListFilter, QueueOptions};
+use mongodb::bson::{Bson, Document, oid::ObjectId};
+
+use crate::conn::ConnArgs;
+
+/// Arguments of `docwarden queue`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    command: QueueCommand,
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Database holding the queue collection.
+    #[arg(long, default_value = "docwarden", global = true)]
+    db: String,
+    /// The queue collection.
+    #[arg(long, default_value = "jobs", global = true)]
+    collection: String,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum QueueCommand {
+    /// Counts by state, the oldest due job's wait, running jobs with expired leases.
+    Stats,
+    /// List jobs, newest change first.
+    List {
+        /// Only jobs in this state (ready, running, succeeded, retrying, dead, cancelled).
+        #[arg(long)]
+        state: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
+    /// Move dead jobs back to ready (all of them, or the given ids).
+    Retry {
+        /// Job ids (24 hex digits); all dead jobs when omitted.
+        ids: Vec<String>,
+    },
+    /// Cancel an unfinished job (a running job's worker loses its lease).
+    Cancel {
+        /// The job id (24 hex digits).
+        id: String,
+    },
+    /// Delete finished jobs (succeeded, dead, cancelled) older than a duration.
+    Purge {
+        /// Minimum age, e.g. `30s`, `15m`, `12h`, `7d`.
+        #[arg(long)]
+        older_than: String,
+    },
+}
+
+fn parse_age(s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| anyhow::anyhow!("`{s}` is not a duration like 30s, 15m, 12h or 7d"))?;
+    let secs = match unit {
+        "s" | "" => n,
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        "d" => n.saturating_mul(86_400),
+        _ => anyhow::bail!("unknown unit `{unit}` (use s, m, h or d)"),
+    };
+    anyhow::ensure!(secs > 0, "the age must be positive");
+    Ok(Duration::from_secs(secs))
+}
+
+fn parse_id(s: &str) -> anyhow::Result<ObjectId> {
+    ObjectId::parse_str(s).map_err(|_| anyhow::anyhow!("`{s}` is not a job id (24 hex digits)"))
+}
+
+fn parse_state(s: &str) -> anyhow::Result<JobState> {
+    JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))
+}
+
+/// One job as a line of the listing.
+fn summary(d: &Document) -> serde_json::Value {
+    let text = |k: &str| d.get(k).map(render).unwrap_or_default();
+    serde_json::json!({
+        "id": text("_id"),
+        "state": text("state"),
+        "priority": text("priority"),
+        "attempts": format!("{}/{}", text("attempts"), text("max_attempts")),
+        "run_at": text("run_at"),
+        "owner": d.get_document("lease").ok().map(|l| l.get("owner").map(render).unwrap_or_default()),
+        "last_error": d.get("last_error").filter(|b| **b != Bson::Null).map(render),
+    })
+}
+
+fn render(b: &Bson) -> String {
+    match b {
+        Bson::String(s) => s.clone(),
+        Bson::ObjectId(o) => o.to_hex(),
+        Bson::DateTime(t) => t.try_to_rfc3339_string().unwrap_or_else(|_| t.to_string()),
+        Bson::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // Bad input is refused before anything is started or written.
+    docwarden::validate::collection_name("collection", &args.collection)?;
+    docwarden::validate::name("database", &args.db)?;
+    match &args.command {
+        QueueCommand::Stats => {}
+        QueueCommand::List { state, limit } => {
+            if let Some(s) = state {
+                parse_state(s)?;
+            }
+            anyhow::ensure!(*limit >= 1, "--limit must be at least 1");
+        }
+        QueueCommand::Retry { ids } => {
+            for id in ids {
+                parse_id(id)?;
+            }
+        }
+        QueueCommand::Cancel { id } => {
+            parse_id(id)?;
+        }
+        QueueCommand::Purge { older_than } => {
+            parse_age(older_than)?;
+        }
+    }
+    let session = args.conn.open(args.json).await?;
+    let db = session.client.database(&args.db);
+    let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
+    let queue = JobQueue::new(
+        db.collection(&args.collection),
+        time,
+        QueueOptions::default(),
+    )?;
+    match args.command {
+        QueueCommand::Stats => {
+            let stats = queue.stats().await?;
+            if args.json {
+                crate::output::print_json(&stats)?;
+            } else {
+                println!("{} jobs in {}.{}", stats.total, args.db, args.collection);
+                for state in JobState::ALL {
+                    let n = stats.by_state.get(state.as_str()).copied().unwrap_or(0);
+                    println!("  {:<10} {n:>10}", state.as_str());
+                }
+                for (state, n) in &stats.by_state {
+                    if JobState::parse(state).is_none() {
+                        println!("  {state:<10} {n:>10}  (not a docwarden state)");
+                    }
+                }
+                match stats.oldest_due_ms {
+                    Some(ms) => println!("oldest due job waiting {:.1} s", ms as f64 / 1000.0),
+                    None => println!("no job is due"),
+                }
+                println!("running with expired lease: {}", stats.expired_running);
+            }
+        }
+        QueueCommand::List { state, limit } => {
+            let mut filter = ListFilter::default().limit(limit);
+            if let Some(s) = state {
+                filter = filter.state(parse_state(&s)?);
+            }
+            let jobs: Vec<serde_json::Value> =
+                queue.list(&filter).await?.iter().map(summary).collect();
+            if args.json {
+                crate::output::print_json(&jobs)?;
+            } else {
+                println!(
+                    "{:<24} {:<10} {:>8} {:>8} {:<24} error",
+                    "id", "state", "priority", "attempts", "run_at"
+                );
+                for j in &jobs {
+                    let s = |k: &str| j.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+                    println!(
+                        "{:<24} {:<10} {:>8} {:>8} {:<24} {}",
+                        s("id"),
+                        s("state"),
+                        s("priority"),
+                        s("attempts"),
+                        s("run_at"),
+                        s("last_error")
+                    );
+                }
+            }
+        }
+        QueueCommand::Retry { ids } => {
+            let ids: Vec<ObjectId> = ids
+                .iter()
+                .map(|s| parse_id(s))
+                .collect::<anyhow::Result<_>>()?;
+            let n = queue
+                .retry_dead(if ids.is_empty() { None } else { Some(&ids) })
+                .await?;
+            if args.json {
+                crate::output::print_json(&serde_json::json!({ "retried": n }))?;
+            } else {
+                println!("{n} dead job(s) moved back to ready");
+            }
+        }
+        QueueCommand::Cancel { id } => {
+            let outcome = queue.cancel(parse_id(&id)?).await?;
+            let (text, code) = match outcome {
+                CancelOutcome::Cancelled { was } => {
+                    (format!("cancelled (was {was})"), ExitCode::SUCCESS)
+                }
+                CancelOutcome::AlreadyFinished(s) => {
+                    (format!("already finished ({s})"), ExitCode::from(1))
+                }
+                CancelOutcome::NotFound => ("no such job".to_owned(), ExitCode::from(1)),
+                _ => ("unknown outcome".to_owned(), ExitCode::from(1)),
+            };
+            if args.json {
+                crate::output::print_json(&serde_json::json!({ "id": id, "outcome": text }))?;
+            } else {
+                println!("{id}: {text}");
+            }
+            return Ok(code);
+        }
+        QueueCommand::Purge { older_than } => {
+            let n = queue.purge(parse_age(&older_than)?).await?;
+            if args.json {
+                crate::output::print_json(&serde_json::json!({ "purged": n }))?;
+            } else {
+                println!("{n} finished job(s) purged");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_parse() {
+        assert_eq!(parse_age("30s").ok(), Some(Duration::from_secs(30)));
+        assert_eq!(parse_age("2d").ok(), Some(Duration::from_secs(172_800)));
+        assert!(parse_age("0s").is_err());
+        assert!(parse_age("5 weeks").is_err());
+        assert!(parse_id("nope").is_err());
+    }
+}

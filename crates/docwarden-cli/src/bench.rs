@@ -19,6 +19,7 @@ use mongodb::bson::{Document, doc};
 use crate::conn::ConnArgs;
 
 mod locks;
+mod queue;
 mod sequence;
 
 /// The load one workload runs under.
@@ -168,6 +169,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
 async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
     rows.extend(locks::run(_db, _load).await?);
+    rows.extend(queue::run(_db, _load).await?);
     rows.extend(sequence::run(_db, _load).await?);
     Ok(rows)
 }

@@ -13,9 +13,9 @@ use crate::validate;
 pub enum ClaimStrategy {
     /// One `findAndModify` with a sort: one round trip, returns the claimed document.
     FindOneAndUpdate,
-    /// `updateOne` with a sort (MongoDB 8.0), then a find by the new token: two round
-    /// trips, no pre/post image kept for a retried write. Falls back to
-    /// [`ClaimStrategy::FindOneAndUpdate`] when the server ignores the sort.
+    /// `updateOne` with a sort, then a find by the new token (the seed's choice): two
+    /// round trips, no pre/post image kept for a retried write. Needs `updateOne` with
+    /// `sort` (MongoDB 8.0; `docwarden doctor` probes it); older servers refuse it.
     UpdateThenFetch,
 }
 

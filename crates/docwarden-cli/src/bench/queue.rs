@@ -1,0 +1,71 @@
+//! Queue workloads: jobs/s with `workers` concurrent claimers, for a single claim by
+//! `findOneAndUpdate`, a single claim by `updateOne` + fetch by token (the seed's
+//! choice), and a batch claim of 16; every job is completed (fenced) before it counts.
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::{ClaimStrategy, EnqueueOptions, JobQueue, QueueOptions};
+use mongodb::Database;
+use mongodb::bson::{Bson, doc};
+
+use super::{BenchRow, Load, measure};
+
+const BATCH: usize = 16;
+
+async fn prepared(db: &Database, name: &str, strategy: ClaimStrategy, jobs: usize) -> anyhow::Result<JobQueue> {
+    let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
+    let q = JobQueue::open(db, name, time, QueueOptions::default().claim_strategy(strategy)).await?;
+    let mut left = jobs;
+    let mut n = 0_i64;
+    while left > 0 {
+        let chunk = left.min(1000);
+        q.enqueue_many((0..chunk).map(|_| {
+            n += 1;
+            (doc! { "n": n }, EnqueueOptions::default())
+        }))
+        .await?;
+        left -= chunk;
+    }
+    Ok(q)
+}
+
+pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let jobs = usize::try_from(load.duration.as_secs().saturating_mul(2_000).clamp(2_000, 20_000))?;
+    let mut rows = Vec::new();
+    for (name, coll, strategy) in [
+        ("queue claim+complete (findOneAndUpdate)", "bench_queue_fam", ClaimStrategy::FindOneAndUpdate),
+        ("queue claim+complete (updateOne+fetch)", "bench_queue_uof", ClaimStrategy::UpdateThenFetch),
+    ] {
+        let q = prepared(db, coll, strategy, jobs).await?;
+        rows.push(
+            measure(name, load, move |worker| {
+                let q = q.clone();
+                async move {
+                    match q.claim(&format!("bench-{worker}")).await? {
+                        Some(job) => {
+                            q.complete(&job, Bson::Null).await?;
+                            Ok(1)
+                        }
+                        None => Ok(0),
+                    }
+                }
+            })
+            .await?,
+        );
+    }
+    let q = prepared(db, "bench_queue_batch", ClaimStrategy::FindOneAndUpdate, jobs).await?;
+    rows.push(
+        measure(&format!("queue batch claim({BATCH})+complete"), load, move |worker| {
+            let q = q.clone();
+            async move {
+                let batch = q.claim_batch(&format!("bench-{worker}"), BATCH).await?;
+                let n = u64::try_from(batch.len())?;
+                for job in &batch {
+                    q.complete(job, Bson::Null).await?;
+                }
+                Ok(n)
+            }
+        })
+        .await?,
+    );
+    Ok(rows)
+}

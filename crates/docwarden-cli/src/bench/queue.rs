@@ -11,9 +11,20 @@ use super::{BenchRow, Load, measure};
 
 const BATCH: usize = 16;
 
-async fn prepared(db: &Database, name: &str, strategy: ClaimStrategy, jobs: usize) -> anyhow::Result<JobQueue> {
+async fn prepared(
+    db: &Database,
+    name: &str,
+    strategy: ClaimStrategy,
+    jobs: usize,
+) -> anyhow::Result<JobQueue> {
     let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
-    let q = JobQueue::open(db, name, time, QueueOptions::default().claim_strategy(strategy)).await?;
+    let q = JobQueue::open(
+        db,
+        name,
+        time,
+        QueueOptions::default().claim_strategy(strategy),
+    )
+    .await?;
     let mut left = jobs;
     let mut n = 0_i64;
     while left > 0 {
@@ -29,11 +40,24 @@ async fn prepared(db: &Database, name: &str, strategy: ClaimStrategy, jobs: usiz
 }
 
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
-    let jobs = usize::try_from(load.duration.as_secs().saturating_mul(2_000).clamp(2_000, 20_000))?;
+    let jobs = usize::try_from(
+        load.duration
+            .as_secs()
+            .saturating_mul(2_000)
+            .clamp(2_000, 20_000),
+    )?;
     let mut rows = Vec::new();
     for (name, coll, strategy) in [
-        ("queue claim+complete (findOneAndUpdate)", "bench_queue_fam", ClaimStrategy::FindOneAndUpdate),
-        ("queue claim+complete (updateOne+fetch)", "bench_queue_uof", ClaimStrategy::UpdateThenFetch),
+        (
+            "queue claim+complete (findOneAndUpdate)",
+            "bench_queue_fam",
+            ClaimStrategy::FindOneAndUpdate,
+        ),
+        (
+            "queue claim+complete (updateOne+fetch)",
+            "bench_queue_uof",
+            ClaimStrategy::UpdateThenFetch,
+        ),
     ] {
         let q = prepared(db, coll, strategy, jobs).await?;
         rows.push(
@@ -52,19 +76,29 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             .await?,
         );
     }
-    let q = prepared(db, "bench_queue_batch", ClaimStrategy::FindOneAndUpdate, jobs).await?;
+    let q = prepared(
+        db,
+        "bench_queue_batch",
+        ClaimStrategy::FindOneAndUpdate,
+        jobs,
+    )
+    .await?;
     rows.push(
-        measure(&format!("queue batch claim({BATCH})+complete"), load, move |worker| {
-            let q = q.clone();
-            async move {
-                let batch = q.claim_batch(&format!("bench-{worker}"), BATCH).await?;
-                let n = u64::try_from(batch.len())?;
-                for job in &batch {
-                    q.complete(job, Bson::Null).await?;
+        measure(
+            &format!("queue batch claim({BATCH})+complete"),
+            load,
+            move |worker| {
+                let q = q.clone();
+                async move {
+                    let batch = q.claim_batch(&format!("bench-{worker}"), BATCH).await?;
+                    let n = u64::try_from(batch.len())?;
+                    for job in &batch {
+                        q.complete(job, Bson::Null).await?;
+                    }
+                    Ok(n)
                 }
-                Ok(n)
-            }
-        })
+            },
+        )
         .await?,
     );
     Ok(rows)

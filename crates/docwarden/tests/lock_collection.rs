@@ -552,6 +552,16 @@ async fn blocking_acquire_returns_within_wait_when_held() -> anyhow::Result<()> 
         "{:?}",
         started.elapsed()
     );
+    // An unrepresentably long wait is "forever", not a panic.
+    let forever = locks
+        .acquire(
+            &Owner::random(),
+            "free",
+            Duration::from_secs(5),
+            Duration::MAX,
+        )
+        .await?;
+    assert!(forever.is_some());
     Ok(())
 }
 

@@ -366,17 +366,25 @@ impl LockCollection {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        let deadline = Instant::now() + wait;
+        // A wait too long to represent waits "forever".
+        let deadline = Instant::now().checked_add(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         loop {
             if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
                 return Ok(Some(lease));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+            let delay = backoff.next_delay();
+            let delay = match deadline {
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Ok(None);
+                    }
+                    delay.min(deadline - now)
+                }
+                None => delay,
+            };
+            tokio::time::sleep(delay).await;
         }
     }
 

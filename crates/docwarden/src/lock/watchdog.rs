@@ -178,8 +178,10 @@ async fn run(
                 .expires_at
                 .timestamp_millis()
                 .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
-            Instant::now()
-                + Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin)
+            later(
+                Instant::now(),
+                Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin),
+            )
         }
         Err(_) => Instant::now(),
     };
@@ -211,7 +213,7 @@ async fn run(
         match outcome {
             Ok(Ok(())) => {
                 lease = renewed;
-                valid_until = attempt_started + ttl.saturating_sub(margin);
+                valid_until = later(attempt_started, ttl.saturating_sub(margin));
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
                 let _ = tx.send(State::Held(lease.clone()));
@@ -223,7 +225,7 @@ async fn run(
             }
             Ok(Err(err)) => {
                 tracing::warn!(%err, "renewal failed; retrying");
-                next = Instant::now() + interval / 4;
+                next = later(Instant::now(), interval / 4);
                 if Instant::now() >= valid_until {
                     let _ = tx.send(State::Lost(LostReason::Expired, lease.clone()));
                     return;
@@ -244,7 +246,13 @@ async fn run(
 /// The next renewal: after `interval`, but at the latest halfway to `valid_until`.
 fn next_renewal(from: Instant, interval: Duration, valid_until: Instant) -> Instant {
     let half = valid_until.saturating_duration_since(from) / 2;
-    from + interval.min(half)
+    later(from, interval.min(half))
+}
+
+/// `from + d`, capped a year ahead (a ttl may be far longer than an `Instant` can add).
+fn later(from: Instant, d: Duration) -> Instant {
+    const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+    from.checked_add(d.min(YEAR)).unwrap_or(from)
 }
 
 impl LockCollection {

@@ -16,6 +16,7 @@ use docwarden::lock::{
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
 use mongodb::bson::{Document, doc};
+use mongodb::options::WriteConcern;
 
 const LOCKS: &str = "locks";
 
@@ -24,7 +25,9 @@ async fn open_with(t: &TestDb, time: TimeSource) -> anyhow::Result<LockCollectio
         &t.db,
         LOCKS,
         time,
-        LockOptions::default().backoff(Duration::from_millis(1), Duration::from_millis(20)),
+        LockOptions::default()
+            .backoff(Duration::from_millis(1), Duration::from_millis(20))
+            .write_concern(WriteConcern::majority()),
     )
     .await?)
 }

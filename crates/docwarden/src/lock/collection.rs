@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::{IndexOptions, ReturnDocument};
+use mongodb::options::{CollectionOptions, IndexOptions, ReturnDocument, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
@@ -45,6 +45,9 @@ pub struct LockOptions {
     pub backoff_base: Duration,
     /// Largest delay between blocking acquire retries. Default 250 ms.
     pub backoff_max: Duration,
+    /// Write concern for the lock and token collections; `None` (the default) inherits the
+    /// database's. Use majority where a failover must not roll back an acquire or a token.
+    pub write_concern: Option<WriteConcern>,
 }
 
 impl Default for LockOptions {
@@ -53,6 +56,7 @@ impl Default for LockOptions {
             gc_after: Duration::from_secs(3600),
             backoff_base: Duration::from_millis(5),
             backoff_max: Duration::from_millis(250),
+            write_concern: None,
         }
     }
 }
@@ -68,6 +72,12 @@ impl LockOptions {
     pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
         self.backoff_base = base;
         self.backoff_max = max;
+        self
+    }
+
+    /// Sets [`LockOptions::write_concern`] (for example [`WriteConcern::majority()`]).
+    pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
+        self.write_concern = Some(write_concern);
         self
     }
 
@@ -174,9 +184,12 @@ impl LockCollection {
     ) -> Result<Self> {
         validate::collection_name("lock collection", name)?;
         options.validate()?;
+        let coll_options = CollectionOptions::builder()
+            .write_concern(options.write_concern.clone())
+            .build();
         let this = Self {
-            locks: db.collection(name),
-            tokens: db.collection(&format!("{name}.tokens")),
+            locks: db.collection_with_options(name, coll_options.clone()),
+            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
             time,
             options,
         };

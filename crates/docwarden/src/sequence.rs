@@ -14,15 +14,16 @@
 //! Limits: sequence numbers must be totally ordered *per key and member/field* by the
 //! producer (a non-negative `i64`, see [`set`] for the rule at equal numbers); the state
 //! lives in the document, so a set costs one small entry per member ever seen until
-//! [`set::SequencedSet::compact`] removes tombstones below a watermark; a set is rewritten
-//! in full by each update (O(members) work per message, fine for hundreds, not for
-//! hundreds of thousands of members per document).
+//! [`set::SequencedSet::compact`] removes tombstones below a watermark; an applied set
+//! update rewrites the plain members array (O(members) work, fine for hundreds or a few
+//! thousand members per document, not for hundreds of thousands).
 //!
 //! - [`set::SequencedSet`]: a last-writer-wins element set (`add` / `remove`).
 //! - [`register::SequencedFields`]: last-writer-wins registers (`set` a field).
 //! - [`compact`]: tombstone compaction below a watermark.
-//! - Names: members are stored as values and may be any non-empty string; field names
-//!   become document keys and are refused unless they are plain (see [`encode`]).
+//! - Names: members may be any non-empty string (stored as given in the members array,
+//!   reversibly encoded as state keys); field names become document keys and are refused
+//!   unless they are plain (see [`encode`]).
 //!
 //! The stored format is documented in `docs/sequence.md` so workers in other languages can
 //! join.

@@ -454,9 +454,36 @@ async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
     assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Applied);
     assert_eq!(set.add(1, "a.b@c.d", 0).await?, Outcome::Applied);
     assert_eq!(set.add(1, "$classes", 1).await?, Outcome::Applied);
+    for odd in ["0", "100%", "%2E", "_seq", "_id"] {
+        assert_eq!(set.add(1, odd, 1).await?, Outcome::Applied, "{odd}");
+        assert_eq!(set.add(1, odd, 1).await?, Outcome::Duplicate, "{odd}");
+        assert_eq!(set.remove(1, odd, 1).await?, Outcome::Applied, "{odd}");
+    }
     let mut m = set.members(1).await?.unwrap_or_default();
     m.sort();
     assert_eq!(m, ["$cash", "$classes", "a.b@c.d"]);
+    let mut states: Vec<(String, i64, bool)> = set
+        .states(1)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| (s.member, s.seq, s.present))
+        .collect();
+    states.sort();
+    let want: Vec<(String, i64, bool)> = [
+        ("$cash", 0, true),
+        ("$classes", 1, true),
+        ("%2E", 1, false),
+        ("0", 1, false),
+        ("100%", 1, false),
+        ("_id", 1, false),
+        ("_seq", 1, false),
+        ("a.b@c.d", 0, true),
+    ]
+    .into_iter()
+    .map(|(m, s, p)| (m.to_owned(), s, p))
+    .collect();
+    assert_eq!(states, want);
     assert_eq!(set.remove(1, "$cash", 2).await?, Outcome::Applied);
     assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Stale);
     // Values too: a `$`-string is a value, not a field path.

@@ -11,7 +11,7 @@
 //! Present entries keep their state: a later remove must still compare against them.
 //!
 //! Each document is compacted by one atomic pipeline update; [`SequencedSet::compact_all`]
-//! runs it over every document that has a tombstone below the watermark (each document
+//! runs it over every document whose floor is below the watermark (each document
 //! atomically, the collection not as one transaction — concurrent operations interleave
 //! safely per document).
 
@@ -54,8 +54,9 @@ impl SequencedSet {
         })
     }
 
-    /// Compacts every document that holds a tombstone with `seq < watermark` (see
-    /// [`SequencedSet::compact`]); each document is updated atomically.
+    /// Compacts every document of the collection whose floor is below `watermark` (see
+    /// [`SequencedSet::compact`]): removes its tombstones with `seq < watermark` and raises
+    /// its floor. Each document is updated atomically.
     ///
     /// # Errors
     /// [`crate::Error::InvalidInput`] for a negative watermark;
@@ -65,9 +66,15 @@ impl SequencedSet {
         let r = self
             .collection
             .update_many(
-                doc! { self.state_field.as_str(): {
-                    "$elemMatch": { "present": false, "seq": { "$lt": watermark } }
-                } },
+                // Documents whose floor is already at or above the watermark cannot hold a
+                // tombstone below it: operations below the floor are refused.
+                doc! {
+                    self.state_field.as_str(): { "$exists": true },
+                    "$or": [
+                        { self.floor_field.as_str(): { "$exists": false } },
+                        { self.floor_field.as_str(): { "$lt": watermark } },
+                    ],
+                },
                 self.compaction_pipeline(watermark),
             )
             .await?;
@@ -87,14 +94,14 @@ impl SequencedSet {
         let state = format!("${}", self.state_field);
         let floor = format!("${}", self.floor_field);
         vec![doc! { "$set": {
-            self.state_field.as_str(): { "$filter": {
-                "input": { "$ifNull": [state.as_str(), []] },
+            self.state_field.as_str(): { "$arrayToObject": { "$filter": {
+                "input": { "$objectToArray": { "$ifNull": [state.as_str(), {}] } },
                 "as": "e",
                 "cond": { "$not": [{ "$and": [
-                    { "$eq": ["$$e.present", false] },
-                    { "$lt": ["$$e.seq", watermark] },
+                    { "$eq": ["$$e.v.present", false] },
+                    { "$lt": ["$$e.v.seq", watermark] },
                 ] }] },
-            } },
+            } } },
             self.floor_field.as_str(): { "$max": [{ "$ifNull": [floor.as_str(), 0_i64] }, watermark] },
         } }]
     }

@@ -1,12 +1,13 @@
 //! Which names and keys sequenced documents accept, and how they are put into a pipeline.
 //!
 //! The rule (documented in `docs/sequence.md`):
-//! - **Members** of a [`super::SequencedSet`] are stored as array *values*, never as
-//!   keys, so any non-empty string of at most [`crate::validate::MAX_NAME_LEN`] bytes
-//!   without a NUL byte is accepted unchanged: `"$cash"`, `"a.b@c.d"` and `"CS 101"` are
-//!   all fine and are stored exactly as given (no encoding to undo when reading). Inside
-//!   the pipeline they are always wrapped in `$literal`, so a member starting with `$` is
-//!   never read as a field path.
+//! - **Members** of a [`super::SequencedSet`]: any non-empty string of at most
+//!   [`crate::validate::MAX_NAME_LEN`] bytes without a NUL byte is accepted: `"$cash"`,
+//!   `"a.b@c.d"` and `"CS 101"` are all fine. In the plain members array they are stored
+//!   exactly as given (wrapped in `$literal` inside the pipeline, so a member starting with
+//!   `$` is never read as a field path). As keys of the per-member state they are
+//!   **encoded** with [`member_key`]: `%` → `%25`, `.` → `%2E`, `$` → `%24` (reversible
+//!   with [`decode_member_key`]; any other character is kept).
 //! - **Field names** (the set's own field, and register fields of
 //!   [`super::SequencedFields`]) become document keys and are refused with
 //!   [`Error::InvalidInput`] unless they are plain: non-empty, no `.`, no `$` anywhere, no
@@ -33,6 +34,44 @@ pub const RESERVED_PREFIX: &str = "_seq";
 /// [`validate::MAX_NAME_LEN`] bytes, or one containing NUL.
 pub fn member(value: &str) -> Result<()> {
     validate::name("member", value)
+}
+
+/// The state key of a member: `%`, `.` and `$` percent-encoded, so the key is never
+/// empty, never a path and never an operator.
+pub fn member_key(member: &str) -> String {
+    let mut out = String::with_capacity(member.len());
+    for c in member.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '.' => out.push_str("%2E"),
+            '$' => out.push_str("%24"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The member a state key ([`member_key`]) stands for, or `None` if the key is not a
+/// valid encoding.
+pub fn decode_member_key(key: &str) -> Option<String> {
+    let mut out = String::with_capacity(key.len());
+    let mut rest = key;
+    while let Some(i) = rest.find('%') {
+        out.push_str(&rest[..i]);
+        let code = rest.get(i + 1..i + 3)?;
+        out.push(match code {
+            "25" => '%',
+            "2E" => '.',
+            "24" => '$',
+            _ => return None,
+        });
+        rest = &rest[i + 3..];
+    }
+    if rest.contains(['.', '$']) {
+        return None;
+    }
+    out.push_str(rest);
+    Some(out)
 }
 
 /// Checks a field name that will become a document key.
@@ -104,6 +143,29 @@ mod tests {
             assert!(member(bad).is_err(), "{bad:?}");
         }
         assert!(member(&"x".repeat(validate::MAX_NAME_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn member_keys_are_plain_and_reversible() {
+        for m in ["CS 101", "$cash", "a.b@c.d", "100%", "%2E", "..$$", "é.ü"] {
+            let k = member_key(m);
+            assert!(!k.contains('.') && !k.contains('$') && !k.is_empty(), "{k}");
+            assert!(field("f", &k).is_ok() || k.starts_with("_seq"), "{k}");
+            assert_eq!(decode_member_key(&k).as_deref(), Some(m));
+        }
+        assert_eq!(member_key("a.b$c%"), "a%2Eb%24c%25");
+        assert_eq!(decode_member_key("a%2"), None);
+        assert_eq!(decode_member_key("a%41"), None);
+        assert_eq!(decode_member_key("a.b"), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_member_round_trips(m in "\\PC{1,40}") {
+            let k = member_key(&m);
+            proptest::prop_assert!(!k.contains('.') && !k.contains('$'));
+            proptest::prop_assert_eq!(decode_member_key(&k), Some(m));
+        }
     }
 
     #[test]

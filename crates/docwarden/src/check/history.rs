@@ -162,7 +162,9 @@ mod tests {
     async fn records_in_start_order_with_outcomes() {
         let h = History::new();
         let v = h
-            .record(1, "write", "r", async { 7 }, |out, e| e.value(*out).token(3))
+            .record(1, "write", "r", async { 7 }, |out, e| {
+                e.value(*out).token(3)
+            })
             .await;
         assert_eq!(v, 7);
         h.push(Event::new(2, "acquire", "r", u64::MAX - 1, u64::MAX).outcome(OpOutcome::Failed));

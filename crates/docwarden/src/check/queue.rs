@@ -68,8 +68,9 @@ mod tests {
 
     #[test]
     fn exactly_once_passes_and_planted_faults_are_found() {
-        let mut jobs: BTreeMap<String, JobObservation> =
-            (0..5).map(|i| (format!("j{i}"), obs(1, "succeeded"))).collect();
+        let mut jobs: BTreeMap<String, JobObservation> = (0..5)
+            .map(|i| (format!("j{i}"), obs(1, "succeeded")))
+            .collect();
         jobs.insert("dead".into(), obs(0, "dead"));
         assert!(check_jobs(&jobs).is_empty());
 
@@ -78,6 +79,9 @@ mod tests {
         jobs.insert("stuck".into(), obs(0, "running"));
         jobs.insert("gone".into(), JobObservation::default());
         let kinds: Vec<&str> = check_jobs(&jobs).iter().map(|v| v.kind).collect();
-        assert_eq!(kinds, vec!["duplicate-effect", "lost-job", "lost-job", "stuck-job"]);
+        assert_eq!(
+            kinds,
+            vec!["duplicate-effect", "lost-job", "lost-job", "stuck-job"]
+        );
     }
 }

@@ -43,7 +43,11 @@ pub fn check_invariant_reads<'a>(
         .into_iter()
         .filter(|(_, _, holds)| !holds)
         .map(|(doc, invariant, _)| {
-            Violation::new("invariant-broken", doc, format!("`{invariant}` does not hold"))
+            Violation::new(
+                "invariant-broken",
+                doc,
+                format!("`{invariant}` does not hold"),
+            )
         })
         .collect()
 }
@@ -57,7 +61,10 @@ mod tests {
         let model: BTreeMap<String, Vec<&str>> = [("s1".to_owned(), vec!["a"])].into();
         assert!(check_against_model(&model, &model.clone()).is_empty());
         let found: BTreeMap<String, Vec<&str>> = [("s1".to_owned(), vec!["a", "b"])].into();
-        assert_eq!(check_against_model(&model, &found)[0].kind, "state-mismatch");
+        assert_eq!(
+            check_against_model(&model, &found)[0].kind,
+            "state-mismatch"
+        );
         let missing: BTreeMap<String, Vec<&str>> = BTreeMap::new();
         assert_eq!(check_against_model(&model, &missing).len(), 1);
     }

@@ -11,6 +11,7 @@ mod doctor;
 mod locks;
 mod output;
 mod queue;
+mod verify;
 
 /// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,
 /// prove the guarantees, measure them.
@@ -31,6 +32,8 @@ enum Command {
     Bench(bench::Args),
     /// List held leases of a lock collection, or release every lease of an owner.
     Locks(locks::Args),
+    /// Prove each guarantee under concurrency and faults; exits non-zero on any violation.
+    Verify(verify::Args),
     /// Operate a job queue: stats, list, retry dead jobs, cancel, purge finished jobs.
     Queue(queue::Args),
 }
@@ -41,6 +44,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Locks(args) => locks::run(args).await,
+        Command::Verify(args) => verify::run(args).await,
         Command::Queue(args) => queue::run(args).await,
     }
 }

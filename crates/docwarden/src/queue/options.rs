@@ -16,6 +16,8 @@ pub enum ClaimStrategy {
     /// `updateOne` with a sort, then a find by the new token (the seed's choice): two
     /// round trips, no pre/post image kept for a retried write. Needs `updateOne` with
     /// `sort` (MongoDB 8.0; `docwarden doctor` probes it); older servers refuse it.
+    /// On the embedded surrogate (secantusd-rs 0.5.3) concurrent sorted `updateOne`s
+    /// can claim one job twice (see `docs/queue.md`); use it on MongoDB only.
     UpdateThenFetch,
 }
 

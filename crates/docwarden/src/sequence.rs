@@ -27,6 +27,23 @@
 //!
 //! The stored format is documented in `docs/sequence.md` so workers in other languages can
 //! join.
+//!
+//! ```no_run
+//! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {
+//! use docwarden::sequence::{Outcome, SequencedSet, SetOptions};
+//!
+//! let classes = SequencedSet::new(
+//!     db.collection("students"),
+//!     SetOptions::default().key_field("student_id").field("classes"),
+//! )
+//! .await?;
+//! // Messages 1 (enroll), 3 (enroll) and 2 (unenroll) arrive as 1, 3, 2:
+//! assert_eq!(classes.add(7, "CS 101", 1).await?, Outcome::Applied);
+//! assert_eq!(classes.add(7, "CS 101", 3).await?, Outcome::Applied);
+//! assert_eq!(classes.remove(7, "CS 101", 2).await?, Outcome::Stale);
+//! assert_eq!(classes.members(7).await?, Some(vec!["CS 101".to_owned()]));
+//! # Ok(()) }
+//! ```
 
 pub mod compact;
 pub mod encode;

@@ -76,9 +76,9 @@ async fn five_thousand_jobs_eight_workers_every_effect_exactly_once() -> anyhow:
     let mut workers = Vec::new();
     for w in 0..8 {
         let c = coll.clone();
-        // Two workers claim one job at a time; six claim batches of up to 16 (sorted
+        // Two workers claim one job at a time; six claim batches of up to 32 (sorted
         // finds are slow on the embedded surrogate, batches amortise them).
-        let (concurrency, batch) = if w < 2 { (2, 1) } else { (16, 16) };
+        let (concurrency, batch) = if w < 2 { (2, 1) } else { (32, 32) };
         let opts = WorkerOptions::default()
             .name(format!("w{w}"))
             .concurrency(concurrency)

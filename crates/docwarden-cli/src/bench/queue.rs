@@ -90,30 +90,26 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             .await?,
         );
     }
-    let q = prepared(
-        db,
-        "bench_queue_batch",
-        ClaimStrategy::FindOneAndUpdate,
-        jobs,
-    )
-    .await?;
-    rows.push(
-        measure(
-            &format!("queue batch claim({BATCH})+complete"),
-            load,
-            move |worker| {
+    for batch_size in [BATCH, 4 * BATCH] {
+        let coll = format!("bench_queue_batch{batch_size}");
+        let q = prepared(db, &coll, ClaimStrategy::FindOneAndUpdate, jobs).await?;
+        let name = format!("queue batch claim({batch_size})+complete");
+        rows.push(
+            measure(&name, load, move |worker| {
                 let q = q.clone();
                 async move {
-                    let batch = q.claim_batch(&format!("bench-{worker}"), BATCH).await?;
-                    let n = u64::try_from(batch.len())?;
+                    let batch = q
+                        .claim_batch(&format!("bench-{worker}"), batch_size)
+                        .await?;
+                    let mut n = 0;
                     for job in &batch {
-                        q.complete(job, Bson::Null).await?;
+                        n += completed(&q, job).await?;
                     }
                     Ok(n)
                 }
-            },
-        )
-        .await?,
-    );
+            })
+            .await?,
+        );
+    }
     Ok(rows)
 }

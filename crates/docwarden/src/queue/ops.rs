@@ -274,7 +274,7 @@ impl JobQueue {
 
     /// The server's `explain` (queryPlanner) of the claim query — the find equivalent of
     /// the claim's filter and sort — and of the `findAndModify` a single claim sends.
-    /// Tests assert the winning plans use [`index::CLAIM`](super::index::CLAIM).
+    /// Tests assert the winning plans use [`index::CLAIM`].
     ///
     /// # Errors
     /// A database error.

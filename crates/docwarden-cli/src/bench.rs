@@ -18,6 +18,7 @@ use mongodb::bson::{Document, doc};
 
 use crate::conn::ConnArgs;
 
+mod guard;
 mod locks;
 mod queue;
 mod sequence;
@@ -168,6 +169,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// Every module's workloads, in a fixed order.
 async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
+    rows.extend(guard::run(_db, _load).await?);
     rows.extend(locks::run(_db, _load).await?);
     rows.extend(queue::run(_db, _load).await?);
     rows.extend(sequence::run(_db, _load).await?);

@@ -13,6 +13,7 @@ use crate::conn::ConnArgs;
 mod enrich;
 mod enrollment;
 mod locks;
+mod on_call;
 
 /// Arguments of `docwarden demo`.
 #[derive(Debug, clap::Args)]
@@ -31,6 +32,9 @@ pub(crate) struct Args {
 pub(crate) enum Scenario {
     /// Only check the server (what `docwarden doctor` prints, in short).
     Server,
+    /// Seed 000: doctors on call; racing toggles never leave a shift uncovered.
+    #[value(name = "on-call")]
+    OnCall,
     /// Seed 003 (document locks) and seed 004 (lock collection with fencing tokens).
     Locks,
     /// Seed 001: enroll/unenroll messages shuffled and duplicated still converge.
@@ -43,6 +47,7 @@ impl Scenario {
     fn all() -> Vec<Scenario> {
         vec![
             Scenario::Server,
+            Scenario::OnCall,
             Scenario::Locks,
             Scenario::Enrollment,
             Scenario::Enrich,
@@ -108,6 +113,7 @@ async fn run_one(
     _db: &Database,
 ) -> anyhow::Result<Vec<ScenarioReport>> {
     match scenario {
+        Scenario::OnCall => on_call::run(_db).await,
         Scenario::Locks => locks::run(session, _db).await,
         Scenario::Enrollment => enrollment::run(_db).await,
         Scenario::Enrich => enrich::run(session, _db).await,

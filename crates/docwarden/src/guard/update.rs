@@ -1,14 +1,15 @@
-//! Guarded updates: one atomic `updateOne` applied only if the document after the change
-//! satisfies every invariant.
+//! Guarded updates: one atomic `updateOne` that writes a change only if the document after
+//! the change satisfies every invariant.
 //!
-//! The change is written as an aggregation expression `NEW(field)` for the one top-level
-//! field it touches. The update is the pipeline `[{$set: {field: NEW}}]`; its filter is
-//! `{_id, [member $elemMatch], $expr: {$let: {vars: {dw_new: ROOT ⊕ {field: NEW}},
-//! in: {$and: [dw_new.field ≠ field, inv₁(dw_new), …]}}}}`. The server evaluates the
-//! filter and writes the same document atomically, so two racing writers cannot both pass
-//! a check that only one of them may pass (no write skew). When nothing was matched, one
-//! aggregation on the same `_id` tells the outcomes apart; if that read finds the update
-//! would now pass (the document changed in between), the update is tried again.
+//! The change is an aggregation expression `NEW` for the one top-level field it touches.
+//! The update is the pipeline `[{$set: {field: {$let: {vars: {dw_new: ROOT ⊕ {field:
+//! NEW}}, in: {$cond: [inv₁(dw_new) ∧ inv₂(dw_new) …, dw_new.field, $field]}}}}}]` with the
+//! filter `{_id, array: {$elemMatch: {key: {$eq: k}}}}`. The server evaluates the
+//! pipeline on the document it writes, atomically, so two racing writers cannot both pass
+//! a check that only one of them may pass (no write skew). `modifiedCount == 1` means
+//! applied; otherwise one aggregation on the same `_id` tells the other outcomes apart,
+//! and if that read finds the change would now pass (the document changed in between),
+//! the update is tried again.
 
 use std::time::Duration;
 
@@ -256,26 +257,27 @@ impl Change {
         }})
     }
 
-    /// The filter of the guarded update.
-    pub(crate) fn filter(&self, target: &Bson, invariants: &[Invariant]) -> Document {
-        let mut conds = vec![Bson::Document(doc! {
-            "$ne": [format!("$${NEW_VAR}.{}", self.field), self.path()]
-        })];
-        conds.extend(invariants.iter().map(|i| i.expr_over(NEW_VAR)));
+    /// The filter of the guarded update of the document `_id == target`: the `_id`, and
+    /// for a member change `{array: {$elemMatch: {key_field: {$eq: key}}}}` (for
+    /// inspection and `explain`).
+    pub fn filter(&self, target: &Bson) -> Document {
         let mut f = doc! { "_id": target.clone() };
         if let Some(q) = self.member_query() {
             f.insert(self.field.clone(), q);
         }
-        f.insert(
-            "$expr",
-            self.over_new(Bson::Document(doc! { "$and": conds })),
-        );
         f
     }
 
-    /// The pipeline update that writes the change.
-    pub(crate) fn pipeline(&self) -> Vec<Document> {
-        vec![doc! { "$set": { &self.field: self.new_value() } }]
+    /// The pipeline update: `{$set: {field: $cond[every invariant holds on the new
+    /// document, new value, old value]}}` (for inspection).
+    pub fn pipeline(&self, invariants: &[Invariant]) -> Vec<Document> {
+        let checks: Vec<Bson> = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
+        let guarded = self.over_new(Bson::Document(doc! { "$cond": [
+            { "$and": checks },
+            format!("$${NEW_VAR}.{}", self.field),
+            self.path(),
+        ]}));
+        vec![doc! { "$set": { &self.field: guarded } }]
     }
 
     /// The aggregation that explains why the filter did not match.
@@ -382,16 +384,18 @@ impl Guarded {
         invariants: &[Invariant],
     ) -> Result<Outcome> {
         let target = target.into();
-        let filter = change.filter(&target, invariants);
-        let pipeline = change.pipeline();
+        let filter = change.filter(&target);
+        let pipeline = change.pipeline(invariants);
         for attempt in 0..self.opts.max_attempts {
             let res = self
                 .coll
                 .update_one(filter.clone(), pipeline.clone())
                 .await?;
-            if res.matched_count > 0 {
+            if res.modified_count > 0 {
                 return Ok(Outcome::Applied);
             }
+            // Not written: no document or member (nothing matched), or the value was kept
+            // because it was already so or an invariant failed. One read tells which.
             if let Some(outcome) = self.diagnose(&target, change, invariants).await? {
                 return Ok(outcome);
             }
@@ -466,15 +470,16 @@ mod tests {
     fn set_member_filter_uses_elem_match_and_the_new_document() {
         let inv = Invariant::at_least("on", "doctors", 1, Condition::eq("on_call", true)).unwrap();
         let c = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false }).unwrap();
-        let f = c.filter(&Bson::Int32(1), &[inv]);
+        let f = c.filter(&Bson::Int32(1));
         assert_eq!(f.get("_id"), Some(&Bson::Int32(1)));
         assert_eq!(
             f.get_document("doctors").unwrap(),
             &doc! { "$elemMatch": { "name": { "$eq": "Bob" } } }
         );
-        let text = format!("{f}");
+        let p = c.pipeline(&[inv]);
+        assert_eq!(p.len(), 1);
+        let text = format!("{}", p[0]);
         assert!(text.contains("$$dw_new.doctors"), "{text}");
         assert!(!text.contains("\"$doctors.on_call\""), "{text}");
-        assert_eq!(c.pipeline().len(), 1);
     }
 }

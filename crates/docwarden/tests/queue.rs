@@ -441,3 +441,47 @@ async fn partial_unique_entries_follow_updates(t: &TestDb) -> anyhow::Result<boo
         .await?;
     Ok(c.insert_one(doc! { "k": 1, "open": true }).await.is_ok())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_worker_wakes_on_a_new_job_through_the_change_stream() -> anyhow::Result<()> {
+    use docwarden::queue::{Worker, WorkerOptions};
+    let t = TestDb::new("queue_wakeup").await?;
+    let q = open(&t, QueueOptions::default()).await?;
+    let coll = t.db.collection::<Document>("jobs");
+    // Polling alone would wait at least 5 s; only the change stream can be faster.
+    for change_stream in [true, false] {
+        let w = Worker::spawn(
+            q.clone(),
+            WorkerOptions::default()
+                .change_stream(change_stream)
+                .poll(Duration::from_secs(5), Duration::from_secs(30)),
+            |_job| async { Ok(Bson::Null) },
+        )?;
+        tokio::time::sleep(Duration::from_millis(1_000)).await; // idle: first poll found nothing
+        let id = q
+            .enqueue(doc! {}, &EnqueueOptions::default())
+            .await?
+            .created();
+        let started = std::time::Instant::now();
+        let mut done = false;
+        while started.elapsed() < Duration::from_secs(2) {
+            if coll
+                .count_documents(doc! { "_id": id, "state": "succeeded" })
+                .await?
+                == 1
+            {
+                done = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        w.shutdown().await;
+        if change_stream {
+            assert!(done, "the change stream did not wake the worker within 2 s");
+        } else {
+            // Control: without the change stream the job waits for the next poll.
+            assert!(!done, "control: polling alone should not be this fast");
+        }
+    }
+    Ok(())
+}

@@ -126,6 +126,18 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
             .await?,
         Outcome::NotFound
     );
+    // A raw invariant over `$$ROOT` (the whole new document is bound instead of one field).
+    let via_root = [Invariant::raw(
+        "root balance below 100",
+        doc! { "$lt": ["$$ROOT.balance", 100] },
+    )?];
+    assert_eq!(
+        ga.update("acc", &Change::inc("balance", 200_i64)?, &via_root)
+            .await?,
+        Outcome::Rejected {
+            invariant: "root balance below 100".into()
+        }
+    );
     let a = accounts.find_one(doc! { "_id": "acc" }).await?.unwrap();
     assert_eq!(a.get_i64("balance")?, 3);
 

@@ -382,6 +382,44 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
     }
 }
 
+/// Rewrites an expression so that paths into top-level `field` read `$$var` (the field's
+/// new value) and every other path reads the stored document. `None` if the expression
+/// refers to the whole document (`$$ROOT`, `$$CURRENT`), which needs [`rebase`].
+pub(crate) fn rebase_field(expr: &Bson, field: &str, var: &str) -> Option<Bson> {
+    Some(match expr {
+        Bson::String(s) => {
+            if s.starts_with("$$ROOT") || s.starts_with("$$CURRENT") {
+                return None;
+            }
+            let whole = format!("${field}");
+            if *s == whole {
+                Bson::String(format!("$${var}"))
+            } else if let Some(rest) = s.strip_prefix(&format!("{whole}.")) {
+                Bson::String(format!("$${var}.{rest}"))
+            } else {
+                Bson::String(s.clone())
+            }
+        }
+        Bson::Array(a) => Bson::Array(
+            a.iter()
+                .map(|b| rebase_field(b, field, var))
+                .collect::<Option<Vec<_>>>()?,
+        ),
+        Bson::Document(d) => {
+            let mut out = Document::new();
+            for (k, v) in d {
+                if k == "$literal" {
+                    out.insert(k.clone(), v.clone());
+                } else {
+                    out.insert(k.clone(), rebase_field(v, field, var)?);
+                }
+            }
+            Bson::Document(out)
+        }
+        other => other.clone(),
+    })
+}
+
 fn rebase_str(s: &str, var: &str) -> String {
     for root in ["$$ROOT", "$$CURRENT"] {
         if s == root {
@@ -441,6 +479,21 @@ mod tests {
                 ]
             })
         );
+    }
+
+    #[test]
+    fn rebase_field_rewrites_only_the_changed_field() {
+        let e = Bson::Document(doc! { "$lte": [
+            { "$sum": "$bookings.seats" }, "$capacity", "$bookingsX", "$bookings"
+        ]});
+        assert_eq!(
+            rebase_field(&e, "bookings", "v"),
+            Some(Bson::Document(doc! { "$lte": [
+                { "$sum": "$$v.seats" }, "$capacity", "$bookingsX", "$$v"
+            ]}))
+        );
+        let root = Bson::Document(doc! { "$eq": ["$$ROOT.a", 1] });
+        assert_eq!(rebase_field(&root, "a", "v"), None);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use tracing::{debug, instrument};
 
-use super::invariant::{Invariant, NEW_VAR, field_name};
+use super::invariant::{Invariant, NEW_VAR, field_name, rebase_field};
 use crate::error::{Error, Result};
 
 /// What a guarded update did.
@@ -271,12 +271,27 @@ impl Change {
     /// The pipeline update: `{$set: {field: $cond[every invariant holds on the new
     /// document, new value, old value]}}` (for inspection).
     pub fn pipeline(&self, invariants: &[Invariant]) -> Vec<Document> {
-        let checks: Vec<Bson> = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
-        let guarded = self.over_new(Bson::Document(doc! { "$cond": [
-            { "$and": checks },
-            format!("$${NEW_VAR}.{}", self.field),
-            self.path(),
-        ]}));
+        const VALUE_VAR: &str = "dw_value";
+        let narrow: Option<Vec<Bson>> = invariants
+            .iter()
+            .map(|i| rebase_field(i.expr(), &self.field, VALUE_VAR))
+            .collect();
+        let guarded = match narrow {
+            // Only the changed field is rebound: no copy of the whole document.
+            Some(checks) => Bson::Document(doc! { "$let": {
+                "vars": { VALUE_VAR: self.new_value() },
+                "in": { "$cond": [{ "$and": checks }, format!("$${VALUE_VAR}"), self.path()] },
+            }}),
+            // An invariant reads `$$ROOT`: bind the whole new document.
+            None => {
+                let checks: Vec<Bson> = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
+                self.over_new(Bson::Document(doc! { "$cond": [
+                    { "$and": checks },
+                    format!("$${NEW_VAR}.{}", self.field),
+                    self.path(),
+                ]}))
+            }
+        };
         vec![doc! { "$set": { &self.field: guarded } }]
     }
 
@@ -479,7 +494,7 @@ mod tests {
         let p = c.pipeline(&[inv]);
         assert_eq!(p.len(), 1);
         let text = format!("{}", p[0]);
-        assert!(text.contains("$$dw_new.doctors"), "{text}");
+        assert!(text.contains("$$dw_value"), "{text}");
         assert!(!text.contains("\"$doctors.on_call\""), "{text}");
     }
 }

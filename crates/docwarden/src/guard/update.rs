@@ -2,11 +2,13 @@
 //! the change satisfies every invariant.
 //!
 //! The change is an aggregation expression `NEW` for the one top-level field it touches.
-//! The update is the pipeline `[{$set: {field: {$let: {vars: {dw_new: ROOT ⊕ {field:
-//! NEW}}, in: {$cond: [inv₁(dw_new) ∧ inv₂(dw_new) …, dw_new.field, $field]}}}}}]` with the
-//! filter `{_id, array: {$elemMatch: {key: {$eq: k}}}}`. The server evaluates the
-//! pipeline on the document it writes, atomically, so two racing writers cannot both pass
-//! a check that only one of them may pass (no write skew). `modifiedCount == 1` means
+//! The update is the pipeline `[{$set: {field: {$let: {vars: {dw_value: NEW}, in:
+//! {$cond: [inv₁′ ∧ inv₂′ …, $$dw_value, $field]}}}}}]`, where `invᵢ′` reads the changed
+//! field from `$$dw_value` (the whole new document is bound when an invariant reads
+//! `$$ROOT`), with the filter `{_id, array: {$elemMatch: {key: {$eq: k}}}}`. The server
+//! evaluates the pipeline on the document it writes, atomically, so two racing writers
+//! cannot both pass a check that only one of them may pass (no write skew).
+//! `modifiedCount == 1` means
 //! applied; otherwise one aggregation on the same `_id` tells the other outcomes apart,
 //! and if that read finds the change would now pass (the document changed in between),
 //! the update is tried again.

@@ -98,17 +98,22 @@ fn timeline(events: &[Event]) -> String {
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{height}\" font-size=\"10\">"
     );
-    // Fault windows: bands across every lane.
+    // Fault windows: server-wide faults as bands across every lane, a worker's own fault
+    // (pause, kill) in its lane only.
     for f in events.iter().filter(|e| e.op == "fault" && e.key != "skew") {
         let (x0, x1) = (x(f.start_us), x(f.end_us));
+        #[allow(clippy::cast_precision_loss)]
+        let (y, h) = match lane_of.get(&f.process) {
+            Some(&lane) => (20.0 + LANE * lane as f64, LANE - 2.0),
+            None => (14.0, height - 14.0),
+        };
         let _ = write!(
             svg,
-            "<rect x=\"{x0:.1}\" y=\"14\" width=\"{:.1}\" height=\"{:.1}\" fill=\"rgba(220,0,0,.25)\"><title>{} fault</title></rect>",
+            "<rect x=\"{x0:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{h:.1}\" fill=\"rgba(220,0,0,.25)\"><title>{} fault</title></rect>",
             (x1 - x0).max(2.0),
-            height - 14.0,
             f.key
         );
-        if f.process == u32::MAX {
+        if !lane_of.contains_key(&f.process) {
             let _ = write!(
                 svg,
                 "<text x=\"{x0:.1}\" y=\"11\" fill=\"#b00\">{}</text>",
@@ -121,8 +126,9 @@ fn timeline(events: &[Event]) -> String {
         let y = 20.0 + LANE * i as f64;
         let _ = write!(
             svg,
-            "<text x=\"4\" y=\"{:.1}\">process {p}</text>",
-            y + 10.0
+            "<text x=\"4\" y=\"{:.1}\">{}</text>",
+            y + 10.0,
+            lane_name(*p)
         );
         let _ = write!(
             svg,
@@ -131,6 +137,7 @@ fn timeline(events: &[Event]) -> String {
             y + 13.0
         );
     }
+    let mut ticks_left: usize = 20_000;
     // Lease holds: an acquire until the same process's next release of that key.
     let mut open: BTreeMap<(u32, &str), &Event> = BTreeMap::new();
     for e in events {
@@ -167,7 +174,9 @@ fn timeline(events: &[Event]) -> String {
                 }
             }
             ("fault", _) => {}
-            (_, outcome) => {
+            // Operation ticks: at most a few per pixel column are visible anyway.
+            (_, outcome) if ticks_left > 0 => {
+                ticks_left -= 1;
                 let fill = match outcome {
                     OpOutcome::Ok => "#2a2",
                     OpOutcome::Failed => "#e80",
@@ -180,6 +189,7 @@ fn timeline(events: &[Event]) -> String {
                     y + 12.0
                 );
             }
+            _ => {}
         }
     }
     #[allow(clippy::cast_precision_loss)]
@@ -191,6 +201,16 @@ fn timeline(events: &[Event]) -> String {
         height - 2.0
     );
     svg
+}
+
+/// The label of a lane: workers by number, the workload's helpers by role.
+fn lane_name(process: u32) -> String {
+    match process {
+        u32::MAX => "server".to_owned(),
+        p if p == u32::MAX - 1 => "drain / final read".to_owned(),
+        p if p == u32::MAX - 2 => "producer".to_owned(),
+        p => format!("process {p}"),
+    }
 }
 
 fn color(key: &str) -> &'static str {

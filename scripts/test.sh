@@ -10,6 +10,8 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+step "cargo doc with -D warnings (every public item documented, links resolve)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 step "cargo test (unit, integration and doc tests; the embedded server starts per test binary)"
 cargo test --workspace --no-fail-fast
 step "checking that no embedded server was left running by the tests"

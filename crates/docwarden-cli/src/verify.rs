@@ -186,19 +186,18 @@ impl Ctx {
         let mut next_process = u32::try_from(self.workers).unwrap_or(u32::MAX);
         let mut rng = self.rng(u32::MAX);
         let kill_every = (self.duration / 6).max(Duration::from_millis(500));
+        let started = Instant::now();
+        let mut next_kill = started + kill_every;
         while Instant::now() < deadline {
-            let step = kill_every.min(deadline.saturating_duration_since(Instant::now()));
+            let step =
+                Duration::from_millis(250).min(deadline.saturating_duration_since(Instant::now()));
             tokio::time::sleep(step).await;
-            self.progress.set_position(
-                self.progress.position().max(
-                    u64::try_from(
-                        self.duration
-                            .saturating_sub(deadline.saturating_duration_since(Instant::now()))
-                            .as_secs(),
-                    )
-                    .unwrap_or(0),
-                ),
-            );
+            self.progress
+                .set_position(started.elapsed().as_secs().min(self.duration.as_secs()));
+            if Instant::now() < next_kill {
+                continue;
+            }
+            next_kill += kill_every;
             if self.has(Fault::Kill) && Instant::now() < deadline && !tasks.is_empty() {
                 let i = rng.random_range(0..tasks.len());
                 let (victim, handle) = &tasks[i];

@@ -13,14 +13,27 @@ fn doctor_starts_the_embedded_server_prints_every_capability_and_stops_it() -> a
     if std::env::var_os("MONGODB_URI").is_some() {
         return Ok(());
     }
-    let out = docwarden().arg("doctor").env_remove("MONGODB_URI").output()?;
+    let out = docwarden()
+        .arg("doctor")
+        .env_remove("MONGODB_URI")
+        .output()?;
     let stdout = String::from_utf8(out.stdout)?;
     let stderr = String::from_utf8(out.stderr)?;
     assert!(out.status.success(), "doctor failed: {stderr}");
     for line in [
-        "version", "wire version", "topology", "round trip", "clock offset",
-        "pipeline updates", "$$NOW in query $expr", "unique indexes", "partial indexes",
-        "TTL indexes", "change streams", "transactions", "collMod validators",
+        "version",
+        "wire version",
+        "topology",
+        "round trip",
+        "clock offset",
+        "pipeline updates",
+        "$$NOW in query $expr",
+        "unique indexes",
+        "partial indexes",
+        "TTL indexes",
+        "change streams",
+        "transactions",
+        "collMod validators",
         "updateOne with sort",
     ] {
         assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
@@ -58,7 +71,10 @@ fn doctor_on_an_unreachable_uri_fails_in_under_10s_with_one_line() -> anyhow::Re
     assert!(!out.status.success());
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
-    assert!(stderr.contains("cannot reach mongodb://***@127.0.0.1:1"), "{stderr}");
+    assert!(
+        stderr.contains("cannot reach mongodb://***@127.0.0.1:1"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("topsecret"));
     Ok(())
 }
@@ -66,7 +82,9 @@ fn doctor_on_an_unreachable_uri_fails_in_under_10s_with_one_line() -> anyhow::Re
 #[test]
 fn a_malformed_uri_is_refused_at_once() -> anyhow::Result<()> {
     let started = Instant::now();
-    let out = docwarden().args(["doctor", "--uri", "mongo:/nope"]).output()?;
+    let out = docwarden()
+        .args(["doctor", "--uri", "mongo:/nope"])
+        .output()?;
     assert!(!out.status.success());
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(String::from_utf8(out.stderr)?.contains("cannot reach"));

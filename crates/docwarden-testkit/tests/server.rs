@@ -23,25 +23,38 @@ async fn restart_keeps_data_and_stop_leaves_no_process_or_directory() -> anyhow:
     let mut server = EmbeddedServer::start(ServerOptions::default()).await?;
     let dir = server.dir().to_path_buf();
     let needle = dir.display().to_string();
-    assert!(process_with(&needle), "the server runs with its storage in {needle}");
+    assert!(
+        process_with(&needle),
+        "the server runs with its storage in {needle}"
+    );
 
     let client = connect(&server.uri(), Duration::from_secs(10)).await?;
     let coll = client.database("lifecycle").collection::<Document>("c");
     coll.insert_one(doc! { "_id": 1, "kept": true })
-        .write_concern(mongodb::options::WriteConcern::builder().journal(true).build())
+        .write_concern(
+            mongodb::options::WriteConcern::builder()
+                .journal(true)
+                .build(),
+        )
         .await?;
 
     server.restart().await?;
     let client = connect(&server.uri(), Duration::from_secs(10)).await?;
     let coll = client.database("lifecycle").collection::<Document>("c");
-    assert!(coll.find_one(doc! { "_id": 1 }).await?.is_some(), "data survives a restart");
+    assert!(
+        coll.find_one(doc! { "_id": 1 }).await?.is_some(),
+        "data survives a restart"
+    );
 
     // A crash (SIGKILL) and recovery: the server comes back on the same port. Durability
     // of the last writes before a SIGKILL is a known surrogate difference (docs/surrogate.md),
     // so only liveness is asserted here.
     server.crash_and_restart().await?;
     let client = connect(&server.uri(), Duration::from_secs(10)).await?;
-    client.database("admin").run_command(doc! { "ping": 1 }).await?;
+    client
+        .database("admin")
+        .run_command(doc! { "ping": 1 })
+        .await?;
 
     server.stop();
     assert!(!process_with(&needle), "no secantusd-rs remains after stop");
@@ -75,7 +88,12 @@ async fn a_killed_owner_leaves_no_orphan() -> anyhow::Result<()> {
         .spawn()?;
     let mut line = String::new();
     std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().ok_or_else(|| anyhow::anyhow!("stdout"))?),
+        &mut std::io::BufReader::new(
+            child
+                .stdout
+                .take()
+                .ok_or_else(|| anyhow::anyhow!("stdout"))?,
+        ),
         &mut line,
     )?;
     let dir = line.trim().to_owned();
@@ -99,7 +117,9 @@ async fn each_test_database_is_dropped() -> anyhow::Result<()> {
     let t = TestDb::new("testkit_drop").await?;
     let name = t.db.name().to_owned();
     let client = t.new_client().await?;
-    t.db.collection::<Document>("c").insert_one(doc! { "x": 1 }).await?;
+    t.db.collection::<Document>("c")
+        .insert_one(doc! { "x": 1 })
+        .await?;
     drop(t);
     let names = client.list_database_names().await?;
     assert!(!names.contains(&name), "{name} was dropped");
@@ -109,10 +129,13 @@ async fn each_test_database_is_dropped() -> anyhow::Result<()> {
 #[tokio::test]
 async fn unreachable_uri_fails_fast_with_a_masked_message() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
-    let err = connect("mongodb://user:hunter2@127.0.0.1:1/?directConnection=true", Duration::from_secs(2))
-        .await
-        .err()
-        .ok_or_else(|| anyhow::anyhow!("connected to port 1?"))?;
+    let err = connect(
+        "mongodb://user:hunter2@127.0.0.1:1/?directConnection=true",
+        Duration::from_secs(2),
+    )
+    .await
+    .err()
+    .ok_or_else(|| anyhow::anyhow!("connected to port 1?"))?;
     let text = err.to_string();
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(!text.contains("hunter2"), "{text}");

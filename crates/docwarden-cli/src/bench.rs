@@ -22,6 +22,7 @@ mod guard;
 mod locks;
 mod queue;
 mod sequence;
+mod wakeup;
 
 /// The load one workload runs under.
 #[derive(Debug, Clone)]
@@ -30,6 +31,8 @@ pub(crate) struct Load {
     pub(crate) workers: usize,
     /// How long each workload runs.
     pub(crate) duration: Duration,
+    /// The spinner that shows which workload runs (hidden with `--json`).
+    pub(crate) progress: indicatif::ProgressBar,
 }
 
 /// One measured workload.
@@ -55,6 +58,8 @@ where
     F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = anyhow::Result<u64>> + Send,
 {
+    load.progress
+        .set_message(format!("{name} × {} workers", load.workers));
     let op = Arc::new(op);
     let items = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -137,11 +142,22 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--workers must list counts of at least 1"
     );
     let session = args.conn.open(args.json).await?;
+    let progress = if args.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let bar = indicatif::ProgressBar::new_spinner();
+        bar.set_style(indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed}] {msg}",
+        )?);
+        bar.enable_steady_tick(Duration::from_millis(200));
+        bar
+    };
     let mut rows = Vec::new();
     for &workers in &args.workers {
         let load = Load {
             workers,
             duration: Duration::from_secs(args.duration),
+            progress: progress.clone(),
         };
         let db = session
             .client
@@ -158,6 +174,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         db.drop().await?;
         rows.extend(measured);
     }
+    progress.finish_and_clear();
     if args.json {
         crate::output::print_json(&rows)?;
     } else {
@@ -173,6 +190,7 @@ async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>
     rows.extend(locks::run(_db, _load).await?);
     rows.extend(queue::run(_db, _load).await?);
     rows.extend(sequence::run(_db, _load).await?);
+    rows.extend(wakeup::run(_db, _load).await?);
     Ok(rows)
 }
 

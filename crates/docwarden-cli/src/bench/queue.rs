@@ -10,6 +10,29 @@ use mongodb::bson::{Bson, doc};
 use super::{BenchRow, Load, measure};
 
 const BATCH: usize = 16;
+/// The backlog the steady-state rows keep.
+const STEADY: usize = 100;
+
+/// Keeps about [`STEADY`] jobs due until `stop` is cancelled.
+async fn top_up(q: JobQueue, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+    let mut n = 0_i64;
+    while !stop.is_cancelled() {
+        let waiting = q
+            .collection()
+            .count_documents(doc! { "state": { "$in": ["ready", "retrying"] } })
+            .await?;
+        let missing = STEADY.saturating_sub(usize::try_from(waiting).unwrap_or(STEADY));
+        if missing > 0 {
+            q.enqueue_many((0..missing).map(|_| {
+                n += 1;
+                (doc! { "n": n }, EnqueueOptions::default())
+            }))
+            .await?;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
 
 async fn prepared(
     db: &Database,
@@ -89,6 +112,41 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             })
             .await?,
         );
+    }
+    // Steady state: a producer keeps about STEADY jobs waiting, as in a queue whose
+    // producers and consumers are balanced (the usual production shape).
+    for (name, batch_size) in [
+        (
+            "queue claim+complete, steady backlog ~100 (findOneAndUpdate)",
+            1,
+        ),
+        ("queue batch claim(16)+complete, steady backlog ~100", BATCH),
+    ] {
+        let coll = format!("bench_queue_steady{batch_size}");
+        let q = prepared(db, &coll, ClaimStrategy::FindOneAndUpdate, STEADY).await?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let producer = tokio::spawn(top_up(q.clone(), stop.clone()));
+        let row = measure(name, load, move |worker| {
+            let q = q.clone();
+            async move {
+                let owner = format!("bench-{worker}");
+                let mut n = 0;
+                if batch_size == 1 {
+                    if let Some(job) = q.claim(&owner).await? {
+                        n += completed(&q, &job).await?;
+                    }
+                } else {
+                    for job in &q.claim_batch(&owner, batch_size).await? {
+                        n += completed(&q, job).await?;
+                    }
+                }
+                Ok(n)
+            }
+        })
+        .await;
+        stop.cancel();
+        producer.await??;
+        rows.push(row?);
     }
     for batch_size in [BATCH, 4 * BATCH] {
         let coll = format!("bench_queue_batch{batch_size}");

@@ -133,6 +133,9 @@ pub(crate) struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also write the markdown table of the same rows to this file.
+    #[arg(long)]
+    markdown: Option<std::path::PathBuf>,
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -175,6 +178,9 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         rows.extend(measured);
     }
     progress.finish_and_clear();
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, markdown(&rows))?;
+    }
     if args.json {
         crate::output::print_json(&rows)?;
     } else {

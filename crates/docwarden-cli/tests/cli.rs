@@ -90,3 +90,70 @@ fn a_malformed_uri_is_refused_at_once() -> anyhow::Result<()> {
     assert!(String::from_utf8(out.stderr)?.contains("cannot reach"));
     Ok(())
 }
+
+#[test]
+fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
+    let out = docwarden().arg("demo").output()?;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = stdout
+        .split("scenario ")
+        .last()
+        .ok_or_else(|| anyhow::anyhow!("no summary in {stdout}"))?;
+    for scenario in [
+        "on-call",
+        "document-lock",
+        "lock-collection",
+        "enrollment",
+        "enrich",
+    ] {
+        let row = summary
+            .lines()
+            .find(|l| l.starts_with(scenario))
+            .ok_or_else(|| anyhow::anyhow!("no {scenario} row in {summary}"))?;
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols.get(2), Some(&"0"), "violations of {scenario}: {row}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let md = dir.path().join("bench.md");
+    let md_arg = md.to_str().ok_or_else(|| anyhow::anyhow!("path"))?;
+    let out = docwarden()
+        .args(["bench", "--duration", "1", "--json", "--markdown", md_arg])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let table = std::fs::read_to_string(&md)?;
+    assert!(
+        rows.len() >= 10,
+        "reference, guard, locks, queue, sequence, wake-up rows"
+    );
+    assert_eq!(rows[0]["ratio"], 1.0, "the reference comes first");
+    for row in &rows {
+        for field in ["ops_per_sec", "p50_us", "p99_us", "ratio"] {
+            assert!(row[field].is_number(), "{field} missing in {row}");
+        }
+        let name = row["name"].as_str().unwrap_or_default();
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .ok_or_else(|| anyhow::anyhow!("{name} not in the markdown table"))?;
+        assert!(
+            line.contains(&format!("| {} |", row["ops"])),
+            "{line} vs {row}"
+        );
+    }
+    Ok(())
+}

@@ -112,8 +112,7 @@ pub(crate) struct Ctx {
 }
 
 /// A worker body: given its process number, runs until the deadline.
-pub(crate) type WorkerFn =
-    Arc<dyn Fn(u32) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+type WorkerFn = Arc<dyn Fn(u32) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
 impl Ctx {
     pub(crate) fn has(&self, fault: Fault) -> bool {
@@ -175,7 +174,19 @@ impl Ctx {
 
     /// Runs `worker` on `self.workers` tasks until the deadline. Under `kill`, every few
     /// seconds one worker is aborted mid-operation and replaced by a new process.
-    pub(crate) async fn supervise(&self, worker: WorkerFn) {
+    pub(crate) async fn supervise<F, Fut>(&self, workload: &'static str, body: F)
+    where
+        F: Fn(u32) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let worker: WorkerFn = Arc::new(move |process| {
+            let run = body(process);
+            Box::pin(async move {
+                if let Err(e) = run.await {
+                    tracing::warn!(process, %e, workload, "worker stopped");
+                }
+            })
+        });
         let deadline = Instant::now() + self.duration;
         let mut tasks: Vec<(u32, tokio::task::JoinHandle<()>)> = (0..self.workers)
             .map(|p| {

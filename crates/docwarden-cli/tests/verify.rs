@@ -91,3 +91,24 @@ fn the_html_report_has_a_timeline() -> anyhow::Result<()> {
     assert!(html.contains("fault"), "fault windows are drawn");
     Ok(())
 }
+
+#[test]
+fn latency_and_connection_resets_through_the_proxy_break_nothing() -> anyhow::Result<()> {
+    if std::env::var_os("MONGODB_URI").is_some() {
+        return Ok(()); // the proxy fronts a single 127.0.0.1 server
+    }
+    let (code, json) = verify(&[
+        "locks",
+        "--duration",
+        "4",
+        "--faults",
+        "latency,reset",
+        "--seed",
+        "9",
+    ])?;
+    assert_eq!(code, 0, "{json:#}");
+    let w = &json["workloads"][0];
+    assert!(w["faults"]["latency"].as_u64().unwrap_or(0) > 0, "{w:#}");
+    assert!(w["faults"]["reset"].as_u64().unwrap_or(0) > 0, "{w:#}");
+    Ok(())
+}

@@ -13,7 +13,7 @@ use docwarden::guard::{Change, Condition, Guarded, Invariant};
 use mongodb::bson::{Document, doc};
 use rand::Rng;
 
-use super::{Ctx, Findings, WorkerFn};
+use super::{Ctx, Findings};
 
 const SHIFTS: i64 = 10;
 const DOCTORS: [&str; 3] = ["Alice", "Bob", "Carol"];
@@ -39,18 +39,12 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         coll.insert_one(doc! { "_id": s, "doctors": doctors })
             .await?;
     }
-    let worker: WorkerFn = {
-        let ctx = Arc::clone(&ctx);
-        Arc::new(move |process| {
-            let ctx = Arc::clone(&ctx);
-            Box::pin(async move {
-                if let Err(e) = worker(&ctx, process).await {
-                    tracing::warn!(process, %e, "guard worker stopped");
-                }
-            })
-        })
-    };
-    ctx.supervise(worker).await;
+    let c = Arc::clone(&ctx);
+    ctx.supervise("guard", move |process| {
+        let ctx = Arc::clone(&c);
+        async move { worker(&ctx, process).await }
+    })
+    .await;
     // The final read of every shift.
     for s in 0..SHIFTS {
         if let Some(d) = coll.find_one(doc! { "_id": s }).await? {

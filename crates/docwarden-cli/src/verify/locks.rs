@@ -17,7 +17,7 @@ use docwarden::lock::{Fence, FenceOptions, FenceOutcome, LockCollection, LockOpt
 use mongodb::bson::{Document, doc};
 use rand::Rng;
 
-use super::{Ctx, Findings, WorkerFn};
+use super::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
 const TTL: Duration = Duration::from_secs(1);
@@ -36,18 +36,12 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
             .await?;
     }
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let worker: WorkerFn = {
-        let (ctx, tally) = (Arc::clone(&ctx), Arc::clone(&tally));
-        Arc::new(move |process| {
-            let (ctx, tally) = (Arc::clone(&ctx), Arc::clone(&tally));
-            Box::pin(async move {
-                if let Err(e) = worker(&ctx, &tally, process).await {
-                    tracing::warn!(process, %e, "locks worker stopped");
-                }
-            })
-        })
-    };
-    ctx.supervise(worker).await;
+    let (c, t) = (Arc::clone(&ctx), Arc::clone(&tally));
+    ctx.supervise("locks", move |process| {
+        let (ctx, tally) = (Arc::clone(&c), Arc::clone(&t));
+        async move { worker(&ctx, &tally, process).await }
+    })
+    .await;
 
     let mut finals = BTreeMap::new();
     let direct = ctx.db.collection::<Document>("counters");

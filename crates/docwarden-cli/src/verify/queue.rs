@@ -19,7 +19,7 @@ use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
 use rand::Rng;
 
-use super::{Ctx, Findings, WorkerFn};
+use super::{Ctx, Findings};
 
 const LEASE: Duration = Duration::from_secs(2);
 
@@ -79,18 +79,12 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
             }
         })
     };
-    let worker: WorkerFn = {
-        let ctx = Arc::clone(&ctx);
-        Arc::new(move |process| {
-            let ctx = Arc::clone(&ctx);
-            Box::pin(async move {
-                if let Err(e) = worker(&ctx, process).await {
-                    tracing::warn!(process, %e, "queue worker stopped");
-                }
-            })
-        })
-    };
-    ctx.supervise(worker).await;
+    let c = Arc::clone(&ctx);
+    ctx.supervise("queue", move |process| {
+        let ctx = Arc::clone(&c);
+        async move { worker(&ctx, process).await }
+    })
+    .await;
     producer.await?;
     // Drain: the workers have stopped; finish what is left with fresh, fault-free workers.
     let drainers: Vec<_> = (0..ctx.workers)

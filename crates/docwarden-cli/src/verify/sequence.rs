@@ -17,7 +17,7 @@ use mongodb::bson::{Document, doc};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
-use super::{Ctx, Findings, WorkerFn};
+use super::{Ctx, Findings};
 
 const STUDENTS: usize = 20;
 const CLASSES: [&str; 5] = ["CS101", "CS102", "MA201", "PH110", "EN150"];
@@ -63,14 +63,15 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         pending: delivery,
         acked: BTreeSet::new(),
     }));
-    let worker: WorkerFn = {
-        let (ctx, set, mailbox) = (Arc::clone(&ctx), set.clone(), Arc::clone(&mailbox));
-        Arc::new(move |process| {
-            let (ctx, set, mailbox) = (Arc::clone(&ctx), set.clone(), Arc::clone(&mailbox));
-            Box::pin(async move { consume(&ctx, &set, &mailbox, process).await })
-        })
-    };
-    ctx.supervise(worker).await;
+    let (c, s, m) = (Arc::clone(&ctx), set.clone(), Arc::clone(&mailbox));
+    ctx.supervise("sequence", move |process| {
+        let (ctx, set, mailbox) = (Arc::clone(&c), s.clone(), Arc::clone(&m));
+        async move {
+            consume(&ctx, &set, &mailbox, process).await;
+            Ok(())
+        }
+    })
+    .await;
     // Redeliver every message never acknowledged (failed, timed out, killed mid-apply).
     let unacked: Vec<Msg> = {
         let m = mailbox.lock().unwrap_or_else(|p| p.into_inner());

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use docwarden::guard::{
-    self, Change, Condition, Guarded, Invariant, Outcome, ValidatorInstall, ValidatorOptions,
-};
+use docwarden::guard::{self, Change, Guarded, Outcome, ValidatorInstall, ValidatorOptions};
 use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::options::UpdateOptions;
@@ -17,18 +15,8 @@ use mongodb::options::UpdateOptions;
 use super::ScenarioReport;
 
 const SHIFTS: i64 = 10;
-const DOCTORS: [&str; 3] = ["Alice", "Bob", "Carol"];
 const WORKERS: usize = 8;
 const OPS_PER_WORKER: u64 = 250;
-
-fn at_least_one_on_call() -> docwarden::Result<Invariant> {
-    Invariant::at_least(
-        "at least one doctor on call",
-        "doctors",
-        1,
-        Condition::eq("on_call", true),
-    )
-}
 
 #[derive(Debug, Default)]
 struct Counts {
@@ -43,19 +31,10 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     let started = Instant::now();
     println!(
         "== on-call (seed 000): {SHIFTS} shifts × {} doctors, {WORKERS} workers × {OPS_PER_WORKER} toggles",
-        DOCTORS.len()
+        crate::shifts::DOCTORS.len()
     );
     let coll = db.collection::<Document>("shifts");
-    let shifts: Vec<Document> = (0..SHIFTS)
-        .map(|s| {
-            let doctors: Vec<Document> = DOCTORS
-                .iter()
-                .map(|n| doc! { "name": *n, "on_call": true, "updated": DateTime::now() })
-                .collect();
-            doc! { "_id": s, "doctors": doctors }
-        })
-        .collect();
-    coll.insert_many(shifts).await?;
+    crate::shifts::insert(&coll, SHIFTS).await?;
     guard::ensure_array_index(&coll, "doctors.updated").await?;
 
     let counts = Arc::new(Counts::default());
@@ -65,10 +44,11 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         let counts = Arc::clone(&counts);
         tasks.push(tokio::spawn(async move {
             let guarded = Guarded::new(coll.clone())?;
-            let rule = [at_least_one_on_call()?];
+            let rule = [crate::shifts::at_least_one_on_call()?];
             for _ in 0..OPS_PER_WORKER {
                 let shift = rand::random_range(0..SHIFTS);
-                let doctor = DOCTORS[rand::random_range(0..DOCTORS.len())];
+                let doctor =
+                    crate::shifts::DOCTORS[rand::random_range(0..crate::shifts::DOCTORS.len())];
                 let on = rand::random_bool(0.5);
                 let change = Change::set_member(
                     "doctors",
@@ -94,7 +74,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     for task in tasks {
         task.await??;
     }
-    let rule = [at_least_one_on_call()?];
+    let rule = [crate::shifts::at_least_one_on_call()?];
     let at_end = guard::violations(&coll, &rule, None).await?;
     let mut violations = counts.violations.load(Ordering::Relaxed) + u64::try_from(at_end.len())?;
     println!(

@@ -9,14 +9,13 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::OpOutcome;
 use docwarden::check::state::check_invariant_reads;
-use docwarden::guard::{Change, Condition, Guarded, Invariant};
+use docwarden::guard::{Change, Guarded};
 use mongodb::bson::{Document, doc};
 use rand::Rng;
 
 use super::{Ctx, Findings};
 
 const SHIFTS: i64 = 10;
-const DOCTORS: [&str; 3] = ["Alice", "Bob", "Carol"];
 
 fn on_call_count(d: &Document) -> usize {
     d.get_array("doctors")
@@ -31,14 +30,7 @@ fn on_call_count(d: &Document) -> usize {
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let coll = ctx.db.collection::<Document>("shifts");
-    for s in 0..SHIFTS {
-        let doctors: Vec<Document> = DOCTORS
-            .iter()
-            .map(|n| doc! { "name": *n, "on_call": true })
-            .collect();
-        coll.insert_one(doc! { "_id": s, "doctors": doctors })
-            .await?;
-    }
+    crate::shifts::insert(&coll, SHIFTS).await?;
     let c = Arc::clone(&ctx);
     ctx.supervise("guard", move |process| {
         let ctx = Arc::clone(&c);
@@ -80,16 +72,11 @@ async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let coll = ctx.db.collection::<Document>("shifts");
     let guarded = Guarded::new(coll.clone())?;
-    let rule = Invariant::at_least(
-        "at least one doctor on call",
-        "doctors",
-        1,
-        Condition::eq("on_call", true),
-    )?;
+    let rule = crate::shifts::at_least_one_on_call()?;
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {
         let shift = rng.random_range(0..SHIFTS);
-        let name = DOCTORS[rng.random_range(0..DOCTORS.len())];
+        let name = crate::shifts::DOCTORS[rng.random_range(0..crate::shifts::DOCTORS.len())];
         let on = rng.random_bool(0.5);
         let op = if on { "on-call" } else { "off-call" };
         let key = format!("shift {shift}");

@@ -10,6 +10,22 @@ use mongodb::Database;
 
 use crate::conn::ConnArgs;
 
+/// Set by `--json`: narration goes to stderr so stdout holds only the JSON summary.
+pub(crate) static NARRATE_TO_STDERR: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// `println!` for a scenario's narration: stdout normally, stderr under `--json`.
+macro_rules! narrate {
+    ($($arg:tt)*) => {
+        if $crate::demo::NARRATE_TO_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!($($arg)*);
+        } else {
+            println!($($arg)*);
+        }
+    };
+}
+pub(crate) use narrate;
+
 mod enrich;
 mod enrollment;
 mod locks;
@@ -71,6 +87,7 @@ fn as_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> 
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    NARRATE_TO_STDERR.store(args.json, std::sync::atomic::Ordering::Relaxed);
     let session = args.conn.open(args.json).await?;
     let scenarios = args.scenario.map_or_else(Scenario::all, |s| vec![s]);
     let db = session
@@ -121,14 +138,14 @@ async fn run_one(
             let started = Instant::now();
             let r =
                 crate::doctor::gather(&session.client, &session.uri(), session.embedded()).await?;
-            println!("== server: {} ({})", r.server_version, r.topology);
+            narrate!("== server: {} ({})", r.server_version, r.topology);
             let supported = r
                 .capabilities
                 .rows()
                 .iter()
                 .filter(|(_, s)| s.is_supported())
                 .count();
-            println!(
+            narrate!(
                 "   clock offset {:+} ms ± {} ms; {supported} of {} capabilities supported",
                 r.clock_offset_ms,
                 r.clock_bound_ms,

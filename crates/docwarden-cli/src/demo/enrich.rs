@@ -159,7 +159,7 @@ pub(crate) async fn run(
 ) -> anyhow::Result<Vec<ScenarioReport>> {
     let cfg = Config::from_env()?;
     let started = Instant::now();
-    println!(
+    crate::demo::narrate!(
         "== enrich (seed 002): {} messages, {} workers, geo service latency ~{} ms, failure rate {:.0}%",
         cfg.messages,
         cfg.workers,
@@ -175,7 +175,7 @@ pub(crate) async fn run(
         cfg.failure_rate,
         stop.clone(),
     ));
-    println!("   geo service on http://{addr}/json/<ip>");
+    crate::demo::narrate!("   geo service on http://{addr}/json/<ip>");
 
     // The messages, as in the seed: `location: null` marks one still to enrich.
     let messages = db.collection::<Document>("message");
@@ -204,7 +204,7 @@ pub(crate) async fn run(
         )
     });
     queue.enqueue_many(jobs).await?;
-    println!(
+    crate::demo::narrate!(
         "   {} jobs enqueued (one per message, deduplicated by message id)",
         cfg.messages
     );
@@ -253,7 +253,7 @@ pub(crate) async fn run(
         let stats = queue.stats().await?;
         let get = |s: &str| stats.by_state.get(s).copied().unwrap_or(0);
         let finished = get("succeeded") + get("dead") + get("cancelled");
-        println!(
+        crate::demo::narrate!(
             "   {:>5.1}s  succeeded {:>4}  running {:>3}  retrying {:>3}  ready {:>4}  dead {}",
             started.elapsed().as_secs_f64(),
             get("succeeded"),
@@ -266,7 +266,7 @@ pub(crate) async fn run(
             let victim = workers.remove(0);
             let owner = victim.owner().to_owned();
             let r = victim.kill().await;
-            println!(
+            crate::demo::narrate!(
                 "   killed worker {owner} mid-run ({} jobs claimed); its jobs return after the 3 s lease",
                 r.claimed
             );
@@ -292,7 +292,7 @@ pub(crate) async fn run(
     let running = coll.count_documents(doc! { "state": "running" }).await?;
     let dead = coll.count_documents(doc! { "state": "dead" }).await?;
     let lost = total.saturating_sub(enriched).saturating_sub(dead);
-    println!("   final documents:");
+    crate::demo::narrate!("   final documents:");
     let mut by_country = std::collections::BTreeMap::<String, u64>::new();
     let mut cursor = messages.find(doc! {}).await?;
     let mut shown = 0;
@@ -305,7 +305,7 @@ pub(crate) async fn run(
             .unwrap_or("(none)")
             .to_owned();
         if shown < 5 {
-            println!(
+            crate::demo::narrate!(
                 "     {{ _id: {}, originatingIp: {}, location.country: {country} }}",
                 d.get("_id").map(ToString::to_string).unwrap_or_default(),
                 d.get_str("originatingIp").unwrap_or("?")
@@ -314,8 +314,8 @@ pub(crate) async fn run(
         }
         *by_country.entry(country).or_default() += 1;
     }
-    println!("     … by country: {by_country:?}");
-    println!(
+    crate::demo::narrate!("     … by country: {by_country:?}");
+    crate::demo::narrate!(
         "   {enriched}/{total} enriched, {retried} failed calls retried, {dead} dead after {} attempts, lost {lost}, duplicated {duplicated}, stuck running {running}",
         8
     );

@@ -71,7 +71,7 @@ fn deliver(messages: &[Message]) -> Vec<Message> {
 
 pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     let started = Instant::now();
-    println!(
+    crate::demo::narrate!(
         "== enrollment: {MESSAGES} enroll/unenroll messages for {STUDENTS} students, \
          delivered shuffled ({:.0}% twice) to {CONSUMERS} consumers",
         DUPLICATED * 100.0
@@ -123,16 +123,19 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
             *total += n;
         }
     }
-    println!(
+    crate::demo::narrate!(
         "   {operations} deliveries: {} applied, {} stale (a newer message had won), {} duplicates",
-        counts[0], counts[1], counts[2]
+        counts[0],
+        counts[1],
+        counts[2]
     );
 
     let mut wrong = 0_u64;
     let mut shown = 0;
-    println!(
+    crate::demo::narrate!(
         "   {:<8} {:<48} sequential expectation",
-        "student", "final classes"
+        "student",
+        "final classes"
     );
     for (student, want) in &expected {
         let got: BTreeSet<String> = set
@@ -147,7 +150,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         }
         if shown < 8 || !ok {
             shown += 1;
-            println!(
+            crate::demo::narrate!(
                 "   {:<8} {:<48} {} {}",
                 student,
                 join(&got),
@@ -165,14 +168,14 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
             .len(),
     )?;
     let duplicates = documents.saturating_sub(touched);
-    println!(
+    crate::demo::narrate!(
         "   {wrong} students differ from the sequential history; {documents} documents for \
          {touched} students ({duplicates} duplicates)"
     );
 
     // For contrast: the seed's two-update upsert on the same deliveries (not counted).
     let (seed_docs, seed_wrong) = seed_approach(db, &deliveries, &expected).await?;
-    println!(
+    crate::demo::narrate!(
         "   the seed's upsert approach on the same deliveries: {seed_wrong} students wrong, \
          {} duplicate documents",
         seed_docs.saturating_sub(touched)

@@ -37,7 +37,9 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     let started = Instant::now();
     let mut ops = 0_u64;
     let mut violations = 0_u64;
-    println!("== document-lock (seed 003): the lock lives in the document (lock_id, lock_time)");
+    crate::demo::narrate!(
+        "== document-lock (seed 003): the lock lives in the document (lock_id, lock_time)"
+    );
     let coll = db.collection::<Document>("dummies");
     let locks = DocumentLocks::new(
         coll.clone(),
@@ -49,22 +51,26 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
         .lock_or_create("dummy-1", doc! { "value": "created" })
         .await?;
     ops += 1;
-    println!(
+    crate::demo::narrate!(
         "   lock_or_create(dummy-1) created and locked it with a random lock id {}…",
         &guard.lock_id[..8]
     );
     match locks.lock("dummy-1").await {
-        Err(Error::AlreadyLocked { .. }) => println!("   a second lock(dummy-1): already locked"),
+        Err(Error::AlreadyLocked { .. }) => {
+            crate::demo::narrate!("   a second lock(dummy-1): already locked")
+        }
         other => {
             violations += 1;
-            println!("   ! a second lock(dummy-1) returned {other:?}");
+            crate::demo::narrate!("   ! a second lock(dummy-1) returned {other:?}");
         }
     }
     locks
         .release_with(guard, doc! { "$set": { "value": "changed" } })
         .await?;
     ops += 2;
-    println!("   release_with wrote value=changed and cleared the lock in one fenced update");
+    crate::demo::narrate!(
+        "   release_with wrote value=changed and cleared the lock in one fenced update"
+    );
 
     // Eight creators race on a new document.
     let mut tasks = Vec::new();
@@ -88,7 +94,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     }
     ops += 8;
     let docs = coll.count_documents(doc! { "_id": "dummy-race" }).await?;
-    println!(
+    crate::demo::narrate!(
         "   8 tasks race lock_or_create on a new id: {winners} winner, {already} already locked, {docs} document"
     );
     violations += winners.abs_diff(1) + docs.abs_diff(1);
@@ -133,7 +139,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
         .context("counter")?
         .get_i64("n")?;
     let expected = i64::try_from(TASKS * ROUNDS)?;
-    println!(
+    crate::demo::narrate!(
         "   {TASKS} tasks × {ROUNDS} locked read-modify-writes: counter {n} of {expected}, lost {}",
         expected - n
     );
@@ -149,12 +155,12 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     let seed_and = coll
         .count_documents(doc! { "_id": "dummy-1", "lock_id": Bson::Null, "lock_time": { "$lt": DateTime::now() } })
         .await?;
-    println!(
+    crate::demo::narrate!(
         "   a holder crashed an hour ago; the seed's AND filter (lock_id null AND lock_time expired) matches {seed_and} document: it would say 'already locked' forever"
     );
     let taker = locks.lock("dummy-1").await?.context("takeover")?;
     ops += 2;
-    println!("   the OR filter takes the expired lock over");
+    crate::demo::narrate!("   the OR filter takes the expired lock over");
     match locks
         .release_with(
             stale,
@@ -163,18 +169,18 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
         .await
     {
         Err(Error::LeaseLost { .. }) => {
-            println!(
+            crate::demo::narrate!(
                 "   the old holder wakes up: its release_with is refused (lock lost), nothing written"
             );
         }
         other => {
             violations += 1;
-            println!("   ! the old holder's release returned {other:?}");
+            crate::demo::narrate!("   ! the old holder's release returned {other:?}");
         }
     }
     locks.release(taker).await?;
     ops += 2;
-    println!("   violations: {violations}");
+    crate::demo::narrate!("   violations: {violations}");
     Ok(ScenarioReport {
         scenario: "document-lock",
         operations: ops,
@@ -188,7 +194,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
     let started = Instant::now();
     let mut ops = 0_u64;
     let mut violations = 0_u64;
-    println!(
+    crate::demo::narrate!(
         "== lock-collection (seed 004): leases in workitem.lock, tokens in workitem.lock.tokens"
     );
     let locks = LockCollection::open(
@@ -249,7 +255,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         .values()
         .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
         .sum();
-    println!(
+    crate::demo::narrate!(
         "   {} owners × {ROUNDS} leased read-modify-writes on 4 work items: {total} of {expected}, lost {}, token regressions {regressions}",
         TASKS * 2,
         expected - total
@@ -267,7 +273,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         .try_acquire(&a, "account-1", Duration::from_secs(1))
         .await?
         .context("a")?;
-    println!(
+    crate::demo::narrate!(
         "   owner A leases account-1 for 1 s (token {}) and pauses for 2 s…",
         la.token
     );
@@ -288,7 +294,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
             doc! { "$inc": { "balance": -20_i64 } },
         )
         .await?;
-    println!(
+    crate::demo::narrate!(
         "   owner B takes it over with token {} and writes (fenced)",
         lb.token
     );
@@ -307,7 +313,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         matches!(release, Err(Error::LeaseLost { .. })),
         matches!(write, FenceOutcome::Stale { .. }),
     ];
-    println!(
+    crate::demo::narrate!(
         "   A wakes up: renew {}, release {}, fenced write {}",
         if refused[0] {
             "refused (lease lost)"
@@ -342,9 +348,10 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         .await?
         .context("d")?;
     ops += 3;
-    println!(
+    crate::demo::narrate!(
         "   owner C (token {}) crashes and its lock document is deleted; the next owner gets token {}",
-        lc.token, ld.token
+        lc.token,
+        ld.token
     );
     if ld.token <= lc.token {
         violations += 1;
@@ -360,11 +367,11 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
     }
     let released = locks.release_all(&c).await?;
     ops += 4;
-    println!("   release_all(owner C) released {released} lease(s)");
+    crate::demo::narrate!("   release_all(owner C) released {released} lease(s)");
     if released != 3 {
         violations += 1;
     }
-    println!("   violations: {violations}");
+    crate::demo::narrate!("   violations: {violations}");
     Ok(ScenarioReport {
         scenario: "lock-collection",
         operations: ops,

@@ -29,7 +29,7 @@ struct Counts {
 
 pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     let started = Instant::now();
-    println!(
+    crate::demo::narrate!(
         "== on-call (seed 000): {SHIFTS} shifts × {} doctors, {WORKERS} workers × {OPS_PER_WORKER} toggles",
         crate::shifts::DOCTORS.len()
     );
@@ -77,7 +77,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     let rule = [crate::shifts::at_least_one_on_call()?];
     let at_end = guard::violations(&coll, &rule, None).await?;
     let mut violations = counts.violations.load(Ordering::Relaxed) + u64::try_from(at_end.len())?;
-    println!(
+    crate::demo::narrate!(
         "   applied {}, rejected (would leave a shift uncovered) {}, already so {}, other {}; violations seen {}, at the end {}",
         counts.applied.load(Ordering::Relaxed),
         counts.rejected.load(Ordering::Relaxed),
@@ -88,9 +88,11 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     );
 
     match guard::install_validator(&coll, &rule, &ValidatorOptions::default()).await? {
-        ValidatorInstall::Installed { .. } => println!("   validator installed (strict, error)"),
+        ValidatorInstall::Installed { .. } => {
+            crate::demo::narrate!("   validator installed (strict, error)")
+        }
         ValidatorInstall::Refused { violations: v } => {
-            println!(
+            crate::demo::narrate!(
                 "   validator refused: {} shifts already violate the rule",
                 v.len()
             );
@@ -112,13 +114,13 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         .await;
     match bypass {
         Err(e) if docwarden::error::error_code(&e) == Some(121) => {
-            println!(
+            crate::demo::narrate!(
                 "   seed bypass update refused by the validator: code 121 (DocumentValidationFailure)"
             );
         }
         Err(e) => return Err(e.into()),
         Ok(r) => {
-            println!(
+            crate::demo::narrate!(
                 "   seed bypass update was NOT refused (modified {})",
                 r.modified_count
             );

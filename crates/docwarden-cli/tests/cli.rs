@@ -30,6 +30,7 @@ fn doctor_starts_the_embedded_server_prints_every_capability_and_stops_it() -> a
         "$$NOW in query $expr",
         "unique indexes",
         "partial indexes",
+        "partial index updates",
         "TTL indexes",
         "change streams",
         "transactions",

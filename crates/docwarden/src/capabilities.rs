@@ -56,6 +56,9 @@ pub struct Capabilities {
     pub unique_indexes: Support,
     /// Partial indexes: a unique partial index ignores documents outside the filter.
     pub partial_indexes: Support,
+    /// An update that moves a document out of a unique partial index's filter frees its
+    /// key (MongoDB does; the queue's dedupe keys rely on it).
+    pub partial_index_updates: Support,
     /// TTL indexes are accepted (deletion timing is not probed: MongoDB's runs every 60 s).
     pub ttl_indexes: Support,
     /// Change streams deliver an insert.
@@ -78,6 +81,7 @@ impl Capabilities {
             ("$$NOW in query $expr", &self.now_in_query_expr),
             ("unique indexes", &self.unique_indexes),
             ("partial indexes", &self.partial_indexes),
+            ("partial index updates", &self.partial_index_updates),
             ("TTL indexes", &self.ttl_indexes),
             ("change streams", &self.change_streams),
             ("transactions", &self.transactions),
@@ -100,6 +104,7 @@ pub async fn probe(client: &Client) -> Result<Capabilities> {
         now_in_query_expr: run(now_in_query_expr(&db)).await,
         unique_indexes: run(unique_indexes(&db)).await,
         partial_indexes: run(partial_indexes(&db)).await,
+        partial_index_updates: run(partial_index_updates(&db)).await,
         ttl_indexes: run(ttl_indexes(&db)).await,
         change_streams: run(change_streams(&db)).await,
         transactions: run(transactions(client, &db)).await,
@@ -109,6 +114,18 @@ pub async fn probe(client: &Client) -> Result<Capabilities> {
     };
     db.drop().await?;
     Ok(caps)
+}
+
+/// Probes only whether updates move documents out of a unique partial index (what the
+/// queue's dedupe keys need), in a scratch database.
+///
+/// # Errors
+/// Only if the scratch database cannot be dropped.
+pub async fn probe_partial_index_updates(client: &Client) -> Result<Support> {
+    let db = client.database(&format!("docwarden_probe_{:08x}", rand::random::<u32>()));
+    let support = run(partial_index_updates(&db)).await;
+    db.drop().await?;
+    Ok(support)
 }
 
 /// Probes only change streams (what the queue's wake-up needs), in a scratch database.
@@ -200,7 +217,19 @@ async fn unique_indexes(db: &Database) -> Probe {
 }
 
 async fn partial_indexes(db: &Database) -> Probe {
-    let c = coll(db, "partial");
+    let c = unique_partial(db, "partial").await?;
+    c.insert_one(doc! { "k": 1, "open": true }).await?;
+    if let Err(e) = c.insert_one(doc! { "k": 1, "open": false }).await {
+        return Ok(Support::NotSupported(format!(
+            "a document outside the partial filter was refused: {e}"
+        )));
+    }
+    expect_duplicate(&c, doc! { "k": 1, "open": true }).await
+}
+
+/// A unique index on `k`, partial on `open: true`.
+async fn unique_partial(db: &Database, name: &str) -> mongodb::error::Result<Collection<Document>> {
+    let c = coll(db, name);
     c.create_index(
         IndexModel::builder()
             .keys(doc! { "k": 1 })
@@ -213,13 +242,21 @@ async fn partial_indexes(db: &Database) -> Probe {
             .build(),
     )
     .await?;
+    Ok(c)
+}
+
+async fn partial_index_updates(db: &Database) -> Probe {
+    let c = unique_partial(db, "partial_updates").await?;
     c.insert_one(doc! { "k": 1, "open": true }).await?;
-    if let Err(e) = c.insert_one(doc! { "k": 1, "open": false }).await {
-        return Ok(Support::NotSupported(format!(
-            "a document outside the partial filter was refused: {e}"
-        )));
-    }
-    expect_duplicate(&c, doc! { "k": 1, "open": true }).await
+    c.update_one(doc! { "k": 1 }, doc! { "$set": { "open": false } })
+        .await?;
+    Ok(match c.insert_one(doc! { "k": 1, "open": true }).await {
+        Ok(_) => Support::Supported,
+        Err(e) if crate::error::is_duplicate_key(&e) => Support::NotSupported(
+            "the key stays in the index after the document leaves the filter".into(),
+        ),
+        Err(e) => return Err(e),
+    })
 }
 
 async fn ttl_indexes(db: &Database) -> Probe {

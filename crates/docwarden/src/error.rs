@@ -67,6 +67,14 @@ pub enum Error {
         /// The capability.
         capability: &'static str,
     },
+    /// The deployment cannot be used as it is: the server is older than docwarden's
+    /// minimum, or a collection is configured in a way docwarden's queries cannot honour
+    /// (for example a non-simple default collation). Nothing was written.
+    #[error("incompatible deployment: {reason}")]
+    Incompatible {
+        /// What is wrong and what to do about it.
+        reason: String,
+    },
     /// The server did not answer in time.
     #[error("{what} is unavailable")]
     Unavailable {
@@ -93,7 +101,15 @@ impl Error {
     }
 
     /// Whether retrying the same operation may succeed: the driver labelled the error
-    /// retryable, or the server could not be reached.
+    /// retryable, the server could not be reached, or the server answered with one of the
+    /// error codes MongoDB's retryable reads and writes specifications list as transient
+    /// ([`RETRYABLE_CODES`]: not-primary, shutting down, stepping down, network errors,
+    /// stale routing on a sharded cluster), whether as a command error, a write error or a
+    /// write concern error.
+    ///
+    /// A retryable error says nothing about whether a *write* took effect: retry only
+    /// operations that are idempotent (every fenced docwarden transition is) or whose
+    /// outcome is read back.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source } => {
@@ -105,6 +121,7 @@ impl Error {
                             | ErrorKind::ServerSelection { .. }
                             | ErrorKind::ConnectionPoolCleared { .. }
                     )
+                    || error_codes(source).any(|c| RETRYABLE_CODES.contains(&c))
             }
             Error::Unavailable { .. } => true,
             _ => false,
@@ -128,6 +145,39 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// Server error codes after which the same operation may succeed, from MongoDB's retryable
+/// writes specification (`InterruptedAtShutdown` 11600, `InterruptedDueToReplStateChange`
+/// 11602, `NotWritablePrimary` 10107, `NotPrimaryNoSecondaryOk` 13435,
+/// `NotPrimaryOrSecondary` 13436, `PrimarySteppedDown` 189, `ShutdownInProgress` 91,
+/// `HostNotFound` 7, `HostUnreachable` 6, `NetworkTimeout` 89, `SocketException` 9001,
+/// `ExceededTimeLimit` 262) and retryable reads specification
+/// (`ReadConcernMajorityNotAvailableYet` 134, `StaleShardVersion` 63, `StaleEpoch` 150,
+/// `StaleConfig` 13388, `RetryChangeStream` 234, `FailedToSatisfyReadPreference` 133).
+pub const RETRYABLE_CODES: &[i32] = &[
+    11600, 11602, 10107, 13435, 13436, 189, 91, 7, 6, 89, 9001, 262, 134, 63, 150, 13388, 234, 133,
+];
+
+/// Every server error code a driver error carries: the command's, each write error's, and
+/// the write concern error's.
+pub fn error_codes(err: &mongodb::error::Error) -> impl Iterator<Item = i32> + '_ {
+    let mut codes = Vec::new();
+    match &*err.kind {
+        ErrorKind::Command(c) => codes.push(c.code),
+        ErrorKind::Write(WriteFailure::WriteError(w)) => codes.push(w.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => codes.push(w.code),
+        ErrorKind::InsertMany(e) => {
+            codes.extend(e.write_errors.iter().flatten().map(|w| w.code));
+            codes.extend(e.write_concern_error.iter().map(|w| w.code));
+        }
+        ErrorKind::BulkWrite(e) => {
+            codes.extend(e.write_errors.values().map(|w| w.code));
+            codes.extend(e.write_concern_errors.iter().map(|w| w.code));
+        }
+        _ => {}
+    }
+    codes.into_iter()
 }
 
 /// The server error code carried by a driver error, if any.

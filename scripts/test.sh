@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/prereqs.sh
 step() { echo "[docwarden test] $*" >&2; }
+# Tests that cannot run in this setting record themselves here (see docwarden_testkit::skip).
+export DOCWARDEN_SKIP_LOG="${DOCWARDEN_SKIP_LOG:-$(mktemp -t docwarden-skipped.XXXXXX)}"
+: > "$DOCWARDEN_SKIP_LOG"
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
@@ -20,5 +23,12 @@ if [ -z "${DOCWARDEN_ALLOW_RUNNING_SERVERS:-}" ] && pgrep -f "docwarden-embedded
   echo "[docwarden test] orphan embedded servers remain:" >&2
   pgrep -a -f "docwarden-embedded-" >&2 || true
   exit 1
+fi
+skipped=$(grep -c '^skipped: ' "$DOCWARDEN_SKIP_LOG" 2>/dev/null || true)
+if [ "${skipped:-0}" -gt 0 ]; then
+  step "$skipped test(s) skipped in this setting (they asserted nothing):"
+  sed 's/^/  /' "$DOCWARDEN_SKIP_LOG" >&2
+else
+  step "no test was skipped"
 fi
 step "all passed"

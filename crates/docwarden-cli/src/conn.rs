@@ -13,7 +13,9 @@ pub(crate) struct ConnArgs {
     /// started for the run and stopped afterwards.
     #[arg(long, env = "MONGODB_URI", global = true)]
     pub(crate) uri: Option<String>,
-    /// Keep the embedded server's data (and log) in this directory.
+    /// Keep the embedded server's data (and log) in this directory. A server whose data is
+    /// kept runs durable (`--sync-on-commit`): every acknowledged write survives a crash,
+    /// at a few times the cost per write.
     #[arg(long, global = true)]
     pub(crate) data_dir: Option<PathBuf>,
     /// Seconds to wait for the server to answer.
@@ -48,9 +50,14 @@ impl ConnArgs {
         let target = Target::resolve(uri, self.data_dir.clone()).await?;
         if !quiet && let Target::Embedded(server) = &target {
             eprintln!(
-                "docwarden: embedded server on {} (log: {})",
+                "docwarden: embedded server on {} (log: {}{})",
                 server.uri(),
-                server.log_path().display()
+                server.log_path().display(),
+                if server.is_durable() {
+                    "; durable: acknowledged writes survive a crash"
+                } else {
+                    ""
+                }
             );
         }
         let client = connect(

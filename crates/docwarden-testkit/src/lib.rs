@@ -8,9 +8,11 @@
 mod connect;
 mod error;
 mod server;
+mod skip;
 mod testdb;
 
 pub use connect::{Target, connect, mask_uri, uri_from_env};
 pub use error::{Error, Result};
 pub use server::{EmbeddedServer, INSTALL_HINT, SECANTUS_VERSION, ServerOptions};
+pub use skip::{SKIP_LOG_ENV, skip, skip_log};
 pub use testdb::{TestDb, shared_uri};

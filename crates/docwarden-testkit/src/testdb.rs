@@ -22,7 +22,8 @@ pub async fn shared_uri() -> Result<String> {
             match uri_from_env() {
                 Some(uri) => Ok::<_, crate::Error>((uri, None)),
                 None => {
-                    let server = EmbeddedServer::start(ServerOptions::default()).await?;
+                    let server =
+                        EmbeddedServer::start(ServerOptions::default().test_commands(true)).await?;
                     Ok((server.uri(), Some(server)))
                 }
             }
@@ -61,16 +62,31 @@ impl TestDb {
     }
 
     /// A fresh database on a server of its own, which the test may restart, crash or
-    /// pause. Returns `None` when `MONGODB_URI` is set (a real deployment cannot be
-    /// restarted by a test).
+    /// pause. The server is durable (acknowledged writes survive a crash) and has test
+    /// commands enabled. Returns `None`, and reports the test as skipped (see
+    /// [`crate::skip`]), when `MONGODB_URI` is set: a real deployment cannot be restarted
+    /// by a test.
     ///
     /// # Errors
     /// The server could not be started or reached.
     pub async fn dedicated(test: &str) -> Result<Option<Self>> {
+        Self::dedicated_with(test, ServerOptions::default().durable(true)).await
+    }
+
+    /// Like [`TestDb::dedicated`], with the server's options given (for example a server
+    /// that is *not* durable, for a control run). Test commands are always enabled.
+    ///
+    /// # Errors
+    /// The server could not be started or reached.
+    pub async fn dedicated_with(test: &str, options: ServerOptions) -> Result<Option<Self>> {
         if uri_from_env().is_some() {
+            crate::skip(
+                test,
+                "needs an embedded server it can restart, crash or pause, and MONGODB_URI is set",
+            );
             return Ok(None);
         }
-        let server = EmbeddedServer::start(ServerOptions::default()).await?;
+        let server = EmbeddedServer::start(options.test_commands(true)).await?;
         Self::on(server.uri(), test, Some(server)).await.map(Some)
     }
 

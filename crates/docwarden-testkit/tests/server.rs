@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use docwarden_testkit::{EmbeddedServer, ServerOptions, TestDb, connect, uri_from_env};
+use docwarden_testkit::{EmbeddedServer, ServerOptions, TestDb, connect, skip, uri_from_env};
 use mongodb::bson::{Document, doc};
 
 /// Whether any process still has `needle` on its command line.
@@ -18,7 +18,11 @@ fn process_with(needle: &str) -> bool {
 #[tokio::test]
 async fn restart_keeps_data_and_stop_leaves_no_process_or_directory() -> anyhow::Result<()> {
     if uri_from_env().is_some() {
-        return Ok(()); // exercises the embedded server only
+        skip(
+            "restart_keeps_data",
+            "exercises the embedded server only; MONGODB_URI is set",
+        );
+        return Ok(());
     }
     let mut server = EmbeddedServer::start(ServerOptions::default()).await?;
     let dir = server.dir().to_path_buf();
@@ -65,6 +69,10 @@ async fn restart_keeps_data_and_stop_leaves_no_process_or_directory() -> anyhow:
 #[tokio::test]
 async fn a_kept_data_dir_survives_and_holds_the_log() -> anyhow::Result<()> {
     if uri_from_env().is_some() {
+        skip(
+            "a_kept_data_dir_survives",
+            "exercises the embedded server only; MONGODB_URI is set",
+        );
         return Ok(());
     }
     let keep = tempfile::tempdir()?;
@@ -79,6 +87,10 @@ async fn a_kept_data_dir_survives_and_holds_the_log() -> anyhow::Result<()> {
 #[tokio::test]
 async fn a_killed_owner_leaves_no_orphan() -> anyhow::Result<()> {
     if uri_from_env().is_some() {
+        skip(
+            "a_killed_owner_leaves_no_orphan",
+            "exercises the embedded server only; MONGODB_URI is set",
+        );
         return Ok(());
     }
     // A child process starts a server and is SIGKILLed: the server must go with it.

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use docwarden::capabilities::{self, Capabilities};
 use docwarden::clock::{ClockOptions, ClockSample, TimeSource};
+use docwarden::preflight::{self, MIN_SERVER_VERSION};
 use docwarden_testkit::mask_uri;
 use mongodb::bson::{Document, doc};
 
@@ -27,6 +28,10 @@ pub(crate) struct Report {
     embedded: bool,
     pub(crate) server_version: String,
     max_wire_version: i64,
+    /// Whether the server is at least docwarden's minimum version.
+    pub(crate) version_supported: bool,
+    /// The minimum version docwarden needs.
+    min_version: &'static str,
     pub(crate) topology: String,
     round_trip_ms: f64,
     pub(crate) clock_offset_ms: i64,
@@ -42,7 +47,11 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         print_human(&report);
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if report.version_supported {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 pub(crate) async fn gather(
@@ -67,6 +76,7 @@ pub(crate) async fn gather(
         Some(mongodb::bson::Bson::Int64(v)) => *v,
         _ => -1,
     };
+    let version = preflight::server_version(client).await?;
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let sample: ClockSample = time.refresh().await?;
     let capabilities = capabilities::probe(client).await?;
@@ -75,6 +85,8 @@ pub(crate) async fn gather(
         embedded,
         server_version: build.get_str("version").unwrap_or("unknown").to_owned(),
         max_wire_version,
+        version_supported: version.is_supported(),
+        min_version: MIN_SERVER_VERSION,
         topology,
         round_trip_ms: round_trip.as_secs_f64() * 1000.0,
         clock_offset_ms: sample.offset_ms,
@@ -92,6 +104,15 @@ fn print_human(r: &Report) {
     println!("server          {}{kind}", r.uri);
     println!("version         {}", r.server_version);
     println!("wire version    {}", r.max_wire_version);
+    println!(
+        "minimum         MongoDB {} (wire version 17): {}",
+        r.min_version,
+        if r.version_supported {
+            "ok"
+        } else {
+            "TOO OLD — docwarden's handles refuse to open on this server"
+        }
+    );
     println!("topology        {}", r.topology);
     println!("round trip      {:.2} ms", r.round_trip_ms);
     println!(

@@ -7,6 +7,7 @@ pub mod clock;
 pub mod error;
 pub mod guard;
 pub mod lock;
+pub mod preflight;
 pub mod queue;
 pub mod sequence;
 pub mod validate;

@@ -15,6 +15,11 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 step "cargo doc with -D warnings (every public item documented, links resolve)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+step "checking that the shipped binary does not depend on test code"
+if cargo tree -p docwarden-cli -e normal --prefix none | grep -q '^docwarden-testkit'; then
+  echo "[docwarden test] docwarden-cli depends on docwarden-testkit outside [dev-dependencies]" >&2
+  exit 1
+fi
 step "cargo test (unit, integration and doc tests; the embedded server starts per test binary)"
 cargo test --workspace --no-fail-fast
 step "checking that no embedded server was left running by the tests"

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use docwarden_testkit::{Target, connect, mask_uri};
+use docwarden_server::{Target, connect, mask_uri};
 use mongodb::Client;
 
 /// Where to connect.

@@ -6,7 +6,7 @@ use std::time::Instant;
 use docwarden::capabilities::{self, Capabilities};
 use docwarden::clock::{ClockOptions, ClockSample, TimeSource};
 use docwarden::preflight::{self, MIN_SERVER_VERSION};
-use docwarden_testkit::mask_uri;
+use docwarden_server::mask_uri;
 use mongodb::bson::{Document, doc};
 
 use crate::conn::ConnArgs;

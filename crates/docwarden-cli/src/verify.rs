@@ -355,7 +355,7 @@ async fn run_module(
     let uri = proxy
         .as_ref()
         .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri);
-    let client = docwarden_testkit::connect(&uri, Duration::from_secs(10)).await?;
+    let client = docwarden_server::connect(&uri, Duration::from_secs(10)).await?;
     let db_name = format!(
         "docwarden_verify_{}_{:08x}",
         module_name(module),
@@ -391,7 +391,7 @@ async fn run_module(
     let findings = findings?;
     progress.finish_and_clear();
     // Clean up through a direct connection (the proxy may be resetting).
-    let direct = docwarden_testkit::connect(&direct_uri, Duration::from_secs(10)).await?;
+    let direct = docwarden_server::connect(&direct_uri, Duration::from_secs(10)).await?;
     direct.database(&db_name).drop().await?;
     let faults = ctx
         .injected

@@ -1,18 +1,18 @@
-//! Test and tool support for docwarden: the embedded `secantusd-rs` server, per-test
-//! databases, and connection helpers shared by the tests, the benchmarks and the CLI.
+//! Test support for docwarden: per-test databases on the embedded `secantusd-rs` server
+//! (or on `MONGODB_URI`), servers a test may restart, crash or pause, and loud skips.
 //!
 //! With `MONGODB_URI` set nothing is started and everything talks to that deployment;
-//! otherwise one embedded server is started per process on a free port, with a temporary
-//! storage directory, and stopped when the process exits (even if it is killed).
+//! otherwise one embedded server is started per test process on a free port, with a
+//! temporary storage directory and MongoDB's test commands (fail points) enabled, and
+//! stopped when the process exits (even if it is killed). The launcher itself is the
+//! `docwarden-server` crate, re-exported here.
 
-mod connect;
-mod error;
-mod server;
 mod skip;
 mod testdb;
 
-pub use connect::{Target, connect, mask_uri, uri_from_env};
-pub use error::{Error, Result};
-pub use server::{EmbeddedServer, INSTALL_HINT, SECANTUS_VERSION, ServerOptions};
+pub use docwarden_server::{
+    EmbeddedServer, Error, INSTALL_HINT, Result, SECANTUS_VERSION, ServerOptions, Target, connect,
+    mask_uri, uri_from_env,
+};
 pub use skip::{SKIP_LOG_ENV, skip, skip_log};
 pub use testdb::{TestDb, shared_uri};

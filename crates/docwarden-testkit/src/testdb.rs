@@ -5,9 +5,7 @@ use std::time::Duration;
 use mongodb::{Client, Database};
 use tokio::sync::OnceCell;
 
-use crate::connect::{connect, uri_from_env};
-use crate::error::Result;
-use crate::server::{EmbeddedServer, ServerOptions};
+use docwarden_server::{EmbeddedServer, Result, ServerOptions, connect, uri_from_env};
 
 static SHARED: OnceCell<(String, Option<EmbeddedServer>)> = OnceCell::const_new();
 

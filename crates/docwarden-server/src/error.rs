@@ -1,8 +1,8 @@
-//! The testkit's error type.
+//! The launcher's error type.
 
 use std::path::PathBuf;
 
-/// A `Result` with the testkit's [`Error`].
+/// A `Result` with the launcher's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What can go wrong while starting, using or stopping a server.

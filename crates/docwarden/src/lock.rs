@@ -21,6 +21,8 @@ mod fence;
 mod lease;
 mod watchdog;
 
+#[doc(hidden)]
+pub use collection::AcquirePause;
 pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLocks};
 pub use fence::{Fence, FenceOptions, FenceOutcome};

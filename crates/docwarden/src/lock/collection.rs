@@ -17,6 +17,7 @@
 //! lock document, every lease handed out carries a token strictly greater than every token
 //! handed out before it on that resource, even after the lock document was deleted.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
@@ -141,6 +142,28 @@ fn as_rfc3339<S: serde::Serializer>(d: &DateTime, s: S) -> std::result::Result<S
     )
 }
 
+/// Test-only: pauses every acquire of a [`LockCollection`] made with
+/// [`LockCollection::with_acquire_pause`] right after its step 1 (the acquire upsert),
+/// before it draws its token, so tests can interleave other operations in that window.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct AcquirePause {
+    reached: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+}
+
+impl AcquirePause {
+    /// Resolves once an acquire has completed its step 1 and is waiting.
+    pub async fn reached(&self) {
+        self.reached.notified().await;
+    }
+
+    /// Lets one waiting (or the next) acquire continue with steps 2 and 3.
+    pub fn resume(&self) {
+        self.resume.notify_one();
+    }
+}
+
 /// A lock collection: leases on named resources with fencing tokens.
 ///
 /// Cloning is cheap (collections and the time source are shared handles).
@@ -166,6 +189,7 @@ pub struct LockCollection {
     tokens: Collection<Document>,
     time: TimeSource,
     options: LockOptions,
+    pause: Option<Arc<AcquirePause>>,
 }
 
 impl LockCollection {
@@ -192,6 +216,7 @@ impl LockCollection {
             tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
             time,
             options,
+            pause: None,
         };
         this.ensure_indexes().await?;
         Ok(this)
@@ -235,6 +260,16 @@ impl LockCollection {
                 Ok(())
             }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Test-only: a handle on the same collections whose acquires stop after step 1 until
+    /// `pause` lets them go on (see [`AcquirePause`]).
+    #[doc(hidden)]
+    pub fn with_acquire_pause(&self, pause: Arc<AcquirePause>) -> Self {
+        Self {
+            pause: Some(pause),
+            ..self.clone()
         }
     }
 
@@ -297,6 +332,10 @@ impl LockCollection {
             .as_ref()
             .and_then(|d| d.get_i64("token").ok())
             .unwrap_or(0);
+        if let Some(pause) = &self.pause {
+            pause.reached.notify_one();
+            pause.resume.notified().await;
+        }
 
         // Steps 2 and 3: draw the token while holding the lock, then commit it.
         match self.commit_token(owner, resource, &nonce, previous).await {
@@ -411,6 +450,12 @@ impl LockCollection {
     /// [`Error::InvalidInput`] for a zero ttl; a database error.
     #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.renew_at(lease, ttl).await.map(|_| ())
+    }
+
+    /// [`LockCollection::renew`], returning the server time the new expiry was computed
+    /// from (the watchdog needs its bound).
+    pub(crate) async fn renew_at(&self, lease: &mut Lease, ttl: Duration) -> Result<ServerTime> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.time.now().await?;
         let expires_at = now.plus_ms(ttl_ms);
@@ -425,7 +470,7 @@ impl LockCollection {
             return Err(lost(lease));
         }
         lease.expires_at = expires_at;
-        Ok(())
+        Ok(now)
     }
 
     /// Releases `lease`: compare-and-set on `(resource, owner, token)`. The document stays

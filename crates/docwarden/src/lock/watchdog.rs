@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use super::collection::LockCollection;
 use super::lease::Lease;
+use crate::clock::ServerTime;
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -173,16 +174,7 @@ async fn run(
     let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
     // Until when the lease is certainly valid, by the local monotonic clock.
     let mut valid_until = match locks.time().now().await {
-        Ok(now) => {
-            let left = lease
-                .expires_at
-                .timestamp_millis()
-                .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
-            later(
-                Instant::now(),
-                Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin),
-            )
-        }
+        Ok(now) => initial_valid_until(Instant::now(), &lease, &now, margin),
         Err(_) => Instant::now(),
     };
     let mut next = next_renewal(Instant::now(), interval, valid_until);
@@ -201,7 +193,7 @@ async fn run(
         let mut renewed = lease.clone();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew(&mut renewed, ttl)) => r,
+            r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew_at(&mut renewed, ttl)) => r,
             () = tokio::time::sleep_until(valid_until.into()) => {
                 // The renewal is still in flight but the lease has certainly lapsed: say so
                 // now rather than when the server answers.
@@ -211,9 +203,9 @@ async fn run(
             }
         };
         match outcome {
-            Ok(Ok(())) => {
+            Ok(Ok(now)) => {
                 lease = renewed;
-                valid_until = later(attempt_started, ttl.saturating_sub(margin));
+                valid_until = renewed_valid_until(attempt_started, ttl, &now, margin);
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
                 let _ = tx.send(State::Held(lease.clone()));
@@ -241,6 +233,30 @@ async fn run(
             }
         }
     }
+}
+
+/// Until when `lease` is certainly valid by the local monotonic clock, when the watchdog
+/// starts: `now` was read at `at`.
+fn initial_valid_until(at: Instant, lease: &Lease, now: &ServerTime, margin: Duration) -> Instant {
+    let left = lease
+        .expires_at
+        .timestamp_millis()
+        .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
+    later(
+        at,
+        Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin),
+    )
+}
+
+/// Until when a lease renewed for `ttl` is certainly valid by the local monotonic clock:
+/// the renewal was sent at `attempt_started` and computed its expiry from `now`.
+pub(crate) fn renewed_valid_until(
+    attempt_started: Instant,
+    ttl: Duration,
+    _now: &ServerTime,
+    margin: Duration,
+) -> Instant {
+    later(attempt_started, ttl.saturating_sub(margin))
 }
 
 /// The next renewal: after `interval`, but at the latest halfway to `valid_until`.

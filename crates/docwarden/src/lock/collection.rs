@@ -442,8 +442,9 @@ impl LockCollection {
 
     /// Extends `lease` to `ttl` from now (server time). Allowed only while the lease is
     /// still *certainly* valid (its expiry is after the server time estimate plus bound
-    /// and skew margin) and still holds `(resource, owner, token)`; a lease that has
-    /// lapsed cannot be revived, even if nobody took it over yet.
+    /// and skew margin) and still holds `(resource, owner, token)` with no acquisition
+    /// pending; a lease that has lapsed cannot be revived, even if nobody took it over yet,
+    /// and a stale lease of the same owner id cannot extend a newer acquisition.
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
@@ -473,7 +474,9 @@ impl LockCollection {
         Ok(now)
     }
 
-    /// Releases `lease`: compare-and-set on `(resource, owner, token)`. The document stays
+    /// Releases `lease`: compare-and-set on `(resource, owner, token)` with no acquisition
+    /// pending (so a stale lease of the same owner id cannot free a newer acquisition that
+    /// has not committed its token yet). The document stays
     /// (with `owner: null` and its token) until the TTL index collects it. Releasing a
     /// lease that expired but was not taken over still frees the resource.
     ///
@@ -566,9 +569,21 @@ pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
     }
 }
 
-/// The holder's identity: `(resource, owner, token)`.
+/// The holder's identity: `(resource, owner, token)` of a *committed* acquisition.
+///
+/// While a newer acquisition is between its step 1 and its token commit, the document
+/// carries that acquisition's owner and `pending` nonce but still the previous token; a
+/// stale lease of the same owner id would match `(resource, owner, token)` and renew or
+/// release the newer acquisition. Requiring that no `pending` nonce is present closes that
+/// window: each acquisition's token is committed exactly once, with `pending` removed, so
+/// the filter matches only the acquisition that handed out this lease.
 pub(crate) fn cas_filter(lease: &Lease) -> Document {
-    doc! { "_id": &lease.resource, "owner": &lease.owner, "token": lease.token }
+    doc! {
+        "_id": &lease.resource,
+        "owner": &lease.owner,
+        "token": lease.token,
+        "pending": { "$exists": false },
+    }
 }
 
 /// The holder's identity and an expiry that is still certainly in the future.
@@ -665,7 +680,16 @@ mod tests {
         let f = renew_filter(&lease(), &now, 250);
         assert_eq!(
             f,
-            doc! { "_id": "r", "owner": "o", "token": 7_i64, "expires_at": { "$gt": DateTime::from_millis(1_255) } }
+            doc! { "_id": "r", "owner": "o", "token": 7_i64, "pending": { "$exists": false }, "expires_at": { "$gt": DateTime::from_millis(1_255) } }
+        );
+    }
+
+    #[test]
+    fn renew_and_release_never_match_a_pending_acquisition() {
+        let f = cas_filter(&lease());
+        assert_eq!(
+            f,
+            doc! { "_id": "r", "owner": "o", "token": 7_i64, "pending": { "$exists": false } }
         );
     }
 

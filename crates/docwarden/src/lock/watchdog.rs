@@ -5,7 +5,9 @@
 //! the moment a renewal is refused ([`LostReason::TakenOver`]), or the lease has certainly
 //! lapsed by the local monotonic clock because renewals kept failing
 //! ([`LostReason::Expired`]), [`Watchdog::lost`] resolves and [`Watchdog::lease`] returns
-//! `None`. Dropping the watchdog stops the renewals (the lease then expires on its own).
+//! `None`. "Certainly lapsed" is counted from the server time each renewal used: the lease
+//! is taken as valid for `expires_at − estimate − bound − skew margin` after the renewal
+//! was sent, the bound of that renewal's estimate included every time. Dropping the watchdog stops the renewals (the lease then expires on its own).
 //!
 //! **Limits:** the holder learns of a loss at the next renewal attempt at the latest, not
 //! before: work that must never overlap another holder's has to be fenced (see
@@ -13,6 +15,7 @@
 
 use std::time::{Duration, Instant};
 
+use mongodb::bson::DateTime;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -173,9 +176,10 @@ async fn run(
 ) {
     let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
     // Until when the lease is certainly valid, by the local monotonic clock.
+    let started = Instant::now();
     let mut valid_until = match locks.time().now().await {
-        Ok(now) => initial_valid_until(Instant::now(), &lease, &now, margin),
-        Err(_) => Instant::now(),
+        Ok(now) => initial_valid_until(started, &lease, &now, margin),
+        Err(_) => started,
     };
     let mut next = next_renewal(Instant::now(), interval, valid_until);
     loop {
@@ -235,28 +239,44 @@ async fn run(
     }
 }
 
-/// Until when `lease` is certainly valid by the local monotonic clock, when the watchdog
-/// starts: `now` was read at `at`.
-fn initial_valid_until(at: Instant, lease: &Lease, now: &ServerTime, margin: Duration) -> Instant {
-    let left = lease
-        .expires_at
+/// Until when a lease expiring at `expires_at` is certainly valid by the local monotonic
+/// clock, given the server time `now` read no earlier than the local instant `at`:
+/// `at + (expires_at − estimate − bound − margin)`, and `at` itself once that is negative.
+///
+/// The server's true time at `at` is at most `estimate + bound` (the estimate was read at
+/// or after `at`), so until the returned instant it is below `expires_at − margin`.
+fn certainly_valid_until(
+    at: Instant,
+    expires_at: DateTime,
+    now: &ServerTime,
+    margin: Duration,
+) -> Instant {
+    let margin_ms = i64::try_from(margin.as_millis()).unwrap_or(i64::MAX);
+    let left = expires_at
         .timestamp_millis()
-        .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
-    later(
-        at,
-        Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin),
-    )
+        .saturating_sub(now.estimate_ms)
+        .saturating_sub(now.bound_ms)
+        .saturating_sub(margin_ms);
+    later(at, Duration::from_millis(u64::try_from(left).unwrap_or(0)))
+}
+
+/// Until when `lease` is certainly valid by the local monotonic clock, when the watchdog
+/// starts: `now` was read at or after `at`.
+fn initial_valid_until(at: Instant, lease: &Lease, now: &ServerTime, margin: Duration) -> Instant {
+    certainly_valid_until(at, lease.expires_at, now, margin)
 }
 
 /// Until when a lease renewed for `ttl` is certainly valid by the local monotonic clock:
-/// the renewal was sent at `attempt_started` and computed its expiry from `now`.
+/// the renewal was sent at `attempt_started` and stored `now + ttl` as the expiry. The
+/// bound of `now` counts after every renewal, not only for the first deadline.
 pub(crate) fn renewed_valid_until(
     attempt_started: Instant,
     ttl: Duration,
-    _now: &ServerTime,
+    now: &ServerTime,
     margin: Duration,
 ) -> Instant {
-    later(attempt_started, ttl.saturating_sub(margin))
+    let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+    certainly_valid_until(attempt_started, now.plus_ms(ttl_ms), now, margin)
 }
 
 /// The next renewal: after `interval`, but at the latest halfway to `valid_until`.
@@ -278,5 +298,60 @@ impl LockCollection {
     /// As [`Watchdog::start`].
     pub fn watch(&self, lease: Lease, ttl: Duration, options: WatchdogOptions) -> Result<Watchdog> {
         Watchdog::start(self.clone(), lease, ttl, options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(expires_at: DateTime) -> Lease {
+        Lease {
+            resource: "r".into(),
+            owner: "o".into(),
+            token: 1,
+            acquired_at: DateTime::from_millis(0),
+            expires_at,
+        }
+    }
+
+    fn claimed_ms(from: Instant, until: Instant) -> i128 {
+        i128::try_from(until.saturating_duration_since(from).as_millis()).unwrap_or(i128::MAX)
+    }
+
+    /// Every deadline the watchdog reports, the first and every one after a renewal, is at
+    /// most `expires_at − bound − margin` after the moment the server time was read.
+    #[test]
+    fn every_deadline_subtracts_the_bound_and_the_margin() {
+        let at = Instant::now();
+        let ttl = Duration::from_secs(10);
+        for (bound_ms, margin_ms) in [(2_000, 0), (2_000, 250), (5, 250), (600, 250), (12_000, 0)] {
+            let now = ServerTime {
+                estimate_ms: 1_000_000,
+                bound_ms,
+            };
+            let margin = Duration::from_millis(margin_ms);
+            let expires_at = now.plus_ms(10_000);
+            let allowed = i128::from(
+                (expires_at.timestamp_millis()
+                    - now.estimate_ms
+                    - bound_ms
+                    - i64::try_from(margin_ms).unwrap_or(0))
+                .max(0),
+            );
+            let first = claimed_ms(
+                at,
+                initial_valid_until(at, &lease(expires_at), &now, margin),
+            );
+            let renewed = claimed_ms(at, renewed_valid_until(at, ttl, &now, margin));
+            assert!(
+                first <= allowed,
+                "bound {bound_ms} ms, margin {margin_ms} ms: the first deadline claims {first} ms, at most expires_at − bound − margin = {allowed} ms"
+            );
+            assert!(
+                renewed <= allowed,
+                "bound {bound_ms} ms, margin {margin_ms} ms: after a renewal the watchdog claims {renewed} ms of validity, at most expires_at − bound − margin = {allowed} ms"
+            );
+        }
     }
 }

@@ -283,8 +283,19 @@ async fn counter_rounds(
     Ok(i64::try_from(TASKS)? * ROUNDS - n)
 }
 
+/// A random backoff of 1 to 3 ms, drawn anew on every call (it used to be derived from the
+/// process id, so every task of a run slept the same time and the retries stayed in step).
 fn rand_ms() -> u64 {
-    u64::from(std::process::id() % 3) + 1
+    rand::random_range(1..=3)
+}
+
+#[test]
+fn the_backoff_is_random_per_call() {
+    let draws: std::collections::BTreeSet<u64> = (0..200).map(|_| rand_ms()).collect();
+    assert!(
+        draws.len() > 1 && draws.iter().all(|d| (1..=3).contains(d)),
+        "rand_ms() drew only {draws:?} in 200 calls"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

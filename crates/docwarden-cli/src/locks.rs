@@ -25,7 +25,8 @@ pub(crate) struct Args {
 
 #[derive(Debug, clap::Subcommand)]
 enum LocksCommand {
-    /// List held leases (expired ones are marked; anyone may take those over).
+    /// List held leases (expired ones are marked; anyone may take those over). Lock
+    /// documents docwarden did not write are listed as malformed, with the reason.
     List {
         /// Only leases of this owner id.
         #[arg(long)]
@@ -98,16 +99,29 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     "resource", "owner", "token", "expires at (server)"
                 );
                 for r in &records {
+                    let expires = r.expires_at.map_or_else(
+                        || "-".to_owned(),
+                        |e| e.try_to_rfc3339_string().unwrap_or_else(|_| e.to_string()),
+                    );
+                    let mut state = (if r.expired { "expired" } else { "held" }).to_owned();
+                    if let Some(why) = &r.malformed {
+                        state.push_str(&format!(" (malformed: {why})"));
+                    }
                     println!(
                         "{:<32} {:<32} {:>8} {:<26} {}",
                         r.resource,
                         r.owner,
                         r.token
                             .map_or_else(|| "pending".to_owned(), |t| t.to_string()),
-                        r.expires_at
-                            .try_to_rfc3339_string()
-                            .unwrap_or_else(|_| r.expires_at.to_string()),
-                        if r.expired { "expired" } else { "held" }
+                        expires,
+                        state
+                    );
+                }
+                let malformed = records.iter().filter(|r| r.malformed.is_some()).count();
+                if malformed > 0 {
+                    println!(
+                        "{malformed} lock document(s) were not written by docwarden (edited by hand?); \
+                         one whose expires_at is not a date counts as expired and the next acquire takes it over"
                     );
                 }
             }

@@ -117,29 +117,44 @@ impl ListFilter {
 }
 
 /// A held lock as stored, for listing.
+///
+/// A lock document docwarden did not write (edited by hand) is listed too, with what is
+/// wrong in [`LockRecord::malformed`]; fields that could not be read are `None`. A lock
+/// whose `expires_at` is not a date counts as expired: any acquire takes it over.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LockRecord {
-    /// The resource.
+    /// The resource (the document's `_id`, shown as extended JSON if it is not a string).
     pub resource: String,
-    /// The holder's owner id.
+    /// The holder's owner id (shown as extended JSON if it is not a string).
     pub owner: String,
-    /// The fencing token; `None` while an acquire is between its steps.
+    /// The fencing token; `None` while an acquire is between its steps, or when the stored
+    /// token is not an int64.
     pub token: Option<i64>,
-    /// When it was acquired (server time).
+    /// When it was acquired (server time); `None` if the stored value is not a date.
     #[serde(serialize_with = "as_rfc3339")]
-    pub acquired_at: DateTime,
-    /// When it expires unless renewed (server time).
+    pub acquired_at: Option<DateTime>,
+    /// When it expires unless renewed (server time); `None` if the stored value is not a
+    /// date (then the lock counts as expired).
     #[serde(serialize_with = "as_rfc3339")]
-    pub expires_at: DateTime,
+    pub expires_at: Option<DateTime>,
     /// Whether it has certainly expired (any acquirer may take it over now).
     pub expired: bool,
+    /// What is wrong with a lock document docwarden did not write, for example
+    /// `"expires_at is a string"`; `None` for a well-formed lock.
+    pub malformed: Option<String>,
 }
 
-fn as_rfc3339<S: serde::Serializer>(d: &DateTime, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(
-        &d.try_to_rfc3339_string()
-            .unwrap_or_else(|_| d.timestamp_millis().to_string()),
-    )
+fn as_rfc3339<S: serde::Serializer>(
+    d: &Option<DateTime>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(
+            &d.try_to_rfc3339_string()
+                .unwrap_or_else(|_| d.timestamp_millis().to_string()),
+        ),
+        None => s.serialize_none(),
+    }
 }
 
 /// Test-only: pauses every acquire of a [`LockCollection`] made with
@@ -332,6 +347,16 @@ impl LockCollection {
             .as_ref()
             .and_then(|d| d.get_i64("token").ok())
             .unwrap_or(0);
+        if let Some(before) = &before
+            && !matches!(before.get("owner"), None | Some(Bson::Null))
+            && !matches!(before.get("expires_at"), Some(Bson::DateTime(_)))
+        {
+            tracing::warn!(
+                resource,
+                expires_at = %describe(before.get("expires_at")),
+                "took over a lock whose expires_at was not a date (edited by hand?)"
+            );
+        }
         if let Some(pause) = &self.pause {
             pause.reached.notify_one();
             pause.resume.notified().await;
@@ -510,10 +535,11 @@ impl LockCollection {
         Ok(result.modified_count)
     }
 
-    /// The held locks matching `filter`, by resource.
+    /// The held locks matching `filter`, by resource. Lock documents docwarden did not
+    /// write are listed with [`LockRecord::malformed`] set, never skipped.
     ///
     /// # Errors
-    /// [`Error::Malformed`] for a lock document docwarden did not write; a database error.
+    /// A database error.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<LockRecord>> {
         let mut query = doc! { "owner": { "$ne": Bson::Null } };
         if let Some(owner) = &filter.owner {
@@ -531,7 +557,7 @@ impl LockCollection {
             .await?
             .try_collect()
             .await?;
-        docs.iter().map(|d| record(d, cutoff)).collect()
+        Ok(docs.iter().map(|d| record(d, cutoff)).collect())
     }
 
     /// The last fencing token handed out for `resource` (from the counter, which survives
@@ -558,13 +584,21 @@ fn lost(lease: &Lease) -> Error {
     }
 }
 
-/// `_id == resource AND (owner == null OR expires_at < cutoff)`.
+/// `_id == resource AND (owner == null OR expires_at < cutoff OR expires_at is not a
+/// date)`.
+///
+/// docwarden always writes `expires_at` as a date; a lock whose `expires_at` is anything
+/// else (a string, null, a number, missing) was edited by hand, and `$lt` against a date
+/// never matches it (comparisons stay within one BSON type), so without the third branch
+/// it would be locked forever. It is treated as expired. Tokens still increase: the token
+/// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
     doc! {
         "_id": resource,
         "$or": [
             { "owner": Bson::Null },
             { "expires_at": { "$lt": cutoff } },
+            { "expires_at": { "$not": { "$type": "date" } } },
         ],
     }
 }
@@ -616,33 +650,64 @@ fn next_token_pipeline(floor: i64) -> Vec<Document> {
     ] } } }]
 }
 
-fn record(d: &Document, cutoff: DateTime) -> Result<LockRecord> {
-    let id = d.get("_id").map(ToString::to_string).unwrap_or_default();
-    let malformed = |reason: String| Error::Malformed {
-        id: id.clone(),
-        reason,
+/// The BSON type of a stored value in words, for reports: `"a string"`, `"missing"`.
+fn describe(value: Option<&Bson>) -> &'static str {
+    match value {
+        None => "missing",
+        Some(Bson::Null) => "null",
+        Some(Bson::String(_)) => "a string",
+        Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => "a number",
+        Some(Bson::DateTime(_)) => "a date",
+        Some(Bson::Boolean(_)) => "a boolean",
+        Some(Bson::Document(_)) => "a document",
+        Some(Bson::Array(_)) => "an array",
+        Some(Bson::Timestamp(_)) => "a timestamp",
+        Some(_) => "of another type",
+    }
+}
+
+/// A listing record; never fails: what docwarden did not write is reported in `malformed`.
+fn record(d: &Document, cutoff: DateTime) -> LockRecord {
+    let mut problems: Vec<String> = Vec::new();
+    let mut text = |field: &str| match d.get(field) {
+        Some(Bson::String(s)) => s.clone(),
+        other => {
+            problems.push(format!("{field} is {}", describe(other)));
+            other.map(ToString::to_string).unwrap_or_default()
+        }
     };
-    let resource = d.get_str("_id").map_err(|e| malformed(e.to_string()))?;
-    let owner = d.get_str("owner").map_err(|e| malformed(e.to_string()))?;
-    let expires_at = *d
-        .get_datetime("expires_at")
-        .map_err(|e| malformed(e.to_string()))?;
-    let acquired_at = *d
-        .get_datetime("acquired_at")
-        .map_err(|e| malformed(e.to_string()))?;
+    let resource = text("_id");
+    let owner = text("owner");
+    let mut date = |field: &str| match d.get(field) {
+        Some(Bson::DateTime(t)) => Some(*t),
+        other => {
+            problems.push(format!("{field} is {}", describe(other)));
+            None
+        }
+    };
+    let acquired_at = date("acquired_at");
+    let expires_at = date("expires_at");
     let token = if d.contains_key("pending") {
         None
     } else {
-        Some(d.get_i64("token").map_err(|e| malformed(e.to_string()))?)
+        match d.get("token") {
+            Some(Bson::Int64(t)) => Some(*t),
+            other => {
+                problems.push(format!("token is {}", describe(other)));
+                None
+            }
+        }
     };
-    Ok(LockRecord {
-        resource: resource.to_owned(),
-        owner: owner.to_owned(),
+    LockRecord {
+        resource,
+        owner,
         token,
         acquired_at,
         expires_at,
-        expired: expires_at < cutoff,
-    })
+        // Not a date: treated as expired, the acquire filter takes it over.
+        expired: expires_at.is_none_or(|e| e < cutoff),
+        malformed: (!problems.is_empty()).then(|| problems.join(", ")),
+    }
 }
 
 #[cfg(test)]
@@ -664,10 +729,14 @@ mod tests {
         let f = acquire_filter("r", DateTime::from_millis(1_000));
         assert_eq!(f.get_str("_id").ok(), Some("r"));
         let or = f.get_array("$or").map(Vec::len).ok();
-        assert_eq!(or, Some(2));
+        assert_eq!(or, Some(3));
         assert_eq!(
             f,
-            doc! { "_id": "r", "$or": [ { "owner": null }, { "expires_at": { "$lt": DateTime::from_millis(1_000) } } ] }
+            doc! { "_id": "r", "$or": [
+                { "owner": null },
+                { "expires_at": { "$lt": DateTime::from_millis(1_000) } },
+                { "expires_at": { "$not": { "$type": "date" } } },
+            ] }
         );
     }
 
@@ -723,16 +792,33 @@ mod tests {
     }
 
     #[test]
-    fn records_decode_pending_and_committed() -> Result<()> {
+    fn records_decode_pending_and_committed() {
         let d = doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": DateTime::from_millis(10) };
-        let r = record(&d, DateTime::from_millis(20))?;
+        let r = record(&d, DateTime::from_millis(20));
         assert_eq!(r.token, Some(3));
         assert!(r.expired);
+        assert_eq!(r.malformed, None);
         let mut p = d.clone();
         p.insert("pending", "n");
-        assert_eq!(record(&p, DateTime::from_millis(0))?.token, None);
-        assert!(record(&doc! { "_id": "r" }, DateTime::from_millis(0)).is_err());
-        Ok(())
+        assert_eq!(record(&p, DateTime::from_millis(0)).token, None);
+    }
+
+    #[test]
+    fn malformed_records_are_reported_not_fatal() {
+        let r = record(
+            &doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": "tomorrow" },
+            DateTime::from_millis(0),
+        );
+        assert_eq!(r.malformed.as_deref(), Some("expires_at is a string"));
+        assert_eq!(r.expires_at, None);
+        assert!(r.expired, "an expiry that is not a date counts as expired");
+        let r = record(&doc! { "_id": "r" }, DateTime::from_millis(0));
+        assert_eq!(
+            r.malformed.as_deref(),
+            Some(
+                "owner is missing, acquired_at is missing, expires_at is missing, token is missing"
+            )
+        );
     }
 
     /// A model of the three-step acquire (acquire, draw token, commit) under arbitrary

@@ -7,7 +7,8 @@
 //! cleared, nothing is written and the holder gets [`Error::LeaseLost`]. An expired lock
 //! can be taken over: the filter is `lock_id == null OR lock_time < cutoff` (the seed ANDs
 //! the two, so an expired lock could never be taken over and a released document could
-//! never be locked again).
+//! never be locked again). A lock id whose `lock_time` is missing or not a date (a hand
+//! edit; docwarden never writes one) counts as expired.
 //!
 //! **Limits:** expiry is a promise about time (see the module docs of [`crate::lock`]); the
 //! lock id fences only writes that go through [`DocumentLocks::release_with`]. Writes made
@@ -328,8 +329,13 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
     Ok(update)
 }
 
-/// `_id == id AND (lock_id == null OR lock_time < cutoff)` — the seed's filter with its AND
-/// bug fixed.
+/// `_id == id AND (lock_id == null OR lock_time < cutoff OR lock_time is not a date)` —
+/// the seed's filter with its AND bug fixed.
+///
+/// docwarden writes `lock_id` and `lock_time` together and clears them together; a lock id
+/// next to a `lock_time` that is missing, null or not a date was edited by hand, and `$lt`
+/// against a date never matches it, so without the third branch the document would stay
+/// locked forever. It is treated as expired.
 pub(crate) fn takeover_filter(
     id: &Bson,
     lock_id: &str,
@@ -341,6 +347,7 @@ pub(crate) fn takeover_filter(
         "$or": [
             { lock_id: Bson::Null },
             { lock_time: { "$lt": cutoff } },
+            { lock_time: { "$not": { "$type": "date" } } },
         ],
     }
 }
@@ -405,7 +412,11 @@ mod tests {
         );
         assert_eq!(
             f,
-            doc! { "_id": "a", "$or": [ { "lock_id": null }, { "lock_time": { "$lt": DateTime::from_millis(5) } } ] }
+            doc! { "_id": "a", "$or": [
+                { "lock_id": null },
+                { "lock_time": { "$lt": DateTime::from_millis(5) } },
+                { "lock_time": { "$not": { "$type": "date" } } },
+            ] }
         );
     }
 }

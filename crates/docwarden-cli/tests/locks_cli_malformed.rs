@@ -74,3 +74,53 @@ async fn list_reports_malformed_lock_documents() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn documents_lists_document_locks_with_malformed_ones() -> anyhow::Result<()> {
+    let t = TestDb::new("cli_doclocks_malformed").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    coll.insert_many([
+        doc! { "_id": "held", "lock_id": "a", "lock_time": mongodb::bson::DateTime::now() },
+        doc! { "_id": "stuck", "lock_id": "b" },
+        doc! { "_id": "free", "lock_id": null, "lock_time": null },
+    ])
+    .await?;
+    let db = t.db.name().to_owned();
+    let common = ["--uri", t.uri(), "--db", &db, "--collection", "dummies"];
+    let out = docwarden()
+        .args(["locks", "documents", "--json"])
+        .args(common)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let rows = all.as_array().context("an array")?;
+    assert_eq!(rows.len(), 2, "{all}");
+    assert_eq!(rows[0]["id"], "held");
+    assert_eq!(rows[0]["expired"], false);
+    assert_eq!(rows[0]["malformed"], serde_json::Value::Null);
+    assert_eq!(rows[1]["id"], "stuck");
+    assert_eq!(rows[1]["expired"], true);
+    assert_eq!(rows[1]["malformed"], "lock_time is missing");
+    let out = docwarden()
+        .args(["locks", "documents"])
+        .args(common)
+        .output()?;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert!(
+        stdout.contains("expired (malformed: lock_time is missing)"),
+        "{stdout}"
+    );
+    // The entity collection is only read: no index was created on it.
+    let indexes = coll.list_index_names().await?;
+    assert_eq!(indexes, vec!["_id_".to_owned()]);
+    let zero = docwarden()
+        .args(["locks", "documents", "--max-duration-secs", "0"])
+        .args(common)
+        .output()?;
+    assert_eq!(zero.status.code(), Some(2));
+    Ok(())
+}

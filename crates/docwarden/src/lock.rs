@@ -26,7 +26,7 @@ mod watchdog;
 #[doc(hidden)]
 pub use collection::AcquirePause;
 pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
-pub use document::{DocumentGuard, DocumentLockOptions, DocumentLocks};
+pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
 pub use fence::{Fence, FenceOptions, FenceOutcome};
 pub use lease::{Lease, Owner};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

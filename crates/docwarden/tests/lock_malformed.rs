@@ -232,6 +232,19 @@ async fn a_document_lock_without_a_date_lock_time_is_taken_over() -> anyhow::Res
             .await?;
         coll.update_one(doc! { "_id": &id }, edit).await?;
 
+        // The listing reports it, as expired.
+        let listed = locks.list_locked().await?;
+        let record = listed
+            .iter()
+            .find(|r| r.id == id)
+            .with_context(|| format!("{id} listed in {listed:?}"))?;
+        assert!(record.expired, "{shape}: {record:?}");
+        assert_eq!(
+            record.malformed.as_deref(),
+            Some(format!("lock_time is {shape}").as_str()),
+            "{record:?}"
+        );
+
         let mut got = None;
         for _ in 0..3 {
             match locks.lock(id.as_str()).await {
@@ -269,12 +282,22 @@ async fn a_document_lock_without_a_date_lock_time_is_taken_over() -> anyhow::Res
         "document locks stuck forever after a hand edit: {stuck:?}"
     );
 
-    // A well-formed lock is still refused.
+    // A well-formed lock is still refused, and listed as held.
     let held = locks.lock_or_create("held", doc! {}).await?;
     assert!(matches!(
         locks.lock("held").await,
         Err(Error::AlreadyLocked { .. })
     ));
+    let listed = locks.list_locked().await?;
+    assert_eq!(
+        listed.len(),
+        1,
+        "only the held document is locked: {listed:?}"
+    );
+    assert_eq!(listed[0].id, "held");
+    assert_eq!(listed[0].lock_id, held.lock_id);
+    assert!(!listed[0].expired);
+    assert_eq!(listed[0].malformed, None);
     // A fresh lock_time (a date) is honoured even with a hand-written lock id.
     coll.insert_one(doc! { "_id": "hand", "lock_id": "someone", "lock_time": DateTime::now() })
         .await?;

@@ -651,7 +651,7 @@ fn next_token_pipeline(floor: i64) -> Vec<Document> {
 }
 
 /// The BSON type of a stored value in words, for reports: `"a string"`, `"missing"`.
-fn describe(value: Option<&Bson>) -> &'static str {
+pub(crate) fn describe(value: Option<&Bson>) -> &'static str {
     match value {
         None => "missing",
         Some(Bson::Null) => "null",

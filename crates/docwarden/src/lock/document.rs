@@ -16,11 +16,13 @@
 
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
+use super::collection::describe;
 use crate::clock::TimeSource;
 use crate::error::{self, Error, Result};
 use crate::validate;
@@ -75,6 +77,37 @@ pub struct DocumentGuard {
     pub locked_at: DateTime,
     /// The document after locking.
     pub document: Document,
+}
+
+/// A locked document as stored, for listing ([`DocumentLocks::list_locked`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DocumentLockRecord {
+    /// The document's `_id` (a string as is, any other type as extended JSON).
+    pub id: String,
+    /// The lock id (a string as is, any other type as extended JSON).
+    pub lock_id: String,
+    /// The lock time (server time); `None` if the stored value is not a date.
+    #[serde(serialize_with = "as_rfc3339")]
+    pub locked_at: Option<DateTime>,
+    /// Whether the lock has certainly expired (the next `lock` takes it over). A lock whose
+    /// lock time is not a date counts as expired.
+    pub expired: bool,
+    /// What is wrong with a lock docwarden did not write, for example
+    /// `"lock_time is missing"`; `None` for a well-formed lock.
+    pub malformed: Option<String>,
+}
+
+fn as_rfc3339<S: serde::Serializer>(
+    d: &Option<DateTime>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(
+            &d.try_to_rfc3339_string()
+                .unwrap_or_else(|_| d.timestamp_millis().to_string()),
+        ),
+        None => s.serialize_none(),
+    }
 }
 
 /// Document locks on one collection.
@@ -267,6 +300,70 @@ impl DocumentLocks {
     /// As [`DocumentLocks::release_with`].
     pub async fn release(&self, guard: DocumentGuard) -> Result<()> {
         self.release_with(guard, Document::new()).await
+    }
+
+    /// Every locked document of the collection (lock id not null), by `_id`: an operator's
+    /// view, which scans the collection (there is no index on the lock id). Locks docwarden
+    /// did not write (a lock id next to a lock time that is missing or not a date) are
+    /// listed with [`DocumentLockRecord::malformed`] set; they count as expired.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_locked(&self) -> Result<Vec<DocumentLockRecord>> {
+        let (id_f, time_f) = (
+            self.options.lock_id_field.as_str(),
+            self.options.lock_time_field.as_str(),
+        );
+        let cutoff = self.cutoff().await?;
+        let docs: Vec<Document> = self
+            .coll
+            .find(doc! { id_f: { "$ne": Bson::Null } })
+            .projection(doc! { id_f: 1, time_f: 1 })
+            .sort(doc! { "_id": 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .iter()
+            .map(|d| {
+                let mut problems = Vec::new();
+                let id = match d.get("_id") {
+                    Some(Bson::String(s)) => s.clone(),
+                    other => other.map(ToString::to_string).unwrap_or_default(),
+                };
+                let lock_id = match d.get(id_f) {
+                    Some(Bson::String(s)) => s.clone(),
+                    other => {
+                        problems.push(format!("{id_f} is {}", describe(other)));
+                        other.map(ToString::to_string).unwrap_or_default()
+                    }
+                };
+                let locked_at = match d.get(time_f) {
+                    Some(Bson::DateTime(t)) => Some(*t),
+                    other => {
+                        problems.push(format!("{time_f} is {}", describe(other)));
+                        None
+                    }
+                };
+                DocumentLockRecord {
+                    id,
+                    lock_id,
+                    locked_at,
+                    expired: locked_at.is_none_or(|t| t < cutoff),
+                    malformed: (!problems.is_empty()).then(|| problems.join(", ")),
+                }
+            })
+            .collect())
+    }
+
+    /// Locks whose lock time is before this instant have certainly expired.
+    async fn cutoff(&self) -> Result<DateTime> {
+        let now = self.time.now().await?;
+        Ok(DateTime::from_millis(
+            now.expired_before(self.time.skew_margin_ms())
+                .timestamp_millis()
+                .saturating_sub(self.max_ms),
+        ))
     }
 
     async fn lock_ops(&self, id: &Bson) -> Result<(Document, Document, String, DateTime)> {

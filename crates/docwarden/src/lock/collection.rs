@@ -49,6 +49,19 @@ pub struct LockOptions {
     /// Write concern for the lock and token collections; `None` (the default) inherits the
     /// database's. Use majority where a failover must not roll back an acquire or a token.
     pub write_concern: Option<WriteConcern>,
+    /// Test controls only: one safeguard switched off (see the `unsafe_*` setters).
+    unsafe_control: UnsafeControl,
+}
+
+/// Which single safeguard a control run switches off. Never set outside tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum UnsafeControl {
+    #[default]
+    None,
+    /// Every lock counts as expired: the acquire filter takes over held leases.
+    IgnoreExpiry,
+    /// The token is the lock document's previous token + 1, without the counter collection.
+    TokenInLockDocument,
 }
 
 impl Default for LockOptions {
@@ -58,6 +71,7 @@ impl Default for LockOptions {
             backoff_base: Duration::from_millis(5),
             backoff_max: Duration::from_millis(250),
             write_concern: None,
+            unsafe_control: UnsafeControl::None,
         }
     }
 }
@@ -79,6 +93,23 @@ impl LockOptions {
     /// Sets [`LockOptions::write_concern`] (for example [`WriteConcern::majority()`]).
     pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
         self.write_concern = Some(write_concern);
+        self
+    }
+
+    /// Test controls only, **unsafe**: the acquire treats every lock as expired (its expiry
+    /// check is off), so held leases are taken over. Shows what the check prevents.
+    #[doc(hidden)]
+    pub fn unsafe_ignore_expiry(mut self) -> Self {
+        self.unsafe_control = UnsafeControl::IgnoreExpiry;
+        self
+    }
+
+    /// Test controls only, **unsafe**: the fencing token is the lock document's previous
+    /// token + 1 instead of coming from the counter collection, so deleting the lock
+    /// document (what the TTL index does) resets it. Shows what the counter prevents.
+    #[doc(hidden)]
+    pub fn unsafe_token_in_lock_document(mut self) -> Self {
+        self.unsafe_control = UnsafeControl::TokenInLockDocument;
         self
     }
 
@@ -321,10 +352,14 @@ impl LockCollection {
         let expires_at = now.plus_ms(ttl_ms);
 
         // Step 1: the acquire, one atomic upsert.
+        let filter = match self.options.unsafe_control {
+            UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
+            _ => acquire_filter(resource, cutoff),
+        };
         let before = match self
             .locks
             .find_one_and_update(
-                acquire_filter(resource, cutoff),
+                filter,
                 doc! { "$set": {
                     "owner": owner.id(),
                     "pending": &nonce,
@@ -406,6 +441,9 @@ impl LockCollection {
             id: resource.to_owned(),
             reason: "fencing token overflow".into(),
         })?;
+        if self.options.unsafe_control == UnsafeControl::TokenInLockDocument {
+            return self.commit(owner, resource, nonce, floor).await;
+        }
         let counter = self
             .tokens
             .find_one_and_update(doc! { "_id": resource }, next_token_pipeline(floor))
@@ -420,6 +458,17 @@ impl LockCollection {
             id: resource.to_owned(),
             reason: format!("token counter: {e}"),
         })?;
+        self.commit(owner, resource, nonce, token).await
+    }
+
+    /// Step 3: writes `token` into the lock document, compare-and-set on the pending nonce.
+    async fn commit(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        nonce: &str,
+        token: i64,
+    ) -> Result<Option<i64>> {
         let committed = self
             .locks
             .update_one(

@@ -37,6 +37,8 @@ pub struct DocumentLockOptions {
     pub lock_id_field: String,
     /// The field holding the lock time. Default `lock_time`.
     pub lock_time_field: String,
+    /// Test controls only: `true` uses seed 003's AND filter.
+    seed_and_filter: bool,
 }
 
 impl Default for DocumentLockOptions {
@@ -45,6 +47,7 @@ impl Default for DocumentLockOptions {
             max_duration: Duration::from_secs(30),
             lock_id_field: "lock_id".to_owned(),
             lock_time_field: "lock_time".to_owned(),
+            seed_and_filter: false,
         }
     }
 }
@@ -60,6 +63,15 @@ impl DocumentLockOptions {
     pub fn fields(mut self, lock_id: impl Into<String>, lock_time: impl Into<String>) -> Self {
         self.lock_id_field = lock_id.into();
         self.lock_time_field = lock_time.into();
+        self
+    }
+
+    /// Test controls only, **unsafe**: locks with seed 003's filter, `lock_id == null AND
+    /// lock_time < cutoff`, which can neither take over an expired lock nor relock a
+    /// released document. Shows what docwarden's OR fixes.
+    #[doc(hidden)]
+    pub fn unsafe_seed_and_filter(mut self) -> Self {
+        self.seed_and_filter = true;
         self
     }
 }
@@ -375,12 +387,20 @@ impl DocumentLocks {
         );
         let lock_id = validate::random_id();
         let locked_at = now.estimate();
-        let filter = takeover_filter(
-            id,
-            &self.options.lock_id_field,
-            &self.options.lock_time_field,
-            cutoff,
-        );
+        let filter = if self.options.seed_and_filter {
+            doc! {
+                "_id": id.clone(),
+                self.options.lock_id_field.as_str(): Bson::Null,
+                self.options.lock_time_field.as_str(): { "$lt": cutoff },
+            }
+        } else {
+            takeover_filter(
+                id,
+                &self.options.lock_id_field,
+                &self.options.lock_time_field,
+                cutoff,
+            )
+        };
         let update = doc! { "$set": {
             self.options.lock_id_field.as_str(): &lock_id,
             self.options.lock_time_field.as_str(): locked_at,

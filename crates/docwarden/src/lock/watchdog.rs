@@ -66,7 +66,8 @@ pub enum LostReason {
 
 #[derive(Clone, Debug)]
 enum State {
-    Held(Lease),
+    /// The lease as last renewed, and until when it is certainly valid.
+    Held(Lease, Instant),
     Lost(LostReason, Lease),
 }
 
@@ -93,7 +94,8 @@ impl Watchdog {
         validate::duration_ms("ttl", ttl)?;
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
-        let (tx, rx) = watch::channel(State::Held(lease.clone()));
+        // Not known to be valid until the task has read the server time.
+        let (tx, rx) = watch::channel(State::Held(lease.clone(), Instant::now()));
         let cancel = CancellationToken::new();
         let span = tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token);
         let task = tokio::spawn(
@@ -113,7 +115,21 @@ impl Watchdog {
             return None;
         }
         match &*self.rx.borrow() {
-            State::Held(l) => Some(l.clone()),
+            State::Held(l, _) => Some(l.clone()),
+            State::Lost(..) => None,
+        }
+    }
+
+    /// Until when the lease is certainly valid by the local monotonic clock, or `None` once
+    /// it is lost: `expires_at − estimate − bound − skew margin` of the server time the last
+    /// renewal (or the start) read, counted from the instant just before that read. Act
+    /// under the lease only before this instant (and fence the writes anyway).
+    pub fn valid_until(&self) -> Option<Instant> {
+        if self.cancel.is_cancelled() {
+            return None;
+        }
+        match &*self.rx.borrow() {
+            State::Held(_, until) => Some(*until),
             State::Lost(..) => None,
         }
     }
@@ -129,7 +145,7 @@ impl Watchdog {
         match rx.wait_for(|s| matches!(s, State::Lost(..))).await {
             Ok(state) => match &*state {
                 State::Lost(reason, _) => *reason,
-                State::Held(_) => LostReason::Stopped,
+                State::Held(..) => LostReason::Stopped,
             },
             Err(_) => LostReason::Stopped,
         }
@@ -151,7 +167,7 @@ impl Watchdog {
         }
         let state = self.rx.borrow().clone();
         match state {
-            State::Held(lease) => self.locks.release(&lease).await,
+            State::Held(lease, _) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
                 token: lease.token.to_string(),
@@ -181,6 +197,7 @@ async fn run(
         Ok(now) => initial_valid_until(started, &lease, &now, margin),
         Err(_) => started,
     };
+    let _ = tx.send(State::Held(lease.clone(), valid_until));
     let mut next = next_renewal(Instant::now(), interval, valid_until);
     loop {
         let wake = next.min(valid_until);
@@ -212,7 +229,7 @@ async fn run(
                 valid_until = renewed_valid_until(attempt_started, ttl, &now, margin);
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
-                let _ = tx.send(State::Held(lease.clone()));
+                let _ = tx.send(State::Held(lease.clone(), valid_until));
             }
             Ok(Err(Error::LeaseLost { .. })) => {
                 tracing::warn!("lease lost: renewal refused");

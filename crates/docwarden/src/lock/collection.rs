@@ -870,6 +870,156 @@ mod tests {
         );
     }
 
+    /// Finding 2 as a model: four acquirers share two owner ids, and any lease ever handed
+    /// out may be replayed (renew or release) at any moment. The real [`cas_filter`],
+    /// evaluated against the modelled lock document, must admit a lease only while the
+    /// document holds exactly the committed acquisition that handed it out.
+    mod stale_lease_model {
+        use mongodb::bson::{Bson, DateTime, Document, doc};
+        use proptest::prelude::*;
+
+        use super::super::cas_filter;
+        use crate::lock::lease::Lease;
+
+        #[derive(Clone, Debug)]
+        struct LockDoc {
+            owner: Option<String>,
+            pending: Option<String>,
+            token: Option<i64>,
+            expired: bool,
+            /// The nonce of the acquisition that last wrote `owner`.
+            acquisition: u64,
+        }
+
+        #[derive(Clone, Debug)]
+        enum Phase {
+            Idle,
+            Acquired { nonce: u64, previous: i64 },
+            Drawn { nonce: u64, token: i64 },
+        }
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Step(usize),
+            Expire,
+            Replay(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => (0..4_usize).prop_map(Op::Step),
+                2 => Just(Op::Expire),
+                3 => (0..64_usize).prop_map(Op::Replay),
+            ]
+        }
+
+        fn owner_of(actor: usize) -> String {
+            format!("owner-{}", actor % 2)
+        }
+
+        fn stored(d: &LockDoc) -> Document {
+            let mut b =
+                doc! { "_id": "r", "owner": d.owner.clone().map_or(Bson::Null, Bson::String) };
+            if let Some(t) = d.token {
+                b.insert("token", t);
+            }
+            if let Some(p) = &d.pending {
+                b.insert("pending", p.as_str());
+            }
+            b
+        }
+
+        /// Evaluates the filter shapes `cas_filter` uses: equality and `{$exists: false}`.
+        fn matches(filter: &Document, d: &Document) -> bool {
+            filter.iter().all(|(k, cond)| match cond {
+                Bson::Document(c) if c == &doc! { "$exists": false } => !d.contains_key(k),
+                Bson::Document(c) if c.keys().any(|op| op.starts_with('$')) => {
+                    panic!("operator not modelled: {c}")
+                }
+                v => d.get(k) == Some(v),
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn a_lease_matches_only_its_own_committed_acquisition(ops in proptest::collection::vec(op(), 1..200)) {
+                let mut doc: Option<LockDoc> = None;
+                let mut counter = 0_i64;
+                let mut phases = vec![Phase::Idle; 4];
+                // Every lease handed out, with the nonce of its acquisition.
+                let mut leases: Vec<(Lease, u64)> = Vec::new();
+                let mut nonces = 0_u64;
+                for op in ops {
+                    match op {
+                        Op::Step(a) => match phases[a].clone() {
+                            Phase::Idle => {
+                                let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
+                                if free {
+                                    nonces += 1;
+                                    let previous = doc.as_ref().and_then(|d| d.token).unwrap_or(0);
+                                    doc = Some(LockDoc {
+                                        owner: Some(owner_of(a)),
+                                        pending: Some(format!("n{nonces}")),
+                                        token: doc.as_ref().and_then(|d| d.token),
+                                        expired: false,
+                                        acquisition: nonces,
+                                    });
+                                    phases[a] = Phase::Acquired { nonce: nonces, previous };
+                                }
+                            }
+                            Phase::Acquired { nonce, previous } => {
+                                counter = (counter + 1).max(previous + 1);
+                                phases[a] = Phase::Drawn { nonce, token: counter };
+                            }
+                            Phase::Drawn { nonce, token } => {
+                                if let Some(d) = doc.as_mut()
+                                    && d.owner.as_deref() == Some(owner_of(a).as_str())
+                                    && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
+                                {
+                                    d.token = Some(token);
+                                    d.pending = None;
+                                    leases.push((
+                                        Lease {
+                                            resource: "r".into(),
+                                            owner: owner_of(a),
+                                            token,
+                                            acquired_at: DateTime::from_millis(0),
+                                            expires_at: DateTime::from_millis(0),
+                                        },
+                                        nonce,
+                                    ));
+                                }
+                                phases[a] = Phase::Idle;
+                            }
+                        },
+                        Op::Expire => {
+                            if let Some(d) = doc.as_mut() {
+                                d.expired = true;
+                            }
+                        }
+                        Op::Replay(i) => {
+                            if leases.is_empty() {
+                                continue;
+                            }
+                            let (lease, nonce) = &leases[i % leases.len()];
+                            if let Some(d) = doc.as_mut()
+                                && matches(&cas_filter(lease), &stored(d))
+                            {
+                                prop_assert!(
+                                    d.pending.is_none() && d.acquisition == *nonce,
+                                    "lease {lease:?} of acquisition {nonce} matched {d:?}"
+                                );
+                                // A release by the true holder.
+                                d.owner = None;
+                                d.pending = None;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A model of the three-step acquire (acquire, draw token, commit) under arbitrary
     /// interleavings of several acquirers, expiries, releases and deletions of the lock
     /// document: every committed lease carries a token above every token committed before.

@@ -4,7 +4,9 @@
 //! **Guarantee:** at most one [`Lease`] on a resource is valid at any instant *by the
 //! server's clock* (expiry is decided in the acquire filter against the estimated server
 //! time, with its error bound and a skew margin), renew and release are compare-and-set on
-//! `(resource, owner, token)`, and fencing tokens strictly increase per resource across
+//! `(resource, owner, token)` of a committed acquisition (a stale lease of the same owner
+//! id cannot touch a newer acquisition, even before its token is committed), and fencing
+//! tokens strictly increase per resource across
 //! release, expiry, garbage collection of the lock document and crashes (they come from a
 //! counter collection no TTL index touches). [`DocumentLocks`] hands out a random lock id
 //! per acquisition and fences the releasing write by it.
@@ -21,8 +23,10 @@ mod fence;
 mod lease;
 mod watchdog;
 
+#[doc(hidden)]
+pub use collection::AcquirePause;
 pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
-pub use document::{DocumentGuard, DocumentLockOptions, DocumentLocks};
+pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
 pub use fence::{Fence, FenceOptions, FenceOutcome};
 pub use lease::{Lease, Owner};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

@@ -11,8 +11,7 @@ use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{DocumentLockOptions, DocumentLocks};
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
-use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::ReturnDocument;
+use mongodb::bson::{Bson, Document, doc};
 
 fn locks(t: &TestDb, coll: &Collection<Document>, max: Duration) -> anyhow::Result<DocumentLocks> {
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
@@ -20,6 +19,22 @@ fn locks(t: &TestDb, coll: &Collection<Document>, max: Duration) -> anyhow::Resu
         coll.clone(),
         time,
         DocumentLockOptions::default().max_duration(max),
+    )?)
+}
+
+/// The controls: the same document locks with seed 003's AND filter (one safeguard off).
+fn seed_locks(
+    t: &TestDb,
+    coll: &Collection<Document>,
+    max: Duration,
+) -> anyhow::Result<DocumentLocks> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(DocumentLocks::new(
+        coll.clone(),
+        time,
+        DocumentLockOptions::default()
+            .max_duration(max)
+            .unsafe_seed_and_filter(),
     )?)
 }
 
@@ -56,15 +71,13 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
     // `lock_time < cutoff` never matches null).
     let again = locks.lock("d1").await?.context("relock")?;
     locks.release(again).await?;
-    let seed_and = coll
-        .find_one_and_update(
-            doc! { "_id": "d1", "lock_id": Bson::Null, "lock_time": { "$lt": DateTime::now() } },
-            doc! { "$set": { "lock_id": "seed", "lock_time": DateTime::now() } },
-        )
-        .await?;
+    // Control: docwarden's document locks with one safeguard off (seed 003's AND filter)
+    // cannot relock the released document.
+    let seed = seed_locks(&t, &coll, Duration::from_secs(30))?;
+    let seed_and = seed.lock("d1").await;
     assert!(
-        seed_and.is_none(),
-        "control: the seed's AND filter cannot relock a released document"
+        matches!(seed_and, Err(Error::AlreadyLocked { .. })),
+        "control: the seed's AND filter cannot relock a released document: {seed_and:?}"
     );
 
     // A missing document is not created by lock().
@@ -176,25 +189,21 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     ));
     tokio::time::sleep(Duration::from_millis(1_800)).await; // a pauses past max_duration
 
-    // Control first (on a copy): the seed's AND filter cannot take over the expired lock.
-    let expired = coll.find_one(doc! { "_id": "d" }).await?.context("d")?;
-    let mut copy = expired.clone();
-    copy.insert("_id", "d-copy");
-    coll.insert_one(copy).await?;
-    let cutoff = DateTime::from_millis(DateTime::now().timestamp_millis() - 1_000);
-    let seed = coll
-        .find_one_and_update(
-            doc! { "_id": "d-copy", "lock_id": Bson::Null, "lock_time": { "$lt": cutoff } },
-            doc! { "$set": { "lock_id": "seed", "lock_time": DateTime::now() } },
-        )
-        .upsert(true)
-        .return_document(ReturnDocument::After)
-        .await;
-    let seed_takeovers = match seed {
-        Ok(Some(_)) => 1,
-        Err(e) if docwarden::error::is_duplicate_key(&e) => 0,
-        other => anyhow::bail!("unexpected {other:?}"),
-    };
+    // Control first: docwarden's document locks with one safeguard off (seed 003's AND
+    // filter) cannot take over the expired lock, with `lock` or with the upsert.
+    let seed = seed_locks(&t, &coll, Duration::from_secs(1))?;
+    let mut seed_takeovers = 0;
+    for attempt in [
+        seed.lock("d").await.map(|g| g.is_some()),
+        seed.lock_or_create("d", doc! {}).await.map(|_| true),
+    ] {
+        match attempt {
+            Ok(true) => seed_takeovers += 1,
+            Ok(false) => anyhow::bail!("d disappeared"),
+            Err(Error::AlreadyLocked { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     assert_eq!(
         seed_takeovers, 0,
         "control: the seed's AND filter says 'already locked' forever"
@@ -283,8 +292,19 @@ async fn counter_rounds(
     Ok(i64::try_from(TASKS)? * ROUNDS - n)
 }
 
+/// A random backoff of 1 to 3 ms, drawn anew on every call (it used to be derived from the
+/// process id, so every task of a run slept the same time and the retries stayed in step).
 fn rand_ms() -> u64 {
-    u64::from(std::process::id() % 3) + 1
+    rand::random_range(1..=3)
+}
+
+#[test]
+fn the_backoff_is_random_per_call() {
+    let draws: std::collections::BTreeSet<u64> = (0..200).map(|_| rand_ms()).collect();
+    assert!(
+        draws.len() > 1 && draws.iter().all(|d| (1..=3).contains(d)),
+        "rand_ms() drew only {draws:?} in 200 calls"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

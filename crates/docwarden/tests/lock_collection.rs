@@ -75,19 +75,21 @@ const ROUNDS: usize = 300;
 const RESOURCES: i64 = 4;
 
 /// Runs TASKS × ROUNDS read-modify-writes on RESOURCES counters, under the lock or not.
-/// Returns (lost updates, token regressions).
+/// Returns (lost updates, token regressions, releases refused with `LeaseLost`).
 async fn run_counters(
     t: &TestDb,
     locks: Option<LockCollection>,
     name: &str,
-) -> anyhow::Result<(i64, usize)> {
+) -> anyhow::Result<(i64, usize, usize)> {
     let c = counters(t, name, RESOURCES).await?;
     let tokens: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for task in 0..TASKS {
         let c = c.clone();
         let locks = locks.clone();
         let tokens = Arc::clone(&tokens);
+        let refused = Arc::clone(&refused);
         tasks.push(tokio::spawn(async move {
             let owner = Owner::random();
             for round in 0..ROUNDS {
@@ -110,7 +112,13 @@ async fn run_counters(
                             .or_default()
                             .push(lease.token);
                         read_modify_write(&c, r).await?;
-                        locks.release(&lease).await?;
+                        match locks.release(&lease).await {
+                            Ok(()) => {}
+                            Err(Error::LeaseLost { .. }) => {
+                                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
                     }
                     None => read_modify_write(&c, r).await?,
                 }
@@ -129,7 +137,11 @@ async fn run_counters(
         .values()
         .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
         .sum();
-    Ok((lost, regressions))
+    Ok((
+        lost,
+        regressions,
+        refused.load(std::sync::atomic::Ordering::Relaxed),
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -137,9 +149,9 @@ async fn mutual_exclusion_16_tasks_300_rounds_loses_no_update() -> anyhow::Resul
     let t = TestDb::new("lock_mutual_exclusion").await?;
     let locks = open(&t).await?;
     let started = Instant::now();
-    let (lost, regressions) = run_counters(&t, Some(locks), "counters").await?;
+    let (lost, regressions, refused) = run_counters(&t, Some(locks), "counters").await?;
     eprintln!(
-        "with lock: {TASKS} tasks × {ROUNDS} rounds on {RESOURCES} resources in {:.1} s: lost {lost}, token regressions {regressions}",
+        "with lock: {TASKS} tasks × {ROUNDS} rounds on {RESOURCES} resources in {:.1} s: lost {lost}, token regressions {regressions}, releases refused {refused}",
         started.elapsed().as_secs_f64()
     );
     assert_eq!(lost, 0, "lost updates under the lock");
@@ -147,12 +159,24 @@ async fn mutual_exclusion_16_tasks_300_rounds_loses_no_update() -> anyhow::Resul
         regressions, 0,
         "fencing tokens must strictly increase per resource"
     );
+    assert_eq!(refused, 0, "no lease was lost under the lock");
 
-    // Control: the same read-modify-writes without the lock lose updates.
+    // Control: the same lock collection with one safeguard off (the acquire ignores the
+    // holder's expiry, so it takes over held leases) loses updates.
+    let unsafe_locks = LockCollection::open(
+        &t.db,
+        LOCKS,
+        TimeSource::server(t.client.clone(), ClockOptions::default())?,
+        LockOptions::default()
+            .backoff(Duration::from_millis(1), Duration::from_millis(20))
+            .write_concern(WriteConcern::majority())
+            .unsafe_ignore_expiry(),
+    )
+    .await?;
     let started = Instant::now();
-    let (lost, _) = run_counters(&t, None, "counters_control").await?;
+    let (lost, _, refused) = run_counters(&t, Some(unsafe_locks), "counters_control").await?;
     eprintln!(
-        "control without lock: lost {lost} in {:.1} s",
+        "control (expiry check off): lost {lost}, releases refused {refused} in {:.1} s",
         started.elapsed().as_secs_f64()
     );
     assert!(lost > 0, "the control must lose updates");
@@ -244,13 +268,31 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].owner, b.id());
 
-    // Control: without the fence the paused holder's write goes through.
-    let unfenced = accounts
-        .update_one(doc! { "_id": 1 }, doc! { "$inc": { "balance": -10_i64 } })
+    // Control: the same fence with its token check off applies the paused holder's write.
+    let unfenced = Fence::new(
+        accounts.clone(),
+        FenceOptions::default().unsafe_without_token_check(),
+    )?;
+    let control = unfenced
+        .apply(
+            &la,
+            doc! { "_id": 1 },
+            doc! { "$inc": { "balance": -10_i64 } },
+        )
         .await?;
     assert_eq!(
-        unfenced.modified_count, 1,
+        control,
+        FenceOutcome::Applied,
         "the control's stale write is applied"
+    );
+    let d = accounts
+        .find_one(doc! { "_id": 1 })
+        .await?
+        .context("account")?;
+    assert_eq!(
+        d.get_i64("balance")?,
+        60,
+        "the control's stale write was applied"
     );
     locks.release(&lb).await?;
     Ok(())
@@ -368,23 +410,29 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
     assert_eq!(regressions, 0, "tokens {seen:?}");
     assert!(seen.windows(2).all(|w| w[1] > w[0]));
 
-    // Control: a token kept only in the lock document resets when the document is deleted.
-    let naive = t.db.collection::<Document>("naive_locks");
+    // Control: the same lock collection with one safeguard off (the token kept only in the
+    // lock document, no counter collection) repeats tokens once the document is deleted.
+    let naive = LockCollection::open(
+        &t.db,
+        "naive_locks",
+        locks.time().clone(),
+        LockOptions::default().unsafe_token_in_lock_document(),
+    )
+    .await?;
+    let naive_docs = t.db.collection::<Document>("naive_locks");
     let mut naive_seen = Vec::new();
     let mut naive_regressions = 0;
     for _ in 0..3 {
-        let after = naive
-            .find_one_and_update(doc! { "_id": "job" }, doc! { "$inc": { "token": 1_i64 } })
-            .upsert(true)
-            .return_document(mongodb::options::ReturnDocument::After)
+        let lease = naive
+            .try_acquire(&d, "job", Duration::from_secs(30))
             .await?
             .context("naive")?;
-        let token = after.get_i64("token")?;
-        if naive_seen.iter().any(|s| *s >= token) {
+        if naive_seen.iter().any(|s| *s >= lease.token) {
             naive_regressions += 1;
         }
-        naive_seen.push(token);
-        naive.delete_many(doc! { "_id": "job" }).await?;
+        naive_seen.push(lease.token);
+        naive.release(&lease).await?;
+        naive_docs.delete_many(doc! { "_id": "job" }).await?;
     }
     assert!(
         naive_regressions > 0,
@@ -740,7 +788,8 @@ async fn a_released_watchdog_frees_the_lease() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_watchdog_reports_expiry_when_the_server_is_unreachable() -> anyhow::Result<()> {
     let Some(mut t) = TestDb::dedicated("lock_watchdog_unreachable").await? else {
-        return Ok(()); // needs a server the test can pause
+        // SKIP: under MONGODB_URI there is no embedded server the test can pause.
+        return Ok(());
     };
     let locks = open(&t).await?;
     let ttl = Duration::from_secs(2);

@@ -17,6 +17,7 @@
 //! lock document, every lease handed out carries a token strictly greater than every token
 //! handed out before it on that resource, even after the lock document was deleted.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
@@ -48,6 +49,19 @@ pub struct LockOptions {
     /// Write concern for the lock and token collections; `None` (the default) inherits the
     /// database's. Use majority where a failover must not roll back an acquire or a token.
     pub write_concern: Option<WriteConcern>,
+    /// Test controls only: one safeguard switched off (see the `unsafe_*` setters).
+    unsafe_control: UnsafeControl,
+}
+
+/// Which single safeguard a control run switches off. Never set outside tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum UnsafeControl {
+    #[default]
+    None,
+    /// Every lock counts as expired: the acquire filter takes over held leases.
+    IgnoreExpiry,
+    /// The token is the lock document's previous token + 1, without the counter collection.
+    TokenInLockDocument,
 }
 
 impl Default for LockOptions {
@@ -57,6 +71,7 @@ impl Default for LockOptions {
             backoff_base: Duration::from_millis(5),
             backoff_max: Duration::from_millis(250),
             write_concern: None,
+            unsafe_control: UnsafeControl::None,
         }
     }
 }
@@ -78,6 +93,23 @@ impl LockOptions {
     /// Sets [`LockOptions::write_concern`] (for example [`WriteConcern::majority()`]).
     pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
         self.write_concern = Some(write_concern);
+        self
+    }
+
+    /// Test controls only, **unsafe**: the acquire treats every lock as expired (its expiry
+    /// check is off), so held leases are taken over. Shows what the check prevents.
+    #[doc(hidden)]
+    pub fn unsafe_ignore_expiry(mut self) -> Self {
+        self.unsafe_control = UnsafeControl::IgnoreExpiry;
+        self
+    }
+
+    /// Test controls only, **unsafe**: the fencing token is the lock document's previous
+    /// token + 1 instead of coming from the counter collection, so deleting the lock
+    /// document (what the TTL index does) resets it. Shows what the counter prevents.
+    #[doc(hidden)]
+    pub fn unsafe_token_in_lock_document(mut self) -> Self {
+        self.unsafe_control = UnsafeControl::TokenInLockDocument;
         self
     }
 
@@ -116,29 +148,66 @@ impl ListFilter {
 }
 
 /// A held lock as stored, for listing.
+///
+/// A lock document docwarden did not write (edited by hand) is listed too, with what is
+/// wrong in [`LockRecord::malformed`]; fields that could not be read are `None`. A lock
+/// whose `expires_at` is not a date counts as expired: any acquire takes it over.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LockRecord {
-    /// The resource.
+    /// The resource (the document's `_id`, shown as extended JSON if it is not a string).
     pub resource: String,
-    /// The holder's owner id.
+    /// The holder's owner id (shown as extended JSON if it is not a string).
     pub owner: String,
-    /// The fencing token; `None` while an acquire is between its steps.
+    /// The fencing token; `None` while an acquire is between its steps, or when the stored
+    /// token is not an int64.
     pub token: Option<i64>,
-    /// When it was acquired (server time).
+    /// When it was acquired (server time); `None` if the stored value is not a date.
     #[serde(serialize_with = "as_rfc3339")]
-    pub acquired_at: DateTime,
-    /// When it expires unless renewed (server time).
+    pub acquired_at: Option<DateTime>,
+    /// When it expires unless renewed (server time); `None` if the stored value is not a
+    /// date (then the lock counts as expired).
     #[serde(serialize_with = "as_rfc3339")]
-    pub expires_at: DateTime,
+    pub expires_at: Option<DateTime>,
     /// Whether it has certainly expired (any acquirer may take it over now).
     pub expired: bool,
+    /// What is wrong with a lock document docwarden did not write, for example
+    /// `"expires_at is a string"`; `None` for a well-formed lock.
+    pub malformed: Option<String>,
 }
 
-fn as_rfc3339<S: serde::Serializer>(d: &DateTime, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(
-        &d.try_to_rfc3339_string()
-            .unwrap_or_else(|_| d.timestamp_millis().to_string()),
-    )
+fn as_rfc3339<S: serde::Serializer>(
+    d: &Option<DateTime>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(
+            &d.try_to_rfc3339_string()
+                .unwrap_or_else(|_| d.timestamp_millis().to_string()),
+        ),
+        None => s.serialize_none(),
+    }
+}
+
+/// Test-only: pauses every acquire of a [`LockCollection`] made with
+/// [`LockCollection::with_acquire_pause`] right after its step 1 (the acquire upsert),
+/// before it draws its token, so tests can interleave other operations in that window.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct AcquirePause {
+    reached: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+}
+
+impl AcquirePause {
+    /// Resolves once an acquire has completed its step 1 and is waiting.
+    pub async fn reached(&self) {
+        self.reached.notified().await;
+    }
+
+    /// Lets one waiting (or the next) acquire continue with steps 2 and 3.
+    pub fn resume(&self) {
+        self.resume.notify_one();
+    }
 }
 
 /// A lock collection: leases on named resources with fencing tokens.
@@ -166,6 +235,7 @@ pub struct LockCollection {
     tokens: Collection<Document>,
     time: TimeSource,
     options: LockOptions,
+    pause: Option<Arc<AcquirePause>>,
 }
 
 impl LockCollection {
@@ -192,6 +262,7 @@ impl LockCollection {
             tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
             time,
             options,
+            pause: None,
         };
         this.ensure_indexes().await?;
         Ok(this)
@@ -238,6 +309,16 @@ impl LockCollection {
         }
     }
 
+    /// Test-only: a handle on the same collections whose acquires stop after step 1 until
+    /// `pause` lets them go on (see [`AcquirePause`]).
+    #[doc(hidden)]
+    pub fn with_acquire_pause(&self, pause: Arc<AcquirePause>) -> Self {
+        Self {
+            pause: Some(pause),
+            ..self.clone()
+        }
+    }
+
     /// The lock collection's name.
     pub fn name(&self) -> &str {
         self.locks.name()
@@ -271,10 +352,14 @@ impl LockCollection {
         let expires_at = now.plus_ms(ttl_ms);
 
         // Step 1: the acquire, one atomic upsert.
+        let filter = match self.options.unsafe_control {
+            UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
+            _ => acquire_filter(resource, cutoff),
+        };
         let before = match self
             .locks
             .find_one_and_update(
-                acquire_filter(resource, cutoff),
+                filter,
                 doc! { "$set": {
                     "owner": owner.id(),
                     "pending": &nonce,
@@ -297,6 +382,20 @@ impl LockCollection {
             .as_ref()
             .and_then(|d| d.get_i64("token").ok())
             .unwrap_or(0);
+        if let Some(before) = &before
+            && !matches!(before.get("owner"), None | Some(Bson::Null))
+            && !matches!(before.get("expires_at"), Some(Bson::DateTime(_)))
+        {
+            tracing::warn!(
+                resource,
+                expires_at = %describe(before.get("expires_at")),
+                "took over a lock whose expires_at was not a date (edited by hand?)"
+            );
+        }
+        if let Some(pause) = &self.pause {
+            pause.reached.notify_one();
+            pause.resume.notified().await;
+        }
 
         // Steps 2 and 3: draw the token while holding the lock, then commit it.
         match self.commit_token(owner, resource, &nonce, previous).await {
@@ -342,6 +441,9 @@ impl LockCollection {
             id: resource.to_owned(),
             reason: "fencing token overflow".into(),
         })?;
+        if self.options.unsafe_control == UnsafeControl::TokenInLockDocument {
+            return self.commit(owner, resource, nonce, floor).await;
+        }
         let counter = self
             .tokens
             .find_one_and_update(doc! { "_id": resource }, next_token_pipeline(floor))
@@ -356,6 +458,17 @@ impl LockCollection {
             id: resource.to_owned(),
             reason: format!("token counter: {e}"),
         })?;
+        self.commit(owner, resource, nonce, token).await
+    }
+
+    /// Step 3: writes `token` into the lock document, compare-and-set on the pending nonce.
+    async fn commit(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        nonce: &str,
+        token: i64,
+    ) -> Result<Option<i64>> {
         let committed = self
             .locks
             .update_one(
@@ -403,14 +516,21 @@ impl LockCollection {
 
     /// Extends `lease` to `ttl` from now (server time). Allowed only while the lease is
     /// still *certainly* valid (its expiry is after the server time estimate plus bound
-    /// and skew margin) and still holds `(resource, owner, token)`; a lease that has
-    /// lapsed cannot be revived, even if nobody took it over yet.
+    /// and skew margin) and still holds `(resource, owner, token)` with no acquisition
+    /// pending; a lease that has lapsed cannot be revived, even if nobody took it over yet,
+    /// and a stale lease of the same owner id cannot extend a newer acquisition.
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
     /// [`Error::InvalidInput`] for a zero ttl; a database error.
     #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.renew_at(lease, ttl).await.map(|_| ())
+    }
+
+    /// [`LockCollection::renew`], returning the server time the new expiry was computed
+    /// from (the watchdog needs its bound).
+    pub(crate) async fn renew_at(&self, lease: &mut Lease, ttl: Duration) -> Result<ServerTime> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.time.now().await?;
         let expires_at = now.plus_ms(ttl_ms);
@@ -425,10 +545,12 @@ impl LockCollection {
             return Err(lost(lease));
         }
         lease.expires_at = expires_at;
-        Ok(())
+        Ok(now)
     }
 
-    /// Releases `lease`: compare-and-set on `(resource, owner, token)`. The document stays
+    /// Releases `lease`: compare-and-set on `(resource, owner, token)` with no acquisition
+    /// pending (so a stale lease of the same owner id cannot free a newer acquisition that
+    /// has not committed its token yet). The document stays
     /// (with `owner: null` and its token) until the TTL index collects it. Releasing a
     /// lease that expired but was not taken over still frees the resource.
     ///
@@ -462,10 +584,11 @@ impl LockCollection {
         Ok(result.modified_count)
     }
 
-    /// The held locks matching `filter`, by resource.
+    /// The held locks matching `filter`, by resource. Lock documents docwarden did not
+    /// write are listed with [`LockRecord::malformed`] set, never skipped.
     ///
     /// # Errors
-    /// [`Error::Malformed`] for a lock document docwarden did not write; a database error.
+    /// A database error.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<LockRecord>> {
         let mut query = doc! { "owner": { "$ne": Bson::Null } };
         if let Some(owner) = &filter.owner {
@@ -483,7 +606,7 @@ impl LockCollection {
             .await?
             .try_collect()
             .await?;
-        docs.iter().map(|d| record(d, cutoff)).collect()
+        Ok(docs.iter().map(|d| record(d, cutoff)).collect())
     }
 
     /// The last fencing token handed out for `resource` (from the counter, which survives
@@ -510,20 +633,40 @@ fn lost(lease: &Lease) -> Error {
     }
 }
 
-/// `_id == resource AND (owner == null OR expires_at < cutoff)`.
+/// `_id == resource AND (owner == null OR expires_at < cutoff OR expires_at is not a
+/// date)`.
+///
+/// docwarden always writes `expires_at` as a date; a lock whose `expires_at` is anything
+/// else (a string, null, a number, missing) was edited by hand, and `$lt` against a date
+/// never matches it (comparisons stay within one BSON type), so without the third branch
+/// it would be locked forever. It is treated as expired. Tokens still increase: the token
+/// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
     doc! {
         "_id": resource,
         "$or": [
             { "owner": Bson::Null },
             { "expires_at": { "$lt": cutoff } },
+            { "expires_at": { "$not": { "$type": "date" } } },
         ],
     }
 }
 
-/// The holder's identity: `(resource, owner, token)`.
+/// The holder's identity: `(resource, owner, token)` of a *committed* acquisition.
+///
+/// While a newer acquisition is between its step 1 and its token commit, the document
+/// carries that acquisition's owner and `pending` nonce but still the previous token; a
+/// stale lease of the same owner id would match `(resource, owner, token)` and renew or
+/// release the newer acquisition. Requiring that no `pending` nonce is present closes that
+/// window: each acquisition's token is committed exactly once, with `pending` removed, so
+/// the filter matches only the acquisition that handed out this lease.
 pub(crate) fn cas_filter(lease: &Lease) -> Document {
-    doc! { "_id": &lease.resource, "owner": &lease.owner, "token": lease.token }
+    doc! {
+        "_id": &lease.resource,
+        "owner": &lease.owner,
+        "token": lease.token,
+        "pending": { "$exists": false },
+    }
 }
 
 /// The holder's identity and an expiry that is still certainly in the future.
@@ -556,33 +699,64 @@ fn next_token_pipeline(floor: i64) -> Vec<Document> {
     ] } } }]
 }
 
-fn record(d: &Document, cutoff: DateTime) -> Result<LockRecord> {
-    let id = d.get("_id").map(ToString::to_string).unwrap_or_default();
-    let malformed = |reason: String| Error::Malformed {
-        id: id.clone(),
-        reason,
+/// The BSON type of a stored value in words, for reports: `"a string"`, `"missing"`.
+pub(crate) fn describe(value: Option<&Bson>) -> &'static str {
+    match value {
+        None => "missing",
+        Some(Bson::Null) => "null",
+        Some(Bson::String(_)) => "a string",
+        Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => "a number",
+        Some(Bson::DateTime(_)) => "a date",
+        Some(Bson::Boolean(_)) => "a boolean",
+        Some(Bson::Document(_)) => "a document",
+        Some(Bson::Array(_)) => "an array",
+        Some(Bson::Timestamp(_)) => "a timestamp",
+        Some(_) => "of another type",
+    }
+}
+
+/// A listing record; never fails: what docwarden did not write is reported in `malformed`.
+fn record(d: &Document, cutoff: DateTime) -> LockRecord {
+    let mut problems: Vec<String> = Vec::new();
+    let mut text = |field: &str| match d.get(field) {
+        Some(Bson::String(s)) => s.clone(),
+        other => {
+            problems.push(format!("{field} is {}", describe(other)));
+            other.map(ToString::to_string).unwrap_or_default()
+        }
     };
-    let resource = d.get_str("_id").map_err(|e| malformed(e.to_string()))?;
-    let owner = d.get_str("owner").map_err(|e| malformed(e.to_string()))?;
-    let expires_at = *d
-        .get_datetime("expires_at")
-        .map_err(|e| malformed(e.to_string()))?;
-    let acquired_at = *d
-        .get_datetime("acquired_at")
-        .map_err(|e| malformed(e.to_string()))?;
+    let resource = text("_id");
+    let owner = text("owner");
+    let mut date = |field: &str| match d.get(field) {
+        Some(Bson::DateTime(t)) => Some(*t),
+        other => {
+            problems.push(format!("{field} is {}", describe(other)));
+            None
+        }
+    };
+    let acquired_at = date("acquired_at");
+    let expires_at = date("expires_at");
     let token = if d.contains_key("pending") {
         None
     } else {
-        Some(d.get_i64("token").map_err(|e| malformed(e.to_string()))?)
+        match d.get("token") {
+            Some(Bson::Int64(t)) => Some(*t),
+            other => {
+                problems.push(format!("token is {}", describe(other)));
+                None
+            }
+        }
     };
-    Ok(LockRecord {
-        resource: resource.to_owned(),
-        owner: owner.to_owned(),
+    LockRecord {
+        resource,
+        owner,
         token,
         acquired_at,
         expires_at,
-        expired: expires_at < cutoff,
-    })
+        // Not a date: treated as expired, the acquire filter takes it over.
+        expired: expires_at.is_none_or(|e| e < cutoff),
+        malformed: (!problems.is_empty()).then(|| problems.join(", ")),
+    }
 }
 
 #[cfg(test)]
@@ -604,10 +778,14 @@ mod tests {
         let f = acquire_filter("r", DateTime::from_millis(1_000));
         assert_eq!(f.get_str("_id").ok(), Some("r"));
         let or = f.get_array("$or").map(Vec::len).ok();
-        assert_eq!(or, Some(2));
+        assert_eq!(or, Some(3));
         assert_eq!(
             f,
-            doc! { "_id": "r", "$or": [ { "owner": null }, { "expires_at": { "$lt": DateTime::from_millis(1_000) } } ] }
+            doc! { "_id": "r", "$or": [
+                { "owner": null },
+                { "expires_at": { "$lt": DateTime::from_millis(1_000) } },
+                { "expires_at": { "$not": { "$type": "date" } } },
+            ] }
         );
     }
 
@@ -620,7 +798,16 @@ mod tests {
         let f = renew_filter(&lease(), &now, 250);
         assert_eq!(
             f,
-            doc! { "_id": "r", "owner": "o", "token": 7_i64, "expires_at": { "$gt": DateTime::from_millis(1_255) } }
+            doc! { "_id": "r", "owner": "o", "token": 7_i64, "pending": { "$exists": false }, "expires_at": { "$gt": DateTime::from_millis(1_255) } }
+        );
+    }
+
+    #[test]
+    fn renew_and_release_never_match_a_pending_acquisition() {
+        let f = cas_filter(&lease());
+        assert_eq!(
+            f,
+            doc! { "_id": "r", "owner": "o", "token": 7_i64, "pending": { "$exists": false } }
         );
     }
 
@@ -654,16 +841,183 @@ mod tests {
     }
 
     #[test]
-    fn records_decode_pending_and_committed() -> Result<()> {
+    fn records_decode_pending_and_committed() {
         let d = doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": DateTime::from_millis(10) };
-        let r = record(&d, DateTime::from_millis(20))?;
+        let r = record(&d, DateTime::from_millis(20));
         assert_eq!(r.token, Some(3));
         assert!(r.expired);
+        assert_eq!(r.malformed, None);
         let mut p = d.clone();
         p.insert("pending", "n");
-        assert_eq!(record(&p, DateTime::from_millis(0))?.token, None);
-        assert!(record(&doc! { "_id": "r" }, DateTime::from_millis(0)).is_err());
-        Ok(())
+        assert_eq!(record(&p, DateTime::from_millis(0)).token, None);
+    }
+
+    #[test]
+    fn malformed_records_are_reported_not_fatal() {
+        let r = record(
+            &doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": "tomorrow" },
+            DateTime::from_millis(0),
+        );
+        assert_eq!(r.malformed.as_deref(), Some("expires_at is a string"));
+        assert_eq!(r.expires_at, None);
+        assert!(r.expired, "an expiry that is not a date counts as expired");
+        let r = record(&doc! { "_id": "r" }, DateTime::from_millis(0));
+        assert_eq!(
+            r.malformed.as_deref(),
+            Some(
+                "owner is missing, acquired_at is missing, expires_at is missing, token is missing"
+            )
+        );
+    }
+
+    /// Finding 2 as a model: four acquirers share two owner ids, and any lease ever handed
+    /// out may be replayed (renew or release) at any moment. The real [`cas_filter`],
+    /// evaluated against the modelled lock document, must admit a lease only while the
+    /// document holds exactly the committed acquisition that handed it out.
+    mod stale_lease_model {
+        use mongodb::bson::{Bson, DateTime, Document, doc};
+        use proptest::prelude::*;
+
+        use super::super::cas_filter;
+        use crate::lock::lease::Lease;
+
+        #[derive(Clone, Debug)]
+        struct LockDoc {
+            owner: Option<String>,
+            pending: Option<String>,
+            token: Option<i64>,
+            expired: bool,
+            /// The nonce of the acquisition that last wrote `owner`.
+            acquisition: u64,
+        }
+
+        #[derive(Clone, Debug)]
+        enum Phase {
+            Idle,
+            Acquired { nonce: u64, previous: i64 },
+            Drawn { nonce: u64, token: i64 },
+        }
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Step(usize),
+            Expire,
+            Replay(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => (0..4_usize).prop_map(Op::Step),
+                2 => Just(Op::Expire),
+                3 => (0..64_usize).prop_map(Op::Replay),
+            ]
+        }
+
+        fn owner_of(actor: usize) -> String {
+            format!("owner-{}", actor % 2)
+        }
+
+        fn stored(d: &LockDoc) -> Document {
+            let mut b =
+                doc! { "_id": "r", "owner": d.owner.clone().map_or(Bson::Null, Bson::String) };
+            if let Some(t) = d.token {
+                b.insert("token", t);
+            }
+            if let Some(p) = &d.pending {
+                b.insert("pending", p.as_str());
+            }
+            b
+        }
+
+        /// Evaluates the filter shapes `cas_filter` uses: equality and `{$exists: false}`.
+        fn matches(filter: &Document, d: &Document) -> bool {
+            filter.iter().all(|(k, cond)| match cond {
+                Bson::Document(c) if c == &doc! { "$exists": false } => !d.contains_key(k),
+                Bson::Document(c) if c.keys().any(|op| op.starts_with('$')) => {
+                    panic!("operator not modelled: {c}")
+                }
+                v => d.get(k) == Some(v),
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn a_lease_matches_only_its_own_committed_acquisition(ops in proptest::collection::vec(op(), 1..200)) {
+                let mut doc: Option<LockDoc> = None;
+                let mut counter = 0_i64;
+                let mut phases = vec![Phase::Idle; 4];
+                // Every lease handed out, with the nonce of its acquisition.
+                let mut leases: Vec<(Lease, u64)> = Vec::new();
+                let mut nonces = 0_u64;
+                for op in ops {
+                    match op {
+                        Op::Step(a) => match phases[a].clone() {
+                            Phase::Idle => {
+                                let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
+                                if free {
+                                    nonces += 1;
+                                    let previous = doc.as_ref().and_then(|d| d.token).unwrap_or(0);
+                                    doc = Some(LockDoc {
+                                        owner: Some(owner_of(a)),
+                                        pending: Some(format!("n{nonces}")),
+                                        token: doc.as_ref().and_then(|d| d.token),
+                                        expired: false,
+                                        acquisition: nonces,
+                                    });
+                                    phases[a] = Phase::Acquired { nonce: nonces, previous };
+                                }
+                            }
+                            Phase::Acquired { nonce, previous } => {
+                                counter = (counter + 1).max(previous + 1);
+                                phases[a] = Phase::Drawn { nonce, token: counter };
+                            }
+                            Phase::Drawn { nonce, token } => {
+                                if let Some(d) = doc.as_mut()
+                                    && d.owner.as_deref() == Some(owner_of(a).as_str())
+                                    && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
+                                {
+                                    d.token = Some(token);
+                                    d.pending = None;
+                                    leases.push((
+                                        Lease {
+                                            resource: "r".into(),
+                                            owner: owner_of(a),
+                                            token,
+                                            acquired_at: DateTime::from_millis(0),
+                                            expires_at: DateTime::from_millis(0),
+                                        },
+                                        nonce,
+                                    ));
+                                }
+                                phases[a] = Phase::Idle;
+                            }
+                        },
+                        Op::Expire => {
+                            if let Some(d) = doc.as_mut() {
+                                d.expired = true;
+                            }
+                        }
+                        Op::Replay(i) => {
+                            if leases.is_empty() {
+                                continue;
+                            }
+                            let (lease, nonce) = &leases[i % leases.len()];
+                            if let Some(d) = doc.as_mut()
+                                && matches(&cas_filter(lease), &stored(d))
+                            {
+                                prop_assert!(
+                                    d.pending.is_none() && d.acquisition == *nonce,
+                                    "lease {lease:?} of acquisition {nonce} matched {d:?}"
+                                );
+                                // A release by the true holder.
+                                d.owner = None;
+                                d.pending = None;
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// A model of the three-step acquire (acquire, draw token, commit) under arbitrary

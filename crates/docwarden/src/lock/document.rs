@@ -7,7 +7,8 @@
 //! cleared, nothing is written and the holder gets [`Error::LeaseLost`]. An expired lock
 //! can be taken over: the filter is `lock_id == null OR lock_time < cutoff` (the seed ANDs
 //! the two, so an expired lock could never be taken over and a released document could
-//! never be locked again).
+//! never be locked again). A lock id whose `lock_time` is missing or not a date (a hand
+//! edit; docwarden never writes one) counts as expired.
 //!
 //! **Limits:** expiry is a promise about time (see the module docs of [`crate::lock`]); the
 //! lock id fences only writes that go through [`DocumentLocks::release_with`]. Writes made
@@ -15,11 +16,13 @@
 
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
+use super::collection::describe;
 use crate::clock::TimeSource;
 use crate::error::{self, Error, Result};
 use crate::validate;
@@ -34,6 +37,8 @@ pub struct DocumentLockOptions {
     pub lock_id_field: String,
     /// The field holding the lock time. Default `lock_time`.
     pub lock_time_field: String,
+    /// Test controls only: `true` uses seed 003's AND filter.
+    seed_and_filter: bool,
 }
 
 impl Default for DocumentLockOptions {
@@ -42,6 +47,7 @@ impl Default for DocumentLockOptions {
             max_duration: Duration::from_secs(30),
             lock_id_field: "lock_id".to_owned(),
             lock_time_field: "lock_time".to_owned(),
+            seed_and_filter: false,
         }
     }
 }
@@ -59,6 +65,15 @@ impl DocumentLockOptions {
         self.lock_time_field = lock_time.into();
         self
     }
+
+    /// Test controls only, **unsafe**: locks with seed 003's filter, `lock_id == null AND
+    /// lock_time < cutoff`, which can neither take over an expired lock nor relock a
+    /// released document. Shows what docwarden's OR fixes.
+    #[doc(hidden)]
+    pub fn unsafe_seed_and_filter(mut self) -> Self {
+        self.seed_and_filter = true;
+        self
+    }
 }
 
 /// A held document lock: the locked document as it was after locking, and the lock id that
@@ -74,6 +89,37 @@ pub struct DocumentGuard {
     pub locked_at: DateTime,
     /// The document after locking.
     pub document: Document,
+}
+
+/// A locked document as stored, for listing ([`DocumentLocks::list_locked`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DocumentLockRecord {
+    /// The document's `_id` (a string as is, any other type as extended JSON).
+    pub id: String,
+    /// The lock id (a string as is, any other type as extended JSON).
+    pub lock_id: String,
+    /// The lock time (server time); `None` if the stored value is not a date.
+    #[serde(serialize_with = "as_rfc3339")]
+    pub locked_at: Option<DateTime>,
+    /// Whether the lock has certainly expired (the next `lock` takes it over). A lock whose
+    /// lock time is not a date counts as expired.
+    pub expired: bool,
+    /// What is wrong with a lock docwarden did not write, for example
+    /// `"lock_time is missing"`; `None` for a well-formed lock.
+    pub malformed: Option<String>,
+}
+
+fn as_rfc3339<S: serde::Serializer>(
+    d: &Option<DateTime>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(
+            &d.try_to_rfc3339_string()
+                .unwrap_or_else(|_| d.timestamp_millis().to_string()),
+        ),
+        None => s.serialize_none(),
+    }
 }
 
 /// Document locks on one collection.
@@ -268,6 +314,70 @@ impl DocumentLocks {
         self.release_with(guard, Document::new()).await
     }
 
+    /// Every locked document of the collection (lock id not null), by `_id`: an operator's
+    /// view, which scans the collection (there is no index on the lock id). Locks docwarden
+    /// did not write (a lock id next to a lock time that is missing or not a date) are
+    /// listed with [`DocumentLockRecord::malformed`] set; they count as expired.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_locked(&self) -> Result<Vec<DocumentLockRecord>> {
+        let (id_f, time_f) = (
+            self.options.lock_id_field.as_str(),
+            self.options.lock_time_field.as_str(),
+        );
+        let cutoff = self.cutoff().await?;
+        let docs: Vec<Document> = self
+            .coll
+            .find(doc! { id_f: { "$ne": Bson::Null } })
+            .projection(doc! { id_f: 1, time_f: 1 })
+            .sort(doc! { "_id": 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .iter()
+            .map(|d| {
+                let mut problems = Vec::new();
+                let id = match d.get("_id") {
+                    Some(Bson::String(s)) => s.clone(),
+                    other => other.map(ToString::to_string).unwrap_or_default(),
+                };
+                let lock_id = match d.get(id_f) {
+                    Some(Bson::String(s)) => s.clone(),
+                    other => {
+                        problems.push(format!("{id_f} is {}", describe(other)));
+                        other.map(ToString::to_string).unwrap_or_default()
+                    }
+                };
+                let locked_at = match d.get(time_f) {
+                    Some(Bson::DateTime(t)) => Some(*t),
+                    other => {
+                        problems.push(format!("{time_f} is {}", describe(other)));
+                        None
+                    }
+                };
+                DocumentLockRecord {
+                    id,
+                    lock_id,
+                    locked_at,
+                    expired: locked_at.is_none_or(|t| t < cutoff),
+                    malformed: (!problems.is_empty()).then(|| problems.join(", ")),
+                }
+            })
+            .collect())
+    }
+
+    /// Locks whose lock time is before this instant have certainly expired.
+    async fn cutoff(&self) -> Result<DateTime> {
+        let now = self.time.now().await?;
+        Ok(DateTime::from_millis(
+            now.expired_before(self.time.skew_margin_ms())
+                .timestamp_millis()
+                .saturating_sub(self.max_ms),
+        ))
+    }
+
     async fn lock_ops(&self, id: &Bson) -> Result<(Document, Document, String, DateTime)> {
         let now = self.time.now().await?;
         let cutoff = DateTime::from_millis(
@@ -277,12 +387,20 @@ impl DocumentLocks {
         );
         let lock_id = validate::random_id();
         let locked_at = now.estimate();
-        let filter = takeover_filter(
-            id,
-            &self.options.lock_id_field,
-            &self.options.lock_time_field,
-            cutoff,
-        );
+        let filter = if self.options.seed_and_filter {
+            doc! {
+                "_id": id.clone(),
+                self.options.lock_id_field.as_str(): Bson::Null,
+                self.options.lock_time_field.as_str(): { "$lt": cutoff },
+            }
+        } else {
+            takeover_filter(
+                id,
+                &self.options.lock_id_field,
+                &self.options.lock_time_field,
+                cutoff,
+            )
+        };
         let update = doc! { "$set": {
             self.options.lock_id_field.as_str(): &lock_id,
             self.options.lock_time_field.as_str(): locked_at,
@@ -328,8 +446,13 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
     Ok(update)
 }
 
-/// `_id == id AND (lock_id == null OR lock_time < cutoff)` — the seed's filter with its AND
-/// bug fixed.
+/// `_id == id AND (lock_id == null OR lock_time < cutoff OR lock_time is not a date)` —
+/// the seed's filter with its AND bug fixed.
+///
+/// docwarden writes `lock_id` and `lock_time` together and clears them together; a lock id
+/// next to a `lock_time` that is missing, null or not a date was edited by hand, and `$lt`
+/// against a date never matches it, so without the third branch the document would stay
+/// locked forever. It is treated as expired.
 pub(crate) fn takeover_filter(
     id: &Bson,
     lock_id: &str,
@@ -341,6 +464,7 @@ pub(crate) fn takeover_filter(
         "$or": [
             { lock_id: Bson::Null },
             { lock_time: { "$lt": cutoff } },
+            { lock_time: { "$not": { "$type": "date" } } },
         ],
     }
 }
@@ -405,7 +529,11 @@ mod tests {
         );
         assert_eq!(
             f,
-            doc! { "_id": "a", "$or": [ { "lock_id": null }, { "lock_time": { "$lt": DateTime::from_millis(5) } } ] }
+            doc! { "_id": "a", "$or": [
+                { "lock_id": null },
+                { "lock_time": { "$lt": DateTime::from_millis(5) } },
+                { "lock_time": { "$not": { "$type": "date" } } },
+            ] }
         );
     }
 }

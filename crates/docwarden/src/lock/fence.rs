@@ -27,12 +27,15 @@ pub struct FenceOptions {
     /// The field of the target documents that stores the highest token applied. Default
     /// `fence_token`.
     pub token_field: String,
+    /// Test controls only: `false` switches the token check off.
+    check_token: bool,
 }
 
 impl Default for FenceOptions {
     fn default() -> Self {
         Self {
             token_field: "fence_token".to_owned(),
+            check_token: true,
         }
     }
 }
@@ -41,6 +44,15 @@ impl FenceOptions {
     /// Sets [`FenceOptions::token_field`].
     pub fn token_field(mut self, field: impl Into<String>) -> Self {
         self.token_field = field.into();
+        self
+    }
+
+    /// Test controls only, **unsafe**: applies the update whatever token the document
+    /// stores (the token check is off; the lease's token is still written). Shows what
+    /// fencing prevents.
+    #[doc(hidden)]
+    pub fn unsafe_without_token_check(mut self) -> Self {
+        self.check_token = false;
         self
     }
 }
@@ -101,6 +113,7 @@ impl FenceOutcome {
 pub struct Fence {
     coll: Collection<Document>,
     field: String,
+    check_token: bool,
 }
 
 impl Fence {
@@ -116,6 +129,7 @@ impl Fence {
         Ok(Self {
             coll,
             field: options.token_field,
+            check_token: options.check_token,
         })
     }
 
@@ -134,7 +148,11 @@ impl Fence {
         update: Document,
     ) -> Result<FenceOutcome> {
         let update = fenced_update(&self.field, lease.token, update)?;
-        let guarded = fenced_filter(&self.field, lease.token, filter.clone());
+        let guarded = if self.check_token {
+            fenced_filter(&self.field, lease.token, filter.clone())
+        } else {
+            filter.clone()
+        };
         for _ in 0..3 {
             let result = self
                 .coll

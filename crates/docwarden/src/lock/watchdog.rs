@@ -5,7 +5,9 @@
 //! the moment a renewal is refused ([`LostReason::TakenOver`]), or the lease has certainly
 //! lapsed by the local monotonic clock because renewals kept failing
 //! ([`LostReason::Expired`]), [`Watchdog::lost`] resolves and [`Watchdog::lease`] returns
-//! `None`. Dropping the watchdog stops the renewals (the lease then expires on its own).
+//! `None`. "Certainly lapsed" is counted from the server time each renewal used: the lease
+//! is taken as valid for `expires_at − estimate − bound − skew margin` after the renewal
+//! was sent, the bound of that renewal's estimate included every time. Dropping the watchdog stops the renewals (the lease then expires on its own).
 //!
 //! **Limits:** the holder learns of a loss at the next renewal attempt at the latest, not
 //! before: work that must never overlap another holder's has to be fenced (see
@@ -13,6 +15,7 @@
 
 use std::time::{Duration, Instant};
 
+use mongodb::bson::DateTime;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -20,6 +23,7 @@ use tracing::Instrument;
 
 use super::collection::LockCollection;
 use super::lease::Lease;
+use crate::clock::ServerTime;
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -62,7 +66,8 @@ pub enum LostReason {
 
 #[derive(Clone, Debug)]
 enum State {
-    Held(Lease),
+    /// The lease as last renewed, and until when it is certainly valid.
+    Held(Lease, Instant),
     Lost(LostReason, Lease),
 }
 
@@ -89,7 +94,8 @@ impl Watchdog {
         validate::duration_ms("ttl", ttl)?;
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
-        let (tx, rx) = watch::channel(State::Held(lease.clone()));
+        // Not known to be valid until the task has read the server time.
+        let (tx, rx) = watch::channel(State::Held(lease.clone(), Instant::now()));
         let cancel = CancellationToken::new();
         let span = tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token);
         let task = tokio::spawn(
@@ -109,7 +115,21 @@ impl Watchdog {
             return None;
         }
         match &*self.rx.borrow() {
-            State::Held(l) => Some(l.clone()),
+            State::Held(l, _) => Some(l.clone()),
+            State::Lost(..) => None,
+        }
+    }
+
+    /// Until when the lease is certainly valid by the local monotonic clock, or `None` once
+    /// it is lost: `expires_at − estimate − bound − skew margin` of the server time the last
+    /// renewal (or the start) read, counted from the instant just before that read. Act
+    /// under the lease only before this instant (and fence the writes anyway).
+    pub fn valid_until(&self) -> Option<Instant> {
+        if self.cancel.is_cancelled() {
+            return None;
+        }
+        match &*self.rx.borrow() {
+            State::Held(_, until) => Some(*until),
             State::Lost(..) => None,
         }
     }
@@ -125,7 +145,7 @@ impl Watchdog {
         match rx.wait_for(|s| matches!(s, State::Lost(..))).await {
             Ok(state) => match &*state {
                 State::Lost(reason, _) => *reason,
-                State::Held(_) => LostReason::Stopped,
+                State::Held(..) => LostReason::Stopped,
             },
             Err(_) => LostReason::Stopped,
         }
@@ -147,7 +167,7 @@ impl Watchdog {
         }
         let state = self.rx.borrow().clone();
         match state {
-            State::Held(lease) => self.locks.release(&lease).await,
+            State::Held(lease, _) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
                 token: lease.token.to_string(),
@@ -172,19 +192,12 @@ async fn run(
 ) {
     let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
     // Until when the lease is certainly valid, by the local monotonic clock.
+    let started = Instant::now();
     let mut valid_until = match locks.time().now().await {
-        Ok(now) => {
-            let left = lease
-                .expires_at
-                .timestamp_millis()
-                .saturating_sub(now.estimate_ms.saturating_add(now.bound_ms));
-            later(
-                Instant::now(),
-                Duration::from_millis(u64::try_from(left).unwrap_or(0)).saturating_sub(margin),
-            )
-        }
-        Err(_) => Instant::now(),
+        Ok(now) => initial_valid_until(started, &lease, &now, margin),
+        Err(_) => started,
     };
+    let _ = tx.send(State::Held(lease.clone(), valid_until));
     let mut next = next_renewal(Instant::now(), interval, valid_until);
     loop {
         let wake = next.min(valid_until);
@@ -201,7 +214,7 @@ async fn run(
         let mut renewed = lease.clone();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew(&mut renewed, ttl)) => r,
+            r = tokio::time::timeout(interval.max(Duration::from_millis(50)), locks.renew_at(&mut renewed, ttl)) => r,
             () = tokio::time::sleep_until(valid_until.into()) => {
                 // The renewal is still in flight but the lease has certainly lapsed: say so
                 // now rather than when the server answers.
@@ -211,12 +224,12 @@ async fn run(
             }
         };
         match outcome {
-            Ok(Ok(())) => {
+            Ok(Ok(now)) => {
                 lease = renewed;
-                valid_until = later(attempt_started, ttl.saturating_sub(margin));
+                valid_until = renewed_valid_until(attempt_started, ttl, &now, margin);
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
-                let _ = tx.send(State::Held(lease.clone()));
+                let _ = tx.send(State::Held(lease.clone(), valid_until));
             }
             Ok(Err(Error::LeaseLost { .. })) => {
                 tracing::warn!("lease lost: renewal refused");
@@ -243,6 +256,46 @@ async fn run(
     }
 }
 
+/// Until when a lease expiring at `expires_at` is certainly valid by the local monotonic
+/// clock, given the server time `now` read no earlier than the local instant `at`:
+/// `at + (expires_at − estimate − bound − margin)`, and `at` itself once that is negative.
+///
+/// The server's true time at `at` is at most `estimate + bound` (the estimate was read at
+/// or after `at`), so until the returned instant it is below `expires_at − margin`.
+fn certainly_valid_until(
+    at: Instant,
+    expires_at: DateTime,
+    now: &ServerTime,
+    margin: Duration,
+) -> Instant {
+    let margin_ms = i64::try_from(margin.as_millis()).unwrap_or(i64::MAX);
+    let left = expires_at
+        .timestamp_millis()
+        .saturating_sub(now.estimate_ms)
+        .saturating_sub(now.bound_ms)
+        .saturating_sub(margin_ms);
+    later(at, Duration::from_millis(u64::try_from(left).unwrap_or(0)))
+}
+
+/// Until when `lease` is certainly valid by the local monotonic clock, when the watchdog
+/// starts: `now` was read at or after `at`.
+fn initial_valid_until(at: Instant, lease: &Lease, now: &ServerTime, margin: Duration) -> Instant {
+    certainly_valid_until(at, lease.expires_at, now, margin)
+}
+
+/// Until when a lease renewed for `ttl` is certainly valid by the local monotonic clock:
+/// the renewal was sent at `attempt_started` and stored `now + ttl` as the expiry. The
+/// bound of `now` counts after every renewal, not only for the first deadline.
+pub(crate) fn renewed_valid_until(
+    attempt_started: Instant,
+    ttl: Duration,
+    now: &ServerTime,
+    margin: Duration,
+) -> Instant {
+    let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+    certainly_valid_until(attempt_started, now.plus_ms(ttl_ms), now, margin)
+}
+
 /// The next renewal: after `interval`, but at the latest halfway to `valid_until`.
 fn next_renewal(from: Instant, interval: Duration, valid_until: Instant) -> Instant {
     let half = valid_until.saturating_duration_since(from) / 2;
@@ -262,5 +315,60 @@ impl LockCollection {
     /// As [`Watchdog::start`].
     pub fn watch(&self, lease: Lease, ttl: Duration, options: WatchdogOptions) -> Result<Watchdog> {
         Watchdog::start(self.clone(), lease, ttl, options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(expires_at: DateTime) -> Lease {
+        Lease {
+            resource: "r".into(),
+            owner: "o".into(),
+            token: 1,
+            acquired_at: DateTime::from_millis(0),
+            expires_at,
+        }
+    }
+
+    fn claimed_ms(from: Instant, until: Instant) -> i128 {
+        i128::try_from(until.saturating_duration_since(from).as_millis()).unwrap_or(i128::MAX)
+    }
+
+    /// Every deadline the watchdog reports, the first and every one after a renewal, is at
+    /// most `expires_at − bound − margin` after the moment the server time was read.
+    #[test]
+    fn every_deadline_subtracts_the_bound_and_the_margin() {
+        let at = Instant::now();
+        let ttl = Duration::from_secs(10);
+        for (bound_ms, margin_ms) in [(2_000, 0), (2_000, 250), (5, 250), (600, 250), (12_000, 0)] {
+            let now = ServerTime {
+                estimate_ms: 1_000_000,
+                bound_ms,
+            };
+            let margin = Duration::from_millis(margin_ms);
+            let expires_at = now.plus_ms(10_000);
+            let allowed = i128::from(
+                (expires_at.timestamp_millis()
+                    - now.estimate_ms
+                    - bound_ms
+                    - i64::try_from(margin_ms).unwrap_or(0))
+                .max(0),
+            );
+            let first = claimed_ms(
+                at,
+                initial_valid_until(at, &lease(expires_at), &now, margin),
+            );
+            let renewed = claimed_ms(at, renewed_valid_until(at, ttl, &now, margin));
+            assert!(
+                first <= allowed,
+                "bound {bound_ms} ms, margin {margin_ms} ms: the first deadline claims {first} ms, at most expires_at − bound − margin = {allowed} ms"
+            );
+            assert!(
+                renewed <= allowed,
+                "bound {bound_ms} ms, margin {margin_ms} ms: after a renewal the watchdog claims {renewed} ms of validity, at most expires_at − bound − margin = {allowed} ms"
+            );
+        }
     }
 }

@@ -1,0 +1,90 @@
+//! The watchdog's validity after renewals (issue 11, finding 3), end to end: with a clock
+//! bound far above the skew margin, every deadline the watchdog reports
+//! ([`Watchdog::valid_until`]) stays within `expires_at − bound − margin` of the server time.
+//!
+//! [`Watchdog::valid_until`]: docwarden::lock::Watchdog::valid_until
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{LockCollection, LockOptions, Owner, WatchdogOptions};
+use docwarden_testkit::TestDb;
+
+fn signed_ms(from: Instant, to: Instant) -> i64 {
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    if to >= from {
+        ms(to - from)
+    } else {
+        -ms(from - to)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_renewals_the_watchdog_claims_at_most_expires_at_minus_bound_and_margin()
+-> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_bound").await?;
+    // No skew margin, and a bound that grows by 1 ms per ms since the one sample (an
+    // assumed drift of 100 %): two seconds after the sample the bound is ~2 s.
+    let time = TimeSource::server(
+        t.client.clone(),
+        ClockOptions::default()
+            .skew_margin(Duration::ZERO)
+            .drift_ppm(1_000_000)
+            .refresh(Duration::from_secs(3_600)),
+    )?;
+    time.refresh().await?;
+    let locks = LockCollection::open(&t.db, "locks", time.clone(), LockOptions::default()).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let ttl = Duration::from_secs(20);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    // Renew every 400 ms.
+    let dog = locks.watch(
+        lease.clone(),
+        ttl,
+        WatchdogOptions::default().renew_fraction(0.02),
+    )?;
+    let mut last = lease.expires_at;
+    let mut renewals = 0;
+    let mut violations = Vec::new();
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while renewals < 3 && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let before = dog.valid_until().context("lost")?;
+        let current = dog.lease().context("lost")?;
+        let until = dog.valid_until().context("lost")?;
+        if current.expires_at == last || before != until {
+            continue;
+        }
+        last = current.expires_at;
+        renewals += 1;
+        // By the estimate read now (at `at`), the lease is certainly valid for at most
+        // `expires_at − estimate − bound − margin` (margin 0).
+        let at = Instant::now();
+        let now = time.now().await?;
+        let allowed = current.expires_at.timestamp_millis() - now.estimate_ms - now.bound_ms;
+        let claimed = signed_ms(at, until);
+        eprintln!(
+            "renewal {renewals}: bound {} ms, watchdog claims {claimed} ms, allowed {allowed} ms",
+            now.bound_ms
+        );
+        // Slack: the bound grew (1 ms per ms) between the renewal's read and this one.
+        if claimed > allowed + 300 {
+            violations.push(format!(
+                "renewal {renewals}: claims {claimed} ms, allowed {allowed} ms (bound {} ms)",
+                now.bound_ms
+            ));
+        }
+    }
+    dog.stop();
+    assert!(renewals >= 2, "only {renewals} renewals seen");
+    assert!(
+        violations.is_empty(),
+        "the watchdog over-claims the lease after renewals: {violations:?}"
+    );
+    Ok(())
+}

@@ -685,6 +685,16 @@ async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Res
     let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
     options.app_name = Some(app.clone());
     let client = mongodb::Client::with_options(options)?;
+    // Opened before the fail point: open's options document is an `update` too.
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(
+        &client.database(t.db.name()),
+        "jobs",
+        time,
+        QueueOptions::default().reap_interval(Duration::from_millis(1)),
+    )
+    .await?;
+    q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
     let admin = client.database("admin");
     let on = admin
         .run_command(doc! {
@@ -699,15 +709,6 @@ async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Res
         return Ok(());
     }
     let result = async {
-        let time = TimeSource::server(client.clone(), ClockOptions::default())?;
-        let q = JobQueue::open(
-            &client.database(t.db.name()),
-            "jobs",
-            time,
-            QueueOptions::default().reap_interval(Duration::from_millis(1)),
-        )
-        .await?;
-        q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
         let sweep = q.reap_expired().await;
         anyhow::ensure!(sweep.is_err(), "the fail point did not apply: {sweep:?}");
         let claimed = q.claim("w").await;

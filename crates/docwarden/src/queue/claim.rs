@@ -102,7 +102,9 @@ impl JobQueue {
         let update =
             Self::claim_update(owner, token, now.plus_ms(self.inner.ttl_ms), now.estimate());
         if self.inner.options.unsafe_without == Some(Safeguard::ClaimRecheck) {
-            // Control only: read the head job, then write the lease by `_id` alone.
+            // Control only: read the head job, then write the lease by `_id` alone. The
+            // gap between the read and the write is widened (20 ms) so that the race the
+            // re-check closes shows up in a short test.
             let Some(head) = self
                 .inner
                 .coll
@@ -114,7 +116,7 @@ impl JobQueue {
                 return Ok(None);
             };
             let id = head.get(field::ID).cloned().unwrap_or(Bson::Null);
-            tokio::task::yield_now().await;
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             return Ok(self
                 .inner
                 .coll

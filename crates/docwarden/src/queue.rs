@@ -12,7 +12,12 @@
 //! performed external side effects before its fenced completion is refused; make them
 //! idempotent, or fence them with [`ClaimedJob::fence`] when they write to the job
 //! document. Expired leases are re-claimable after `lease_ttl` plus the clock bound and
-//! skew margin. The job document format is in `docs/queue.md`.
+//! skew margin. A job an operator edited into a shape the filters cannot match (a
+//! `lease.until` or `run_at` that is not a date) is recovered or moved to `dead` by the
+//! sweep and counted by [`JobQueue::stats`]. Writes use [`QueueOptions::write_concern`]
+//! (majority on replica sets, or a failover can roll back a claim or a completion).
+//! The job document format, and the options document `open` stores in
+//! `<collection>.meta` for workers in other languages, are in `docs/queue.md`.
 //!
 //! ```no_run
 //! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {

@@ -8,6 +8,10 @@
 //! Shutdown stops claiming, waits for running handlers up to `shutdown_deadline`, then
 //! releases the jobs still running so other workers can claim them at once.
 //!
+//! Shutdown, [`WorkerHandle::kill`] and dropping the handle all stop every task of the
+//! worker (supervisor, handlers, change-stream listener). A transition whose reply was
+//! lost counts as applied only if the job shows that transition's own result.
+//!
 //! **Limits:** a worker that is killed (its task aborted, its process gone) releases
 //! nothing; its jobs are re-claimable after the lease expires.
 

@@ -7,7 +7,10 @@
 //! Expired leases are swept back to `retrying` by one indexed `updateMany`
 //! ([`index::LEASE_EXPIRY`](super::index::LEASE_EXPIRY)) at most every
 //! `reap_interval`, with a cut-off of server time minus the clock bound and the skew
-//! margin, so they become claimable like any other due job.
+//! margin, so they become claimable like any other due job. The same sweep recovers
+//! hand-edited jobs whose `lease.until` or `run_at` is not a date (see
+//! [`JobQueue::reap_expired`]). The sweep is housekeeping: its failure is logged and never
+//! fails the claim that ran it.
 
 use std::time::Instant;
 

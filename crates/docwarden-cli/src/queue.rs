@@ -30,7 +30,8 @@ pub(crate) struct Args {
 
 #[derive(Debug, clap::Subcommand)]
 enum QueueCommand {
-    /// Counts by state, the oldest due job's wait, running jobs with expired leases.
+    /// Counts by state, the oldest due job's wait, running jobs with expired leases, and
+    /// hand-edited jobs that cannot progress (a lease.until or run_at that is not a date).
     Stats,
     /// List jobs, newest change first.
     List {
@@ -162,6 +163,18 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     None => println!("no job is due"),
                 }
                 println!("running with expired lease: {}", stats.expired_running);
+                if stats.unreadable_leases > 0 {
+                    println!(
+                        "running with a lease.until that is not a date: {} (hand-edited; the sweep treats the lease as expired after a quiet lease TTL)",
+                        stats.unreadable_leases
+                    );
+                }
+                if stats.undatable > 0 {
+                    println!(
+                        "ready/retrying with a run_at that is not a date: {} (hand-edited; never due; the next sweep moves them to dead)",
+                        stats.undatable
+                    );
+                }
             }
         }
         QueueCommand::List { state, limit } => {

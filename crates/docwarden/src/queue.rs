@@ -12,7 +12,12 @@
 //! performed external side effects before its fenced completion is refused; make them
 //! idempotent, or fence them with [`ClaimedJob::fence`] when they write to the job
 //! document. Expired leases are re-claimable after `lease_ttl` plus the clock bound and
-//! skew margin. The job document format is in `docs/queue.md`.
+//! skew margin. A job an operator edited into a shape the filters cannot match (a
+//! `lease.until` or `run_at` that is not a date) is recovered or moved to `dead` by the
+//! sweep and counted by [`JobQueue::stats`]. Writes use [`QueueOptions::write_concern`]
+//! (majority on replica sets, or a failover can roll back a claim or a completion).
+//! The job document format, and the options document `open` stores in
+//! `<collection>.meta` for workers in other languages, are in `docs/queue.md`.
 //!
 //! ```no_run
 //! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {
@@ -31,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use mongodb::bson::{Document, doc};
-use mongodb::options::IndexOptions;
+use mongodb::options::{CollectionOptions, IndexOptions};
 use mongodb::{Collection, Database, IndexModel};
 
 use crate::clock::TimeSource;
@@ -49,6 +54,8 @@ mod worker;
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobState, Lease};
 pub use ops::{CancelOutcome, ListFilter, QueueStats};
+#[doc(hidden)]
+pub use options::Safeguard;
 pub use options::{ClaimStrategy, EnqueueOptions, QueueOptions, RunAt, WorkerOptions};
 pub use transition::FailOutcome;
 pub use worker::{HandlerResult, Worker, WorkerHandle, WorkerReport};
@@ -73,9 +80,21 @@ pub mod index {
     pub const STATE: &str = "docwarden_state";
 }
 
+/// The options document other workers read (`docs/queue.md`, "The options document").
+pub mod meta {
+    /// Suffix of the collection holding the queue's options document: the options of
+    /// queue `jobs` are in `jobs.meta`.
+    pub const COLLECTION_SUFFIX: &str = ".meta";
+    /// `_id` of the options document.
+    pub const OPTIONS_ID: &str = "options";
+    /// Version of the job and options document formats described in `docs/queue.md`.
+    pub const FORMAT: i64 = 1;
+}
+
 #[derive(Debug)]
 struct Inner {
     coll: Collection<Document>,
+    meta: Collection<Document>,
     time: TimeSource,
     options: QueueOptions,
     ttl_ms: i64,
@@ -90,7 +109,10 @@ pub struct JobQueue {
 
 impl JobQueue {
     /// A handle on `collection`, without touching the server. Call
-    /// [`JobQueue::ensure_indexes`] once (or use [`JobQueue::open`]).
+    /// [`JobQueue::ensure_indexes`] and [`JobQueue::store_options`] once (or use
+    /// [`JobQueue::open`], which does both). With [`QueueOptions::write_concern`] set,
+    /// every write goes through `collection` with that write concern (its read concern
+    /// and read preference are kept).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if the options are invalid.
@@ -102,9 +124,30 @@ impl JobQueue {
         validate::collection_name("queue collection", collection.name())?;
         options.validate()?;
         let ttl_ms = validate::duration_ms("lease ttl", options.lease_ttl)?;
+        let db = collection.client().database(&collection.namespace().db);
+        let coll_options = CollectionOptions::builder()
+            .write_concern(
+                options
+                    .write_concern
+                    .clone()
+                    .or_else(|| collection.write_concern().cloned()),
+            )
+            .read_concern(collection.read_concern().cloned())
+            .selection_criteria(collection.selection_criteria().cloned())
+            .build();
+        let meta = db.collection_with_options(
+            &format!("{}{}", collection.name(), meta::COLLECTION_SUFFIX),
+            coll_options.clone(),
+        );
+        let collection = if options.write_concern.is_some() {
+            db.collection_with_options(collection.name(), coll_options)
+        } else {
+            collection
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 coll: collection,
+                meta,
                 time,
                 options,
                 ttl_ms,
@@ -113,11 +156,12 @@ impl JobQueue {
         })
     }
 
-    /// A handle on collection `name` of `db`, with its indexes created.
+    /// A handle on collection `name` of `db`, with its indexes created and its options
+    /// stored for other workers ([`JobQueue::store_options`]).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name or options; a database error if the
-    /// indexes cannot be created.
+    /// indexes cannot be created or the options document cannot be written.
     pub async fn open(
         db: &Database,
         name: &str,
@@ -127,7 +171,56 @@ impl JobQueue {
         validate::collection_name("queue collection", name)?;
         let queue = Self::new(db.collection(name), time, options)?;
         queue.ensure_indexes().await?;
+        queue.store_options().await?;
         Ok(queue)
+    }
+
+    /// The options document: what a worker in another language needs to behave like
+    /// this handle (lease TTL, retry delays, sweep cut-off margin, default attempts).
+    pub fn options_document(&self) -> Document {
+        let o = &self.inner.options;
+        let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        doc! {
+            field::ID: meta::OPTIONS_ID,
+            "format": meta::FORMAT,
+            "lease_ttl_ms": self.inner.ttl_ms,
+            "max_attempts": i64::from(o.max_attempts),
+            "retry_base_ms": ms(o.retry_base),
+            "retry_max_ms": ms(o.retry_max),
+            "retry_jitter": "equal",
+            "reap_interval_ms": ms(o.reap_interval),
+            "skew_margin_ms": self.inner.time.skew_margin_ms(),
+        }
+    }
+
+    /// Writes [`JobQueue::options_document`] (plus `updated_at`, server time) to
+    /// `<collection>.meta` under `_id: "options"`, replacing what an earlier handle
+    /// stored: the last handle opened wins, so open every handle of one queue with the
+    /// same options.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn store_options(&self) -> Result<()> {
+        let mut d = self.options_document();
+        d.insert(field::UPDATED_AT, self.inner.time.now().await?.estimate());
+        self.inner
+            .meta
+            .replace_one(doc! { field::ID: meta::OPTIONS_ID }, d)
+            .upsert(true)
+            .await?;
+        Ok(())
+    }
+
+    /// The options document stored for queue `name` of `db`, if any (see
+    /// [`JobQueue::store_options`]).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn stored_options(db: &Database, name: &str) -> Result<Option<Document>> {
+        Ok(db
+            .collection::<Document>(&format!("{name}{}", meta::COLLECTION_SUFFIX))
+            .find_one(doc! { field::ID: meta::OPTIONS_ID })
+            .await?)
     }
 
     /// Creates the queue's indexes (idempotent).

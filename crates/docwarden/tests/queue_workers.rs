@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::queue::{
-    ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions, Worker,
+    ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions, Safeguard, Worker,
     WorkerHandle, WorkerOptions,
 };
 use docwarden_testkit::TestDb;
@@ -111,38 +111,42 @@ async fn five_thousand_jobs_eight_workers_every_effect_exactly_once() -> anyhow:
     assert_eq!(once, 5000);
     assert_eq!(succeeded, 5000, "completions applied");
 
-    // Control: the seed's shape without its safeguards — read a ready job, then claim it
-    // by _id without re-checking its state, complete unfenced.
+    // Control: the same workers, docwarden's own claim with its one safeguard off (the
+    // claim reads the head job, then writes the lease by `_id` without re-checking that
+    // the job is still claimable — the seed's read-then-write): effects are duplicated.
     let control = t.db.collection::<Document>("control");
-    control
-        .insert_many((0..500).map(|i| doc! { "_id": i, "state": "ready" }))
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let cq = JobQueue::open(
+        &t.db,
+        "control",
+        time,
+        QueueOptions::default().unsafe_without(Safeguard::ClaimRecheck),
+    )
+    .await?;
+    cq.enqueue_many((0..100).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
         .await?;
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
+    let mut workers = Vec::new();
+    for w in 0..8 {
         let c = control.clone();
-        tasks.push(tokio::spawn(async move {
-            while let Some(d) = c.find_one(doc! { "state": "ready" }).await? {
-                let id = d.get("_id").cloned().unwrap_or(Bson::Null);
-                tokio::task::yield_now().await;
-                c.update_one(
-                    doc! { "_id": id.clone() },
-                    doc! { "$set": { "state": "running" } },
-                )
-                .await?;
-                c.update_one(
-                    doc! { "_id": id },
-                    doc! { "$inc": { "effects": 1 }, "$set": { "state": "succeeded" } },
-                )
-                .await?;
-            }
-            anyhow::Ok(())
-        }));
+        let opts = WorkerOptions::default()
+            .name(format!("c{w}"))
+            .concurrency(2)
+            .poll(Duration::from_millis(10), Duration::from_millis(50));
+        workers.push(Worker::spawn(cq.clone(), opts, move |job| {
+            fenced_effect(c.clone(), job)
+        })?);
     }
-    for task in tasks {
-        task.await??;
+    let started = Instant::now();
+    while count(&control, doc! { "effects": { "$exists": true } }).await? < 100
+        && started.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for w in workers {
+        w.kill().await;
     }
     let control_dupes = count(&control, doc! { "effects": { "$gt": 1 } }).await?;
-    eprintln!("control: {control_dupes} of 500 jobs had their effect applied more than once");
+    eprintln!("control: {control_dupes} of 100 jobs had their effect applied more than once");
     assert!(control_dupes > 0, "the control should duplicate effects");
     Ok(())
 }
@@ -414,5 +418,46 @@ async fn a_hand_edited_job_goes_to_dead_with_the_reason_and_the_worker_keeps_run
     .await?;
     let report = w.shutdown().await;
     assert_eq!(report.succeeded, 9);
+    Ok(())
+}
+
+/// Finding 5: killing or dropping a worker left its change-stream listener running
+/// forever (only the supervisor was aborted), holding a server cursor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_drop_and_shutdown_stop_the_change_stream_listener() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_listener").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    for how in ["kill", "drop", "shutdown"] {
+        let w = Worker::spawn(
+            q.clone(),
+            WorkerOptions::default().name(how),
+            |_job| async { Ok(Bson::Null) },
+        )?;
+        // Let the listener open its stream.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let probe = w.listener_probe();
+        assert!(
+            probe.upgrade().is_some(),
+            "{how}: the worker is not running"
+        );
+        match how {
+            "kill" => {
+                w.kill().await;
+            }
+            "drop" => drop(w),
+            _ => {
+                w.shutdown().await;
+            }
+        }
+        let started = Instant::now();
+        while probe.strong_count() > 0 && started.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            probe.strong_count(),
+            0,
+            "{how}: the change-stream listener is still running"
+        );
+    }
     Ok(())
 }

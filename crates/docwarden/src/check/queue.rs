@@ -18,8 +18,12 @@ pub struct JobObservation {
     pub state: Option<String>,
 }
 
-/// Checks every enqueued job. A job that is `dead` (it exhausted its attempts on
-/// purpose) must have no effect; any other job must have exactly one and be `succeeded`.
+/// Checks every enqueued job, as its doc promises:
+/// - a job that is `dead` (it exhausted its attempts on purpose) or `cancelled` must have
+///   no effect (`state-mismatch`);
+/// - every other job must have exactly one effect (`lost-job` for none,
+///   `duplicate-effect` for more) and be `succeeded` (`stuck-job` while `running`,
+///   `state-mismatch` for an effect whose job is `ready`, `retrying` or gone).
 pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
     let mut violations = Vec::new();
     for (id, job) in jobs {
@@ -37,6 +41,14 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
                 id.clone(),
                 "still running after the run drained",
             )),
+            "dead" | "cancelled" if job.effects > 0 => violations.push(Violation::new(
+                "state-mismatch",
+                id.clone(),
+                format!(
+                    "{state} but its effect was committed {} time(s)",
+                    job.effects
+                ),
+            )),
             "dead" | "cancelled" => {}
             "succeeded" if job.effects == 0 => violations.push(Violation::new(
                 "lost-job",
@@ -49,7 +61,11 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
                 id.clone(),
                 format!("never completed (state {other})"),
             )),
-            _ => {}
+            other => violations.push(Violation::new(
+                "state-mismatch",
+                id.clone(),
+                format!("its effect was committed but the job is {other}, not succeeded"),
+            )),
         }
     }
     violations
@@ -82,6 +98,37 @@ mod tests {
         assert_eq!(
             kinds,
             vec!["duplicate-effect", "lost-job", "lost-job", "stuck-job"]
+        );
+    }
+
+    /// Finding 14: a dead job with an effect and a retrying job with an effect were both
+    /// reported clean.
+    #[test]
+    fn a_dead_job_with_an_effect_and_an_unfinished_job_with_one_are_violations() {
+        for (state, effects, kind) in [
+            ("dead", 1, "state-mismatch"),
+            ("cancelled", 1, "state-mismatch"),
+            ("retrying", 1, "state-mismatch"),
+            ("ready", 1, "state-mismatch"),
+        ] {
+            let jobs = BTreeMap::from([("j".to_owned(), obs(effects, state))]);
+            let found = check_jobs(&jobs);
+            assert_eq!(
+                found.iter().map(|v| v.kind).collect::<Vec<_>>(),
+                vec![kind],
+                "a {state} job with {effects} effect(s) was reported as {found:?}"
+            );
+        }
+        let gone = BTreeMap::from([(
+            "gone".to_owned(),
+            JobObservation {
+                effects: 1,
+                state: None,
+            },
+        )]);
+        assert_eq!(
+            check_jobs(&gone).iter().map(|v| v.kind).collect::<Vec<_>>(),
+            vec!["state-mismatch"]
         );
     }
 }

@@ -7,7 +7,10 @@
 //! Expired leases are swept back to `retrying` by one indexed `updateMany`
 //! ([`index::LEASE_EXPIRY`](super::index::LEASE_EXPIRY)) at most every
 //! `reap_interval`, with a cut-off of server time minus the clock bound and the skew
-//! margin, so they become claimable like any other due job.
+//! margin, so they become claimable like any other due job. The same sweep recovers
+//! hand-edited jobs whose `lease.until` or `run_at` is not a date (see
+//! [`JobQueue::reap_expired`]). The sweep is housekeeping: its failure is logged and never
+//! fails the claim that ran it.
 
 use std::time::Instant;
 
@@ -16,7 +19,7 @@ use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::{Hint, ReturnDocument};
 
 use super::job::{ClaimedJob, Job, JobState, claimable_states, fence_filter, field};
-use super::options::ClaimStrategy;
+use super::options::{ClaimStrategy, Safeguard};
 use super::{JobQueue, index};
 use crate::clock::ServerTime;
 use crate::error::{Error, Result};
@@ -28,6 +31,9 @@ use crate::validate;
 pub(crate) fn claim_hint() -> Hint {
     Hint::Name(index::CLAIM.to_owned())
 }
+
+/// The `last_error` the sweep stores on a job whose lease expired.
+pub(crate) const LEASE_EXPIRED_REASON: &str = "lease expired before the job finished";
 
 /// How many times one claim call retries after burying a malformed job.
 const MAX_ROUNDS: usize = 8;
@@ -71,7 +77,7 @@ impl JobQueue {
     pub async fn claim(&self, owner: &str) -> Result<Option<ClaimedJob>> {
         validate::name("owner", owner)?;
         for _ in 0..MAX_ROUNDS {
-            self.maybe_reap().await?;
+            self.maybe_reap().await;
             let token = validate::random_id();
             let attempt = match self.inner.options.claim_strategy {
                 ClaimStrategy::FindOneAndUpdate => self.claim_fam(owner, &token).await,
@@ -98,6 +104,29 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let update =
             Self::claim_update(owner, token, now.plus_ms(self.inner.ttl_ms), now.estimate());
+        if self.inner.options.unsafe_without == Some(Safeguard::ClaimRecheck) {
+            // Control only: read the head job, then write the lease by `_id` alone. The
+            // gap between the read and the write is widened (20 ms) so that the race the
+            // re-check closes shows up in a short test.
+            let Some(head) = self
+                .inner
+                .coll
+                .find_one(Self::due_filter(&now))
+                .sort(Self::claim_sort())
+                .projection(doc! { field::ID: 1 })
+                .await?
+            else {
+                return Ok(None);
+            };
+            let id = head.get(field::ID).cloned().unwrap_or(Bson::Null);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            return Ok(self
+                .inner
+                .coll
+                .find_one_and_update(doc! { field::ID: id }, update)
+                .return_document(ReturnDocument::After)
+                .await?);
+        }
         Ok(self
             .inner
             .coll
@@ -147,7 +176,7 @@ impl JobQueue {
             return Ok(self.claim(owner).await?.into_iter().collect());
         }
         for _ in 0..MAX_ROUNDS {
-            self.maybe_reap().await?;
+            self.maybe_reap().await;
             let now = self.inner.time.now().await?;
             let window = i64::try_from(k.saturating_mul(4)).unwrap_or(i64::MAX);
             let mut ids: Vec<Bson> = self
@@ -175,6 +204,10 @@ impl JobQueue {
             let token = validate::random_id();
             let mut filter = Self::due_filter(&now);
             filter.insert(field::ID, doc! { "$in": ids.clone() });
+            if self.inner.options.unsafe_without == Some(Safeguard::BatchRecheck) {
+                // Control only: the candidates are written whatever their state now.
+                filter = doc! { field::ID: { "$in": ids.clone() } };
+            }
             let update = Self::claim_update(
                 owner,
                 &token,
@@ -291,7 +324,11 @@ impl JobQueue {
     }
 
     /// Sweeps expired leases if the last sweep is older than `reap_interval`.
-    async fn maybe_reap(&self) -> Result<()> {
+    ///
+    /// The sweep is housekeeping: if it fails (an `updateMany`, which drivers never
+    /// retry, refused or cut off), the failure is logged and the claim goes on; the next
+    /// sweep is due after `reap_interval` like after a successful one.
+    async fn maybe_reap(&self) {
         {
             let mut last = self
                 .inner
@@ -299,11 +336,13 @@ impl JobQueue {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             if last.is_some_and(|t| t.elapsed() < self.inner.options.reap_interval) {
-                return Ok(());
+                return;
             }
             *last = Some(Instant::now());
         }
-        self.reap_expired().await.map(drop)
+        if let Err(e) = self.reap_expired().await {
+            tracing::warn!(error = %e, "sweep of expired leases failed; claiming anyway");
+        }
     }
 
     /// Moves every running job whose lease has certainly expired (server time minus the
@@ -311,34 +350,123 @@ impl JobQueue {
     /// if it has used all its attempts. Returns how many jobs were moved. Their holders'
     /// later transitions fail with [`Error::LeaseLost`].
     ///
+    /// Hand-edited documents that would otherwise stay stuck forever are recovered too:
+    /// a running job whose `lease.until` is not a date (null, missing, a string) counts
+    /// as expired once it has not been updated (claimed or heartbeated) for a lease TTL
+    /// past the same cut-off, and goes to `retrying` (or `dead`) with the reason; a
+    /// `ready`/`retrying` job whose `run_at` is not a date can never be due, and goes to
+    /// `dead` with the reason.
+    ///
     /// # Errors
     /// A database error.
     pub async fn reap_expired(&self) -> Result<u64> {
         let now = self.inner.time.now().await?;
         let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
+        let expired = self
+            .sweep_running(
+                doc! {
+                    field::STATE: JobState::Running.as_str(),
+                    field::LEASE_UNTIL: { "$lt": cutoff },
+                },
+                Bson::String(LEASE_EXPIRED_REASON.into()),
+                &now,
+            )
+            .await?;
+        if expired > 0 {
+            tracing::info!(jobs = expired, "expired leases swept");
+        }
+        let quiet_since =
+            DateTime::from_millis(cutoff.timestamp_millis().saturating_sub(self.inner.ttl_ms));
+        let unreadable = self
+            .sweep_running(
+                {
+                    let mut f = Self::unreadable_lease_filter();
+                    f.insert(
+                        "$or",
+                        vec![
+                            doc! { field::UPDATED_AT: { "$lt": quiet_since } },
+                            doc! { field::UPDATED_AT: { "$not": { "$type": "date" } } },
+                        ],
+                    );
+                    f
+                },
+                Bson::Document(doc! { "$concat": [
+                    "malformed job document: `lease.until` must be a date, found ",
+                    { "$type": "$lease.until" },
+                    "; the lease was treated as expired",
+                ] }),
+                &now,
+            )
+            .await?;
+        if unreadable > 0 {
+            tracing::warn!(
+                jobs = unreadable,
+                "running jobs without a date in lease.until swept as expired"
+            );
+        }
+        let undue = self
+            .inner
+            .coll
+            .update_many(
+                Self::undatable_filter(),
+                vec![doc! { "$set": {
+                    field::STATE: JobState::Dead.as_str(),
+                    field::LAST_ERROR: { "$concat": [
+                        "malformed job document: `run_at` must be a date, found ",
+                        { "$type": "$run_at" },
+                    ] },
+                    field::FINISHED_AT: now.estimate(),
+                    field::UPDATED_AT: now.estimate(),
+                } }],
+            )
+            .await?
+            .modified_count;
+        if undue > 0 {
+            tracing::warn!(
+                jobs = undue,
+                "jobs whose run_at is not a date moved to dead"
+            );
+        }
+        Ok(expired + unreadable + undue)
+    }
+
+    /// Claimable jobs that can never be due: `run_at` is not a date.
+    pub(crate) fn undatable_filter() -> Document {
+        doc! {
+            field::STATE: { "$in": claimable_states() },
+            field::RUN_AT: { "$not": { "$type": "date" } },
+        }
+    }
+
+    /// Running jobs whose `lease.until` is not a date.
+    pub(crate) fn unreadable_lease_filter() -> Document {
+        doc! {
+            field::STATE: JobState::Running.as_str(),
+            field::LEASE_UNTIL: { "$not": { "$type": "date" } },
+        }
+    }
+
+    /// The sweep's update of the running jobs matching `filter`: `retrying`, due now, or
+    /// `dead` (with `finished_at`) at max attempts; `reason` (a string or an expression)
+    /// becomes `last_error`.
+    async fn sweep_running(&self, filter: Document, reason: Bson, now: &ServerTime) -> Result<u64> {
         let out_of_attempts = doc! { "$gte": ["$attempts", "$max_attempts"] };
         let r = self
             .inner
             .coll
             .update_many(
-                doc! {
-                    field::STATE: JobState::Running.as_str(),
-                    field::LEASE_UNTIL: { "$lt": cutoff },
-                },
+                filter,
                 vec![doc! { "$set": {
                     field::STATE: { "$cond": [
                         out_of_attempts.clone(), JobState::Dead.as_str(), JobState::Retrying.as_str()
                     ] },
-                    field::LAST_ERROR: "lease expired before the job finished",
+                    field::LAST_ERROR: reason,
                     field::FINISHED_AT: { "$cond": [out_of_attempts, now.estimate(), Bson::Null] },
                     field::RUN_AT: now.estimate(),
                     field::UPDATED_AT: now.estimate(),
                 } }],
             )
             .await?;
-        if r.modified_count > 0 {
-            tracing::info!(jobs = r.modified_count, "expired leases swept");
-        }
         Ok(r.modified_count)
     }
 }

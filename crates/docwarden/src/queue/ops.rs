@@ -15,6 +15,9 @@ use super::{JobQueue, index};
 use crate::error::{Error, Result};
 use crate::validate;
 
+/// The `last_error` an operator's [`JobQueue::cancel`] stores.
+pub(crate) const CANCELLED_REASON: &str = "cancelled by an operator";
+
 /// Counts and ages that tell whether a queue is healthy.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 #[non_exhaustive]
@@ -26,6 +29,12 @@ pub struct QueueStats {
     /// Running jobs whose lease has certainly expired (their worker is gone or stuck;
     /// the next claim sweeps them).
     pub expired_running: u64,
+    /// Running jobs whose `lease.until` is not a date (a hand edit): the sweep treats
+    /// their lease as expired once they went a lease TTL without an update.
+    pub unreadable_leases: u64,
+    /// Ready or retrying jobs whose `run_at` is not a date (a hand edit): they can never
+    /// be due; the next sweep moves them to `dead` with the reason.
+    pub undatable: u64,
     /// All jobs.
     pub total: u64,
 }
@@ -120,6 +129,10 @@ impl JobQueue {
                 field::LEASE_UNTIL: { "$lt": cutoff },
             })
             .await?;
+        stats.unreadable_leases = coll
+            .count_documents(Self::unreadable_lease_filter())
+            .await?;
+        stats.undatable = coll.count_documents(Self::undatable_filter()).await?;
         Ok(stats)
     }
 
@@ -223,7 +236,7 @@ impl JobQueue {
                 doc! { field::ID: id, field::STATE: { "$in": unfinished_states() } },
                 doc! { "$set": {
                     field::STATE: JobState::Cancelled.as_str(),
-                    field::LAST_ERROR: "cancelled by an operator",
+                    field::LAST_ERROR: CANCELLED_REASON,
                     field::FINISHED_AT: now,
                     field::UPDATED_AT: now,
                 } },
@@ -272,13 +285,28 @@ impl JobQueue {
         Ok(r.deleted_count)
     }
 
-    /// The server's `explain` (queryPlanner) of the claim query — the find equivalent of
-    /// the claim's filter and sort — and of the `findAndModify` a single claim sends.
-    /// Tests assert the winning plans use [`index::CLAIM`].
+    /// The server's `explain` (queryPlanner) of the claim as sent — the find equivalent
+    /// of the claim's filter, sort and hint, and the `findAndModify` a single claim
+    /// sends. Tests assert the winning plans use [`index::CLAIM`].
     ///
     /// # Errors
     /// A database error.
     pub async fn explain_claim(&self) -> Result<(Document, Document)> {
+        self.explain_claim_with(true).await
+    }
+
+    /// Like [`JobQueue::explain_claim`] but without the hint: the plans the server's
+    /// planner picks on its own for the claim's filter and sort (MongoDB picks
+    /// [`index::CLAIM`], whose partial filter the claim filter implies; see
+    /// `docs/queue.md` for what the embedded surrogate picks).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn explain_claim_unhinted(&self) -> Result<(Document, Document)> {
+        self.explain_claim_with(false).await
+    }
+
+    async fn explain_claim_with(&self, hinted: bool) -> Result<(Document, Document)> {
         let now = self.inner.time.now().await?;
         let db = self
             .inner
@@ -286,29 +314,27 @@ impl JobQueue {
             .client()
             .database(&self.inner.coll.namespace().db);
         let name = self.inner.coll.name();
+        let mut find = doc! {
+            "find": name,
+            "filter": Self::due_filter(&now),
+            "sort": Self::claim_sort(),
+            "limit": 1,
+        };
+        let mut fam = doc! {
+            "findAndModify": name,
+            "query": Self::due_filter(&now),
+            "sort": Self::claim_sort(),
+            "update": { "$set": { "explain": true } },
+        };
+        if hinted {
+            find.insert("hint", index::CLAIM);
+            fam.insert("hint", index::CLAIM);
+        }
         let find = db
-            .run_command(doc! {
-                "explain": {
-                    "find": name,
-                    "filter": Self::due_filter(&now),
-                    "sort": Self::claim_sort(),
-                    "hint": index::CLAIM,
-                    "limit": 1,
-                },
-                "verbosity": "queryPlanner",
-            })
+            .run_command(doc! { "explain": find, "verbosity": "queryPlanner" })
             .await?;
         let fam = db
-            .run_command(doc! {
-                "explain": {
-                    "findAndModify": name,
-                    "query": Self::due_filter(&now),
-                    "sort": Self::claim_sort(),
-                    "hint": index::CLAIM,
-                    "update": { "$set": { "explain": true } },
-                },
-                "verbosity": "queryPlanner",
-            })
+            .run_command(doc! { "explain": fam, "verbosity": "queryPlanner" })
             .await?;
         Ok((find, fam))
     }

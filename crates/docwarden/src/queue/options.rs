@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use mongodb::bson::DateTime;
+use mongodb::options::WriteConcern;
 
 use crate::error::{Error, Result};
 use crate::validate;
@@ -39,6 +40,28 @@ pub struct QueueOptions {
     /// Single-claim strategy. Default [`ClaimStrategy::FindOneAndUpdate`] (measured
     /// faster, see `docs/queue.md`).
     pub claim_strategy: ClaimStrategy,
+    /// Write concern of every write the queue makes (enqueue, claim, transitions, sweep,
+    /// operator commands, the options document); `None` (the default) inherits the
+    /// collection's. On a replica set use [`WriteConcern::majority()`], so that a failover
+    /// cannot roll back an acknowledged enqueue, claim or completion.
+    pub write_concern: Option<WriteConcern>,
+    /// A safeguard switched off, for the controls of the concurrency tests only.
+    #[doc(hidden)]
+    pub unsafe_without: Option<Safeguard>,
+}
+
+/// A safeguard of the queue that a test's control switches off to show that the test
+/// can fail. Never use outside tests.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Safeguard {
+    /// The single claim re-checks the claim filter in its write. Off: it reads the first
+    /// due job, then writes the lease by `_id` alone (the seed's read-then-write).
+    ClaimRecheck,
+    /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
+    /// writes the lease to the candidate ids whatever their state.
+    BatchRecheck,
 }
 
 impl Default for QueueOptions {
@@ -50,6 +73,8 @@ impl Default for QueueOptions {
             retry_max: Duration::from_secs(600),
             reap_interval: Duration::from_secs(1),
             claim_strategy: ClaimStrategy::FindOneAndUpdate,
+            write_concern: None,
+            unsafe_without: None,
         }
     }
 }
@@ -79,6 +104,17 @@ impl QueueOptions {
     /// Sets [`QueueOptions::claim_strategy`].
     pub fn claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
         self.claim_strategy = strategy;
+        self
+    }
+    /// Sets [`QueueOptions::write_concern`] (for example [`WriteConcern::majority()`]).
+    pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
+        self.write_concern = Some(write_concern);
+        self
+    }
+    /// Switches one safeguard off: for a test's control only.
+    #[doc(hidden)]
+    pub fn unsafe_without(mut self, safeguard: Safeguard) -> Self {
+        self.unsafe_without = Some(safeguard);
         self
     }
 

@@ -32,7 +32,8 @@ pub enum FailOutcome {
     Dead,
 }
 
-fn clip(error: &str) -> String {
+/// `error` cut to [`MAX_ERROR_LEN`] bytes (at a character boundary), as stored.
+pub(super) fn clip(error: &str) -> String {
     if error.len() <= MAX_ERROR_LEN {
         error.to_owned()
     } else {

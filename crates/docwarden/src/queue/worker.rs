@@ -8,6 +8,10 @@
 //! Shutdown stops claiming, waits for running handlers up to `shutdown_deadline`, then
 //! releases the jobs still running so other workers can claim them at once.
 //!
+//! Shutdown, [`WorkerHandle::kill`] and dropping the handle all stop every task of the
+//! worker (supervisor, handlers, change-stream listener). A transition whose reply was
+//! lost counts as applied only if the job shows that transition's own result.
+//!
 //! **Limits:** a worker that is killed (its task aborted, its process gone) releases
 //! nothing; its jobs are re-claimable after the lease expires.
 
@@ -25,9 +29,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::JobQueue;
+use super::claim::LEASE_EXPIRED_REASON;
 use super::job::{ClaimedJob, JobState, field};
+use super::ops::CANCELLED_REASON;
 use super::options::WorkerOptions;
-use super::transition::FailOutcome;
+use super::transition::{FailOutcome, clip};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 
@@ -96,6 +102,9 @@ struct Ctx {
     heartbeat_every: Duration,
     handler: BoxHandler,
     counters: Arc<Counters>,
+    /// Held by the change-stream listener task while it lives (see
+    /// [`WorkerHandle::listener_probe`]).
+    listener_alive: Arc<()>,
 }
 
 /// Starts workers. See [`Worker::spawn`].
@@ -137,6 +146,8 @@ impl Worker {
             .max(Duration::from_millis(1));
         let owner = format!("{}-{:08x}", options.name, rand::random::<u32>());
         let counters = Arc::new(Counters::default());
+        let listener_alive = Arc::new(());
+        let listener_probe = Arc::downgrade(&listener_alive);
         let handler: BoxHandler = Arc::new(move |job| Box::pin(handler(job)));
         let ctx = Arc::new(Ctx {
             queue,
@@ -145,6 +156,7 @@ impl Worker {
             heartbeat_every,
             handler,
             counters: Arc::clone(&counters),
+            listener_alive,
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -154,17 +166,20 @@ impl Worker {
             shutdown,
             task: Some(task),
             counters,
+            listener_probe,
         })
     }
 }
 
-/// A running worker. Dropping it aborts the worker like [`WorkerHandle::kill`].
+/// A running worker. Dropping it aborts the worker like [`WorkerHandle::kill`]: the
+/// supervisor, every running handler and the change-stream listener stop.
 #[derive(Debug)]
 pub struct WorkerHandle {
     owner: String,
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
+    listener_probe: std::sync::Weak<()>,
 }
 
 impl WorkerHandle {
@@ -176,6 +191,14 @@ impl WorkerHandle {
     /// What the worker has done so far.
     pub fn report(&self) -> WorkerReport {
         self.counters.report()
+    }
+
+    /// A weak handle that stays upgradable while the worker's background tasks (the
+    /// supervisor, which owns the handlers, and the change-stream listener) are alive:
+    /// tests use it to see that shutdown, kill and drop end all of them.
+    #[doc(hidden)]
+    pub fn listener_probe(&self) -> std::sync::Weak<()> {
+        self.listener_probe.clone()
     }
 
     /// Graceful shutdown: stop claiming, wait for running handlers up to the deadline,
@@ -190,13 +213,16 @@ impl WorkerHandle {
         self.counters.report()
     }
 
-    /// Kills the worker as a crash would: every task is aborted at once, nothing is
-    /// released. Its jobs become claimable when their leases expire.
+    /// Kills the worker as a crash would: every task (supervisor, handlers, change-stream
+    /// listener) is stopped at once, nothing is released. Its jobs become claimable when
+    /// their leases expire.
     pub async fn kill(mut self) -> WorkerReport {
         if let Some(task) = self.task.take() {
             task.abort();
             let _ = task.await;
         }
+        // After the abort, so the supervisor never sees it as a graceful shutdown.
+        self.shutdown.cancel();
         self.counters.report()
     }
 }
@@ -204,7 +230,10 @@ impl WorkerHandle {
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
+            // Aborting the supervisor drops its `JoinSet`s, which abort the handlers and
+            // the listener; cancelling the token also stops a listener between polls.
             task.abort();
+            self.shutdown.cancel();
         }
     }
 }
@@ -212,16 +241,21 @@ impl Drop for WorkerHandle {
 async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let notify = Arc::new(Notify::new());
     let stop_listening = shutdown.child_token();
-    let listener = ctx.options.change_stream.then(|| {
-        tokio::spawn(
+    // Background tasks live in a `JoinSet` owned by this future: when the supervisor is
+    // aborted (kill, drop), the set is dropped and aborts them too.
+    let mut background: JoinSet<()> = JoinSet::new();
+    if ctx.options.change_stream {
+        let alive = Arc::clone(&ctx.listener_alive);
+        background.spawn(
             listen(
                 ctx.queue.clone(),
                 Arc::clone(&notify),
                 stop_listening.clone(),
+                alive,
             )
             .in_current_span(),
-        )
-    });
+        );
+    }
     let hard = CancellationToken::new();
     let sem = Arc::new(Semaphore::new(ctx.options.concurrency));
     let mut jobs: JoinSet<()> = JoinSet::new();
@@ -314,9 +348,7 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         hard.cancel();
         while jobs.join_next().await.is_some() {}
     }
-    if let Some(l) = listener {
-        let _ = l.await;
-    }
+    while background.join_next().await.is_some() {}
 }
 
 async fn run_job(
@@ -401,27 +433,43 @@ enum Transition {
 
 /// Runs a fenced transition, retrying transient database errors (a restarting server)
 /// with backoff for up to the lease TTL plus 30 s. If a retry reports the lease lost
-/// after an earlier attempt failed in transit, the job is read back: when it carries
-/// our token and has left `running`, the earlier attempt did apply (`Ok(None)`).
+/// after an earlier attempt failed in transit, the job is read back and the earlier
+/// attempt counts as applied only if the document shows *this* transition's result (see
+/// [`applied_earlier`]).
 async fn settle(ctx: &Ctx, job: &ClaimedJob, t: &Transition) -> Result<Option<FailOutcome>> {
-    let limit = ctx.queue.options().lease_ttl + Duration::from_secs(30);
+    settle_on(&ctx.queue, job, t, false).await
+}
+
+/// [`settle`] on `queue`; `in_doubt` says an earlier attempt already failed in transit.
+async fn settle_on(
+    queue: &JobQueue,
+    job: &ClaimedJob,
+    t: &Transition,
+    mut in_doubt: bool,
+) -> Result<Option<FailOutcome>> {
+    let limit = queue.options().lease_ttl + Duration::from_secs(30);
     let started = tokio::time::Instant::now();
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(3))?
         .with_floor(Duration::from_millis(50));
-    let mut in_doubt = false;
     loop {
         let applied = match t {
             Transition::Complete(result) => {
-                ctx.queue.complete(job, result.clone()).await.map(|()| None)
+                queue.complete(job, result.clone()).await.map(|()| None)
             }
-            Transition::Fail(text) => ctx.queue.fail(job, text).await.map(Some),
-            Transition::Release => ctx.queue.release(job).await.map(|()| None),
+            Transition::Fail(text) => queue.fail(job, text).await.map(Some),
+            Transition::Release => queue.release(job).await.map(|()| None),
         };
         match applied {
             Ok(v) => return Ok(v),
             Err(e @ Error::LeaseLost { .. }) => {
-                if in_doubt && applied_earlier(ctx, job).await {
-                    return Ok(None);
+                if in_doubt {
+                    match applied_earlier(queue, job, t).await {
+                        Ok(Some(v)) => return Ok(v),
+                        Ok(None) => {}
+                        Err(read) => {
+                            tracing::warn!(error = %read, "could not read the job back");
+                        }
+                    }
                 }
                 return Err(e);
             }
@@ -436,19 +484,74 @@ async fn settle(ctx: &Ctx, job: &ClaimedJob, t: &Transition) -> Result<Option<Fa
     }
 }
 
-async fn applied_earlier(ctx: &Ctx, job: &ClaimedJob) -> bool {
-    let found = ctx
-        .queue
+/// Whether an earlier attempt of `t`, whose reply was lost, did apply: `Some(outcome)`
+/// only when the stored job shows that transition's own result under our token.
+///
+/// "Our token, no longer running" is not enough: the sweep (lease expired) and an
+/// operator's `cancel` keep the token. So each transition checks its target:
+/// - complete: `succeeded` (only a fenced completion writes it);
+/// - fail: `retrying` or `dead` as the attempt count decides, with our `last_error`
+///   (the sweep's and the operator's reasons are fixed strings; a handler error equal to
+///   one of them is never taken as proof);
+/// - release: `ready` or `retrying` with the attempt given back (`attempts` one below
+///   the claim's; the sweep and cancel keep `attempts`).
+async fn applied_earlier(
+    queue: &JobQueue,
+    job: &ClaimedJob,
+    t: &Transition,
+) -> Result<Option<Option<FailOutcome>>> {
+    let Some(d) = queue
         .collection()
         .find_one(doc! { field::ID: job.id(), field::LEASE_TOKEN: &job.lease.token })
-        .projection(doc! { field::STATE: 1 })
-        .await;
-    matches!(found, Ok(Some(d)) if d.get_str(field::STATE) != Ok(JobState::Running.as_str()))
+        .await?
+    else {
+        return Ok(None);
+    };
+    let state = d.get_str(field::STATE).ok().and_then(JobState::parse);
+    let last_error = d.get_str(field::LAST_ERROR).ok();
+    let attempts = match d.get(field::ATTEMPTS) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    };
+    Ok(match t {
+        Transition::Complete(_) => (state == Some(JobState::Succeeded)).then_some(None),
+        Transition::Fail(text) => {
+            let ours = clip(text);
+            if ours == LEASE_EXPIRED_REASON
+                || ours == CANCELLED_REASON
+                || last_error != Some(ours.as_str())
+            {
+                None
+            } else if job.job.attempts >= job.job.max_attempts {
+                (state == Some(JobState::Dead)).then_some(Some(FailOutcome::Dead))
+            } else if state == Some(JobState::Retrying) {
+                let run_at = d
+                    .get_datetime(field::RUN_AT)
+                    .ok()
+                    .copied()
+                    .unwrap_or(job.job.run_at);
+                let since = d
+                    .get_datetime(field::UPDATED_AT)
+                    .map(|u| u.timestamp_millis())
+                    .unwrap_or(run_at.timestamp_millis());
+                let delay = u64::try_from(run_at.timestamp_millis().saturating_sub(since))
+                    .map(Duration::from_millis)
+                    .unwrap_or_default();
+                Some(Some(FailOutcome::Retrying { run_at, delay }))
+            } else {
+                None
+            }
+        }
+        Transition::Release => (matches!(state, Some(JobState::Ready | JobState::Retrying))
+            && attempts == Some(job.job.attempts - 1))
+        .then_some(None),
+    })
 }
 
 /// Wakes the supervisor on inserts and on jobs put back to ready/retrying. Ends (the
 /// worker keeps polling) if the server refuses change streams.
-async fn listen(queue: JobQueue, notify: Arc<Notify>, stop: CancellationToken) {
+async fn listen(queue: JobQueue, notify: Arc<Notify>, stop: CancellationToken, _alive: Arc<()>) {
     let Ok(mut backoff) = Backoff::new(Duration::from_millis(200), Duration::from_secs(10)) else {
         return;
     };
@@ -491,5 +594,131 @@ async fn listen(queue: JobQueue, notify: Arc<Notify>, stop: CancellationToken) {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(backoff.next_delay()) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use docwarden_testkit::TestDb;
+    use mongodb::bson::{Bson, doc};
+
+    use super::{Transition, settle_on};
+    use crate::clock::{ClockOptions, TimeSource};
+    use crate::error::Error;
+    use crate::queue::{EnqueueOptions, FailOutcome, JobQueue, JobState, QueueOptions};
+
+    async fn open(t: &TestDb) -> anyhow::Result<JobQueue> {
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        let opts = QueueOptions::default()
+            .lease_ttl(Duration::from_millis(500))
+            .reap_interval(Duration::from_secs(3600));
+        Ok(JobQueue::open(&t.db, "jobs", time, opts).await?)
+    }
+
+    /// Finding 6: after a transition whose reply was lost, "our token, no longer running"
+    /// was taken as proof that it applied, but the sweep and an operator's cancel keep the
+    /// token: a swept or cancelled job was counted as succeeded (or retried).
+    #[tokio::test]
+    async fn a_lost_reply_is_not_taken_for_our_transition_after_a_sweep_or_a_cancel()
+    -> anyhow::Result<()> {
+        let t = TestDb::new("queue_settle_in_doubt").await?;
+        let q = open(&t).await?;
+        let transitions = [
+            ("complete", Transition::Complete(Bson::Null)),
+            ("fail", Transition::Fail("boom".into())),
+            ("release", Transition::Release),
+        ];
+        for max_attempts in [1, 5] {
+            for (name, tr) in &transitions {
+                // The lease expires and the sweep moves the job (token kept).
+                let opts = EnqueueOptions::default().max_attempts(max_attempts);
+                q.enqueue(doc! { "t": *name }, &opts).await?;
+                let swept = q
+                    .claim("w")
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("no job"))?;
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+                assert_eq!(q.reap_expired().await?, 1);
+                let r = settle_on(&q, &swept, tr, true).await;
+                assert!(
+                    matches!(r, Err(Error::LeaseLost { .. })),
+                    "{name} (max attempts {max_attempts}): a swept job was taken for our \
+                     transition: {r:?}"
+                );
+                // An operator cancels a running job (token kept).
+                q.enqueue(doc! { "t": *name }, &opts).await?;
+                let cancelled = q
+                    .claim("w")
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("no job"))?;
+                q.cancel(cancelled.id()).await?;
+                let r = settle_on(&q, &cancelled, tr, true).await;
+                assert!(
+                    matches!(r, Err(Error::LeaseLost { .. })),
+                    "{name} (max attempts {max_attempts}): a cancelled job was taken for our \
+                     transition: {r:?}"
+                );
+                // Clean up so the next claim takes the next job.
+                q.retry_dead(None).await?;
+                t.db.collection::<mongodb::bson::Document>("jobs")
+                    .delete_many(doc! {})
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The other side of finding 6: when the earlier attempt did apply, the read-back
+    /// recognises it (with the right fail outcome).
+    #[tokio::test]
+    async fn a_lost_reply_of_an_applied_transition_is_recognised() -> anyhow::Result<()> {
+        let t = TestDb::new("queue_settle_applied").await?;
+        let q = open(&t).await?;
+        let opts = EnqueueOptions::default().max_attempts(2);
+        q.enqueue_many((0..4).map(|i| (doc! { "i": i }, opts.clone())))
+            .await?;
+        let job = q
+            .claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        q.complete(&job, Bson::Null).await?;
+        let r = settle_on(&q, &job, &Transition::Complete(Bson::Null), true).await?;
+        assert_eq!(r, None);
+
+        let job = q
+            .claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        let applied = q.fail(&job, "boom").await?;
+        let r = settle_on(&q, &job, &Transition::Fail("boom".into()), true).await?;
+        assert!(
+            matches!(
+                (&applied, &r),
+                (FailOutcome::Retrying { run_at: a, .. }, Some(FailOutcome::Retrying { run_at: b, .. })) if a == b
+            ),
+            "{applied:?} vs {r:?}"
+        );
+
+        let job = q
+            .claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        q.release(&job).await?;
+        let r = settle_on(&q, &job, &Transition::Release, true).await?;
+        assert_eq!(r, None);
+        let again = q.get(job.id()).await?.map(|j| j.state);
+        assert!(matches!(again, Some(JobState::Ready | JobState::Retrying)));
+
+        // Not in doubt: a lost lease stays lost.
+        let job = q
+            .claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        q.cancel(job.id()).await?;
+        let r = settle_on(&q, &job, &Transition::Complete(Bson::Null), false).await;
+        assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
+        Ok(())
     }
 }

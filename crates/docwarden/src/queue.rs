@@ -160,8 +160,10 @@ impl JobQueue {
     /// stored for other workers ([`JobQueue::store_options`]).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name or options; a database error if the
-    /// indexes cannot be created or the options document cannot be written.
+    /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
+    /// server older than MongoDB 6.0 or a collection with a non-simple default collation
+    /// (see [`crate::preflight`]); a database error if the indexes cannot be created or
+    /// the options document cannot be written.
     pub async fn open(
         db: &Database,
         name: &str,
@@ -170,6 +172,7 @@ impl JobQueue {
     ) -> Result<Self> {
         validate::collection_name("queue collection", name)?;
         let queue = Self::new(db.collection(name), time, options)?;
+        crate::preflight::check(queue.collection()).await?;
         queue.ensure_indexes().await?;
         queue.store_options().await?;
         Ok(queue)

@@ -788,8 +788,7 @@ async fn a_released_watchdog_frees_the_lease() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_watchdog_reports_expiry_when_the_server_is_unreachable() -> anyhow::Result<()> {
     let Some(mut t) = TestDb::dedicated("lock_watchdog_unreachable").await? else {
-        // SKIP: under MONGODB_URI there is no embedded server the test can pause.
-        return Ok(());
+        return Ok(()); // TestDb::dedicated reported the skip
     };
     let locks = open(&t).await?;
     let ttl = Duration::from_secs(2);

@@ -711,8 +711,10 @@ async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Res
         })
         .await;
     if let Err(e) = on {
-        // SKIP: the server has no failCommand (secantusd-rs needs --enable-test-commands).
-        eprintln!("skipped: failCommand not available ({e})");
+        docwarden_testkit::skip(
+            "a_sweep_failed_by_fail_command_does_not_fail_the_claim",
+            &format!("the server has no failCommand fail point ({e})"),
+        );
         return Ok(());
     }
     let result = async {
@@ -801,8 +803,10 @@ async fn the_write_concern_option_applies_to_every_write() -> anyhow::Result<()>
             .build(),
     );
     if plain.insert_one(doc! {}).await.is_ok() {
-        // SKIP: this server ignores an unsatisfiable write concern.
-        eprintln!("skipped: the server accepts w: 5 on one member; write concern not observable");
+        docwarden_testkit::skip(
+            "the_write_concern_option_applies_to_every_write",
+            "the server accepts w: 5 on one member, so the write concern is not observable",
+        );
         return Ok(());
     }
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;

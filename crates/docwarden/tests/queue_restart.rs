@@ -10,9 +10,7 @@ use mongodb::bson::{Bson, doc};
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_survive_a_server_restart_and_lose_no_job() -> anyhow::Result<()> {
     let Some(mut t) = TestDb::dedicated("queue_restart").await? else {
-        // SKIP: needs a server the test can restart (MONGODB_URI is set).
-        eprintln!("skipped: needs a server the test can restart (MONGODB_URI is set)");
-        return Ok(());
+        return Ok(()); // TestDb::dedicated reported the skip
     };
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;

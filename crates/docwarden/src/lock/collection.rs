@@ -244,8 +244,9 @@ impl LockCollection {
     /// and releasing by owner, and a TTL index on `expires_at` with `gc_after`.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name or options; a database error if the indexes
-    /// cannot be created.
+    /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
+    /// server older than MongoDB 6.0 or a collection with a non-simple default collation
+    /// (see [`crate::preflight`]); a database error if the indexes cannot be created.
     pub async fn open(
         db: &Database,
         name: &str,
@@ -264,6 +265,8 @@ impl LockCollection {
             options,
             pause: None,
         };
+        crate::preflight::check(&this.locks).await?;
+        crate::preflight::check(&this.tokens).await?;
         this.ensure_indexes().await?;
         Ok(this)
     }

@@ -855,6 +855,24 @@ async fn equal_seq_values_of_different_types_store_one_document_for_every_order(
         );
     }
 
+    // The registers' document: top-level fields sorted by name after `_id`.
+    let stored = f
+        .collection()
+        .find_one(doc! { "_id": 0 })
+        .await?
+        .unwrap_or_default();
+    let keys: Vec<&String> = stored.keys().collect();
+    let mut sorted_keys = keys.clone();
+    sorted_keys[1..].sort();
+    assert_eq!(keys[0], "_id");
+    assert_eq!(keys, sorted_keys, "{stored}");
+    assert_eq!(stored.get("score"), Some(&Bson::Int64(7)), "{stored}");
+    assert_eq!(
+        stored.get("shape"),
+        Some(&Bson::Document(doc! { "a": 1_i64 })),
+        "{stored}"
+    );
+
     // A set: the same members through different orders, duplicates and equal numbers.
     let set = SequencedSet::new(t.db.collection("students"), SetOptions::default()).await?;
     let ops = [
@@ -888,6 +906,27 @@ async fn equal_seq_values_of_different_types_store_one_document_for_every_order(
             shown(set.collection(), doc! { "_id": key }).await?,
         ));
     }
+    // The canonical order is the binary order of the strings (Rust's `str` order).
+    let members = set.members(0).await?.unwrap_or_default();
+    let mut sorted = members.clone();
+    sorted.sort();
+    assert_eq!(members, sorted, "members sorted");
+    let stored = set
+        .collection()
+        .find_one(doc! { "_id": 0 })
+        .await?
+        .unwrap_or_default();
+    let keys: Vec<String> = stored
+        .get_document("_seq_sets")?
+        .get_document("members")?
+        .get_document("state")?
+        .keys()
+        .cloned()
+        .collect();
+    let mut sorted_keys = keys.clone();
+    sorted_keys.sort();
+    assert_eq!(keys.len(), 4, "{stored}");
+    assert_eq!(keys, sorted_keys, "state entries sorted by member key");
     for (order, bytes, text) in &docs[1..] {
         assert!(
             *bytes == docs[0].1,
@@ -953,6 +992,7 @@ async fn race_equal_numbers(
     ops: &[Op],
     writes: &[Write],
     seed: u64,
+    check_models: bool,
 ) -> anyhow::Result<u64> {
     const RUNS: i64 = 3;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -960,17 +1000,23 @@ async fn race_equal_numbers(
     let mut field_docs = Vec::new();
     for run in 0..RUNS {
         let key = case * RUNS + run;
-        let violations = run_history(set, key, ops, rand::Rng::random(&mut rng)).await?;
-        anyhow::ensure!(violations == 0, "set run {run}: {violations} violations");
-        set_docs.push((
-            stored_bytes(
-                set.collection(),
-                doc! { "student_id": key },
-                &["_id", "student_id"],
-            )
-            .await?,
-            shown(set.collection(), doc! { "student_id": key }).await?,
-        ));
+        let history_seed = rand::Rng::random(&mut rng);
+        if !ops.is_empty() {
+            let violations = run_history(set, key, ops, history_seed).await?;
+            anyhow::ensure!(
+                !check_models || violations == 0,
+                "set run {run}: {violations} violations"
+            );
+            set_docs.push((
+                stored_bytes(
+                    set.collection(),
+                    doc! { "student_id": key },
+                    &["_id", "student_id"],
+                )
+                .await?,
+                shown(set.collection(), doc! { "student_id": key }).await?,
+            ));
+        }
         let mut msgs = Vec::new();
         for w in writes {
             for _ in 0..rand::Rng::random_range(&mut rng, 1..=3) {
@@ -991,7 +1037,7 @@ async fn race_equal_numbers(
             }
         })
         .await?;
-        for (field, name) in ["a", "b"].into_iter().enumerate() {
+        for (field, name) in ["a", "b"].into_iter().enumerate().filter(|_| check_models) {
             // The model: the greatest (seq, value in BSON order, tie key) wins; the tie key
             // is the value's BSON encoding `{v: value}` with a big-endian length prefix
             // (docs/sequence.md). The values here are all equal within their BSON type
@@ -1062,11 +1108,69 @@ fn equal_numbers_raced_by_8_consumers_store_identical_documents() -> anyhow::Res
     );
     proptest!(config, |(ops in ops, writes in writes, seed in any::<u64>())| {
         let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let differing = rt.block_on(race_equal_numbers(&set, &fields, case, &ops, &writes, seed))
+        let differing = rt.block_on(race_equal_numbers(&set, &fields, case, &ops, &writes, seed, true))
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(differing, 0, "stored documents differ between deliveries");
     });
     drop((set, fields));
     rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_without_canonical_order_or_tie_keys_documents_differ() -> anyhow::Result<()> {
+    // The race above with docwarden's own code and one safeguard switched off each time:
+    // the members array unsorted, then no tie keys.
+    let t = TestDb::new("sequence_equal_numbers_control").await?;
+    let set = student_set(&t).await?;
+    let fields =
+        SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let unsorted = SequencedSet::new(
+        t.db.collection("students_unsorted"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .control_without_canonical_order(),
+    )
+    .await?;
+    let no_ties = SequencedFields::new(
+        t.db.collection("profiles_no_ties"),
+        FieldsOptions::default().control_without_tie_keys(),
+    )
+    .await?;
+    let ops: Vec<Op> = (0..MEMBERS.len())
+        .map(|member| Op {
+            member,
+            seq: 1,
+            present: true,
+        })
+        .collect();
+    let writes: Vec<Write> = (0..3)
+        .map(|value| Write {
+            field: 0,
+            value,
+            seq: 1,
+        })
+        .collect();
+    let (mut set_differ, mut tie_differ, mut ours) = (0, 0, 0);
+    for case in 0..6 {
+        let seed = 1000 + u64::try_from(case)?;
+        set_differ += race_equal_numbers(&unsorted, &fields, case, &ops, &[], seed, false).await?;
+        tie_differ += race_equal_numbers(&set, &no_ties, case, &[], &writes, seed, false).await?;
+        ours += race_equal_numbers(&set, &fields, case + 100, &ops, &writes, seed, true).await?;
+    }
+    eprintln!("control: {set_differ} set runs and {tie_differ} register runs differ");
+    assert!(
+        set_differ > 0,
+        "an unsorted members array must depend on the order"
+    );
+    assert!(
+        tie_differ > 0,
+        "without tie keys the stored type must depend on the order"
+    );
+    assert_eq!(
+        ours, 0,
+        "docwarden's documents are identical on the same histories"
+    );
     Ok(())
 }

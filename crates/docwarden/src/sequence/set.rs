@@ -53,6 +53,11 @@ pub struct SetOptions {
     /// failover cannot roll back an applied operation the caller already acknowledged to
     /// its queue.
     pub write_concern: Option<WriteConcern>,
+    /// Test-only control: `false` appends new members unsorted and never re-sorts the
+    /// state entries, as before issue 11, so the tests can show the document then depends
+    /// on the delivery order. Always `true` outside those tests.
+    #[doc(hidden)]
+    pub canonical_order: bool,
 }
 
 impl Default for SetOptions {
@@ -62,6 +67,7 @@ impl Default for SetOptions {
             field: "members".to_owned(),
             index_members: false,
             write_concern: None,
+            canonical_order: true,
         }
     }
 }
@@ -94,6 +100,14 @@ impl SetOptions {
         self.write_concern = Some(write_concern);
         self
     }
+
+    /// Test-only control (see the field): switches the canonical order off.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn control_without_canonical_order(mut self) -> Self {
+        self.canonical_order = false;
+        self
+    }
 }
 
 /// The stored state of one member.
@@ -118,6 +132,7 @@ pub struct SequencedSet {
     pub(super) state_field: String,
     /// `_seq_sets.<field>.floor`.
     pub(super) floor_field: String,
+    canonical_order: bool,
 }
 
 /// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
@@ -162,6 +177,7 @@ impl SequencedSet {
             collection: super::with_write_concern(collection, options.write_concern.as_ref()),
             key_field: options.key_field,
             field: options.field,
+            canonical_order: options.canonical_order,
         })
     }
 
@@ -283,13 +299,16 @@ impl SequencedSet {
         }
         let applied = super::applied_expr();
         let new_members = if present {
+            let appended = doc! { "$concatArrays": [members_or_empty.clone(), [m.clone()]] };
+            let inserted = if self.canonical_order {
+                doc! { "$sortArray": { "input": appended, "sortBy": 1 } }
+            } else {
+                appended
+            };
             doc! { "$cond": [
-                { "$in": [m.clone(), members_or_empty.clone()] },
+                { "$in": [m, members_or_empty.clone()] },
                 members_or_empty.clone(),
-                { "$sortArray": {
-                    "input": { "$concatArrays": [members_or_empty.clone(), [m]] },
-                    "sortBy": 1,
-                } },
+                inserted,
             ] }
         } else {
             doc! { "$filter": {
@@ -299,7 +318,7 @@ impl SequencedSet {
             } }
         };
         let state = format!("${}", self.state_field);
-        vec![
+        let mut stages = vec![
             doc! { "$set": { OUTCOME_FIELD: {
                 "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
             } } },
@@ -311,7 +330,9 @@ impl SequencedSet {
                 ] },
                 self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
             } },
-            doc! { "$set": {
+        ];
+        if self.canonical_order {
+            stages.push(doc! { "$set": {
                 self.state_field.as_str(): { "$cond": [
                     { "$eq": [format!("${OUTCOME_FIELD}"), CREATED] },
                     { "$arrayToObject": { "$sortArray": {
@@ -320,9 +341,10 @@ impl SequencedSet {
                     } } },
                     state.as_str(),
                 ] },
-            } },
-            doc! { "$unset": OUTCOME_FIELD },
-        ]
+            } });
+        }
+        stages.push(doc! { "$unset": OUTCOME_FIELD });
+        stages
     }
 
     /// The present members of `key`'s set (in no particular order), or `None` when there

@@ -13,7 +13,8 @@
 //! the write left, so nothing per-call is stored.
 //!
 //! Equal sequence numbers are resolved by a total order (a remove beats an add of the same
-//! member; register values by their BSON encoding, type included), arrays and bookkeeping
+//! member; register values by MongoDB's comparison order, then by their BSON encoding, type
+//! included), arrays and bookkeeping
 //! sub-documents are kept in sorted order, and each set's bookkeeping lives under its own
 //! name in `_seq_sets`: the stored document is identical, byte for byte, for every delivery
 //! order and duplication (see [`set`] and [`register`] for the exact rules and limits).
@@ -176,7 +177,7 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 ///
 /// `not_yet` is the condition "the document does not hold this operation yet" (a list of
 /// clauses for `$or`), and `holds` tests the same on a returned document. The filter is
-/// `{<key_field>: key, $or: not_yet}`, so when the write runs, the operation was not in
+/// `{$and: [{<key_field>: key}, {$or: not_yet}]}`, so when the write runs, the operation was not in
 /// effect before it (the server checks the filter atomically with the write); the
 /// post-image (`ReturnDocument::After`, projected to `projection`) then holds it exactly
 /// when this write applied it: [`Outcome::Applied`], else [`Outcome::Stale`].
@@ -206,8 +207,9 @@ async fn apply(
     holds: impl Fn(&Document) -> Result<bool>,
     key: &Bson,
 ) -> Result<Outcome> {
-    let mut filter = key_filter.clone();
-    filter.insert("$or", not_yet);
+    // `$and` with the key first: the shape both servers route as a point lookup by the key
+    // (secantusd-rs scans the collection for a top-level `$or` next to the key).
+    let filter = mongodb::bson::doc! { "$and": [key_filter.clone(), { "$or": not_yet }] };
     let mut attempt = 0;
     loop {
         attempt += 1;

@@ -208,7 +208,10 @@ impl SequencedFields {
     }
 
     /// The update pipeline for one write (public for inspection and other-language ports).
-    /// `field` must already be checked.
+    /// `field` must already be checked. The update's filter is the key plus "not in effect
+    /// yet" (`$or: [{_seq.<field>: {$ne: seq}}, {_seq_tie.<field>: {$ne: <tie key>}}]`),
+    /// which is how the caller's outcome is read back from the post-image (see
+    /// `docs/sequence.md`).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if the value cannot be encoded (see [`tie_key`]).

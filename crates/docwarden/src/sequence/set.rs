@@ -252,15 +252,21 @@ impl SequencedSet {
     }
 
     /// The update pipeline for one operation (public for inspection and other-language
-    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it). Four stages:
+    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it). Two stages, as
+    /// before issue 11:
     ///
     /// 1. decide: write `applied`, `created` (applied, and the member had no state entry),
-    ///    `duplicate` or `stale` to the temporary [`OUTCOME_FIELD`];
+    ///    `duplicate` or `stale` to the temporary [`OUTCOME_FIELD`]; when `created`, insert
+    ///    the new entry into the state in key order (`$objectToArray`, the entries below,
+    ///    the new one, the entries above, `$arrayToObject`), so the entries' order does not
+    ///    depend on which member came first;
     /// 2. when applied, write the member's state entry by its path and update the members
-    ///    array, which is kept sorted (an add inserts with `$sortArray`, a remove filters);
-    /// 3. when `created`, re-sort the state entries by key (`$sortArray` over
-    ///    `$objectToArray`), so their order does not depend on which member came first;
-    /// 4. `$unset` the temporary field.
+    ///    array, which is kept sorted (an add of a new member inserts it in order the same
+    ///    way, a remove filters); remove the temporary field (`$$REMOVE`).
+    ///
+    /// The update's filter is the key plus "not in effect yet"
+    /// (`$or: [{<entry>.seq: {$ne: seq}}, {<entry>.present: {$ne: present}}]`), which is how
+    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`).
     pub fn pipeline(&self, member: &str, seq: i64, present: bool) -> Vec<Document> {
         let m = encode::literal(member);
         let entry = self.entry_path(member);
@@ -301,7 +307,13 @@ impl SequencedSet {
         let new_members = if present {
             let appended = doc! { "$concatArrays": [members_or_empty.clone(), [m.clone()]] };
             let inserted = if self.canonical_order {
-                doc! { "$sortArray": { "input": appended, "sortBy": 1 } }
+                // Insert in order (the array is sorted): the members below, the new one,
+                // the members above. Two linear passes, no sort.
+                doc! { "$concatArrays": [
+                    { "$filter": { "input": members_or_empty.clone(), "as": "x", "cond": { "$lt": ["$$x", m.clone()] } } },
+                    [m.clone()],
+                    { "$filter": { "input": members_or_empty.clone(), "as": "x", "cond": { "$gt": ["$$x", m.clone()] } } },
+                ] }
             } else {
                 appended
             };
@@ -317,34 +329,40 @@ impl SequencedSet {
                 "cond": { "$ne": ["$$x", m] },
             } }
         };
+        let decision = doc! {
+            "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
+        };
         let state = format!("${}", self.state_field);
-        let mut stages = vec![
-            doc! { "$set": { OUTCOME_FIELD: {
-                "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
-            } } },
-            doc! { "$set": {
-                entry: { "$cond": [
-                    applied.clone(),
-                    { "$literal": { "seq": seq, "present": present } },
-                    cur.as_str(),
-                ] },
-                self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
-            } },
-        ];
+        let new_entry = doc! { "$literal": { "seq": seq, "present": present } };
+        let key = encode::literal(encode::member_key(member));
+        let mut first = doc! { OUTCOME_FIELD: decision.clone() };
         if self.canonical_order {
-            stages.push(doc! { "$set": {
-                self.state_field.as_str(): { "$cond": [
-                    { "$eq": [format!("${OUTCOME_FIELD}"), CREATED] },
-                    { "$arrayToObject": { "$sortArray": {
-                        "input": { "$objectToArray": state.as_str() },
-                        "sortBy": { "k": 1 },
-                    } } },
+            // A new entry is inserted in key order (it is always applied: no state, no
+            // floor question left); otherwise the state is left as it is.
+            first.insert(
+                self.state_field.as_str(),
+                doc! { "$cond": [
+                    { "$eq": [decision, CREATED] },
+                    { "$let": {
+                        "vars": { "es": { "$objectToArray": { "$ifNull": [state.as_str(), {}] } } },
+                        "in": { "$arrayToObject": { "$concatArrays": [
+                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$lt": ["$$e.k", key.clone()] } } },
+                            [{ "k": key.clone(), "v": new_entry.clone() }],
+                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$gt": ["$$e.k", key] } } },
+                        ] } },
+                    } },
                     state.as_str(),
                 ] },
-            } });
+            );
         }
-        stages.push(doc! { "$unset": OUTCOME_FIELD });
-        stages
+        vec![
+            doc! { "$set": first },
+            doc! { "$set": {
+                entry: { "$cond": [applied.clone(), new_entry, cur.as_str()] },
+                self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
+                OUTCOME_FIELD: "$$REMOVE",
+            } },
+        ]
     }
 
     /// The present members of `key`'s set (in no particular order), or `None` when there

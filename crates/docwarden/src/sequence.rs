@@ -9,7 +9,15 @@
 //! document for it (the first message for a key creates the document empty, idempotently,
 //! then updates it; see `apply` below for why that is not an upsert). The outcome
 //! ([`Outcome::Applied`], [`Outcome::Stale`], [`Outcome::Duplicate`]) comes back in the
-//! same round trip.
+//! same round trip (a re-delivered operation costs a second one), read from the document
+//! the write left, so nothing per-call is stored.
+//!
+//! Equal sequence numbers are resolved by a total order (a remove beats an add of the same
+//! member; register values by MongoDB's comparison order, then by their BSON encoding, type
+//! included), arrays and bookkeeping
+//! sub-documents are kept in sorted order, and each set's bookkeeping lives under its own
+//! name in `_seq_sets`: the stored document is identical, byte for byte, for every delivery
+//! order and duplication (see [`set`] and [`register`] for the exact rules and limits).
 //!
 //! Limits: sequence numbers must be totally ordered *per key and member/field* by the
 //! producer (a non-negative `i64`, see [`set`] for the rule at equal numbers); the state
@@ -58,10 +66,16 @@ use mongodb::bson::{Bson, Document};
 
 use crate::error::{Error, Result};
 
-/// The field in which every sequenced write records its own outcome. The write returns the
-/// document as it left *that* write (`ReturnDocument::After`), so the marker read back is
-/// always the caller's own, even under concurrency.
+/// A temporary field the update pipelines use to carry the decision from their first stage
+/// to the later ones; the last stage removes it, so it is never stored. (Earlier versions
+/// stored the outcome of the last write here, which made the document depend on the
+/// delivery order; a write to such a document removes it.)
 pub const OUTCOME_FIELD: &str = "_seq_last";
+
+/// The marker of an applied write that also creates a new state key (a member seen for the
+/// first time, a register field written for the first time): the pipeline then restores
+/// the canonical (sorted) key order.
+pub(crate) const CREATED: &str = "created";
 
 /// How many times an operation tries to create a missing document before giving up.
 const CREATE_ATTEMPTS: u32 = 8;
@@ -82,7 +96,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// The marker stored in [`OUTCOME_FIELD`].
+    /// The marker the pipeline's first stage writes to [`OUTCOME_FIELD`].
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Applied => "applied",
@@ -90,24 +104,56 @@ impl Outcome {
             Outcome::Duplicate => "duplicate",
         }
     }
+}
 
-    fn from_marker(doc: Option<&Document>, key: &Bson) -> Result<Self> {
-        let Some(doc) = doc else {
-            return Err(Error::Malformed {
-                id: key.to_string(),
-                reason: "the update returned no document".to_owned(),
-            });
-        };
-        match doc.get_str(OUTCOME_FIELD).ok() {
-            Some("applied") => Ok(Outcome::Applied),
-            Some("stale") => Ok(Outcome::Stale),
-            Some("duplicate") => Ok(Outcome::Duplicate),
-            _ => Err(Error::Malformed {
-                id: key.to_string(),
-                reason: format!("no outcome marker `{OUTCOME_FIELD}` in {doc}"),
-            }),
-        }
+/// The expression "the first stage decided to apply" for the later stages.
+pub(crate) fn applied_expr() -> Document {
+    mongodb::bson::doc! { "$in": [
+        format!("${OUTCOME_FIELD}"),
+        [Outcome::Applied.as_str(), CREATED],
+    ] }
+}
+
+/// The value at the dotted `path` of `doc`, if every step is a sub-document.
+pub(crate) fn get_path<'a>(doc: &'a Document, path: &str) -> Option<&'a Bson> {
+    let mut parts = path.split('.');
+    let first = parts.next()?;
+    let mut cur = doc.get(first)?;
+    for part in parts {
+        cur = cur.as_document()?.get(part)?;
     }
+    Some(cur)
+}
+
+/// A stored sequence number (or watermark) read back as an `i64`: docwarden writes `int64`;
+/// an `int32` written by another client is accepted.
+pub(crate) fn stored_seq(value: &Bson) -> Option<i64> {
+    match value {
+        Bson::Int64(n) => Some(*n),
+        Bson::Int32(n) => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
+/// The collection with `write_concern` set (its read concern and selection criteria
+/// kept), or the collection as given when `write_concern` is `None`.
+pub(crate) fn with_write_concern(
+    collection: mongodb::Collection<Document>,
+    write_concern: Option<&mongodb::options::WriteConcern>,
+) -> mongodb::Collection<Document> {
+    let Some(wc) = write_concern else {
+        return collection;
+    };
+    let options = mongodb::options::CollectionOptions::builder()
+        .write_concern(wc.clone())
+        .read_concern(collection.read_concern().cloned())
+        .selection_criteria(collection.selection_criteria().cloned())
+        .build();
+    let ns = collection.namespace();
+    collection
+        .client()
+        .database(&ns.db)
+        .collection_with_options(&ns.coll, options)
 }
 
 /// Checks a sequence number: a non-negative `i64`.
@@ -125,44 +171,79 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
     }
 }
 
-/// Runs one `findOneAndUpdate` pipeline on the document `filter` selects and reads its
-/// outcome marker. When there is no document yet, it is created empty (`insert_one` of the
-/// filter itself, `{<key_field>: key}`); the unique key index makes that idempotent, so a
-/// duplicate-key error from a racing creator is absorbed and the update runs again.
+/// Runs one `findOneAndUpdate` pipeline on the document `key_filter` selects, unless that
+/// document already holds this very operation, and reads the caller's outcome back without
+/// storing anything per call.
+///
+/// `not_yet` is the condition "the document does not hold this operation yet" (a list of
+/// clauses for `$or`), and `holds` tests the same on a returned document. The filter is
+/// `{$and: [{<key_field>: key}, {$or: not_yet}]}`, so when the write runs, the operation was not in
+/// effect before it (the server checks the filter atomically with the write); the
+/// post-image (`ReturnDocument::After`, projected to `projection`) then holds it exactly
+/// when this write applied it: [`Outcome::Applied`], else [`Outcome::Stale`].
+///
+/// When nothing matched, a read of the document tells the rest: it holds the operation
+/// ([`Outcome::Duplicate`], a second round trip, only for re-deliveries), it changed in
+/// between (try again), or there is no document yet: it is created empty (`insert_one` of
+/// `{<key_field>: key}`); the unique key index makes that idempotent, so a duplicate-key
+/// error from a racing creator is absorbed and the update runs again.
 ///
 /// Why not an upserting `findOneAndUpdate`: MongoDB would do the same in one round trip,
 /// but the embedded secantusd-rs answers some *racing* upserts with `value: null` although
 /// it applied the write, which would leave the outcome unknown. Creating the document
-/// first costs two extra round trips once per key and is correct on both servers; every
-/// later message is exactly one round trip.
+/// first costs extra round trips once per key and is correct on both servers; every later
+/// first delivery of a message is exactly one round trip.
+///
+/// Why not the pre-image (`ReturnDocument::Before`), which would tell a duplicate in one
+/// round trip: secantusd-rs returns a pre-image read *before* it takes the document for the
+/// write, so a concurrent write in between makes it stale (MongoDB's is atomic). The
+/// filter-and-post-image shape is atomic on both.
 async fn apply(
     collection: &mongodb::Collection<Document>,
-    filter: Document,
+    key_filter: Document,
+    not_yet: Vec<Document>,
     pipeline: impl Fn() -> Vec<Document>,
+    projection: Document,
+    holds: impl Fn(&Document) -> Result<bool>,
     key: &Bson,
 ) -> Result<Outcome> {
+    // `$and` with the key first: the shape both servers route as a point lookup by the key
+    // (secantusd-rs scans the collection for a top-level `$or` next to the key).
+    let filter = mongodb::bson::doc! { "$and": [key_filter.clone(), { "$or": not_yet }] };
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let doc = collection
+        let after = collection
             .find_one_and_update(filter.clone(), pipeline())
             .return_document(mongodb::options::ReturnDocument::After)
-            .projection(mongodb::bson::doc! { OUTCOME_FIELD: 1 })
+            .projection(projection.clone())
             .await?;
-        if doc.is_some() {
-            return Outcome::from_marker(doc.as_ref(), key);
+        if let Some(after) = after {
+            return Ok(if holds(&after)? {
+                Outcome::Applied
+            } else {
+                Outcome::Stale
+            });
         }
         if attempt >= CREATE_ATTEMPTS {
             return Err(Error::Unavailable {
-                what: "the sequenced document (deleted as fast as it was created)",
+                what: "the sequenced document (deleted or changed as fast as it was read)",
             });
         }
-        match collection.insert_one(filter.clone()).await {
-            Ok(_) => tracing::debug!(%key, "created the sequenced document"),
-            Err(e) if crate::error::is_duplicate_key(&e) => {
-                tracing::debug!(%key, "a racing consumer created the document first");
-            }
-            Err(e) => return Err(e.into()),
+        let current = collection
+            .find_one(key_filter.clone())
+            .projection(projection.clone())
+            .await?;
+        match current {
+            Some(doc) if holds(&doc)? => return Ok(Outcome::Duplicate),
+            Some(_) => tracing::debug!(%key, "the document changed between two reads"),
+            None => match collection.insert_one(key_filter.clone()).await {
+                Ok(_) => tracing::debug!(%key, "created the sequenced document"),
+                Err(e) if crate::error::is_duplicate_key(&e) => {
+                    tracing::debug!(%key, "a racing consumer created the document first");
+                }
+                Err(e) => return Err(e.into()),
+            },
         }
     }
 }
@@ -207,12 +288,12 @@ mod tests {
     }
 
     #[test]
-    fn markers_round_trip() -> Result<()> {
-        for o in [Outcome::Applied, Outcome::Stale, Outcome::Duplicate] {
-            let d = mongodb::bson::doc! { OUTCOME_FIELD: o.as_str() };
-            assert_eq!(Outcome::from_marker(Some(&d), &Bson::Int32(1))?, o);
-        }
-        assert!(Outcome::from_marker(None, &Bson::Int32(1)).is_err());
-        Ok(())
+    fn paths_and_stored_numbers() {
+        let d = mongodb::bson::doc! { "a": { "b": { "c": 3_i64 } }, "n": 2_i32, "s": "x" };
+        assert_eq!(get_path(&d, "a.b.c"), Some(&Bson::Int64(3)));
+        assert_eq!(get_path(&d, "a.x.c"), None);
+        assert_eq!(get_path(&d, "s.x"), None);
+        assert_eq!(get_path(&d, "n").and_then(stored_seq), Some(2));
+        assert_eq!(get_path(&d, "s").and_then(stored_seq), None);
     }
 }

@@ -537,7 +537,13 @@ async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
         }
         assert_eq!(f.get(key, "score").await?, Some((Bson::Int32(7), 9)));
     }
-    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Duplicate); // $eq: 7 == 7
+    // 7 (int64) equals 7 (int32) in MongoDB's order; the tie key (the encoding, type
+    // included) decides: the int64 is longer, so it wins whatever the order.
+    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Applied);
+    assert_eq!(f.set(11, "score", 7_i64, 9).await?, Outcome::Applied);
+    assert_eq!(f.set(11, "score", 7_i32, 9).await?, Outcome::Stale);
+    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Duplicate);
+    assert_eq!(f.get(10, "score").await?, Some((Bson::Int64(7), 9)));
     assert_eq!(f.get(99, "score").await?, None);
     Ok(())
 }
@@ -707,5 +713,464 @@ async fn compaction_removes_only_tombstones_below_the_watermark() -> anyhow::Res
             .collect();
         assert_eq!(members, present(&model(ops)), "key {key}");
     }
+    Ok(())
+}
+
+/// The stored document of `filter` without the fields in `strip` (the key, which differs
+/// between runs), as the exact bytes the server returned: key order and BSON types count.
+async fn stored_bytes(
+    coll: &Collection<Document>,
+    filter: Document,
+    strip: &[&str],
+) -> anyhow::Result<Vec<u8>> {
+    let mut d = coll
+        .find_one(filter.clone())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no document for {filter}"))?;
+    for s in strip {
+        d.remove(*s);
+    }
+    let mut bytes = Vec::new();
+    d.to_writer(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The document as text for failure messages (types shown by extended JSON).
+async fn shown(coll: &Collection<Document>, filter: Document) -> anyhow::Result<String> {
+    let d = coll.find_one(filter).await?.unwrap_or_default();
+    Ok(Bson::Document(d).into_canonical_extjson().to_string())
+}
+
+// Finding 4 of issue 11: set `X`'s floor field was `_seq_X_floor`, which is set
+// `X_floor`'s state field; set `last`'s state was the outcome marker `_seq_last`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sets_whose_names_extend_each_other_never_share_a_field() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_set_names").await?;
+    let coll: Collection<Document> = t.db.collection("c");
+    let x = SequencedSet::new(coll.clone(), SetOptions::default().field("X")).await?;
+    let x_floor = SequencedSet::new(coll.clone(), SetOptions::default().field("X_floor")).await?;
+    let last = SequencedSet::new(coll.clone(), SetOptions::default().field("last")).await?;
+    assert_eq!(x_floor.add(1, "a", 1).await?, Outcome::Applied);
+    assert_eq!(
+        x.add(1, "b", 1).await?,
+        Outcome::Applied,
+        "set X after set X_floor: {}",
+        shown(&coll, doc! { "_id": 1 }).await?
+    );
+    assert_eq!(x.compact(1, 2).await?.matched, 1);
+    assert_eq!(
+        x_floor.add(1, "c", 2).await?,
+        Outcome::Applied,
+        "set X_floor after compacting X"
+    );
+    assert_eq!(
+        x.add(1, "d", 2).await?,
+        Outcome::Applied,
+        "set X after compacting X"
+    );
+    assert_eq!(x_floor.compact(1, 2).await?.matched, 1);
+    assert_eq!(
+        x.add(1, "e", 2).await?,
+        Outcome::Applied,
+        "X after compacting X_floor"
+    );
+    assert_eq!(
+        x.add(1, "z", 1).await?,
+        Outcome::Stale,
+        "below X's own floor"
+    );
+    assert_eq!(
+        x_floor.add(1, "y", 1).await?,
+        Outcome::Stale,
+        "below X_floor's floor"
+    );
+    // Already in effect (present entries survive compaction): a duplicate, floor or not.
+    assert_eq!(x.add(1, "b", 1).await?, Outcome::Duplicate, "b@1 again");
+    let sorted = |m: Option<Vec<String>>| {
+        let mut m = m.unwrap_or_default();
+        m.sort();
+        m
+    };
+    assert_eq!(sorted(x.members(1).await?), ["b", "d", "e"]);
+    assert_eq!(sorted(x_floor.members(1).await?), ["a", "c"]);
+    // A set named `last` next to the others.
+    let r = last.add(1, "m", 1).await;
+    assert!(
+        matches!(r, Ok(Outcome::Applied)),
+        "set `last`: {r:?}: {}",
+        shown(&coll, doc! { "_id": 1 }).await?
+    );
+    assert_eq!(last.add(1, "m", 1).await?, Outcome::Duplicate);
+    assert_eq!(
+        x.add(1, "f", 3).await?,
+        Outcome::Applied,
+        "X after set `last`"
+    );
+    assert_eq!(sorted(last.members(1).await?), ["m"]);
+    assert_eq!(sorted(x.members(1).await?), ["b", "d", "e", "f"]);
+    Ok(())
+}
+
+// Finding 7 of issue 11: at equal sequence numbers the stored type was whichever value came
+// first, and the set's members array order and `_seq_last` followed the delivery order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn equal_seq_values_of_different_types_store_one_document_for_every_order()
+-> anyhow::Result<()> {
+    let t = TestDb::new("sequence_tie_types").await?;
+    let f = SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let writes: Vec<(&str, Bson, i64)> = vec![
+        ("score", Bson::Int32(7), 9),
+        ("score", Bson::Int64(7), 9),
+        ("score", Bson::Double(7.0), 9),
+        ("shape", Bson::Document(doc! { "a": 1_i32 }), 4),
+        ("shape", Bson::Document(doc! { "a": 1.0_f64 }), 4),
+        ("shape", Bson::Document(doc! { "a": 1_i64 }), 4),
+        ("name", Bson::String("Jane".to_owned()), 2),
+    ];
+    let orders: Vec<Vec<usize>> = vec![
+        vec![0, 1, 2, 3, 4, 5, 6],
+        vec![6, 5, 4, 3, 2, 1, 0],
+        vec![2, 0, 4, 6, 1, 3, 5],
+        vec![1, 1, 5, 3, 6, 0, 2, 4, 2, 6],
+    ];
+    let mut docs = Vec::new();
+    for (key, order) in orders.iter().enumerate() {
+        let key = i64::try_from(key)?;
+        for &i in order {
+            let (field, value, seq) = &writes[i];
+            f.set(key, field, value.clone(), *seq).await?;
+        }
+        docs.push((
+            order,
+            stored_bytes(f.collection(), doc! { "_id": key }, &["_id"]).await?,
+            shown(f.collection(), doc! { "_id": key }).await?,
+        ));
+    }
+    for (order, bytes, text) in &docs[1..] {
+        assert!(
+            *bytes == docs[0].1,
+            "registers: order {order:?} stored {text}, order {:?} stored {}",
+            docs[0].0,
+            docs[0].2
+        );
+    }
+
+    // The registers' document: top-level fields sorted by name after `_id`.
+    let stored = f
+        .collection()
+        .find_one(doc! { "_id": 0 })
+        .await?
+        .unwrap_or_default();
+    let keys: Vec<&String> = stored.keys().collect();
+    let mut sorted_keys = keys.clone();
+    sorted_keys[1..].sort();
+    assert_eq!(keys[0], "_id");
+    assert_eq!(keys, sorted_keys, "{stored}");
+    assert_eq!(stored.get("score"), Some(&Bson::Int64(7)), "{stored}");
+    assert_eq!(
+        stored.get("shape"),
+        Some(&Bson::Document(doc! { "a": 1_i64 })),
+        "{stored}"
+    );
+
+    // A set: the same members through different orders, duplicates and equal numbers.
+    let set = SequencedSet::new(t.db.collection("students"), SetOptions::default()).await?;
+    let ops = [
+        ("CS 101", 1, true),
+        ("MATH 2", 2, true),
+        ("$cash", 2, true),
+        ("MATH 2", 2, false),
+        ("a.b@c.d", 3, true),
+        ("CS 101", 3, true),
+    ];
+    let orders: Vec<Vec<usize>> = vec![
+        vec![0, 1, 2, 3, 4, 5],
+        vec![5, 4, 3, 2, 1, 0],
+        vec![4, 2, 0, 5, 3, 1, 1],
+        vec![3, 3, 5, 0, 1, 2, 4],
+    ];
+    let mut docs = Vec::new();
+    for (key, order) in orders.iter().enumerate() {
+        let key = i64::try_from(key)?;
+        for &i in order {
+            let (member, seq, add) = ops[i];
+            if add {
+                set.add(key, member, seq).await?;
+            } else {
+                set.remove(key, member, seq).await?;
+            }
+        }
+        docs.push((
+            order,
+            stored_bytes(set.collection(), doc! { "_id": key }, &["_id"]).await?,
+            shown(set.collection(), doc! { "_id": key }).await?,
+        ));
+    }
+    // The canonical order is the binary order of the strings (Rust's `str` order).
+    let members = set.members(0).await?.unwrap_or_default();
+    let mut sorted = members.clone();
+    sorted.sort();
+    assert_eq!(members, sorted, "members sorted");
+    let stored = set
+        .collection()
+        .find_one(doc! { "_id": 0 })
+        .await?
+        .unwrap_or_default();
+    let keys: Vec<String> = stored
+        .get_document("_seq_sets")?
+        .get_document("members")?
+        .get_document("state")?
+        .keys()
+        .cloned()
+        .collect();
+    let mut sorted_keys = keys.clone();
+    sorted_keys.sort();
+    assert_eq!(keys.len(), 4, "{stored}");
+    assert_eq!(keys, sorted_keys, "state entries sorted by member key");
+    for (order, bytes, text) in &docs[1..] {
+        assert!(
+            *bytes == docs[0].1,
+            "set: order {order:?} stored {text}, order {:?} stored {}",
+            docs[0].0,
+            docs[0].2
+        );
+    }
+    Ok(())
+}
+
+/// A register write in the race proptest: field 0 or 1, one of the equal-but-differently
+/// typed values, a sequence number from a small range (so numbers repeat).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Write {
+    field: usize,
+    value: usize,
+    seq: i64,
+}
+
+/// The tie key as docs/sequence.md defines it, written independently of the library.
+fn tie_bytes(value: &Bson) -> Vec<u8> {
+    let mut encoded = Vec::new();
+    if doc! { "v": value.clone() }.to_writer(&mut encoded).is_err() {
+        return Vec::new();
+    }
+    let mut key = u32::try_from(encoded.len())
+        .unwrap_or(u32::MAX)
+        .to_be_bytes()
+        .to_vec();
+    key.extend(encoded);
+    key
+}
+
+/// The rank of `tie_value(i)`'s type class in MongoDB's comparison order.
+fn bson_class(i: usize) -> u8 {
+    match i {
+        0..=2 => 0,
+        3..=5 => 2,
+        _ => 1,
+    }
+}
+
+fn tie_value(i: usize) -> Bson {
+    match i {
+        0 => Bson::Int32(7),
+        1 => Bson::Int64(7),
+        2 => Bson::Double(7.0),
+        3 => Bson::Document(doc! { "a": 1_i32 }),
+        4 => Bson::Document(doc! { "a": 1.0_f64 }),
+        5 => Bson::Document(doc! { "a": 1_i64 }),
+        _ => Bson::String("7".to_owned()),
+    }
+}
+
+/// Runs `ops` (sets) and `writes` (registers) `RUNS` times, each delivery shuffled,
+/// duplicated and raced by `CONSUMERS` consumers on its own key, and returns how many runs
+/// stored a document different (in bytes, `_id` aside) from the first run's.
+async fn race_equal_numbers(
+    set: &SequencedSet,
+    fields: &SequencedFields,
+    case: i64,
+    ops: &[Op],
+    writes: &[Write],
+    seed: u64,
+    check_models: bool,
+) -> anyhow::Result<u64> {
+    const RUNS: i64 = 3;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut set_docs = Vec::new();
+    let mut field_docs = Vec::new();
+    for run in 0..RUNS {
+        let key = case * RUNS + run;
+        let history_seed = rand::Rng::random(&mut rng);
+        if !ops.is_empty() {
+            let violations = run_history(set, key, ops, history_seed).await?;
+            anyhow::ensure!(
+                !check_models || violations == 0,
+                "set run {run}: {violations} violations"
+            );
+            set_docs.push((
+                stored_bytes(
+                    set.collection(),
+                    doc! { "student_id": key },
+                    &["_id", "student_id"],
+                )
+                .await?,
+                shown(set.collection(), doc! { "student_id": key }).await?,
+            ));
+        }
+        let mut msgs = Vec::new();
+        for w in writes {
+            for _ in 0..rand::Rng::random_range(&mut rng, 1..=3) {
+                msgs.push(Op {
+                    member: w.field * 16 + w.value,
+                    seq: w.seq,
+                    present: true,
+                });
+            }
+        }
+        msgs.shuffle(&mut rng);
+        let f = fields.clone();
+        consume(msgs, move |o| {
+            let f = f.clone();
+            async move {
+                let field = ["a", "b"][o.member / 16];
+                Ok(f.set(key, field, tie_value(o.member % 16), o.seq).await?)
+            }
+        })
+        .await?;
+        for (field, name) in ["a", "b"].into_iter().enumerate().filter(|_| check_models) {
+            // The model: the greatest (seq, value in BSON order, tie key) wins; the tie key
+            // is the value's BSON encoding `{v: value}` with a big-endian length prefix
+            // (docs/sequence.md). The values here are all equal within their BSON type
+            // class: numbers < strings < documents.
+            let winner = writes
+                .iter()
+                .filter(|w| w.field == field)
+                .max_by_key(|w| (w.seq, bson_class(w.value), tie_bytes(&tie_value(w.value))))
+                .map(|w| (tie_value(w.value), w.seq));
+            let got = fields.get(key, name).await?;
+            anyhow::ensure!(
+                got == winner,
+                "register {name} of run {run}: {got:?}, the model says {winner:?}"
+            );
+        }
+        if !writes.is_empty() {
+            field_docs.push((
+                stored_bytes(fields.collection(), doc! { "_id": key }, &["_id"]).await?,
+                shown(fields.collection(), doc! { "_id": key }).await?,
+            ));
+        }
+    }
+    let mut differing = 0;
+    for (what, docs) in [("set", &set_docs), ("registers", &field_docs)] {
+        for (bytes, text) in docs.iter().skip(1) {
+            if *bytes != docs[0].0 {
+                eprintln!("{what}: {text} != {}", docs[0].1);
+                differing += 1;
+            }
+        }
+    }
+    Ok(differing)
+}
+
+#[test]
+fn equal_numbers_raced_by_8_consumers_store_identical_documents() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_equal_numbers"))?;
+    let set = rt.block_on(student_set(&t))?;
+    let fields = rt.block_on(SequencedFields::new(
+        t.db.collection("profiles"),
+        FieldsOptions::default(),
+    ))?;
+    let next_case = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 16,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let ops = prop::collection::vec(
+        (0..MEMBERS.len(), 0_i64..4, any::<bool>()).prop_map(|(member, seq, present)| Op {
+            member,
+            seq,
+            present,
+        }),
+        1..14,
+    );
+    let writes = prop::collection::vec(
+        (0_usize..2, 0_usize..7, 0_i64..3).prop_map(|(field, value, seq)| Write {
+            field,
+            value,
+            seq,
+        }),
+        1..10,
+    );
+    proptest!(config, |(ops in ops, writes in writes, seed in any::<u64>())| {
+        let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let differing = rt.block_on(race_equal_numbers(&set, &fields, case, &ops, &writes, seed, true))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(differing, 0, "stored documents differ between deliveries");
+    });
+    drop((set, fields));
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_without_canonical_order_or_tie_keys_documents_differ() -> anyhow::Result<()> {
+    // The race above with docwarden's own code and one safeguard switched off each time:
+    // the members array unsorted, then no tie keys.
+    let t = TestDb::new("sequence_equal_numbers_control").await?;
+    let set = student_set(&t).await?;
+    let fields =
+        SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let unsorted = SequencedSet::new(
+        t.db.collection("students_unsorted"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .control_without_canonical_order(),
+    )
+    .await?;
+    let no_ties = SequencedFields::new(
+        t.db.collection("profiles_no_ties"),
+        FieldsOptions::default().control_without_tie_keys(),
+    )
+    .await?;
+    let ops: Vec<Op> = (0..MEMBERS.len())
+        .map(|member| Op {
+            member,
+            seq: 1,
+            present: true,
+        })
+        .collect();
+    let writes: Vec<Write> = (0..3)
+        .map(|value| Write {
+            field: 0,
+            value,
+            seq: 1,
+        })
+        .collect();
+    let (mut set_differ, mut tie_differ, mut ours) = (0, 0, 0);
+    for case in 0..6 {
+        let seed = 1000 + u64::try_from(case)?;
+        set_differ += race_equal_numbers(&unsorted, &fields, case, &ops, &[], seed, false).await?;
+        tie_differ += race_equal_numbers(&set, &no_ties, case, &[], &writes, seed, false).await?;
+        ours += race_equal_numbers(&set, &fields, case + 100, &ops, &writes, seed, true).await?;
+    }
+    eprintln!("control: {set_differ} set runs and {tie_differ} register runs differ");
+    assert!(
+        set_differ > 0,
+        "an unsorted members array must depend on the order"
+    );
+    assert!(
+        tie_differ > 0,
+        "without tie keys the stored type must depend on the order"
+    );
+    assert_eq!(
+        ours, 0,
+        "docwarden's documents are identical on the same histories"
+    );
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! with a sequence number *below* it has been applied and will never be delivered again
 //! (for example: the queue's acknowledged offset). Compaction then removes the tombstones
 //! (`present: false` entries) whose `seq < watermark` and records the watermark in the
-//! document (`_seq_<field>_floor`, only ever raised). That is safe: any later operation on
+//! document (`_seq_sets.<field>.floor`, only ever raised). That is safe: any later operation on
 //! such a member has `seq >= watermark`, which beats the removed tombstone anyway. As a
 //! safety net, an operation that still arrives with `seq` below the recorded floor is
 //! refused as [`super::Outcome::Stale`] instead of resurrecting a compacted member.

@@ -2,23 +2,70 @@
 //! values.
 //!
 //! Each call is one atomic pipeline update on the document `{<key_field>: key}`. The
-//! value is stored under its plain field name (readable as-is), and its sequence number in
-//! `_seq.<field>`.
+//! value is stored under its plain field name (readable as-is), its sequence number in
+//! `_seq.<field>` and its tie key in `_seq_tie.<field>`.
 //!
 //! **Rule:** a write `(seq, value)` replaces the stored `(seq₀, value₀)` when `seq > seq₀`,
 //! or when `seq == seq₀` and `value` is greater than `value₀` in MongoDB's BSON comparison
-//! order (`$gt`) — **the greater value wins at equal sequence numbers**, which does not
-//! depend on arrival order. An equal value at an equal seq (`$eq`, so `1` and `1.0` are
-//! equal) is [`Outcome::Duplicate`]; a losing write is [`Outcome::Stale`].
+//! order (`$gt`), or when the two are equal there (`7`, `7.0` and `7` as int64 are, and
+//! `{a: 1}` and `{a: 1.0}`) and the value's **tie key** ([`tie_key`]: its BSON encoding,
+//! length first) is greater. That is a total order over BSON values *with their types*,
+//! so which value is stored, type included, does not depend on arrival order. The same
+//! value (identical bytes) at an equal seq is [`Outcome::Duplicate`]; a losing write is
+//! [`Outcome::Stale`].
+//!
+//! **Canonical document:** the first write of a field sorts the document's top-level
+//! fields by name (`_id` first) and the entries of `_seq` and `_seq_tie`; later writes
+//! change values in place. Nothing per-call is stored. So the document left by a history
+//! of writes is the same, byte for byte, for every delivery order and any duplication.
+//! Limits: the tie key stores the value's bytes a second time (registers are meant for
+//! small values), and fields written by other means keep the position they are given
+//! until the next first write of a register field sorts them.
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 
-use super::{Outcome, encode, validate_seq};
+use mongodb::options::WriteConcern;
+
+use super::{CREATED, OUTCOME_FIELD, Outcome, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// The sub-document holding each register's sequence number.
 pub const SEQ_FIELD: &str = "_seq";
+
+/// The sub-document holding each register's tie key ([`tie_key`]).
+pub const TIE_FIELD: &str = "_seq_tie";
+
+/// The tie key of a register value: the BSON encoding of the one-field document
+/// `{"v": value}`, preceded by its length as a 4-byte big-endian integer, stored as BSON
+/// binary (subtype 0). It decides between values at equal sequence numbers that MongoDB's
+/// comparison order finds equal: the greater key wins — a longer encoding beats a shorter
+/// one, equal lengths compare byte by byte, which is the order MongoDB uses for binary
+/// data of one subtype (length first) and plain byte order thanks to the prefix, so every
+/// server and every port agree. The encoding includes each value's type:
+/// `7` (int32, 12 bytes) < `7.0` (double, 16 bytes, type byte 0x01) < `7` (int64, 16
+/// bytes, type byte 0x12).
+///
+/// # Errors
+/// [`Error::InvalidInput`] if the value cannot be encoded (larger than BSON allows).
+pub fn tie_key(value: &Bson) -> Result<Vec<u8>> {
+    let mut encoded = Vec::new();
+    doc! { "v": value.clone() }
+        .to_writer(&mut encoded)
+        .map_err(|e| Error::invalid("value", format!("cannot be encoded as BSON: {e}")))?;
+    let len = u32::try_from(encoded.len())
+        .map_err(|_| Error::invalid("value", "larger than a BSON document can be"))?;
+    let mut key = len.to_be_bytes().to_vec();
+    key.extend_from_slice(&encoded);
+    Ok(key)
+}
+
+fn binary(bytes: Vec<u8>) -> Bson {
+    Bson::Binary(mongodb::bson::Binary {
+        subtype: mongodb::bson::spec::BinarySubtype::Generic,
+        bytes,
+    })
+}
 
 /// Options of [`SequencedFields`], validated by [`SequencedFields::new`].
 #[derive(Debug, Clone)]
@@ -27,12 +74,24 @@ pub struct FieldsOptions {
     /// The field that identifies the document (`_id` by default). Any other field gets a
     /// unique index.
     pub key_field: String,
+    /// Write concern for every write of the handle; `None` (the default) inherits the
+    /// collection's. Use [`WriteConcern::majority()`] on a replica set, so that a
+    /// failover cannot roll back an applied write the caller already acknowledged.
+    pub write_concern: Option<WriteConcern>,
+    /// Test-only control: `false` treats values that MongoDB's order finds equal as the
+    /// same value at equal sequence numbers (the first one stays), as before issue 11, so
+    /// the tests can show the stored type then depends on the delivery order. Always `true`
+    /// outside those tests.
+    #[doc(hidden)]
+    pub tie_keys: bool,
 }
 
 impl Default for FieldsOptions {
     fn default() -> Self {
         Self {
             key_field: "_id".to_owned(),
+            write_concern: None,
+            tie_keys: true,
         }
     }
 }
@@ -44,6 +103,21 @@ impl FieldsOptions {
         self.key_field = key_field.into();
         self
     }
+
+    /// Sets [`FieldsOptions::write_concern`] (for example [`WriteConcern::majority()`]).
+    #[must_use]
+    pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
+        self.write_concern = Some(write_concern);
+        self
+    }
+
+    /// Test-only control (see the field): switches the tie keys off.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn control_without_tie_keys(mut self) -> Self {
+        self.tie_keys = false;
+        self
+    }
 }
 
 /// A handle on a collection of documents whose fields are last-writer-wins registers.
@@ -51,6 +125,7 @@ impl FieldsOptions {
 pub struct SequencedFields {
     collection: Collection<Document>,
     key_field: String,
+    tie_keys: bool,
 }
 
 impl SequencedFields {
@@ -66,8 +141,9 @@ impl SequencedFields {
         }
         super::ensure_key_index(&collection, &options.key_field).await?;
         Ok(Self {
-            collection,
+            collection: super::with_write_concern(collection, options.write_concern.as_ref()),
             key_field: options.key_field,
+            tie_keys: options.tie_keys,
         })
     }
 
@@ -95,10 +171,27 @@ impl SequencedFields {
         self.check_field(field)?;
         validate_seq(seq)?;
         let value = value.into();
+        let tie = tie_key(&value)?;
+        let seq_path = format!("{SEQ_FIELD}.{field}");
+        let tie_path = format!("{TIE_FIELD}.{field}");
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            || Self::pipeline(field, value.clone(), seq),
+            vec![
+                doc! { seq_path.as_str(): { "$ne": seq } },
+                doc! { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
+            ],
+            || {
+                Self::pipeline_with_tie(
+                    field,
+                    value.clone(),
+                    binary(tie.clone()),
+                    seq,
+                    self.tie_keys,
+                )
+            },
+            doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
+            |d| holds(d, &seq_path, &tie_path, seq, &tie, &key),
             &key,
         )
         .await?;
@@ -115,38 +208,103 @@ impl SequencedFields {
     }
 
     /// The update pipeline for one write (public for inspection and other-language ports).
-    /// `field` must already be checked.
-    pub fn pipeline(field: &str, value: Bson, seq: i64) -> Vec<Document> {
+    /// `field` must already be checked. The update's filter is the key plus "not in effect
+    /// yet" (`$or: [{_seq.<field>: {$ne: seq}}, {_seq_tie.<field>: {$ne: <tie key>}}]`),
+    /// which is how the caller's outcome is read back from the post-image (see
+    /// `docs/sequence.md`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] if the value cannot be encoded (see [`tie_key`]).
+    pub fn pipeline(field: &str, value: Bson, seq: i64) -> Result<Vec<Document>> {
+        let tie = binary(tie_key(&value)?);
+        Ok(Self::pipeline_with_tie(field, value, tie, seq, true))
+    }
+
+    /// Four stages: (1) decide, into the temporary [`OUTCOME_FIELD`] (`created` when the
+    /// field had no sequence number yet); (2) when applied, write the value, `_seq.<field>`
+    /// and `_seq_tie.<field>` by their paths; (3) when `created`, sort the top-level fields
+    /// and the entries of `_seq` and `_seq_tie` by name, `_id` first; (4) `$unset` the
+    /// temporary field.
+    fn pipeline_with_tie(
+        field: &str,
+        value: Bson,
+        tie: Bson,
+        seq: i64,
+        tie_keys: bool,
+    ) -> Vec<Document> {
         let v = encode::literal(value);
+        let t = encode::literal(tie);
         let current_value = format!("${field}");
-        let seq_path = format!("${SEQ_FIELD}.{field}");
+        let seq_path = format!("{SEQ_FIELD}.{field}");
+        let tie_path = format!("{TIE_FIELD}.{field}");
+        let cur_seq = format!("${seq_path}");
+        let cur_tie = format!("${tie_path}");
+        let mut branches = vec![
+            doc! { "case": { "$gt": [seq, "$$cur"] }, "then": { "$cond": [
+                { "$eq": [{ "$type": cur_seq.as_str() }, "missing"] },
+                CREATED,
+                Outcome::Applied.as_str(),
+            ] } },
+            doc! { "case": { "$lt": [seq, "$$cur"] }, "then": Outcome::Stale.as_str() },
+            // Equal numbers: the greater value in MongoDB's comparison order wins…
+            doc! { "case": { "$gt": [v.clone(), current_value.as_str()] },
+            "then": Outcome::Applied.as_str() },
+            doc! { "case": { "$lt": [v.clone(), current_value.as_str()] },
+            "then": Outcome::Stale.as_str() },
+        ];
+        if tie_keys {
+            // …and values equal there (7, 7.0, {a: 1}, {a: 1.0}) by tie key. A missing tie
+            // key (a document written before tie keys existed) is below every key.
+            branches.push(doc! { "case": { "$gt": [t.clone(), cur_tie.as_str()] },
+            "then": Outcome::Applied.as_str() });
+            branches.push(doc! { "case": { "$eq": [t.clone(), cur_tie.as_str()] },
+            "then": Outcome::Duplicate.as_str() });
+        } else {
+            branches.push(
+                doc! { "case": { "$eq": [v.clone(), current_value.as_str()] },
+                "then": Outcome::Duplicate.as_str() },
+            );
+        }
         let outcome = doc! { "$let": {
-            "vars": { "cur": { "$ifNull": [seq_path.as_str(), -1_i64] } },
+            "vars": { "cur": { "$ifNull": [cur_seq.as_str(), -1_i64] } },
             "in": { "$switch": {
-                "branches": [
-                    { "case": { "$gt": [seq, "$$cur"] }, "then": Outcome::Applied.as_str() },
-                    { "case": { "$lt": [seq, "$$cur"] }, "then": Outcome::Stale.as_str() },
-                    { "case": { "$eq": [current_value.as_str(), v.clone()] },
-                      "then": Outcome::Duplicate.as_str() },
-                    { "case": { "$gt": [v.clone(), current_value.as_str()] },
-                      "then": Outcome::Applied.as_str() },
-                ],
+                "branches": branches,
                 "default": Outcome::Stale.as_str(),
             } },
         } };
-        let applied =
-            doc! { "$eq": [format!("${}", super::OUTCOME_FIELD), Outcome::Applied.as_str()] };
-        let seqs = doc! { "$ifNull": [format!("${SEQ_FIELD}"), {}] };
+        let applied = super::applied_expr();
+        let sorted = |input: Bson| -> Document {
+            doc! { "$arrayToObject": { "$sortArray": {
+                "input": { "$objectToArray": input },
+                "sortBy": { "k": 1 },
+            } } }
+        };
+        let root = doc! { "$map": {
+            "input": { "$objectToArray": "$$ROOT" },
+            "as": "e",
+            "in": { "$cond": [
+                { "$in": ["$$e.k", [SEQ_FIELD, TIE_FIELD]] },
+                { "k": "$$e.k", "v": sorted(Bson::String("$$e.v".to_owned())) },
+                "$$e",
+            ] },
+        } };
+        let sorted_root = doc! { "$mergeObjects": [
+            { "_id": "$_id" },
+            { "$arrayToObject": { "$sortArray": { "input": root, "sortBy": { "k": 1 } } } },
+        ] };
         vec![
-            doc! { "$set": { super::OUTCOME_FIELD: outcome } },
+            doc! { "$set": { OUTCOME_FIELD: outcome } },
             doc! { "$set": {
                 field: { "$cond": [applied.clone(), v, current_value.as_str()] },
-                SEQ_FIELD: { "$cond": [
-                    applied,
-                    { "$mergeObjects": [seqs.clone(), { field: seq }] },
-                    seqs,
-                ] },
+                seq_path.as_str(): { "$cond": [applied.clone(), { "$literal": seq }, cur_seq.as_str()] },
+                tie_path.as_str(): { "$cond": [applied, t, cur_tie.as_str()] },
             } },
+            doc! { "$replaceWith": { "$cond": [
+                { "$eq": [format!("${OUTCOME_FIELD}"), CREATED] },
+                sorted_root,
+                "$$ROOT",
+            ] } },
+            doc! { "$unset": OUTCOME_FIELD },
         ]
     }
 
@@ -175,5 +333,66 @@ impl SequencedFields {
             reason: format!("`{SEQ_FIELD}.{field}` is not an i64"),
         })?;
         Ok(Some((doc.get(field).cloned().unwrap_or(Bson::Null), seq)))
+    }
+}
+
+/// Whether `doc` holds the write `(seq, tie)`: its number and tie key are stored.
+fn holds(
+    doc: &Document,
+    seq_path: &str,
+    tie_path: &str,
+    seq: i64,
+    tie: &[u8],
+    key: &Bson,
+) -> Result<bool> {
+    let stored_tie = match super::get_path(doc, tie_path) {
+        None => return Ok(false),
+        Some(Bson::Binary(b)) => &b.bytes,
+        Some(_) => {
+            return Err(Error::Malformed {
+                id: key.to_string(),
+                reason: format!("`{tie_path}` is not binary"),
+            });
+        }
+    };
+    Ok(
+        super::get_path(doc, seq_path).and_then(super::stored_seq) == Some(seq)
+            && stored_tie.as_slice() == tie,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(v: impl Into<Bson>) -> Vec<u8> {
+        tie_key(&v.into()).unwrap_or_default()
+    }
+
+    #[test]
+    fn tie_keys_order_values_with_their_types() {
+        assert!(key(7_i32) < key(7.0_f64));
+        assert!(key(7.0_f64) < key(7_i64));
+        assert!(key(5_i32) < key(7_i32));
+        assert!(key(doc! { "a": 1_i32 }) < key(doc! { "a": 1.0_f64 }));
+        assert_ne!(key(doc! { "a": 1_i64 }), key(doc! { "a": 1.0_f64 }));
+        assert_ne!(key(0.0_f64), key(-0.0_f64));
+        assert_eq!(key("x"), key("x"));
+    }
+
+    #[test]
+    fn holds_compares_number_and_tie_key() {
+        let k = Bson::Int32(1);
+        let t = key(7_i32);
+        let holds = |d: &Document, seq, tie: &[u8]| holds(d, "_seq.f", "_seq_tie.f", seq, tie, &k);
+        assert_eq!(holds(&doc! { "_id": 1 }, 3, &t).ok(), Some(false));
+        let d = doc! { "_seq": { "f": 3_i64 }, "_seq_tie": { "f": binary(t.clone()) } };
+        assert_eq!(holds(&d, 3, &t).ok(), Some(true));
+        assert_eq!(holds(&d, 4, &t).ok(), Some(false));
+        assert_eq!(holds(&d, 3, &key(7_i64)).ok(), Some(false));
+        let old = doc! { "_seq": { "f": 3_i64 } };
+        assert_eq!(holds(&old, 3, &t).ok(), Some(false));
+        let bad = doc! { "_seq": { "f": 3_i64 }, "_seq_tie": { "f": "x" } };
+        assert!(holds(&bad, 3, &t).is_err());
     }
 }

@@ -1,10 +1,18 @@
 //! A last-writer-wins element set: `add(key, member, seq)` and `remove(key, member, seq)`.
 //!
 //! Each call is one atomic pipeline update on the document `{<key_field>: key}`. The
-//! document keeps, next to a plain array of the present members (`<field>`, stored as
-//! given, for reads and multikey indexes), one state entry per member ever seen
-//! (`_seq_<field>.<member key>: {seq, present}`, the key encoded by
-//! [`encode::member_key`]), and the highest compaction watermark (`_seq_<field>_floor`).
+//! document keeps a plain array of the present members (`<field>`, stored as given and
+//! kept sorted, for reads and multikey indexes) and, under `_seq_sets.<field>`, one state
+//! entry per member ever seen (`state.<member key>: {seq, present}`, the key encoded by
+//! [`encode::member_key`], entries sorted by key) and the highest compaction watermark
+//! (`floor`). Every set's bookkeeping lives under its own field name inside
+//! [`SETS_FIELD`], so two sets on one document never share a field.
+//!
+//! **Canonical document:** the members array and the state entries are kept in sorted
+//! order and nothing per-call is stored, so the document left by a history of operations
+//! is the same, byte for byte, for every delivery order and any duplication (for one set
+//! per document; with several sets or other fields, the order of the top-level fields
+//! follows their first use).
 //!
 //! **Why a sub-document keyed by member, not an array of `{member, seq, present}`:** the
 //! update reads and writes the member's state by a direct path, so its cost does not grow
@@ -23,9 +31,10 @@
 //! one with `seq` below the document's compaction watermark is [`Outcome::Stale`] too.
 
 use mongodb::bson::{Bson, Document, doc};
+use mongodb::options::WriteConcern;
 use mongodb::{Collection, IndexModel};
 
-use super::{Outcome, encode, validate_seq};
+use super::{CREATED, OUTCOME_FIELD, Outcome, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// Options of a [`SequencedSet`], validated by [`SequencedSet::new`].
@@ -39,6 +48,16 @@ pub struct SetOptions {
     pub field: String,
     /// Create a multikey index on the present-members array (off by default).
     pub index_members: bool,
+    /// Write concern for every write of the handle; `None` (the default) inherits the
+    /// collection's. Use [`WriteConcern::majority()`] on a replica set, so that a
+    /// failover cannot roll back an applied operation the caller already acknowledged to
+    /// its queue.
+    pub write_concern: Option<WriteConcern>,
+    /// Test-only control: `false` appends new members unsorted and never re-sorts the
+    /// state entries, as before issue 11, so the tests can show the document then depends
+    /// on the delivery order. Always `true` outside those tests.
+    #[doc(hidden)]
+    pub canonical_order: bool,
 }
 
 impl Default for SetOptions {
@@ -47,6 +66,8 @@ impl Default for SetOptions {
             key_field: "_id".to_owned(),
             field: "members".to_owned(),
             index_members: false,
+            write_concern: None,
+            canonical_order: true,
         }
     }
 }
@@ -72,6 +93,21 @@ impl SetOptions {
         self.index_members = on;
         self
     }
+
+    /// Sets [`SetOptions::write_concern`] (for example [`WriteConcern::majority()`]).
+    #[must_use]
+    pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
+        self.write_concern = Some(write_concern);
+        self
+    }
+
+    /// Test-only control (see the field): switches the canonical order off.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn control_without_canonical_order(mut self) -> Self {
+        self.canonical_order = false;
+        self
+    }
 }
 
 /// The stored state of one member.
@@ -92,9 +128,18 @@ pub struct SequencedSet {
     pub(super) collection: Collection<Document>,
     pub(super) key_field: String,
     pub(super) field: String,
+    /// `_seq_sets.<field>.state`.
     pub(super) state_field: String,
+    /// `_seq_sets.<field>.floor`.
     pub(super) floor_field: String,
+    canonical_order: bool,
 }
+
+/// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
+/// stored in `<field>`. Field names contain no `.`, so distinct sets get distinct,
+/// non-overlapping paths (the old flat `_seq_<field>` / `_seq_<field>_floor` names
+/// collided: set `x`'s floor was set `x_floor`'s state).
+pub const SETS_FIELD: &str = "_seq_sets";
 
 impl SequencedSet {
     /// A handle on `collection`; validates the options and creates the indexes
@@ -127,11 +172,12 @@ impl SequencedSet {
                 .await?;
         }
         Ok(Self {
-            state_field: format!("_seq_{}", options.field),
-            floor_field: format!("_seq_{}_floor", options.field),
-            collection,
+            state_field: format!("{SETS_FIELD}.{}.state", options.field),
+            floor_field: format!("{SETS_FIELD}.{}.floor", options.field),
+            collection: super::with_write_concern(collection, options.write_concern.as_ref()),
             key_field: options.key_field,
             field: options.field,
+            canonical_order: options.canonical_order,
         })
     }
 
@@ -145,9 +191,15 @@ impl SequencedSet {
         &self.field
     }
 
-    /// The field holding the per-member state entries.
+    /// The path of the sub-document holding the per-member state entries
+    /// (`_seq_sets.<field>.state`).
     pub fn state_field(&self) -> &str {
         &self.state_field
+    }
+
+    /// The path of the compaction watermark (`_seq_sets.<field>.floor`).
+    pub fn floor_field(&self) -> &str {
+        &self.floor_field
     }
 
     /// Adds `member` to the set of `key` as of `seq`. One round trip.
@@ -174,10 +226,19 @@ impl SequencedSet {
         let key = encode::key(key)?;
         encode::member(member)?;
         validate_seq(seq)?;
+        let entry = self.entry_path(member);
+        let seq_path = format!("{entry}.seq");
+        let present_path = format!("{entry}.present");
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
+            vec![
+                doc! { seq_path.as_str(): { "$ne": seq } },
+                doc! { present_path.as_str(): { "$ne": present } },
+            ],
             || self.pipeline(member, seq, present),
+            doc! { entry.as_str(): 1 },
+            |d| holds(d, &entry, seq, present, &key),
             &key,
         )
         .await?;
@@ -185,11 +246,30 @@ impl SequencedSet {
         Ok(outcome)
     }
 
+    /// The path of `member`'s state entry.
+    fn entry_path(&self, member: &str) -> String {
+        format!("{}.{}", self.state_field, encode::member_key(member))
+    }
+
     /// The update pipeline for one operation (public for inspection and other-language
-    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it).
+    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it). Two stages, as
+    /// before issue 11:
+    ///
+    /// 1. decide: write `applied`, `created` (applied, and the member had no state entry),
+    ///    `duplicate` or `stale` to the temporary [`OUTCOME_FIELD`]; when `created`, insert
+    ///    the new entry into the state in key order (`$objectToArray`, the entries below,
+    ///    the new one, the entries above, `$arrayToObject`), so the entries' order does not
+    ///    depend on which member came first;
+    /// 2. when applied, write the member's state entry by its path and update the members
+    ///    array, which is kept sorted (an add of a new member inserts it in order the same
+    ///    way, a remove filters); remove the temporary field (`$$REMOVE`).
+    ///
+    /// The update's filter is the key plus "not in effect yet"
+    /// (`$or: [{<entry>.seq: {$ne: seq}}, {<entry>.present: {$ne: present}}]`), which is how
+    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`).
     pub fn pipeline(&self, member: &str, seq: i64, present: bool) -> Vec<Document> {
         let m = encode::literal(member);
-        let entry = format!("{}.{}", self.state_field, encode::member_key(member));
+        let entry = self.entry_path(member);
         let cur = format!("${entry}");
         let cur_seq = doc! { "$ifNull": [format!("{cur}.seq"), -1_i64] };
         let cur_present = doc! { "$eq": [format!("{cur}.present"), true] };
@@ -203,7 +283,11 @@ impl SequencedSet {
             },
             doc! {
                 "case": { "$gt": [seq, cur_seq] },
-                "then": Outcome::Applied.as_str(),
+                "then": { "$cond": [
+                    { "$eq": [{ "$type": cur.as_str() }, "missing"] },
+                    CREATED,
+                    Outcome::Applied.as_str(),
+                ] },
             },
         ];
         // Equal sequence numbers: remove wins, so an add ties only with itself (present),
@@ -219,13 +303,24 @@ impl SequencedSet {
                 "then": { "$cond": [cur_present, Outcome::Applied.as_str(), Outcome::Duplicate.as_str()] },
             });
         }
-        let applied =
-            doc! { "$eq": [format!("${}", super::OUTCOME_FIELD), Outcome::Applied.as_str()] };
+        let applied = super::applied_expr();
         let new_members = if present {
+            let appended = doc! { "$concatArrays": [members_or_empty.clone(), [m.clone()]] };
+            let inserted = if self.canonical_order {
+                // Insert in order (the array is sorted): the members below, the new one,
+                // the members above. Two linear passes, no sort.
+                doc! { "$concatArrays": [
+                    { "$filter": { "input": members_or_empty.clone(), "as": "x", "cond": { "$lt": ["$$x", m.clone()] } } },
+                    [m.clone()],
+                    { "$filter": { "input": members_or_empty.clone(), "as": "x", "cond": { "$gt": ["$$x", m.clone()] } } },
+                ] }
+            } else {
+                appended
+            };
             doc! { "$cond": [
-                { "$in": [m.clone(), members_or_empty.clone()] },
+                { "$in": [m, members_or_empty.clone()] },
                 members_or_empty.clone(),
-                { "$concatArrays": [members_or_empty.clone(), [m]] },
+                inserted,
             ] }
         } else {
             doc! { "$filter": {
@@ -234,17 +329,38 @@ impl SequencedSet {
                 "cond": { "$ne": ["$$x", m] },
             } }
         };
-        vec![
-            doc! { "$set": { super::OUTCOME_FIELD: {
-                "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
-            } } },
-            doc! { "$set": {
-                entry: { "$cond": [
-                    applied.clone(),
-                    { "$literal": { "seq": seq, "present": present } },
-                    cur.as_str(),
+        let decision = doc! {
+            "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
+        };
+        let state = format!("${}", self.state_field);
+        let new_entry = doc! { "$literal": { "seq": seq, "present": present } };
+        let key = encode::literal(encode::member_key(member));
+        let mut first = doc! { OUTCOME_FIELD: decision.clone() };
+        if self.canonical_order {
+            // A new entry is inserted in key order (it is always applied: no state, no
+            // floor question left); otherwise the state is left as it is.
+            first.insert(
+                self.state_field.as_str(),
+                doc! { "$cond": [
+                    { "$eq": [decision, CREATED] },
+                    { "$let": {
+                        "vars": { "es": { "$objectToArray": { "$ifNull": [state.as_str(), {}] } } },
+                        "in": { "$arrayToObject": { "$concatArrays": [
+                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$lt": ["$$e.k", key.clone()] } } },
+                            [{ "k": key.clone(), "v": new_entry.clone() }],
+                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$gt": ["$$e.k", key] } } },
+                        ] } },
+                    } },
+                    state.as_str(),
                 ] },
+            );
+        }
+        vec![
+            doc! { "$set": first },
+            doc! { "$set": {
+                entry: { "$cond": [applied.clone(), new_entry, cur.as_str()] },
                 self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
+                OUTCOME_FIELD: "$$REMOVE",
             } },
         ]
     }
@@ -305,7 +421,7 @@ impl SequencedSet {
             id: key.to_string(),
             reason: format!("`{}`: {reason}", self.state_field),
         };
-        let entries = match doc.get(&self.state_field) {
+        let entries = match super::get_path(&doc, &self.state_field) {
             None => return Ok(Some(Vec::new())),
             Some(Bson::Document(d)) => d,
             Some(_) => return Err(malformed("not a document")),
@@ -330,6 +446,19 @@ impl SequencedSet {
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
+}
+
+/// Whether `doc` holds the operation `(seq, present)` in the state entry at `entry`.
+fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Result<bool> {
+    let Some(e) = super::get_path(doc, entry) else {
+        return Ok(false);
+    };
+    let e = e.as_document().ok_or_else(|| Error::Malformed {
+        id: key.to_string(),
+        reason: format!("`{entry}` is not a document"),
+    })?;
+    Ok(e.get("seq").and_then(super::stored_seq) == Some(seq)
+        && e.get("present") == Some(&Bson::Boolean(present)))
 }
 
 /// The model the pipeline implements: `(seq, present)` replaces `current` when it is

@@ -134,11 +134,14 @@ impl SequencedFields {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a key field that is not a plain name;
-    /// [`Error::Database`] if the index cannot be created.
+    /// [`Error::Incompatible`] for a server older than MongoDB 6.0 or a collection with a
+    /// non-simple default collation (see [`crate::preflight`]); [`Error::Database`] if the
+    /// index cannot be created.
     pub async fn new(collection: Collection<Document>, options: FieldsOptions) -> Result<Self> {
         if options.key_field != "_id" {
             encode::field("key field", &options.key_field)?;
         }
+        crate::preflight::check(&collection).await?;
         super::ensure_key_index(&collection, &options.key_field).await?;
         Ok(Self {
             collection: super::with_write_concern(collection, options.write_concern.as_ref()),

@@ -148,8 +148,9 @@ impl SequencedSet {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a key field or set field that is not a plain name (see
-    /// [`encode::field`]; the key field may be `_id`); [`Error::Database`] if the indexes
-    /// cannot be created.
+    /// [`encode::field`]; the key field may be `_id`); [`Error::Incompatible`] for a server older than MongoDB 6.0 or a
+    /// collection with a non-simple default collation (see [`crate::preflight`]);
+    /// [`Error::Database`] if the indexes cannot be created.
     pub async fn new(collection: Collection<Document>, options: SetOptions) -> Result<Self> {
         if options.key_field != "_id" {
             encode::field("key field", &options.key_field)?;
@@ -161,6 +162,7 @@ impl SequencedSet {
                 "must differ from the key field",
             ));
         }
+        crate::preflight::check(&collection).await?;
         super::ensure_key_index(&collection, &options.key_field).await?;
         if options.index_members {
             collection

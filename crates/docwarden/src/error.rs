@@ -21,12 +21,6 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
-    /// The resource or document is locked by someone else.
-    #[error("`{resource}` is already locked")]
-    AlreadyLocked {
-        /// The locked resource or document id.
-        resource: String,
-    },
     /// The lease (lock-collection lock or job claim) was lost: it expired and was taken
     /// over, or it was released by someone else. Nothing was written.
     #[error("lease on `{resource}` with token {token} was lost")]

@@ -5,6 +5,7 @@ pub mod capabilities;
 pub mod check;
 pub mod clock;
 pub mod error;
+pub mod format;
 pub mod guard;
 pub mod lock;
 pub mod preflight;

@@ -23,10 +23,14 @@ mod fence;
 mod lease;
 mod watchdog;
 
+/// The stored lock formats (field names), typed.
+pub use crate::format::lock as format;
 #[doc(hidden)]
 pub use collection::AcquirePause;
-pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
+pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
-pub use fence::{Fence, FenceOptions, FenceOutcome};
+#[doc(hidden)]
+pub use fence::FenceCondition;
+pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};
 pub use lease::{Lease, Owner};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

@@ -45,22 +45,32 @@ use crate::validate;
 
 mod claim;
 mod enqueue;
-mod job;
+pub(crate) mod job;
 mod ops;
 mod options;
 mod transition;
 mod worker;
 
 pub use enqueue::Enqueued;
-pub use job::{ClaimedJob, Job, JobState, Lease};
-pub use ops::{CancelOutcome, ListFilter, QueueStats};
+pub use job::{ClaimedJob, Job, JobLease, JobState};
+pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{ClaimStrategy, EnqueueOptions, QueueOptions, RunAt, WorkerOptions};
 pub use transition::FailOutcome;
-pub use worker::{HandlerResult, Worker, WorkerHandle, WorkerReport};
+pub use worker::{HandlerResult, Worker, WorkerReport};
 
 use job::{claimable_states, field, unfinished_states};
+
+/// The stored job format, typed, for tools and workers in other languages (see
+/// `docs/queue.md`): every field name ([`format::field`]), the states
+/// ([`format::JobState`], [`JobState::as_str`] / [`JobState::parse`]), the index names and
+/// the options document. No literal of a stored field name or state lives outside this
+/// module: code outside the library (the CLI, `check`) goes through these constants.
+pub mod format {
+    pub use super::{index, meta};
+    pub use crate::format::job::*;
+}
 
 /// Index names, so `explain` output and `docs/queue.md` can refer to them.
 pub mod index {

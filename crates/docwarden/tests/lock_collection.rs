@@ -10,8 +10,8 @@ use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
 use docwarden::lock::{
-    Fence, FenceOptions, FenceOutcome, ListFilter, LockCollection, LockOptions, LostReason, Owner,
-    WatchdogOptions,
+    Fence, FenceOptions, FenceOutcome, LockCollection, LockListFilter, LockOptions, LostReason,
+    Owner, WatchdogOptions,
 };
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
@@ -263,7 +263,7 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
     assert_eq!(d.get_i64("balance")?, 70, "the stale write was not applied");
     assert_eq!(d.get_i64("fence_token")?, lb.token);
     let held = locks
-        .list(&ListFilter::default().resource("account-1"))
+        .list(&LockListFilter::default().resource("account-1"))
         .await?;
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].owner, b.id());
@@ -331,7 +331,7 @@ async fn a_lapsed_lease_cannot_be_renewed_even_if_not_taken_over() -> anyhow::Re
     assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
     // Releasing still frees it (nobody else took it).
     locks.release(&la).await?;
-    assert!(locks.list(&ListFilter::default()).await?.is_empty());
+    assert!(locks.list(&LockListFilter::default()).await?.is_empty());
     Ok(())
 }
 
@@ -518,13 +518,13 @@ async fn release_all_releases_exactly_that_owners_leases() -> anyhow::Result<()>
     assert_eq!(locks.release_all(&a).await?, 3);
     assert!(
         locks
-            .list(&ListFilter::default().owner(a.id()))
+            .list(&LockListFilter::default().owner(a.id()))
             .await?
             .is_empty()
     );
     assert_eq!(
         locks
-            .list(&ListFilter::default().owner(b.id()))
+            .list(&LockListFilter::default().owner(b.id()))
             .await?
             .len(),
         3

@@ -35,7 +35,7 @@ use crate::validate;
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
 
-/// Options of a [`LockCollection`], validated by [`LockCollection::open`].
+/// Options of a [`LockCollection`], validated once by [`LockCollection::new`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct LockOptions {
@@ -126,14 +126,14 @@ impl LockOptions {
 /// Which locks [`LockCollection::list`] returns. Empty: every held lock.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
-pub struct ListFilter {
+pub struct LockListFilter {
     /// Only locks held by this owner id.
     pub owner: Option<String>,
     /// Only the lock on this resource.
     pub resource: Option<String>,
 }
 
-impl ListFilter {
+impl LockListFilter {
     /// Only locks held by `owner`.
     pub fn owner(mut self, owner: impl Into<String>) -> Self {
         self.owner = Some(owner.into());
@@ -239,9 +239,48 @@ pub struct LockCollection {
 }
 
 impl LockCollection {
+    /// A handle on the lock collection `collection` (and its counter collection
+    /// `<name>.tokens` in the same database), without touching the server: it only
+    /// validates. Use [`LockCollection::open`] to also run the preflight checks and create
+    /// the indexes, or call [`LockCollection::ensure_indexes`] once. With
+    /// [`LockOptions::write_concern`] set, both collections use it; otherwise they inherit
+    /// `collection`'s write concern (its read concern and read preference are kept).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad collection name or options.
+    pub fn new(
+        collection: Collection<Document>,
+        time: TimeSource,
+        options: LockOptions,
+    ) -> Result<Self> {
+        validate::collection_name("lock collection", collection.name())?;
+        options.validate()?;
+        let db = collection.client().database(&collection.namespace().db);
+        let coll_options = CollectionOptions::builder()
+            .write_concern(
+                options
+                    .write_concern
+                    .clone()
+                    .or_else(|| collection.write_concern().cloned()),
+            )
+            .read_concern(collection.read_concern().cloned())
+            .selection_criteria(collection.selection_criteria().cloned())
+            .build();
+        let name = collection.name();
+        Ok(Self {
+            locks: db.collection_with_options(name, coll_options.clone()),
+            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
+            time,
+            options,
+            pause: None,
+        })
+    }
+
     /// Opens the lock collection `name` (and its counter collection `<name>.tokens`) in
-    /// `db`, creating its indexes if they are missing: `{owner: 1, _id: 1}` for listing
-    /// and releasing by owner, and a TTL index on `expires_at` with `gc_after`.
+    /// `db` ([`LockCollection::new`]), runs the preflight checks on both
+    /// ([`crate::preflight::check`]) and creates the indexes if they are missing:
+    /// `{owner: 1, _id: 1}` for listing and releasing by owner, and a TTL index on
+    /// `expires_at` with `gc_after`.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
@@ -254,17 +293,7 @@ impl LockCollection {
         options: LockOptions,
     ) -> Result<Self> {
         validate::collection_name("lock collection", name)?;
-        options.validate()?;
-        let coll_options = CollectionOptions::builder()
-            .write_concern(options.write_concern.clone())
-            .build();
-        let this = Self {
-            locks: db.collection_with_options(name, coll_options.clone()),
-            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
-            time,
-            options,
-            pause: None,
-        };
+        let this = Self::new(db.collection(name), time, options)?;
         crate::preflight::check(&this.locks).await?;
         crate::preflight::check(&this.tokens).await?;
         this.ensure_indexes().await?;
@@ -592,7 +621,7 @@ impl LockCollection {
     ///
     /// # Errors
     /// A database error.
-    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<LockRecord>> {
+    pub async fn list(&self, filter: &LockListFilter) -> Result<Vec<LockRecord>> {
         let mut query = doc! { "owner": { "$ne": Bson::Null } };
         if let Some(owner) = &filter.owner {
             query.insert("owner", owner.as_str());

@@ -59,7 +59,7 @@ impl JobQueue {
         doc! {
             "$set": {
                 field::STATE: JobState::Running.as_str(),
-                field::LEASE: { "owner": owner, "token": token, "until": until },
+                field::LEASE: { field::lease::OWNER: owner, field::lease::TOKEN: token, field::lease::UNTIL: until },
                 field::UPDATED_AT: now,
             },
             "$inc": { field::ATTEMPTS: 1_i64 },

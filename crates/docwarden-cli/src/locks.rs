@@ -173,8 +173,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 println!(
                     "{:<32} {:<32} {:>8} {:<26} state",
                     "resource",
-                    lock_format::lock::OWNER,
-                    lock_format::lock::TOKEN,
+                    lock_format::collection::OWNER,
+                    lock_format::collection::TOKEN,
                     "expires at (server)"
                 );
                 for r in &records {
@@ -191,7 +191,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                         r.resource,
                         r.owner,
                         r.token.map_or_else(
-                            || lock_format::lock::PENDING.to_owned(),
+                            || lock_format::collection::PENDING.to_owned(),
                             |t| t.to_string()
                         ),
                         expires,
@@ -212,7 +212,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             let released = locks.release_all(&owner).await?;
             if json {
                 crate::output::print_json(
-                    &serde_json::json!({ (lock_format::lock::OWNER): owner.id(), "released": released }),
+                    &serde_json::json!({ (lock_format::collection::OWNER): owner.id(), "released": released }),
                 )?;
             } else {
                 println!("released {released} lease(s) of owner {owner}");

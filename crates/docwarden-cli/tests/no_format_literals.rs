@@ -12,7 +12,7 @@ fn forbidden() -> Vec<&'static str> {
     let mut all: Vec<&'static str> = Vec::new();
     all.extend(job::field::ALL);
     all.extend(job::STATES);
-    all.extend(lock::lock::ALL);
+    all.extend(lock::collection::ALL);
     all.extend(lock::document::ALL);
     all.push(lock::FENCE_TOKEN);
     all

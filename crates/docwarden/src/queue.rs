@@ -10,8 +10,9 @@
 //!
 //! **Limits:** delivery is at least once. A handler whose lease expired may still have
 //! performed external side effects before its fenced completion is refused; make them
-//! idempotent, or fence them with [`ClaimedJob::fence`] when they write to the job
-//! document. Expired leases are re-claimable after `lease_ttl` plus the clock bound and
+//! idempotent, or fence them with [`crate::lock::Fence::apply`] (a [`ClaimedJob`] is a
+//! [`crate::lock::Fenced`] holder: it fences the job document, "still running under my
+//! claim token", and gets [`crate::lock::FenceOutcome::Lost`] once the claim is lost). Expired leases are re-claimable after `lease_ttl` plus the clock bound and
 //! skew margin. A job an operator edited into a shape the filters cannot match (a
 //! `lease.until` or `run_at` that is not a date) is recovered or moved to `dead` by the
 //! sweep and counted by [`JobQueue::stats`]. Writes use [`QueueOptions::write_concern`]

@@ -40,8 +40,9 @@
 //! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {
 //! use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOptions};
 //!
-//! let classes = SequencedSet::new(
-//!     db.collection("students"),
+//! let classes = SequencedSet::open(
+//!     &db,
+//!     "students",
 //!     SetOptions::default().key_field("student_id").field("classes"),
 //! )
 //! .await?;

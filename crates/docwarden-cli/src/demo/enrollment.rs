@@ -79,7 +79,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     let (messages, expected) = produce();
     let deliveries = deliver(&messages);
     let set = SequencedSet::open(
-        &db,
+        db,
         "enrollment",
         SetOptions::default()
             .key_field("student_id")

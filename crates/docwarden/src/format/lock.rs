@@ -3,7 +3,7 @@
 //! Code outside the library (the CLI, `check`) names stored fields through these constants.
 
 /// Fields of a lock document in a [`crate::lock::LockCollection`] (`_id` is the resource).
-pub mod lock {
+pub mod collection {
     /// The holder's owner id.
     pub const OWNER: &str = "owner";
     /// The fencing token of the acquisition (set once committed).

@@ -11,6 +11,7 @@ pub mod lock;
 pub mod preflight;
 pub mod queue;
 pub mod sequence;
+pub mod token;
 pub mod validate;
 
 pub use error::{Error, Result};

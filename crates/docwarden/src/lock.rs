@@ -38,6 +38,7 @@ mod watchdog;
 
 /// The stored lock formats (field names), typed.
 pub use crate::format::lock as format;
+pub use crate::token::FencingToken;
 #[doc(hidden)]
 pub use collection::AcquirePause;
 pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord};

@@ -52,6 +52,7 @@ mod options;
 mod transition;
 mod worker;
 
+pub use crate::token::JobToken;
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
@@ -329,9 +330,9 @@ impl JobQueue {
     }
 }
 
-fn lease_lost(id: &mongodb::bson::Bson, token: &str) -> Error {
+fn lease_lost(id: &mongodb::bson::Bson, token: &JobToken) -> Error {
     Error::LeaseLost {
         resource: job::render_id(id),
-        token: token.to_owned(),
+        token: token.clone().into(),
     }
 }

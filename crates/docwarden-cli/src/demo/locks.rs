@@ -238,7 +238,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
                     .map_err(|_| anyhow::anyhow!("poisoned"))?
                     .entry(r)
                     .or_default()
-                    .push(lease.token);
+                    .push(lease.token.get());
                 read_modify_write(&workitems, r).await?;
                 locks.release(&lease).await?;
             }

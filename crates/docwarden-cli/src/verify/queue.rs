@@ -164,13 +164,13 @@ async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
                 ctx.history.now_us(),
                 ctx.history.now_us(),
             )
-            .detail(claimed.lease.token.clone()),
+            .detail(claimed.lease.token.to_string()),
         );
         // The handler's work, sometimes paused past the lease.
         tokio::time::sleep(Duration::from_millis(rng.random_range(2..15))).await;
         ctx.maybe_pause(&mut rng, process, 0.03, LEASE + Duration::from_millis(1500))
             .await;
-        let token = claimed.lease.token.clone();
+        let token = claimed.lease.token.to_string();
         if ctx.control {
             ctx.history
                 .record(
@@ -217,7 +217,7 @@ async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
         match queue.claim(&owner).await {
             Ok(Some(job)) => {
                 let key = job.id().to_hex();
-                let token = job.lease.token.clone();
+                let token = job.lease.token.to_string();
                 ctx.history
                     .record(
                         u32::MAX - 1,

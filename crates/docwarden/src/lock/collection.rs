@@ -30,6 +30,7 @@ use super::lease::{Lease, Owner};
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
 use crate::error::{self, Error, Result};
+use crate::token::FencingToken;
 use crate::validate;
 
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
@@ -160,7 +161,7 @@ pub struct LockRecord {
     pub owner: String,
     /// The fencing token; `None` while an acquire is between its steps, or when the stored
     /// token is not an int64.
-    pub token: Option<i64>,
+    pub token: Option<FencingToken>,
     /// When it was acquired (server time); `None` if the stored value is not a date.
     #[serde(serialize_with = "as_rfc3339")]
     pub acquired_at: Option<DateTime>,
@@ -436,7 +437,7 @@ impl LockCollection {
                 Ok(Some(Lease {
                     resource: resource.to_owned(),
                     owner: owner.id().to_owned(),
-                    token,
+                    token: FencingToken::new(token),
                     acquired_at,
                     expires_at,
                 }))
@@ -555,7 +556,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
     /// [`Error::InvalidInput`] for a zero ttl; a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.renew_at(lease, ttl).await.map(|_| ())
     }
@@ -589,7 +590,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease was taken over, released or deleted already (so a
     /// non-holder can never release); a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let result = self
             .locks
@@ -646,22 +647,24 @@ impl LockCollection {
     ///
     /// # Errors
     /// [`Error::Malformed`] for a counter docwarden did not write; a database error.
-    pub async fn last_token(&self, resource: &str) -> Result<Option<i64>> {
+    pub async fn last_token(&self, resource: &str) -> Result<Option<FencingToken>> {
         validate::name("resource", resource)?;
         let Some(d) = self.tokens.find_one(doc! { "_id": resource }).await? else {
             return Ok(None);
         };
-        d.get_i64("token").map(Some).map_err(|e| Error::Malformed {
-            id: resource.to_owned(),
-            reason: format!("token counter: {e}"),
-        })
+        d.get_i64("token")
+            .map(|t| Some(FencingToken::new(t)))
+            .map_err(|e| Error::Malformed {
+                id: resource.to_owned(),
+                reason: format!("token counter: {e}"),
+            })
     }
 }
 
 fn lost(lease: &Lease) -> Error {
     Error::LeaseLost {
         resource: lease.resource.clone(),
-        token: lease.token.to_string(),
+        token: lease.token.into(),
     }
 }
 
@@ -772,7 +775,7 @@ fn record(d: &Document, cutoff: DateTime) -> LockRecord {
         None
     } else {
         match d.get("token") {
-            Some(Bson::Int64(t)) => Some(*t),
+            Some(Bson::Int64(t)) => Some(FencingToken::new(*t)),
             other => {
                 problems.push(format!("token is {}", describe(other)));
                 None
@@ -799,7 +802,7 @@ mod tests {
         Lease {
             resource: "r".into(),
             owner: "o".into(),
-            token: 7,
+            token: FencingToken::new(7),
             acquired_at: DateTime::from_millis(0),
             expires_at: DateTime::from_millis(5_000),
         }
@@ -876,7 +879,7 @@ mod tests {
     fn records_decode_pending_and_committed() {
         let d = doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": DateTime::from_millis(10) };
         let r = record(&d, DateTime::from_millis(20));
-        assert_eq!(r.token, Some(3));
+        assert_eq!(r.token, Some(FencingToken::new(3)));
         assert!(r.expired);
         assert_eq!(r.malformed, None);
         let mut p = d.clone();
@@ -1014,7 +1017,7 @@ mod tests {
                                         Lease {
                                             resource: "r".into(),
                                             owner: owner_of(a),
-                                            token,
+                                            token: crate::token::FencingToken::new(token),
                                             acquired_at: DateTime::from_millis(0),
                                             expires_at: DateTime::from_millis(0),
                                         },

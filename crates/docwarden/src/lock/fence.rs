@@ -29,6 +29,7 @@ use super::document::DocumentGuard;
 use super::lease::Lease;
 use crate::error::{Error, Result};
 use crate::queue::ClaimedJob;
+use crate::token::FencingToken;
 use crate::validate;
 
 /// Options of a [`Fence`].
@@ -78,7 +79,7 @@ pub enum FenceOutcome {
     /// The document carries a higher token: a newer holder wrote. Nothing was written.
     Stale {
         /// The token stored in the document.
-        seen: i64,
+        seen: FencingToken,
     },
     /// The holder no longer holds the document: the document lock was taken over or
     /// cleared, or the job is no longer running under this claim. Nothing was written.
@@ -115,7 +116,7 @@ mod sealed {
 
 impl Fenced for Lease {
     fn fence_condition(&self) -> FenceCondition {
-        FenceCondition::Token(self.token)
+        FenceCondition::Token(self.token.get())
     }
 }
 
@@ -129,7 +130,7 @@ impl Fenced for ClaimedJob {
     fn fence_condition(&self) -> FenceCondition {
         FenceCondition::Matches(crate::queue::job::fence_filter(
             &Bson::ObjectId(self.id()),
-            &self.lease.token,
+            self.lease.token.as_str(),
         ))
     }
 }
@@ -152,7 +153,7 @@ impl FenceOutcome {
             FenceOutcome::NotFound => Ok(false),
             FenceOutcome::Lost => Err(Error::LeaseLost {
                 resource: lease.resource.clone(),
-                token: lease.token.to_string(),
+                token: lease.token.into(),
             }),
             FenceOutcome::Stale { seen } => Err(Error::Stale {
                 resource: lease.resource.clone(),
@@ -263,7 +264,9 @@ impl Fence {
             };
             match current.get(&self.field) {
                 Some(Bson::Int64(seen)) if *seen > token => {
-                    return Ok(FenceOutcome::Stale { seen: *seen });
+                    return Ok(FenceOutcome::Stale {
+                        seen: FencingToken::new(*seen),
+                    });
                 }
                 Some(Bson::Int64(_)) | Some(Bson::Null) | None => {
                     // The document changed between the two reads; try again.

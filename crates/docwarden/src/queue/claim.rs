@@ -257,7 +257,7 @@ impl JobQueue {
     async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
-                Some(lease) if lease.token == token => Ok(Some(ClaimedJob { job, lease })),
+                Some(lease) if lease.token.as_str() == token => Ok(Some(ClaimedJob { job, lease })),
                 _ => Ok(None),
             },
             Err(Error::Malformed { reason, id }) => {

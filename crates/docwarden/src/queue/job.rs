@@ -7,6 +7,7 @@
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 use crate::error::{Error, Result};
+use crate::token::JobToken;
 
 pub use crate::format::job::JobState;
 pub(crate) use crate::format::job::field;
@@ -45,7 +46,7 @@ pub struct JobLease {
     /// The worker that holds (or last held) the job.
     pub owner: String,
     /// 128-bit random token, 32 hex digits; every transition matches it.
-    pub token: String,
+    pub token: JobToken,
     /// Expiry by the server's clock.
     pub until: DateTime,
 }
@@ -199,7 +200,7 @@ impl Job {
                 let until = get_date(l, &raw_id, field::lease::UNTIL)?;
                 Some(JobLease {
                     owner,
-                    token,
+                    token: JobToken::new(token),
                     until,
                 })
             }
@@ -282,7 +283,7 @@ mod tests {
         let job = Job::from_document(&sample())?;
         assert_eq!(job.state, JobState::Running);
         assert_eq!(job.max_attempts, 5);
-        assert_eq!(job.lease.map(|l| l.token), Some("t".to_owned()));
+        assert_eq!(job.lease.map(|l| l.token), Some(JobToken::new("t")));
         Ok(())
     }
 

@@ -47,7 +47,7 @@ impl JobQueue {
             .inner
             .coll
             .update_one(
-                super::job::fence_filter(&Bson::ObjectId(job.id()), &job.lease.token),
+                super::job::fence_filter(&Bson::ObjectId(job.id()), job.lease.token.as_str()),
                 update,
             )
             .await?;

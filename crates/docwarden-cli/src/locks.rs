@@ -4,8 +4,9 @@
 use std::process::ExitCode;
 
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::format as lock_format;
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, ListFilter, LockCollection, LockOptions, Owner,
+    DocumentLockOptions, DocumentLocks, LockCollection, LockListFilter, LockOptions, Owner,
 };
 
 use crate::conn::ConnArgs;
@@ -49,10 +50,10 @@ enum LocksCommand {
         #[arg(long, default_value_t = 30)]
         max_duration_secs: u64,
         /// The field holding the lock id.
-        #[arg(long, default_value = "lock_id")]
+        #[arg(long, default_value = lock_format::document::LOCK_ID)]
         lock_id_field: String,
         /// The field holding the lock time.
-        #[arg(long, default_value = "lock_time")]
+        #[arg(long, default_value = lock_format::document::LOCK_TIME)]
         lock_time_field: String,
         /// Print JSON.
         #[arg(long)]
@@ -155,7 +156,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             resource,
             json,
         } => {
-            let mut filter = ListFilter::default();
+            let mut filter = LockListFilter::default();
             if let Some(owner) = owner {
                 filter = filter.owner(Owner::from_existing(owner)?.id());
             }
@@ -171,7 +172,10 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             } else {
                 println!(
                     "{:<32} {:<32} {:>8} {:<26} state",
-                    "resource", "owner", "token", "expires at (server)"
+                    "resource",
+                    lock_format::collection::OWNER,
+                    lock_format::collection::TOKEN,
+                    "expires at (server)"
                 );
                 for r in &records {
                     let expires = r.expires_at.map_or_else(
@@ -186,8 +190,10 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                         "{:<32} {:<32} {:>8} {:<26} {}",
                         r.resource,
                         r.owner,
-                        r.token
-                            .map_or_else(|| "pending".to_owned(), |t| t.to_string()),
+                        r.token.map_or_else(
+                            || lock_format::collection::PENDING.to_owned(),
+                            |t| t.to_string()
+                        ),
                         expires,
                         state
                     );
@@ -206,7 +212,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             let released = locks.release_all(&owner).await?;
             if json {
                 crate::output::print_json(
-                    &serde_json::json!({ "owner": owner.id(), "released": released }),
+                    &serde_json::json!({ (lock_format::collection::OWNER): owner.id(), "released": released }),
                 )?;
             } else {
                 println!("released {released} lease(s) of owner {owner}");

@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::{CancelOutcome, JobQueue, JobState, ListFilter, QueueOptions};
+use docwarden::queue::format::field;
+use docwarden::queue::{CancelOutcome, JobListFilter, JobQueue, JobState, QueueOptions};
 use mongodb::bson::{Bson, Document, oid::ObjectId};
 
 use crate::conn::ConnArgs;
@@ -89,14 +90,16 @@ fn parse_state(s: &str) -> anyhow::Result<JobState> {
 /// One job as a line of the listing.
 fn summary(d: &Document) -> serde_json::Value {
     let text = |k: &str| d.get(k).map(render).unwrap_or_default();
+    // The listing's keys are the stored field names (`_id` shown as `id`, the lease's
+    // owner as `owner`).
     serde_json::json!({
-        "id": text("_id"),
-        "state": text("state"),
-        "priority": text("priority"),
-        "attempts": format!("{}/{}", text("attempts"), text("max_attempts")),
-        "run_at": text("run_at"),
-        "owner": d.get_document("lease").ok().map(|l| l.get("owner").map(render).unwrap_or_default()),
-        "last_error": d.get("last_error").filter(|b| **b != Bson::Null).map(render),
+        "id": text(field::ID),
+        (field::STATE): text(field::STATE),
+        (field::PRIORITY): text(field::PRIORITY),
+        (field::ATTEMPTS): format!("{}/{}", text(field::ATTEMPTS), text(field::MAX_ATTEMPTS)),
+        (field::RUN_AT): text(field::RUN_AT),
+        (field::lease::OWNER): d.get_document(field::LEASE).ok().map(|l| l.get(field::lease::OWNER).map(render).unwrap_or_default()),
+        (field::LAST_ERROR): d.get(field::LAST_ERROR).filter(|b| **b != Bson::Null).map(render),
     })
 }
 
@@ -178,7 +181,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
         QueueCommand::List { state, limit } => {
-            let mut filter = ListFilter::default().limit(limit);
+            let mut filter = JobListFilter::default().limit(limit);
             if let Some(s) = state {
                 filter = filter.state(parse_state(&s)?);
             }
@@ -189,18 +192,22 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             } else {
                 println!(
                     "{:<24} {:<10} {:>8} {:>8} {:<24} error",
-                    "id", "state", "priority", "attempts", "run_at"
+                    "id",
+                    field::STATE,
+                    field::PRIORITY,
+                    field::ATTEMPTS,
+                    field::RUN_AT
                 );
                 for j in &jobs {
                     let s = |k: &str| j.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
                     println!(
                         "{:<24} {:<10} {:>8} {:>8} {:<24} {}",
                         s("id"),
-                        s("state"),
-                        s("priority"),
-                        s("attempts"),
-                        s("run_at"),
-                        s("last_error")
+                        s(field::STATE),
+                        s(field::PRIORITY),
+                        s(field::ATTEMPTS),
+                        s(field::RUN_AT),
+                        s(field::LAST_ERROR)
                     );
                 }
             }

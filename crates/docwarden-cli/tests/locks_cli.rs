@@ -52,7 +52,9 @@ async fn list_and_release_by_owner() -> anyhow::Result<()> {
     let stdout = String::from_utf8(out.stdout)?;
     assert!(out.status.success());
     assert!(stdout.contains("released 2 lease(s)"), "{stdout}");
-    let left = locks.list(&docwarden::lock::ListFilter::default()).await?;
+    let left = locks
+        .list(&docwarden::lock::LockListFilter::default())
+        .await?;
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].owner, b.id());
     Ok(())

@@ -21,12 +21,6 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
-    /// The resource or document is locked by someone else.
-    #[error("`{resource}` is already locked")]
-    AlreadyLocked {
-        /// The locked resource or document id.
-        resource: String,
-    },
     /// The lease (lock-collection lock or job claim) was lost: it expired and was taken
     /// over, or it was released by someone else. Nothing was written.
     #[error("lease on `{resource}` with token {token} was lost")]
@@ -34,7 +28,7 @@ pub enum Error {
         /// The resource or job id.
         resource: String,
         /// The token that is no longer valid.
-        token: String,
+        token: crate::token::Token,
     },
     /// A fenced write carried a fencing token lower than one already seen.
     #[error("stale fencing token {token} for `{resource}` (storage has seen {seen})")]
@@ -42,9 +36,9 @@ pub enum Error {
         /// The fenced resource.
         resource: String,
         /// The token offered.
-        token: i64,
+        token: crate::token::FencingToken,
         /// The highest token the storage has seen.
-        seen: i64,
+        seen: crate::token::FencingToken,
     },
     /// A write was refused because it would break a named invariant.
     #[error("invariant `{invariant}` would be violated")]

@@ -5,11 +5,13 @@ pub mod capabilities;
 pub mod check;
 pub mod clock;
 pub mod error;
+pub mod format;
 pub mod guard;
 pub mod lock;
 pub mod preflight;
 pub mod queue;
 pub mod sequence;
+pub mod token;
 pub mod validate;
 
 pub use error::{Error, Result};

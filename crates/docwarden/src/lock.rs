@@ -11,9 +11,22 @@
 //! counter collection no TTL index touches). [`DocumentLocks`] hands out a random lock id
 //! per acquisition and fences the releasing write by it.
 //!
+//! **Fencing, one shape for every holder:** [`Fence::apply`]`(&holder, filter, update)`
+//! returns a [`FenceOutcome`] for any [`Fenced`] holder. A [`Lease`] fences any document,
+//! by token order (the document stores the highest token applied); a [`DocumentGuard`]
+//! fences the locked document (it must still carry the guard's lock id); a
+//! [`crate::queue::ClaimedJob`] fences the job document (still running under the claim's
+//! token). [`DocumentLocks::release_with`] writes and unlocks in one statement and returns
+//! the same [`FenceOutcome`].
+//!
+//! **Handles:** [`LockCollection`], [`DocumentLocks`] and [`Fence`] each have a sync `new`
+//! that only validates and an async `open(db, name, …)` that runs
+//! [`crate::preflight::check`] and creates the indexes. Contention is `Ok(None)`
+//! ([`LockCollection::try_acquire`], [`DocumentLocks::lock`]), never an error.
+//!
 //! **Limits:** a lease is a promise about time, not about the holder: a process paused past
 //! its ttl still believes it holds the lease. Writes made under a lease must therefore be
-//! fenced ([`Fence`] for another collection, or the lock id for document locks). With
+//! fenced ([`Fence`]). With
 //! `w:1` a failover can roll back an acquire or a counter increment; use majority write
 //! concern where that matters. See `docs/locks.md`.
 
@@ -23,10 +36,15 @@ mod fence;
 mod lease;
 mod watchdog;
 
+/// The stored lock formats (field names), typed.
+pub use crate::format::lock as format;
+pub use crate::token::FencingToken;
 #[doc(hidden)]
 pub use collection::AcquirePause;
-pub use collection::{ListFilter, LockCollection, LockOptions, LockRecord};
+pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
-pub use fence::{Fence, FenceOptions, FenceOutcome};
+#[doc(hidden)]
+pub use fence::FenceCondition;
+pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};
 pub use lease::{Lease, Owner};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

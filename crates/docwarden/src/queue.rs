@@ -10,8 +10,9 @@
 //!
 //! **Limits:** delivery is at least once. A handler whose lease expired may still have
 //! performed external side effects before its fenced completion is refused; make them
-//! idempotent, or fence them with [`ClaimedJob::fence`] when they write to the job
-//! document. Expired leases are re-claimable after `lease_ttl` plus the clock bound and
+//! idempotent, or fence them with [`crate::lock::Fence::apply`] (a [`ClaimedJob`] is a
+//! [`crate::lock::Fenced`] holder: it fences the job document, "still running under my
+//! claim token", and gets [`crate::lock::FenceOutcome::Lost`] once the claim is lost). Expired leases are re-claimable after `lease_ttl` plus the clock bound and
 //! skew margin. A job an operator edited into a shape the filters cannot match (a
 //! `lease.until` or `run_at` that is not a date) is recovered or moved to `dead` by the
 //! sweep and counted by [`JobQueue::stats`]. Writes use [`QueueOptions::write_concern`]
@@ -45,22 +46,33 @@ use crate::validate;
 
 mod claim;
 mod enqueue;
-mod job;
+pub(crate) mod job;
 mod ops;
 mod options;
 mod transition;
 mod worker;
 
+pub use crate::token::JobToken;
 pub use enqueue::Enqueued;
-pub use job::{ClaimedJob, Job, JobState, Lease};
-pub use ops::{CancelOutcome, ListFilter, QueueStats};
+pub use job::{ClaimedJob, Job, JobLease, JobState};
+pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{ClaimStrategy, EnqueueOptions, QueueOptions, RunAt, WorkerOptions};
 pub use transition::FailOutcome;
-pub use worker::{HandlerResult, Worker, WorkerHandle, WorkerReport};
+pub use worker::{HandlerResult, Worker, WorkerReport};
 
 use job::{claimable_states, field, unfinished_states};
+
+/// The stored job format, typed, for tools and workers in other languages (see
+/// `docs/queue.md`): every field name ([`format::field`]), the states
+/// ([`format::JobState`], [`JobState::as_str`] / [`JobState::parse`]), the index names and
+/// the options document. No literal of a stored field name or state lives outside this
+/// module: code outside the library (the CLI, `check`) goes through these constants.
+pub mod format {
+    pub use super::{index, meta};
+    pub use crate::format::job::*;
+}
 
 /// Index names, so `explain` output and `docs/queue.md` can refer to them.
 pub mod index {
@@ -318,9 +330,9 @@ impl JobQueue {
     }
 }
 
-fn lease_lost(id: &mongodb::bson::Bson, token: &str) -> Error {
+fn lease_lost(id: &mongodb::bson::Bson, token: &JobToken) -> Error {
     Error::LeaseLost {
         resource: job::render_id(id),
-        token: token.to_owned(),
+        token: token.clone().into(),
     }
 }

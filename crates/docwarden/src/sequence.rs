@@ -8,7 +8,7 @@
 //! duplicates. A unique index on the key means racing consumers can never create a second
 //! document for it (the first message for a key creates the document empty, idempotently,
 //! then updates it; see `apply` below for why that is not an upsert). The outcome
-//! ([`Outcome::Applied`], [`Outcome::Stale`], [`Outcome::Duplicate`]) comes back in the
+//! ([`ApplyOutcome::Applied`], [`ApplyOutcome::Stale`], [`ApplyOutcome::Duplicate`]) comes back in the
 //! same round trip (a re-delivered operation costs a second one), read from the document
 //! the write left, so nothing per-call is stored.
 //!
@@ -38,17 +38,18 @@
 //!
 //! ```no_run
 //! # async fn example(db: mongodb::Database) -> docwarden::Result<()> {
-//! use docwarden::sequence::{Outcome, SequencedSet, SetOptions};
+//! use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOptions};
 //!
-//! let classes = SequencedSet::new(
-//!     db.collection("students"),
+//! let classes = SequencedSet::open(
+//!     &db,
+//!     "students",
 //!     SetOptions::default().key_field("student_id").field("classes"),
 //! )
 //! .await?;
 //! // Messages 1 (enroll), 3 (enroll) and 2 (unenroll) arrive as 1, 3, 2:
-//! assert_eq!(classes.add(7, "CS 101", 1).await?, Outcome::Applied);
-//! assert_eq!(classes.add(7, "CS 101", 3).await?, Outcome::Applied);
-//! assert_eq!(classes.remove(7, "CS 101", 2).await?, Outcome::Stale);
+//! assert_eq!(classes.add(7, "CS 101", 1).await?, ApplyOutcome::Applied);
+//! assert_eq!(classes.add(7, "CS 101", 3).await?, ApplyOutcome::Applied);
+//! assert_eq!(classes.remove(7, "CS 101", 2).await?, ApplyOutcome::Stale);
 //! assert_eq!(classes.members(7).await?, Some(vec!["CS 101".to_owned()]));
 //! # Ok(()) }
 //! ```
@@ -83,7 +84,7 @@ const CREATE_ATTEMPTS: u32 = 8;
 /// What a sequenced operation did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Outcome {
+pub enum ApplyOutcome {
     /// The operation won: the document now reflects it.
     Applied,
     /// A newer operation (higher sequence number, or the same number with an operation
@@ -95,13 +96,13 @@ pub enum Outcome {
     Duplicate,
 }
 
-impl Outcome {
+impl ApplyOutcome {
     /// The marker the pipeline's first stage writes to [`OUTCOME_FIELD`].
     pub(crate) fn as_str(self) -> &'static str {
         match self {
-            Outcome::Applied => "applied",
-            Outcome::Stale => "stale",
-            Outcome::Duplicate => "duplicate",
+            ApplyOutcome::Applied => "applied",
+            ApplyOutcome::Stale => "stale",
+            ApplyOutcome::Duplicate => "duplicate",
         }
     }
 }
@@ -110,7 +111,7 @@ impl Outcome {
 pub(crate) fn applied_expr() -> Document {
     mongodb::bson::doc! { "$in": [
         format!("${OUTCOME_FIELD}"),
-        [Outcome::Applied.as_str(), CREATED],
+        [ApplyOutcome::Applied.as_str(), CREATED],
     ] }
 }
 
@@ -180,10 +181,10 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 /// `{$and: [{<key_field>: key}, {$or: not_yet}]}`, so when the write runs, the operation was not in
 /// effect before it (the server checks the filter atomically with the write); the
 /// post-image (`ReturnDocument::After`, projected to `projection`) then holds it exactly
-/// when this write applied it: [`Outcome::Applied`], else [`Outcome::Stale`].
+/// when this write applied it: [`ApplyOutcome::Applied`], else [`ApplyOutcome::Stale`].
 ///
 /// When nothing matched, a read of the document tells the rest: it holds the operation
-/// ([`Outcome::Duplicate`], a second round trip, only for re-deliveries), it changed in
+/// ([`ApplyOutcome::Duplicate`], a second round trip, only for re-deliveries), it changed in
 /// between (try again), or there is no document yet: it is created empty (`insert_one` of
 /// `{<key_field>: key}`); the unique key index makes that idempotent, so a duplicate-key
 /// error from a racing creator is absorbed and the update runs again.
@@ -206,7 +207,7 @@ async fn apply(
     projection: Document,
     holds: impl Fn(&Document) -> Result<bool>,
     key: &Bson,
-) -> Result<Outcome> {
+) -> Result<ApplyOutcome> {
     // `$and` with the key first: the shape both servers route as a point lookup by the key
     // (secantusd-rs scans the collection for a top-level `$or` next to the key).
     let filter = mongodb::bson::doc! { "$and": [key_filter.clone(), { "$or": not_yet }] };
@@ -220,9 +221,9 @@ async fn apply(
             .await?;
         if let Some(after) = after {
             return Ok(if holds(&after)? {
-                Outcome::Applied
+                ApplyOutcome::Applied
             } else {
-                Outcome::Stale
+                ApplyOutcome::Stale
             });
         }
         if attempt >= CREATE_ATTEMPTS {
@@ -235,7 +236,7 @@ async fn apply(
             .projection(projection.clone())
             .await?;
         match current {
-            Some(doc) if holds(&doc)? => return Ok(Outcome::Duplicate),
+            Some(doc) if holds(&doc)? => return Ok(ApplyOutcome::Duplicate),
             Some(_) => tracing::debug!(%key, "the document changed between two reads"),
             None => match collection.insert_one(key_filter.clone()).await {
                 Ok(_) => tracing::debug!(%key, "created the sequenced document"),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{DocumentLockOptions, DocumentLocks};
+use docwarden::lock::{DocumentLockOptions, DocumentLocks, FenceOutcome};
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
@@ -51,17 +51,18 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
     let guard = locks.lock("d1").await?.context("exists")?;
     assert_eq!(guard.document.get_str("lock_id")?, guard.lock_id);
     assert_eq!(guard.lock_id.len(), 32);
-    assert!(matches!(
-        locks.lock("d1").await,
-        Err(Error::AlreadyLocked { .. })
-    ));
+    // Contention is not an error: a held lock is `Ok(None)`.
+    assert!(matches!(locks.lock("d1").await, Ok(None)));
     assert!(matches!(
         locks.lock_or_create("d1", doc! {}).await,
-        Err(Error::AlreadyLocked { .. })
+        Ok(None)
     ));
-    locks
-        .release_with(guard, doc! { "$set": { "value": "b" } })
-        .await?;
+    assert_eq!(
+        locks
+            .release_with(guard, doc! { "$set": { "value": "b" } })
+            .await?,
+        FenceOutcome::Applied
+    );
     let d = coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?;
     assert_eq!(d.get_str("value")?, "b");
     assert_eq!(d.get("lock_id"), Some(&Bson::Null));
@@ -70,13 +71,13 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
     // A released document can be locked again (with the seed's AND filter it cannot:
     // `lock_time < cutoff` never matches null).
     let again = locks.lock("d1").await?.context("relock")?;
-    locks.release(again).await?;
+    assert_eq!(locks.release(again).await?, FenceOutcome::Applied);
     // Control: docwarden's document locks with one safeguard off (seed 003's AND filter)
     // cannot relock the released document.
     let seed = seed_locks(&t, &coll, Duration::from_secs(30))?;
     let seed_and = seed.lock("d1").await;
     assert!(
-        matches!(seed_and, Err(Error::AlreadyLocked { .. })),
+        matches!(seed_and, Ok(None)),
         "control: the seed's AND filter cannot relock a released document: {seed_and:?}"
     );
 
@@ -93,22 +94,27 @@ async fn lock_or_create_upserts_with_the_initial_document() -> anyhow::Result<()
     let locks = locks(&t, &coll, Duration::from_secs(30))?;
     let guard = locks
         .lock_or_create("new", doc! { "value": "initial", "n": 1_i64 })
-        .await?;
+        .await?
+        .context("new")?;
     assert_eq!(guard.document.get_str("value")?, "initial");
     assert!(matches!(
         locks.lock_or_create("new", doc! { "value": "other" }).await,
-        Err(Error::AlreadyLocked { .. })
+        Ok(None)
     ));
-    locks
-        .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
-        .await?;
+    assert_eq!(
+        locks
+            .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
+            .await?,
+        FenceOutcome::Applied
+    );
     // Existing document: the initial fields are not applied.
     let guard = locks
         .lock_or_create("new", doc! { "value": "ignored" })
-        .await?;
+        .await?
+        .context("released")?;
     assert_eq!(guard.document.get_str("value")?, "initial");
     assert_eq!(guard.document.get_i64("n")?, 2);
-    locks.release(guard).await?;
+    assert_eq!(locks.release(guard).await?, FenceOutcome::Applied);
     assert_eq!(coll.count_documents(doc! {}).await?, 1);
     Ok(())
 }
@@ -134,8 +140,8 @@ async fn eight_racing_creators_one_winner_seven_already_locked() -> anyhow::Resu
         let (mut winners, mut already) = (0, 0);
         for task in tasks {
             match task.await? {
-                Ok(_) => winners += 1,
-                Err(Error::AlreadyLocked { .. }) => already += 1,
+                Ok(Some(_)) => winners += 1,
+                Ok(None) => already += 1,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -182,11 +188,11 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     let t = TestDb::new("doclock_takeover").await?;
     let coll = t.db.collection::<Document>("dummies");
     let locks = locks(&t, &coll, Duration::from_secs(1))?;
-    let a = locks.lock_or_create("d", doc! { "value": "start" }).await?;
-    assert!(matches!(
-        locks.lock("d").await,
-        Err(Error::AlreadyLocked { .. })
-    ));
+    let a = locks
+        .lock_or_create("d", doc! { "value": "start" })
+        .await?
+        .context("d is new")?;
+    assert!(matches!(locks.lock("d").await, Ok(None)));
     tokio::time::sleep(Duration::from_millis(1_800)).await; // a pauses past max_duration
 
     // Control first: docwarden's document locks with one safeguard off (seed 003's AND
@@ -195,13 +201,10 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     let mut seed_takeovers = 0;
     for attempt in [
         seed.lock("d").await.map(|g| g.is_some()),
-        seed.lock_or_create("d", doc! {}).await.map(|_| true),
+        seed.lock_or_create("d", doc! {}).await.map(|g| g.is_some()),
     ] {
-        match attempt {
-            Ok(true) => seed_takeovers += 1,
-            Ok(false) => anyhow::bail!("d disappeared"),
-            Err(Error::AlreadyLocked { .. }) => {}
-            Err(e) => return Err(e.into()),
+        if attempt? {
+            seed_takeovers += 1;
         }
     }
     assert_eq!(
@@ -213,11 +216,14 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     assert_ne!(b.lock_id, a.lock_id);
     let lost = locks
         .release_with(a, doc! { "$set": { "value": "from a" } })
-        .await;
-    assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
-    locks
-        .release_with(b, doc! { "$set": { "value": "from b" } })
         .await?;
+    assert_eq!(lost, FenceOutcome::Lost);
+    assert_eq!(
+        locks
+            .release_with(b, doc! { "$set": { "value": "from b" } })
+            .await?,
+        FenceOutcome::Applied
+    );
     let d = coll.find_one(doc! { "_id": "d" }).await?.context("d")?;
     assert_eq!(d.get_str("value")?, "from b");
 
@@ -228,10 +234,7 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
         doc! { "$set": { "lock_id": Bson::Null } },
     )
     .await?;
-    assert!(matches!(
-        locks.release(c).await,
-        Err(Error::LeaseLost { .. })
-    ));
+    assert_eq!(locks.release(c).await?, FenceOutcome::Lost);
     Ok(())
 }
 
@@ -254,13 +257,13 @@ async fn counter_rounds(
                             Ok(Some(guard)) => {
                                 let n = guard.document.get_i64("n")?;
                                 tokio::task::yield_now().await;
-                                locks
+                                let released = locks
                                     .release_with(guard, doc! { "$set": { "n": n + 1 } })
                                     .await?;
+                                anyhow::ensure!(released.is_applied(), "{released:?}");
                                 break;
                             }
-                            Ok(None) => anyhow::bail!("counter missing"),
-                            Err(Error::AlreadyLocked { .. }) => {
+                            Ok(None) => {
                                 tokio::time::sleep(Duration::from_millis(rand_ms())).await;
                             }
                             Err(e) => return Err(e.into()),
@@ -375,13 +378,16 @@ async fn bad_input_is_refused_and_nothing_is_written() -> anyhow::Result<()> {
     let long = "x".repeat(docwarden::validate::MAX_NAME_LEN + 1);
     assert!(locks.lock(long.as_str()).await.as_ref().is_err_and(invalid));
     assert_eq!(coll.count_documents(doc! {}).await?, 0);
-    let guard = locks.lock_or_create("ok", doc! {}).await?;
+    let guard = locks
+        .lock_or_create("ok", doc! {})
+        .await?
+        .context("ok is new")?;
     let bad = locks
         .release_with(guard.clone(), doc! { "$set": { "lock_id": "x" } })
         .await;
     assert!(bad.as_ref().is_err_and(invalid));
     let still_locked = coll.find_one(doc! { "_id": "ok" }).await?.context("ok")?;
     assert_eq!(still_locked.get_str("lock_id")?, guard.lock_id);
-    locks.release(guard).await?;
+    assert_eq!(locks.release(guard).await?, FenceOutcome::Applied);
     Ok(())
 }

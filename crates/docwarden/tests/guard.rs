@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use docwarden::guard::{
-    self, Change, CmpOp, Condition, Guarded, IndexUse, Invariant, Operand, Outcome,
-    ValidatorInstall, ValidatorOptions,
+    self, Change, CmpOp, Condition, GuardOptions, GuardOutcome, Guarded, IndexUse, Invariant,
+    Operand, ValidatorInstall, ValidatorOptions,
 };
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
@@ -66,20 +66,29 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
         { "name": "Bob", "on_call": true },
     ]})
     .await?;
-    let g = Guarded::new(coll.clone())?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
     let inv = [on_call()];
     let off = |n: &str| Change::set_member("doctors", "name", n, doc! { "on_call": false });
 
-    assert_eq!(g.update(99, &off("Alice")?, &inv).await?, Outcome::NotFound);
+    assert_eq!(
+        g.update(99, &off("Alice")?, &inv).await?,
+        GuardOutcome::NotFound
+    );
     assert_eq!(
         g.update(1, &off("Zoe")?, &inv).await?,
-        Outcome::NoSuchMember
+        GuardOutcome::NoSuchMember
     );
-    assert_eq!(g.update(1, &off("Alice")?, &inv).await?, Outcome::Applied);
-    assert_eq!(g.update(1, &off("Alice")?, &inv).await?, Outcome::NoChange);
+    assert_eq!(
+        g.update(1, &off("Alice")?, &inv).await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        g.update(1, &off("Alice")?, &inv).await?,
+        GuardOutcome::NoChange
+    );
     assert_eq!(
         g.update(1, &off("Bob")?, &inv).await?,
-        Outcome::Rejected {
+        GuardOutcome::Rejected {
             invariant: "at least one doctor on call".into()
         }
     );
@@ -92,7 +101,7 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
     accounts
         .insert_one(doc! { "_id": "acc", "balance": 10_i64 })
         .await?;
-    let ga = Guarded::new(accounts.clone())?;
+    let ga = Guarded::new(accounts.clone(), GuardOptions::default())?;
     let nonneg = [Invariant::field_cmp(
         "balance never negative",
         "balance",
@@ -102,29 +111,29 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
     assert_eq!(
         ga.update("acc", &Change::inc("balance", -7_i64)?, &nonneg)
             .await?,
-        Outcome::Applied
+        GuardOutcome::Applied
     );
     assert_eq!(
         ga.update("acc", &Change::inc("balance", -7_i64)?, &nonneg)
             .await?,
-        Outcome::Rejected {
+        GuardOutcome::Rejected {
             invariant: "balance never negative".into()
         }
     );
     assert_eq!(
         ga.update("acc", &Change::inc("balance", 0_i64)?, &nonneg)
             .await?,
-        Outcome::NoChange
+        GuardOutcome::NoChange
     );
     assert_eq!(
         ga.update("acc", &Change::set("balance", 3_i64)?, &nonneg)
             .await?,
-        Outcome::NoChange
+        GuardOutcome::NoChange
     );
     assert_eq!(
         ga.update("nope", &Change::inc("balance", 1_i64)?, &nonneg)
             .await?,
-        Outcome::NotFound
+        GuardOutcome::NotFound
     );
     // A raw invariant over `$$ROOT` (the whole new document is bound instead of one field).
     let via_root = [Invariant::raw(
@@ -134,7 +143,7 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
     assert_eq!(
         ga.update("acc", &Change::inc("balance", 200_i64)?, &via_root)
             .await?,
-        Outcome::Rejected {
+        GuardOutcome::Rejected {
             invariant: "root balance below 100".into()
         }
     );
@@ -146,27 +155,33 @@ async fn every_outcome_is_produced_exactly() -> anyhow::Result<()> {
     flights
         .insert_one(doc! { "_id": 7, "capacity": 3, "bookings": [] })
         .await?;
-    let gf = Guarded::new(flights.clone())?;
+    let gf = Guarded::new(flights.clone(), GuardOptions::default())?;
     let cap = [within_capacity()];
     let book = |id: &str, seats: i32| Change::push("bookings", doc! { "id": id, "seats": seats });
-    assert_eq!(gf.update(7, &book("$a", 2)?, &cap).await?, Outcome::Applied);
+    assert_eq!(
+        gf.update(7, &book("$a", 2)?, &cap).await?,
+        GuardOutcome::Applied
+    );
     assert_eq!(
         gf.update(7, &book("b", 2)?, &cap).await?,
-        Outcome::Rejected {
+        GuardOutcome::Rejected {
             invariant: "booked seats within capacity".into()
         }
     );
     assert_eq!(
         gf.update(7, &Change::pull_member("bookings", "id", "zz")?, &cap)
             .await?,
-        Outcome::NoSuchMember
+        GuardOutcome::NoSuchMember
     );
     assert_eq!(
         gf.update(7, &Change::pull_member("bookings", "id", "$a")?, &cap)
             .await?,
-        Outcome::Applied
+        GuardOutcome::Applied
     );
-    assert_eq!(gf.update(7, &book("b", 2)?, &cap).await?, Outcome::Applied);
+    assert_eq!(
+        gf.update(7, &book("b", 2)?, &cap).await?,
+        GuardOutcome::Applied
+    );
     let f = flights.find_one(doc! { "_id": 7 }).await?.unwrap();
     assert_eq!(f.get_array("bookings")?.len(), 1);
     Ok(())
@@ -203,9 +218,12 @@ async fn the_seed_go_on_call_filter_picks_the_wrong_doctor_and_elem_match_does_n
 
     // docwarden: Bob on call is already the state -> NoChange, Alice untouched.
     coll.replace_one(doc! { "_id": 1 }, start).await?;
-    let g = Guarded::new(coll.clone())?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
     let on = Change::set_member("doctors", "name", "Bob", doc! { "on_call": true })?;
-    assert_eq!(g.update(1, &on, &[on_call()]).await?, Outcome::NoChange);
+    assert_eq!(
+        g.update(1, &on, &[on_call()]).await?,
+        GuardOutcome::NoChange
+    );
     let after = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
     assert_eq!(doctor_on_call(&after, "Alice"), Some(false));
     assert_eq!(doctor_on_call(&after, "Bob"), Some(true));
@@ -234,7 +252,7 @@ async fn on_call_workload(
         let coll = coll.clone();
         let violations = Arc::clone(&violations);
         tasks.push(tokio::spawn(async move {
-            let g = Guarded::new(coll.clone())?;
+            let g = Guarded::new(coll.clone(), GuardOptions::default())?;
             let inv = [on_call()];
             for _ in 0..OPS_PER_WORKER {
                 let s = rand::random_range(0..SHIFTS);
@@ -311,7 +329,7 @@ async fn capacity_workload(
         let violations = Arc::clone(&violations);
         let applied = Arc::clone(&applied);
         tasks.push(tokio::spawn(async move {
-            let g = Guarded::new(coll.clone())?;
+            let g = Guarded::new(coll.clone(), GuardOptions::default())?;
             let inv = [within_capacity()];
             let mut mine: Vec<(i64, String)> = Vec::new();
             for _ in 0..OPS_PER_WORKER {
@@ -327,7 +345,7 @@ async fn capacity_workload(
                                     &inv,
                                 )
                                 .await?;
-                            assert_eq!(o, Outcome::Applied, "cancelling my own booking");
+                            assert_eq!(o, GuardOutcome::Applied, "cancelling my own booking");
                         }
                         Mode::ReadThenWrite => {
                             coll.update_one(
@@ -347,7 +365,7 @@ async fn capacity_workload(
                         Mode::Guarded => {
                             g.update(f, &Change::push("bookings", booking)?, &inv)
                                 .await?
-                                == Outcome::Applied
+                                == GuardOutcome::Applied
                         }
                         Mode::ReadThenWrite => {
                             let d = coll.find_one(doc! { "_id": f }).await?.unwrap();
@@ -447,9 +465,12 @@ async fn the_validator_refuses_the_seed_bypass_update_with_121() -> anyhow::Resu
         "nothing was written"
     );
     // Guarded updates still work under the validator.
-    let g = Guarded::new(coll.clone())?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
     let off = Change::set_member("doctors", "name", "doctor0", doc! { "on_call": false })?;
-    assert_eq!(g.update(1, &off, &[on_call()]).await?, Outcome::Applied);
+    assert_eq!(
+        g.update(1, &off, &[on_call()]).await?,
+        GuardOutcome::Applied
+    );
     Ok(())
 }
 

@@ -10,8 +10,8 @@ use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
 use docwarden::lock::{
-    Fence, FenceOptions, FenceOutcome, ListFilter, LockCollection, LockOptions, LostReason, Owner,
-    WatchdogOptions,
+    Fence, FenceOptions, FenceOutcome, FencingToken, LockCollection, LockListFilter, LockOptions,
+    LostReason, Owner, WatchdogOptions,
 };
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
@@ -110,7 +110,7 @@ async fn run_counters(
                             .map_err(|_| anyhow::anyhow!("poisoned"))?
                             .entry(r)
                             .or_default()
-                            .push(lease.token);
+                            .push(lease.token.get());
                         read_modify_write(&c, r).await?;
                         match locks.release(&lease).await {
                             Ok(()) => {}
@@ -261,9 +261,9 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
         .await?
         .context("account")?;
     assert_eq!(d.get_i64("balance")?, 70, "the stale write was not applied");
-    assert_eq!(d.get_i64("fence_token")?, lb.token);
+    assert_eq!(d.get_i64("fence_token")?, lb.token.get());
     let held = locks
-        .list(&ListFilter::default().resource("account-1"))
+        .list(&LockListFilter::default().resource("account-1"))
         .await?;
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].owner, b.id());
@@ -320,7 +320,7 @@ async fn a_lapsed_lease_cannot_be_renewed_even_if_not_taken_over() -> anyhow::Re
         Err(Error::LeaseLost { .. })
     ));
     let mut wrong_token = la.clone();
-    wrong_token.token += 1;
+    wrong_token.token = FencingToken::new(wrong_token.token.get() + 1);
     assert!(matches!(
         locks.release(&wrong_token).await,
         Err(Error::LeaseLost { .. })
@@ -331,7 +331,7 @@ async fn a_lapsed_lease_cannot_be_renewed_even_if_not_taken_over() -> anyhow::Re
     assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
     // Releasing still frees it (nobody else took it).
     locks.release(&la).await?;
-    assert!(locks.list(&ListFilter::default()).await?.is_empty());
+    assert!(locks.list(&LockListFilter::default()).await?.is_empty());
     Ok(())
 }
 
@@ -356,7 +356,7 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
             .try_acquire(&a, "job", Duration::from_secs(1))
             .await?
             .context("a")?;
-        check(la.token, &mut seen);
+        check(la.token.get(), &mut seen);
         let dog = locks.watch(la, Duration::from_secs(1), WatchdogOptions::default())?;
         tokio::time::sleep(Duration::from_millis(300)).await;
         drop(dog);
@@ -378,7 +378,7 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
         "b acquired {:.2} s after a's crash",
         started.elapsed().as_secs_f64()
     );
-    check(lb.token, &mut seen);
+    check(lb.token.get(), &mut seen);
     locks.release(&lb).await?;
 
     let c = Owner::random();
@@ -386,7 +386,7 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
         .try_acquire(&c, "job", Duration::from_secs(30))
         .await?
         .context("c")?;
-    check(lc.token, &mut seen);
+    check(lc.token.get(), &mut seen);
     // c crashes, and its lock document is deleted (what the TTL index does, later).
     let deleted = lock_docs.delete_many(doc! { "_id": "job" }).await?;
     assert_eq!(deleted.deleted_count, 1);
@@ -396,7 +396,7 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
         .try_acquire(&d, "job", Duration::from_secs(30))
         .await?
         .context("d")?;
-    check(ld.token, &mut seen);
+    check(ld.token.get(), &mut seen);
     assert_eq!(locks.last_token("job").await?, Some(ld.token));
     // Once more: delete while free, acquire again.
     locks.release(&ld).await?;
@@ -405,7 +405,7 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
         .try_acquire(&d, "job", Duration::from_secs(30))
         .await?
         .context("e")?;
-    check(le.token, &mut seen);
+    check(le.token.get(), &mut seen);
     eprintln!("tokens seen: {seen:?}");
     assert_eq!(regressions, 0, "tokens {seen:?}");
     assert!(seen.windows(2).all(|w| w[1] > w[0]));
@@ -518,13 +518,13 @@ async fn release_all_releases_exactly_that_owners_leases() -> anyhow::Result<()>
     assert_eq!(locks.release_all(&a).await?, 3);
     assert!(
         locks
-            .list(&ListFilter::default().owner(a.id()))
+            .list(&LockListFilter::default().owner(a.id()))
             .await?
             .is_empty()
     );
     assert_eq!(
         locks
-            .list(&ListFilter::default().owner(b.id()))
+            .list(&LockListFilter::default().owner(b.id()))
             .await?
             .len(),
         3

@@ -50,7 +50,7 @@ async fn every_open_refuses_a_case_insensitive_collection() -> anyhow::Result<()
     assert!(is_incompatible(&locks), "lock collection: {locks:?}");
     let jobs = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await;
     assert!(is_incompatible(&jobs), "queue: {:?}", jobs.err());
-    let sets = SequencedSet::new(t.db.collection("sets"), SetOptions::default()).await;
+    let sets = SequencedSet::open(&t.db, "sets", SetOptions::default()).await;
     assert!(is_incompatible(&sets), "sequenced set: {:?}", sets.err());
     // Nothing was written: no index was created on the refused collections.
     let indexes =

@@ -39,7 +39,7 @@ async fn claims_follow_priority_then_run_at_and_skip_delayed_jobs() -> anyhow::R
         while let Some(job) = q.claim("w").await? {
             assert_eq!(job.job.state, JobState::Running);
             assert_eq!(job.job.attempts, 1);
-            assert_eq!(job.lease.token.len(), 32, "128-bit token");
+            assert_eq!(job.lease.token.as_str().len(), 32, "128-bit token");
             order.push(
                 job.payload()
                     .as_document()

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{Fence, FenceOptions};
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions, Worker, WorkerOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, doc};
@@ -30,7 +31,13 @@ async fn workers_survive_a_server_restart_and_lose_no_job() -> anyhow::Result<()
                 let c = c.clone();
                 async move {
                     tokio::time::sleep(Duration::from_millis(10)).await;
-                    c.update_one(job.fence(), doc! { "$inc": { "effects": 1 } })
+                    // The effect is fenced by the claim; a refused one is not counted.
+                    let _outcome = Fence::new(c, FenceOptions::default())?
+                        .apply(
+                            &job,
+                            doc! { "_id": job.id() },
+                            doc! { "$inc": { "effects": 1 } },
+                        )
                         .await?;
                     Ok(Bson::Null)
                 }

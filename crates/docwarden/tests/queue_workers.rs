@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{Fence, FenceOptions, FenceOutcome};
 use docwarden::queue::{
     ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions, Safeguard, Worker,
-    WorkerHandle, WorkerOptions,
+    WorkerOptions,
 };
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, Document, doc};
@@ -51,10 +52,14 @@ async fn wait_for(
 /// The handler's side effect, fenced by the claim: `$inc effects` on the job document
 /// applies only while this claim holds the job.
 async fn fenced_effect(coll: Collection<Document>, job: ClaimedJob) -> HandlerResult {
-    let r = coll
-        .update_one(job.fence(), doc! { "$inc": { "effects": 1 } })
+    let outcome = Fence::new(coll, FenceOptions::default())?
+        .apply(
+            &job,
+            doc! { "_id": job.id() },
+            doc! { "$inc": { "effects": 1 } },
+        )
         .await?;
-    if r.matched_count == 1 {
+    if outcome == FenceOutcome::Applied {
         Ok(Bson::Int64(job.job.attempts))
     } else {
         Err("the effect was fenced off: lease lost".into())
@@ -211,10 +216,18 @@ async fn killed_workers_jobs_are_reclaimed_and_their_late_completions_refused() 
         q.complete(&zombie, "late").await,
         Err(Error::LeaseLost { .. })
     ));
-    let r = coll
-        .update_one(zombie.fence(), doc! { "$inc": { "effects": 1 } })
+    let outcome = Fence::new(coll.clone(), FenceOptions::default())?
+        .apply(
+            &zombie,
+            doc! { "_id": zombie.id() },
+            doc! { "$inc": { "effects": 1 } },
+        )
         .await?;
-    assert_eq!(r.matched_count, 0, "the zombie's fenced effect is refused");
+    assert_eq!(
+        outcome,
+        FenceOutcome::Lost,
+        "the zombie's fenced effect is refused"
+    );
     assert_eq!(count(&coll, doc! { "effects": { "$gt": 1 } }).await?, 0);
     // Control: the same late completion without the fence lands on a finished job.
     let r = coll
@@ -292,7 +305,7 @@ async fn graceful_shutdown_leaves_no_job_running() -> anyhow::Result<()> {
     let t = TestDb::new("queue_shutdown").await?;
     let q = open(&t.db, &t.client, QueueOptions::default()).await?;
     let coll = q.collection().clone();
-    let spawn = |name: &str| -> anyhow::Result<WorkerHandle> {
+    let spawn = |name: &str| -> anyhow::Result<Worker> {
         Ok(Worker::spawn(
             q.clone(),
             WorkerOptions::default()

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use docwarden::Error;
-use docwarden::sequence::{FieldsOptions, Outcome, SequencedFields, SequencedSet, SetOptions};
+use docwarden::sequence::{ApplyOutcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions};
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
@@ -58,10 +58,10 @@ fn deliveries(ops: &[Op], rng: &mut StdRng) -> Vec<Op> {
 
 /// `CONSUMERS` tasks take messages from a shared queue and apply them with `apply`;
 /// returns the outcome of every delivery.
-async fn consume<F, Fut>(messages: Vec<Op>, apply: F) -> anyhow::Result<Vec<(Op, Outcome)>>
+async fn consume<F, Fut>(messages: Vec<Op>, apply: F) -> anyhow::Result<Vec<(Op, ApplyOutcome)>>
 where
     F: Fn(Op) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = anyhow::Result<Outcome>> + Send,
+    Fut: std::future::Future<Output = anyhow::Result<ApplyOutcome>> + Send,
 {
     let queue = Arc::new(Mutex::new(messages));
     let apply = Arc::new(apply);
@@ -87,8 +87,9 @@ where
 }
 
 async fn student_set(t: &TestDb) -> anyhow::Result<SequencedSet> {
-    Ok(SequencedSet::new(
-        t.db.collection("students"),
+    Ok(SequencedSet::open(
+        &t.db,
+        "students",
         SetOptions::default()
             .key_field("student_id")
             .field("classes"),
@@ -145,7 +146,7 @@ async fn run_history(set: &SequencedSet, key: i64, ops: &[Op], seed: u64) -> any
     }
     let mut applied: HashMap<Op, u32> = HashMap::new();
     for (op, outcome) in outcomes {
-        if outcome == Outcome::Applied {
+        if outcome == ApplyOutcome::Applied {
             *applied.entry(op).or_default() += 1;
         }
     }
@@ -190,9 +191,9 @@ fn any_order_and_duplication_by_8_consumers_equals_the_sequential_model() -> any
 async fn seed_insert_delete_insert_applied_as_1_3_2_keeps_the_last_insert() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_seed_132").await?;
     let set = student_set(&t).await?;
-    assert_eq!(set.add(1, "CS 101", 1).await?, Outcome::Applied);
-    assert_eq!(set.add(1, "CS 101", 3).await?, Outcome::Applied);
-    assert_eq!(set.remove(1, "CS 101", 2).await?, Outcome::Stale);
+    assert_eq!(set.add(1, "CS 101", 1).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(1, "CS 101", 3).await?, ApplyOutcome::Applied);
+    assert_eq!(set.remove(1, "CS 101", 2).await?, ApplyOutcome::Stale);
     assert_eq!(set.members(1).await?, Some(vec!["CS 101".to_owned()]));
     // Every permutation of the three, each delivered twice, ends the same way.
     let ops = [(1_i64, true), (2, false), (3, true)];
@@ -215,7 +216,7 @@ async fn seed_insert_delete_insert_applied_as_1_3_2_keeps_the_last_insert() -> a
                     set.remove(key, "CS 101", seq).await?
                 };
                 if round == 1 {
-                    assert_ne!(o, Outcome::Applied, "a duplicate must not apply");
+                    assert_ne!(o, ApplyOutcome::Applied, "a duplicate must not apply");
                 }
             }
         }
@@ -247,7 +248,7 @@ async fn seed_apply(
     class: &str,
     seq: i64,
     insert: bool,
-) -> anyhow::Result<Outcome> {
+) -> anyhow::Result<ApplyOutcome> {
     let (filter, update) = if insert {
         (
             doc! {
@@ -281,9 +282,9 @@ async fn seed_apply(
     };
     let r = coll.update_one(filter, update).upsert(true).await?;
     Ok(if r.modified_count > 0 || r.upserted_id.is_some() {
-        Outcome::Applied
+        ApplyOutcome::Applied
     } else {
-        Outcome::Stale
+        ApplyOutcome::Stale
     })
 }
 
@@ -350,7 +351,7 @@ async fn control_the_seed_two_update_upsert_diverges_or_duplicates() -> anyhow::
 async fn exactly_one_document_per_key_when_8_consumers_race_to_create_it() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_create_race").await?;
     let set = student_set(&t).await?;
-    let by_id = SequencedSet::new(t.db.collection("by_id"), SetOptions::default()).await?;
+    let by_id = SequencedSet::open(&t.db, "by_id", SetOptions::default()).await?;
     let seed_coll: Collection<Document> = t.db.collection("seed");
     let keys = 20_i64;
     let mut seed_docs = 0;
@@ -379,7 +380,7 @@ async fn exactly_one_document_per_key_when_8_consumers_race_to_create_it() -> an
             applied += task
                 .await??
                 .iter()
-                .filter(|o| **o == Outcome::Applied)
+                .filter(|o| **o == ApplyOutcome::Applied)
                 .count();
         }
         assert_eq!(
@@ -414,9 +415,9 @@ async fn exactly_one_document_per_key_when_8_consumers_race_to_create_it() -> an
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_validation").await?;
-    let set = SequencedSet::new(t.db.collection("s"), SetOptions::default()).await?;
-    let fields = SequencedFields::new(t.db.collection("f"), FieldsOptions::default()).await?;
-    let invalid = |r: docwarden::Result<Outcome>| matches!(r, Err(Error::InvalidInput { .. }));
+    let set = SequencedSet::open(&t.db, "s", SetOptions::default()).await?;
+    let fields = SequencedFields::open(&t.db, "f", FieldsOptions::default()).await?;
+    let invalid = |r: docwarden::Result<ApplyOutcome>| matches!(r, Err(Error::InvalidInput { .. }));
     assert!(invalid(set.add(1, "a", -1).await));
     assert!(invalid(set.remove(1, "a", i64::MIN).await));
     assert!(invalid(set.add(1, "", 1).await));
@@ -434,30 +435,25 @@ async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
     ));
     for bad in ["", "$x", "a.b", "_seq"] {
         assert!(
-            SequencedSet::new(t.db.collection("s2"), SetOptions::default().field(bad))
-                .await
-                .is_err()
+            SequencedSet::new(t.db.collection("s2"), SetOptions::default().field(bad)).is_err()
         );
     }
     assert!(
-        SequencedSet::new(
-            t.db.collection("s3"),
-            SetOptions::default().key_field("k").field("k")
-        )
-        .await
-        .is_err()
+        SequencedSet::open(&t.db, "s3", SetOptions::default().key_field("k").field("k"))
+            .await
+            .is_err()
     );
     // Nothing was written by refused calls.
     assert_eq!(set.collection().count_documents(doc! {}).await?, 0);
     assert_eq!(fields.collection().count_documents(doc! {}).await?, 0);
     // Members are values: `$` and `.` are stored exactly as given, never interpreted.
-    assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Applied);
-    assert_eq!(set.add(1, "a.b@c.d", 0).await?, Outcome::Applied);
-    assert_eq!(set.add(1, "$classes", 1).await?, Outcome::Applied);
+    assert_eq!(set.add(1, "$cash", 0).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(1, "a.b@c.d", 0).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(1, "$classes", 1).await?, ApplyOutcome::Applied);
     for odd in ["0", "100%", "%2E", "_seq", "_id"] {
-        assert_eq!(set.add(1, odd, 1).await?, Outcome::Applied, "{odd}");
-        assert_eq!(set.add(1, odd, 1).await?, Outcome::Duplicate, "{odd}");
-        assert_eq!(set.remove(1, odd, 1).await?, Outcome::Applied, "{odd}");
+        assert_eq!(set.add(1, odd, 1).await?, ApplyOutcome::Applied, "{odd}");
+        assert_eq!(set.add(1, odd, 1).await?, ApplyOutcome::Duplicate, "{odd}");
+        assert_eq!(set.remove(1, odd, 1).await?, ApplyOutcome::Applied, "{odd}");
     }
     let mut m = set.members(1).await?.unwrap_or_default();
     m.sort();
@@ -484,10 +480,13 @@ async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
     .map(|(m, s, p)| (m.to_owned(), s, p))
     .collect();
     assert_eq!(states, want);
-    assert_eq!(set.remove(1, "$cash", 2).await?, Outcome::Applied);
-    assert_eq!(set.add(1, "$cash", 0).await?, Outcome::Stale);
+    assert_eq!(set.remove(1, "$cash", 2).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(1, "$cash", 0).await?, ApplyOutcome::Stale);
     // Values too: a `$`-string is a value, not a field path.
-    assert_eq!(fields.set("k", "name", "$name", 1).await?, Outcome::Applied);
+    assert_eq!(
+        fields.set("k", "name", "$name", 1).await?,
+        ApplyOutcome::Applied
+    );
     assert_eq!(
         fields.get("k", "name").await?,
         Some((Bson::from("$name"), 1))
@@ -499,23 +498,24 @@ async fn sequence_numbers_names_and_keys_are_validated() -> anyhow::Result<()> {
 async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_outcomes").await?;
     let set = student_set(&t).await?;
-    assert_eq!(set.remove(7, "X", 5).await?, Outcome::Applied); // remove before add
-    assert_eq!(set.add(7, "X", 4).await?, Outcome::Stale);
-    assert_eq!(set.remove(7, "X", 5).await?, Outcome::Duplicate);
-    assert_eq!(set.add(7, "X", 5).await?, Outcome::Stale); // remove wins at equal seq
-    assert_eq!(set.add(7, "X", 6).await?, Outcome::Applied);
-    assert_eq!(set.add(7, "X", 6).await?, Outcome::Duplicate);
-    assert_eq!(set.remove(7, "X", 6).await?, Outcome::Applied); // …in either order
+    assert_eq!(set.remove(7, "X", 5).await?, ApplyOutcome::Applied); // remove before add
+    assert_eq!(set.add(7, "X", 4).await?, ApplyOutcome::Stale);
+    assert_eq!(set.remove(7, "X", 5).await?, ApplyOutcome::Duplicate);
+    assert_eq!(set.add(7, "X", 5).await?, ApplyOutcome::Stale); // remove wins at equal seq
+    assert_eq!(set.add(7, "X", 6).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(7, "X", 6).await?, ApplyOutcome::Duplicate);
+    assert_eq!(set.remove(7, "X", 6).await?, ApplyOutcome::Applied); // …in either order
     assert_eq!(set.members(7).await?, Some(vec![]));
 
-    let f = SequencedFields::new(
-        t.db.collection("profiles"),
+    let f = SequencedFields::open(
+        &t.db,
+        "profiles",
         FieldsOptions::default().key_field("student_id"),
     )
     .await?;
-    assert_eq!(f.set(1, "name", "Jane", 3).await?, Outcome::Applied);
-    assert_eq!(f.set(1, "name", "John", 2).await?, Outcome::Stale);
-    assert_eq!(f.set(1, "name", "Jane", 3).await?, Outcome::Duplicate);
+    assert_eq!(f.set(1, "name", "Jane", 3).await?, ApplyOutcome::Applied);
+    assert_eq!(f.set(1, "name", "John", 2).await?, ApplyOutcome::Stale);
+    assert_eq!(f.set(1, "name", "Jane", 3).await?, ApplyOutcome::Duplicate);
     let address = doc! { "city": "Oslo", "zip": "0150", "$weird": "no" };
     let address = {
         let mut a = address;
@@ -524,7 +524,7 @@ async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
     };
     assert_eq!(
         f.set(1, "address", address.clone(), 1).await?,
-        Outcome::Applied
+        ApplyOutcome::Applied
     );
     assert_eq!(
         f.get(1, "address").await?,
@@ -539,10 +539,10 @@ async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
     }
     // 7 (int64) equals 7 (int32) in MongoDB's order; the tie key (the encoding, type
     // included) decides: the int64 is longer, so it wins whatever the order.
-    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Applied);
-    assert_eq!(f.set(11, "score", 7_i64, 9).await?, Outcome::Applied);
-    assert_eq!(f.set(11, "score", 7_i32, 9).await?, Outcome::Stale);
-    assert_eq!(f.set(10, "score", 7_i64, 9).await?, Outcome::Duplicate);
+    assert_eq!(f.set(10, "score", 7_i64, 9).await?, ApplyOutcome::Applied);
+    assert_eq!(f.set(11, "score", 7_i64, 9).await?, ApplyOutcome::Applied);
+    assert_eq!(f.set(11, "score", 7_i32, 9).await?, ApplyOutcome::Stale);
+    assert_eq!(f.set(10, "score", 7_i64, 9).await?, ApplyOutcome::Duplicate);
     assert_eq!(f.get(10, "score").await?, Some((Bson::Int64(7), 9)));
     assert_eq!(f.get(99, "score").await?, None);
     Ok(())
@@ -551,7 +551,7 @@ async fn outcomes_and_the_equal_seq_rules() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registers_converge_under_8_consumers() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_registers").await?;
-    let f = SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let f = SequencedFields::open(&t.db, "profiles", FieldsOptions::default()).await?;
     let mut rng = StdRng::seed_from_u64(5);
     for key in 0..8_i64 {
         // Distinct seqs per field; values are sub-documents and strings derived from seq.
@@ -590,7 +590,7 @@ async fn registers_converge_under_8_consumers() -> anyhow::Result<()> {
         }
         let mut applied: HashMap<Op, u32> = HashMap::new();
         for (op, o) in outcomes {
-            if o == Outcome::Applied {
+            if o == ApplyOutcome::Applied {
                 *applied.entry(op).or_default() += 1;
             }
         }
@@ -625,18 +625,18 @@ async fn compaction_removes_only_tombstones_below_the_watermark() -> anyhow::Res
         "tombstones a@2 and d@3 go, b@5 (not below 4) and the present c@4 stay"
     );
     // Later operations (seq >= watermark) still converge.
-    assert_eq!(set.add(1, "a", 6).await?, Outcome::Applied);
-    assert_eq!(set.add(1, "b", 4).await?, Outcome::Stale); // the b@5 tombstone still wins
-    assert_eq!(set.remove(1, "c", 4).await?, Outcome::Applied); // remove wins the tie
+    assert_eq!(set.add(1, "a", 6).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(1, "b", 4).await?, ApplyOutcome::Stale); // the b@5 tombstone still wins
+    assert_eq!(set.remove(1, "c", 4).await?, ApplyOutcome::Applied); // remove wins the tie
     // A message below the watermark breaks the caller's promise; it is refused, so a
     // compacted member is not resurrected.
-    assert_eq!(set.add(1, "d", 1).await?, Outcome::Stale);
+    assert_eq!(set.add(1, "d", 1).await?, ApplyOutcome::Stale);
     let mut m = set.members(1).await?.unwrap_or_default();
     m.sort();
     assert_eq!(m, ["a"]);
     // A lower watermark never lowers the floor.
     set.compact(1, 2).await?;
-    assert_eq!(set.add(1, "d", 3).await?, Outcome::Stale);
+    assert_eq!(set.add(1, "d", 3).await?, ApplyOutcome::Stale);
 
     // Over the collection, interleaved with racing consumers delivering everything at or
     // above the watermark: every student ends at the model.
@@ -747,45 +747,49 @@ async fn shown(coll: &Collection<Document>, filter: Document) -> anyhow::Result<
 async fn sets_whose_names_extend_each_other_never_share_a_field() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_set_names").await?;
     let coll: Collection<Document> = t.db.collection("c");
-    let x = SequencedSet::new(coll.clone(), SetOptions::default().field("X")).await?;
-    let x_floor = SequencedSet::new(coll.clone(), SetOptions::default().field("X_floor")).await?;
-    let last = SequencedSet::new(coll.clone(), SetOptions::default().field("last")).await?;
-    assert_eq!(x_floor.add(1, "a", 1).await?, Outcome::Applied);
+    let x = SequencedSet::open(&t.db, "c", SetOptions::default().field("X")).await?;
+    let x_floor = SequencedSet::open(&t.db, "c", SetOptions::default().field("X_floor")).await?;
+    let last = SequencedSet::open(&t.db, "c", SetOptions::default().field("last")).await?;
+    assert_eq!(x_floor.add(1, "a", 1).await?, ApplyOutcome::Applied);
     assert_eq!(
         x.add(1, "b", 1).await?,
-        Outcome::Applied,
+        ApplyOutcome::Applied,
         "set X after set X_floor: {}",
         shown(&coll, doc! { "_id": 1 }).await?
     );
     assert_eq!(x.compact(1, 2).await?.matched, 1);
     assert_eq!(
         x_floor.add(1, "c", 2).await?,
-        Outcome::Applied,
+        ApplyOutcome::Applied,
         "set X_floor after compacting X"
     );
     assert_eq!(
         x.add(1, "d", 2).await?,
-        Outcome::Applied,
+        ApplyOutcome::Applied,
         "set X after compacting X"
     );
     assert_eq!(x_floor.compact(1, 2).await?.matched, 1);
     assert_eq!(
         x.add(1, "e", 2).await?,
-        Outcome::Applied,
+        ApplyOutcome::Applied,
         "X after compacting X_floor"
     );
     assert_eq!(
         x.add(1, "z", 1).await?,
-        Outcome::Stale,
+        ApplyOutcome::Stale,
         "below X's own floor"
     );
     assert_eq!(
         x_floor.add(1, "y", 1).await?,
-        Outcome::Stale,
+        ApplyOutcome::Stale,
         "below X_floor's floor"
     );
     // Already in effect (present entries survive compaction): a duplicate, floor or not.
-    assert_eq!(x.add(1, "b", 1).await?, Outcome::Duplicate, "b@1 again");
+    assert_eq!(
+        x.add(1, "b", 1).await?,
+        ApplyOutcome::Duplicate,
+        "b@1 again"
+    );
     let sorted = |m: Option<Vec<String>>| {
         let mut m = m.unwrap_or_default();
         m.sort();
@@ -796,14 +800,14 @@ async fn sets_whose_names_extend_each_other_never_share_a_field() -> anyhow::Res
     // A set named `last` next to the others.
     let r = last.add(1, "m", 1).await;
     assert!(
-        matches!(r, Ok(Outcome::Applied)),
+        matches!(r, Ok(ApplyOutcome::Applied)),
         "set `last`: {r:?}: {}",
         shown(&coll, doc! { "_id": 1 }).await?
     );
-    assert_eq!(last.add(1, "m", 1).await?, Outcome::Duplicate);
+    assert_eq!(last.add(1, "m", 1).await?, ApplyOutcome::Duplicate);
     assert_eq!(
         x.add(1, "f", 3).await?,
-        Outcome::Applied,
+        ApplyOutcome::Applied,
         "X after set `last`"
     );
     assert_eq!(sorted(last.members(1).await?), ["m"]);
@@ -817,7 +821,7 @@ async fn sets_whose_names_extend_each_other_never_share_a_field() -> anyhow::Res
 async fn equal_seq_values_of_different_types_store_one_document_for_every_order()
 -> anyhow::Result<()> {
     let t = TestDb::new("sequence_tie_types").await?;
-    let f = SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
+    let f = SequencedFields::open(&t.db, "profiles", FieldsOptions::default()).await?;
     let writes: Vec<(&str, Bson, i64)> = vec![
         ("score", Bson::Int32(7), 9),
         ("score", Bson::Int64(7), 9),
@@ -874,7 +878,7 @@ async fn equal_seq_values_of_different_types_store_one_document_for_every_order(
     );
 
     // A set: the same members through different orders, duplicates and equal numbers.
-    let set = SequencedSet::new(t.db.collection("students"), SetOptions::default()).await?;
+    let set = SequencedSet::open(&t.db, "students", SetOptions::default()).await?;
     let ops = [
         ("CS 101", 1, true),
         ("MATH 2", 2, true),
@@ -1080,8 +1084,9 @@ fn equal_numbers_raced_by_8_consumers_store_identical_documents() -> anyhow::Res
         .build()?;
     let t = rt.block_on(TestDb::new("sequence_equal_numbers"))?;
     let set = rt.block_on(student_set(&t))?;
-    let fields = rt.block_on(SequencedFields::new(
-        t.db.collection("profiles"),
+    let fields = rt.block_on(SequencedFields::open(
+        &t.db,
+        "profiles",
         FieldsOptions::default(),
     ))?;
     let next_case = std::sync::atomic::AtomicI64::new(0);
@@ -1123,18 +1128,19 @@ async fn control_without_canonical_order_or_tie_keys_documents_differ() -> anyho
     // the members array unsorted, then no tie keys.
     let t = TestDb::new("sequence_equal_numbers_control").await?;
     let set = student_set(&t).await?;
-    let fields =
-        SequencedFields::new(t.db.collection("profiles"), FieldsOptions::default()).await?;
-    let unsorted = SequencedSet::new(
-        t.db.collection("students_unsorted"),
+    let fields = SequencedFields::open(&t.db, "profiles", FieldsOptions::default()).await?;
+    let unsorted = SequencedSet::open(
+        &t.db,
+        "students_unsorted",
         SetOptions::default()
             .key_field("student_id")
             .field("classes")
             .control_without_canonical_order(),
     )
     .await?;
-    let no_ties = SequencedFields::new(
-        t.db.collection("profiles_no_ties"),
+    let no_ties = SequencedFields::open(
+        &t.db,
+        "profiles_no_ties",
         FieldsOptions::default().control_without_tie_keys(),
     )
     .await?;

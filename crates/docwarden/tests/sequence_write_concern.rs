@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use docwarden::sequence::{FieldsOptions, Outcome, SequencedFields, SequencedSet, SetOptions};
+use docwarden::sequence::{ApplyOutcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions};
 use docwarden_testkit::TestDb;
 use mongodb::options::{Acknowledgment, WriteConcern};
 
@@ -18,8 +18,9 @@ fn unsatisfiable() -> WriteConcern {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn set_and_fields_write_with_the_write_concern_they_were_given() -> anyhow::Result<()> {
     let t = TestDb::new("sequence_write_concern").await?;
-    let majority = SequencedSet::new(
-        t.db.collection("s"),
+    let majority = SequencedSet::open(
+        &t.db,
+        "s",
         SetOptions::default().write_concern(WriteConcern::majority()),
     )
     .await?;
@@ -27,21 +28,26 @@ async fn set_and_fields_write_with_the_write_concern_they_were_given() -> anyhow
         majority.collection().write_concern(),
         Some(&WriteConcern::majority())
     );
-    assert_eq!(majority.add(1, "a", 1).await?, Outcome::Applied);
-    let fields = SequencedFields::new(
-        t.db.collection("f"),
+    assert_eq!(majority.add(1, "a", 1).await?, ApplyOutcome::Applied);
+    let fields = SequencedFields::open(
+        &t.db,
+        "f",
         FieldsOptions::default().write_concern(WriteConcern::majority()),
     )
     .await?;
-    assert_eq!(fields.set(1, "name", "Jane", 1).await?, Outcome::Applied);
+    assert_eq!(
+        fields.set(1, "name", "Jane", 1).await?,
+        ApplyOutcome::Applied
+    );
     assert_eq!(
         fields.collection().write_concern(),
         Some(&WriteConcern::majority())
     );
 
     // The option reaches the server: an unsatisfiable one makes the writes fail.
-    let strict = SequencedSet::new(
-        t.db.collection("s"),
+    let strict = SequencedSet::open(
+        &t.db,
+        "s",
         SetOptions::default().write_concern(unsatisfiable()),
     )
     .await?;
@@ -49,15 +55,16 @@ async fn set_and_fields_write_with_the_write_concern_they_were_given() -> anyhow
     assert!(r.is_err(), "w: 5 on one member must fail, got {r:?}");
     let r = strict.compact(1, 1).await;
     assert!(r.is_err(), "compaction with w: 5 must fail, got {r:?}");
-    let strict_fields = SequencedFields::new(
-        t.db.collection("f"),
+    let strict_fields = SequencedFields::open(
+        &t.db,
+        "f",
         FieldsOptions::default().write_concern(unsatisfiable()),
     )
     .await?;
     let r = strict_fields.set(1, "name", "John", 2).await;
     assert!(r.is_err(), "w: 5 on one member must fail, got {r:?}");
     // Without the option the handle inherits the collection's (here: the default).
-    let plain = SequencedSet::new(t.db.collection("s"), SetOptions::default()).await?;
+    let plain = SequencedSet::open(&t.db, "s", SetOptions::default()).await?;
     assert_eq!(plain.collection().write_concern(), None);
     assert!(plain.members(1).await?.is_some());
     Ok(())

@@ -2,7 +2,7 @@
 //! by "at least one doctor on call" (refused and unchanged outcomes included: every call
 //! counts as one operation).
 
-use docwarden::guard::{Change, Guarded};
+use docwarden::guard::{Change, GuardOptions, Guarded};
 use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
 
@@ -13,7 +13,7 @@ const SHIFTS: i64 = 1_000;
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let coll = db.collection::<Document>("bench_guard");
     crate::shifts::insert(&coll, SHIFTS).await?;
-    let guarded = Guarded::new(coll)?;
+    let guarded = Guarded::new(coll, GuardOptions::default())?;
     let rule = crate::shifts::at_least_one_on_call()?;
     let row = measure("guard: on/off call (≥1 on call)", load, move |_| {
         let guarded = guarded.clone();

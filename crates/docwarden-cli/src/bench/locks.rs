@@ -46,13 +46,13 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             let id = rand::random_range(0..RESOURCES);
             match doc_locks.lock(id).await {
                 Ok(Some(guard)) => {
-                    doc_locks
+                    let released = doc_locks
                         .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
                         .await?;
+                    anyhow::ensure!(released.is_applied(), "release_with: {released:?}");
                     Ok(1)
                 }
                 Ok(None) => Ok(0),
-                Err(docwarden::Error::AlreadyLocked { .. }) => Ok(0),
                 Err(e) => Err(e.into()),
             }
         }

@@ -3,7 +3,10 @@
 //! choice), and a batch claim of 16; every job is completed (fenced) before it counts.
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::{ClaimStrategy, ClaimedJob, EnqueueOptions, JobQueue, QueueOptions};
+use docwarden::queue::format::field;
+use docwarden::queue::{
+    ClaimStrategy, ClaimedJob, EnqueueOptions, JobQueue, JobState, QueueOptions,
+};
 use mongodb::Database;
 use mongodb::bson::{Bson, doc};
 
@@ -19,7 +22,7 @@ async fn top_up(q: JobQueue, stop: tokio_util::sync::CancellationToken) -> anyho
     while !stop.is_cancelled() {
         let waiting = q
             .collection()
-            .count_documents(doc! { "state": { "$in": ["ready", "retrying"] } })
+            .count_documents(doc! { field::STATE: { "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()] } })
             .await?;
         let missing = STEADY.saturating_sub(usize::try_from(waiting).unwrap_or(STEADY));
         if missing > 0 {

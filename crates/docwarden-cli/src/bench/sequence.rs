@@ -9,7 +9,7 @@ const KEYS: i64 = 1_000;
 const MEMBERS: [&str; 8] = ["a", "b", "c", "d", "e", "f", "g", "h"];
 
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
-    let set = SequencedSet::new(db.collection("bench_sequence"), SetOptions::default()).await?;
+    let set = SequencedSet::open(db, "bench_sequence", SetOptions::default()).await?;
     // Create the documents first, as the reference's are: the row measures steady-state
     // applies (one round trip each), not the one-off creation of a key.
     for key in 0..KEYS {

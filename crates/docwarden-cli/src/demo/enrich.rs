@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions, Worker, WorkerOptions};
+use docwarden::queue::format::field;
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions, Worker, WorkerOptions};
 use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -251,18 +252,18 @@ pub(crate) async fn run(
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let stats = queue.stats().await?;
-        let get = |s: &str| stats.by_state.get(s).copied().unwrap_or(0);
-        let finished = get("succeeded") + get("dead") + get("cancelled");
+        let get = |s: JobState| stats.by_state.get(s.as_str()).copied().unwrap_or(0);
+        let finished = get(JobState::Succeeded) + get(JobState::Dead) + get(JobState::Cancelled);
         crate::demo::narrate!(
             "   {:>5.1}s  succeeded {:>4}  running {:>3}  retrying {:>3}  ready {:>4}  dead {}",
             started.elapsed().as_secs_f64(),
-            get("succeeded"),
-            get("running"),
-            get("retrying"),
-            get("ready"),
-            get("dead")
+            get(JobState::Succeeded),
+            get(JobState::Running),
+            get(JobState::Retrying),
+            get(JobState::Ready),
+            get(JobState::Dead)
         );
-        if !killed && get("running") > 0 && get("succeeded") >= total / 4 {
+        if !killed && get(JobState::Running) > 0 && get(JobState::Succeeded) >= total / 4 {
             let victim = workers.remove(0);
             let owner = victim.owner().to_owned();
             let r = victim.kill().await;
@@ -289,8 +290,12 @@ pub(crate) async fn run(
     let duplicated = messages
         .count_documents(doc! { "enrichments": { "$gt": 1 } })
         .await?;
-    let running = coll.count_documents(doc! { "state": "running" }).await?;
-    let dead = coll.count_documents(doc! { "state": "dead" }).await?;
+    let running = coll
+        .count_documents(doc! { field::STATE: JobState::Running.as_str() })
+        .await?;
+    let dead = coll
+        .count_documents(doc! { field::STATE: JobState::Dead.as_str() })
+        .await?;
     let lost = total.saturating_sub(enriched).saturating_sub(dead);
     crate::demo::narrate!("   final documents:");
     let mut by_country = std::collections::BTreeMap::<String, u64>::new();

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use docwarden::sequence::{Outcome, SequencedSet, SetOptions};
+use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOptions};
 use futures::TryStreamExt;
 use mongodb::Database;
 use mongodb::bson::{Document, doc};
@@ -78,8 +78,9 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
     );
     let (messages, expected) = produce();
     let deliveries = deliver(&messages);
-    let set = SequencedSet::new(
-        db.collection("enrollment"),
+    let set = SequencedSet::open(
+        db,
+        "enrollment",
         SetOptions::default()
             .key_field("student_id")
             .field("classes")
@@ -104,8 +105,8 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
                     set.remove(m.student, CLASSES[m.class], m.seq).await?
                 };
                 counts[match outcome {
-                    Outcome::Applied => 0,
-                    Outcome::Stale => 1,
+                    ApplyOutcome::Applied => 0,
+                    ApplyOutcome::Stale => 1,
                     _ => 2,
                 }] += 1;
             }

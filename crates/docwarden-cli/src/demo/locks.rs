@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::format::document::{LOCK_ID, LOCK_TIME};
 use docwarden::lock::{
     DocumentLockOptions, DocumentLocks, Fence, FenceOptions, FenceOutcome, LockCollection,
     LockOptions, Owner,
@@ -49,14 +50,15 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
 
     let guard = locks
         .lock_or_create("dummy-1", doc! { "value": "created" })
-        .await?;
+        .await?
+        .context("dummy-1 is new, nobody holds it")?;
     ops += 1;
     crate::demo::narrate!(
         "   lock_or_create(dummy-1) created and locked it with a random lock id {}…",
         &guard.lock_id[..8]
     );
     match locks.lock("dummy-1").await {
-        Err(Error::AlreadyLocked { .. }) => {
+        Ok(None) => {
             crate::demo::narrate!("   a second lock(dummy-1): already locked")
         }
         other => {
@@ -64,9 +66,10 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
             crate::demo::narrate!("   ! a second lock(dummy-1) returned {other:?}");
         }
     }
-    locks
+    let released = locks
         .release_with(guard, doc! { "$set": { "value": "changed" } })
         .await?;
+    anyhow::ensure!(released.is_applied(), "release_with(dummy-1): {released:?}");
     ops += 2;
     crate::demo::narrate!(
         "   release_with wrote value=changed and cleared the lock in one fenced update"
@@ -87,8 +90,8 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     let (mut winners, mut already) = (0_u64, 0_u64);
     for t in tasks {
         match t.await? {
-            Ok(_) => winners += 1,
-            Err(Error::AlreadyLocked { .. }) => already += 1,
+            Ok(Some(_)) => winners += 1,
+            Ok(None) => already += 1,
             Err(e) => return Err(e.into()),
         }
     }
@@ -113,14 +116,14 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
                     match locks.lock("counter").await {
                         Ok(Some(g)) => {
                             let n = g.document.get_i64("n")?;
-                            locks
+                            let released = locks
                                 .release_with(g, doc! { "$set": { "n": n + 1 } })
                                 .await?;
+                            anyhow::ensure!(released.is_applied(), "counter: {released:?}");
                             ops += 1;
                             break;
                         }
-                        Ok(None) => anyhow::bail!("counter missing"),
-                        Err(Error::AlreadyLocked { .. }) => {
+                        Ok(None) => {
                             tokio::time::sleep(Duration::from_millis(2)).await;
                         }
                         Err(e) => return Err(e.into()),
@@ -149,11 +152,13 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     let stale = locks.lock("dummy-1").await?.context("dummy-1")?;
     coll.update_one(
         doc! { "_id": "dummy-1" },
-        doc! { "$set": { "lock_time": DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000) } },
+        doc! { "$set": { LOCK_TIME: DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000) } },
     )
     .await?;
     let seed_and = coll
-        .count_documents(doc! { "_id": "dummy-1", "lock_id": Bson::Null, "lock_time": { "$lt": DateTime::now() } })
+        .count_documents(
+            doc! { "_id": "dummy-1", LOCK_ID: Bson::Null, LOCK_TIME: { "$lt": DateTime::now() } },
+        )
         .await?;
     crate::demo::narrate!(
         "   a holder crashed an hour ago; the seed's AND filter (lock_id null AND lock_time expired) matches {seed_and} document: it would say 'already locked' forever"
@@ -168,7 +173,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
         )
         .await
     {
-        Err(Error::LeaseLost { .. }) => {
+        Ok(FenceOutcome::Lost) => {
             crate::demo::narrate!(
                 "   the old holder wakes up: its release_with is refused (lock lost), nothing written"
             );
@@ -178,7 +183,8 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
             crate::demo::narrate!("   ! the old holder's release returned {other:?}");
         }
     }
-    locks.release(taker).await?;
+    let released = locks.release(taker).await?;
+    anyhow::ensure!(released.is_applied(), "release(dummy-1): {released:?}");
     ops += 2;
     crate::demo::narrate!("   violations: {violations}");
     Ok(ScenarioReport {
@@ -232,7 +238,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
                     .map_err(|_| anyhow::anyhow!("poisoned"))?
                     .entry(r)
                     .or_default()
-                    .push(lease.token);
+                    .push(lease.token.get());
                 read_modify_write(&workitems, r).await?;
                 locks.release(&lease).await?;
             }
@@ -287,13 +293,14 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         )
         .await?
         .context("b")?;
-    fence
+    let b_write = fence
         .apply(
             &lb,
             doc! { "_id": 1 },
             doc! { "$inc": { "balance": -20_i64 } },
         )
         .await?;
+    anyhow::ensure!(b_write.is_applied(), "B's fenced write: {b_write:?}");
     crate::demo::narrate!(
         "   owner B takes it over with token {} and writes (fenced)",
         lb.token

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use docwarden::guard::{self, Change, Guarded, Outcome, ValidatorInstall, ValidatorOptions};
+use docwarden::guard::{
+    self, Change, GuardOptions, GuardOutcome, Guarded, ValidatorInstall, ValidatorOptions,
+};
 use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::options::UpdateOptions;
@@ -43,7 +45,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         let coll = coll.clone();
         let counts = Arc::clone(&counts);
         tasks.push(tokio::spawn(async move {
-            let guarded = Guarded::new(coll.clone())?;
+            let guarded = Guarded::new(coll.clone(), GuardOptions::default())?;
             let rule = [crate::shifts::at_least_one_on_call()?];
             for _ in 0..OPS_PER_WORKER {
                 let shift = rand::random_range(0..SHIFTS);
@@ -57,9 +59,9 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
                     doc! { "on_call": on, "updated": DateTime::now() },
                 )?;
                 let counter = match guarded.update(shift, &change, &rule).await? {
-                    Outcome::Applied => &counts.applied,
-                    Outcome::Rejected { .. } => &counts.rejected,
-                    Outcome::NoChange => &counts.unchanged,
+                    GuardOutcome::Applied => &counts.applied,
+                    GuardOutcome::Rejected { .. } => &counts.rejected,
+                    GuardOutcome::NoChange => &counts.unchanged,
                     _ => &counts.other,
                 };
                 counter.fetch_add(1, Ordering::Relaxed);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::OpOutcome;
 use docwarden::check::state::check_invariant_reads;
-use docwarden::guard::{Change, Guarded};
+use docwarden::guard::{Change, GuardOptions, Guarded};
 use mongodb::bson::{Document, doc};
 use rand::Rng;
 
@@ -71,7 +71,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
 async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let coll = ctx.db.collection::<Document>("shifts");
-    let guarded = Guarded::new(coll.clone())?;
+    let guarded = Guarded::new(coll.clone(), GuardOptions::default())?;
     let rule = crate::shifts::at_least_one_on_call()?;
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {

@@ -94,7 +94,7 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
                 &key,
                 locks.try_acquire(&owner, &key, TTL),
                 |r, e| match r {
-                    Ok(Some(l)) => e.token(l.token),
+                    Ok(Some(l)) => e.token(l.token.get()),
                     Ok(None) => e.outcome(OpOutcome::Failed).detail("held"),
                     Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
                 },
@@ -124,7 +124,7 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
                         doc! { "$set": { "holder": owner.id() } },
                     ),
                     |r, e| {
-                        let e = e.token(lease.token);
+                        let e = e.token(lease.token.get());
                         match r {
                             Ok(FenceOutcome::Applied) => e,
                             Ok(other) => e.outcome(OpOutcome::Failed).detail(format!("{other:?}")),
@@ -160,7 +160,7 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
                         .map(|_| FenceOutcome::Applied)
                         .map_err(docwarden::Error::from)
                 },
-                |r, e| classify_write(r, e.token(lease.token).value(value + 1)),
+                |r, e| classify_write(r, e.token(lease.token.get()).value(value + 1)),
             )
             .await
         } else {
@@ -173,7 +173,7 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
                     doc! { "_id": &key },
                     doc! { "$set": { "value": value + 1 } },
                 ),
-                |r, e| classify_write(r, e.token(lease.token).value(value + 1)),
+                |r, e| classify_write(r, e.token(lease.token.get()).value(value + 1)),
             )
             .await
         };
@@ -187,7 +187,7 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
             Err(_) => {} // may or may not have landed: stays uncertain
         }
         h.record(process, "release", &key, locks.release(&lease), |r, e| {
-            e.token(lease.token).outcome(Ctx::outcome_of(r))
+            e.token(lease.token.get()).outcome(Ctx::outcome_of(r))
         })
         .await
         .ok();

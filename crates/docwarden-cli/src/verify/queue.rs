@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::OpOutcome;
 use docwarden::check::queue::{JobObservation, check_jobs};
-use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
+use docwarden::queue::format::field;
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions};
 use docwarden::validate::random_id;
 use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
@@ -22,6 +23,9 @@ use rand::Rng;
 use super::{Ctx, Findings};
 
 const LEASE: Duration = Duration::from_secs(2);
+
+/// The queue collection of the workload.
+const JOBS: &str = "verify_jobs";
 
 fn options() -> QueueOptions {
     QueueOptions::default()
@@ -32,7 +36,7 @@ fn options() -> QueueOptions {
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let producer_clock =
         docwarden::clock::TimeSource::server(ctx.client.clone(), Default::default())?;
-    let queue = JobQueue::open(&ctx.db, "verify_jobs", producer_clock, options()).await?;
+    let queue = JobQueue::open(&ctx.db, JOBS, producer_clock, options()).await?;
     // Jobs are produced during the first 60 % of the run; workers go on until everything
     // is finished (or a drain limit of the run + 4 leases).
     let produce_until = Instant::now() + ctx.duration.mul_f64(0.6);
@@ -40,12 +44,12 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         let (queue, ctx) = (queue.clone(), Arc::clone(&ctx));
         tokio::spawn(async move {
             let mut n = 0_i64;
-            let raw = ctx.db.collection::<Document>("verify_jobs");
+            let raw = ctx.db.collection::<Document>(JOBS);
             while Instant::now() < produce_until {
                 // Backpressure: keep the backlog small so that re-claims of expired
                 // leases happen during the run, not after it.
                 let backlog = raw
-                    .count_documents(doc! { "state": { "$in": ["ready", "retrying"] } })
+                    .count_documents(doc! { field::STATE: { "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()] } })
                     .await
                     .unwrap_or(0);
                 if backlog > 16 {
@@ -98,11 +102,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     }
 
     let mut jobs: BTreeMap<String, JobObservation> = BTreeMap::new();
-    let mut cursor = ctx
-        .db
-        .collection::<Document>("verify_jobs")
-        .find(doc! {})
-        .await?;
+    let mut cursor = ctx.db.collection::<Document>(JOBS).find(doc! {}).await?;
     while let Some(d) = cursor.try_next().await? {
         let id = d
             .get_object_id("_id")
@@ -112,7 +112,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
             id,
             JobObservation {
                 effects: 0,
-                state: d.get_str("state").ok().map(str::to_owned),
+                state: d.get_str(field::STATE).ok().map(str::to_owned),
             },
         );
     }
@@ -132,12 +132,8 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
 /// One claim → (pause?) → complete loop until the run's deadline.
 async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
-    let queue = JobQueue::new(
-        ctx.db.collection("verify_jobs"),
-        ctx.clock(process)?,
-        options(),
-    )?;
-    let raw = ctx.db.collection::<Document>("verify_jobs");
+    let queue = JobQueue::new(ctx.db.collection(JOBS), ctx.clock(process)?, options())?;
+    let raw = ctx.db.collection::<Document>(JOBS);
     let owner = format!("verify-{process}-{}", random_id());
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {
@@ -168,20 +164,20 @@ async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
                 ctx.history.now_us(),
                 ctx.history.now_us(),
             )
-            .detail(claimed.lease.token.clone()),
+            .detail(claimed.lease.token.to_string()),
         );
         // The handler's work, sometimes paused past the lease.
         tokio::time::sleep(Duration::from_millis(rng.random_range(2..15))).await;
         ctx.maybe_pause(&mut rng, process, 0.03, LEASE + Duration::from_millis(1500))
             .await;
-        let token = claimed.lease.token.clone();
+        let token = claimed.lease.token.to_string();
         if ctx.control {
             ctx.history
                 .record(
                     process,
                     "complete",
                     &key,
-                    raw.update_one(doc! { "_id": claimed.id() }, doc! { "$set": { "state": "succeeded", "result": &token }, "$unset": { "lease": "" } })
+                    raw.update_one(doc! { "_id": claimed.id() }, doc! { "$set": { field::STATE: JobState::Succeeded.as_str(), field::RESULT: &token }, "$unset": { field::LEASE: "" } })
                         .into_future(),
                     |r, e| match r {
                         Ok(u) if u.matched_count == 1 => e.detail(token.clone()),
@@ -216,12 +212,12 @@ async fn worker(ctx: &Ctx, process: u32) -> anyhow::Result<()> {
 async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
     let limit = Instant::now() + LEASE * 4 + Duration::from_secs(20);
     let owner = format!("verify-drain-{}", random_id());
-    let raw = ctx.db.collection::<Document>("verify_jobs");
+    let raw = ctx.db.collection::<Document>(JOBS);
     while Instant::now() < limit {
         match queue.claim(&owner).await {
             Ok(Some(job)) => {
                 let key = job.id().to_hex();
-                let token = job.lease.token.clone();
+                let token = job.lease.token.to_string();
                 ctx.history
                     .record(
                         u32::MAX - 1,
@@ -235,7 +231,7 @@ async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
             }
             Ok(None) | Err(_) => {
                 let unfinished = raw
-                    .count_documents(doc! { "state": { "$in": ["ready", "running", "retrying"] } })
+                    .count_documents(doc! { field::STATE: { "$in": [JobState::Ready.as_str(), JobState::Running.as_str(), JobState::Retrying.as_str()] } })
                     .await?;
                 if unfinished == 0 {
                     return Ok(());

@@ -38,7 +38,8 @@ struct Mailbox {
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let coll = ctx.db.collection::<Document>("students");
-    let set = SequencedSet::new(coll.clone(), SetOptions::default().field("classes")).await?;
+    let set =
+        SequencedSet::open(&ctx.db, coll.name(), SetOptions::default().field("classes")).await?;
     // The producer: 60 messages per student with increasing sequence numbers.
     let mut rng = ctx.rng(u32::MAX - 3);
     let mut messages = Vec::new();
@@ -102,7 +103,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         let entry = model_state.entry(m.student.clone()).or_default();
         let current = entry.get(m.class).copied();
         if docwarden::sequence::set::resolve(current, m.seq, m.enroll)
-            == docwarden::sequence::Outcome::Applied
+            == docwarden::sequence::ApplyOutcome::Applied
         {
             entry.insert(m.class, (m.seq, m.enroll));
         }

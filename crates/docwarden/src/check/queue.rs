@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 
 use super::Violation;
+use crate::format::job::JobState;
 
 /// What the final read found about one job.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -35,36 +36,38 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
                 format!("effect committed {} times", job.effects),
             ));
         }
-        match state {
-            "running" => violations.push(Violation::new(
+        match JobState::parse(state) {
+            Some(JobState::Running) => violations.push(Violation::new(
                 "stuck-job",
                 id.clone(),
                 "still running after the run drained",
             )),
-            "dead" | "cancelled" if job.effects > 0 => violations.push(Violation::new(
-                "state-mismatch",
-                id.clone(),
-                format!(
-                    "{state} but its effect was committed {} time(s)",
-                    job.effects
-                ),
-            )),
-            "dead" | "cancelled" => {}
-            "succeeded" if job.effects == 0 => violations.push(Violation::new(
+            Some(JobState::Dead | JobState::Cancelled) if job.effects > 0 => {
+                violations.push(Violation::new(
+                    "state-mismatch",
+                    id.clone(),
+                    format!(
+                        "{state} but its effect was committed {} time(s)",
+                        job.effects
+                    ),
+                ));
+            }
+            Some(JobState::Dead | JobState::Cancelled) => {}
+            Some(JobState::Succeeded) if job.effects == 0 => violations.push(Violation::new(
                 "lost-job",
                 id.clone(),
                 "marked succeeded but no effect was committed",
             )),
-            "succeeded" => {}
-            other if job.effects == 0 => violations.push(Violation::new(
+            Some(JobState::Succeeded) => {}
+            _ if job.effects == 0 => violations.push(Violation::new(
                 "lost-job",
                 id.clone(),
-                format!("never completed (state {other})"),
+                format!("never completed (state {state})"),
             )),
-            other => violations.push(Violation::new(
+            _ => violations.push(Violation::new(
                 "state-mismatch",
                 id.clone(),
-                format!("its effect was committed but the job is {other}, not succeeded"),
+                format!("its effect was committed but the job is {state}, not succeeded"),
             )),
         }
     }
@@ -75,24 +78,24 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
 mod tests {
     use super::*;
 
-    fn obs(effects: u64, state: &str) -> JobObservation {
+    fn obs(effects: u64, state: JobState) -> JobObservation {
         JobObservation {
             effects,
-            state: Some(state.to_owned()),
+            state: Some(state.as_str().to_owned()),
         }
     }
 
     #[test]
     fn exactly_once_passes_and_planted_faults_are_found() {
         let mut jobs: BTreeMap<String, JobObservation> = (0..5)
-            .map(|i| (format!("j{i}"), obs(1, "succeeded")))
+            .map(|i| (format!("j{i}"), obs(1, JobState::Succeeded)))
             .collect();
-        jobs.insert("dead".into(), obs(0, "dead"));
+        jobs.insert("dead-job".into(), obs(0, JobState::Dead));
         assert!(check_jobs(&jobs).is_empty());
 
-        jobs.insert("dup".into(), obs(2, "succeeded"));
-        jobs.insert("lost".into(), obs(0, "ready"));
-        jobs.insert("stuck".into(), obs(0, "running"));
+        jobs.insert("dup".into(), obs(2, JobState::Succeeded));
+        jobs.insert("lost".into(), obs(0, JobState::Ready));
+        jobs.insert("stuck".into(), obs(0, JobState::Running));
         jobs.insert("gone".into(), JobObservation::default());
         let kinds: Vec<&str> = check_jobs(&jobs).iter().map(|v| v.kind).collect();
         assert_eq!(
@@ -106,10 +109,10 @@ mod tests {
     #[test]
     fn a_dead_job_with_an_effect_and_an_unfinished_job_with_one_are_violations() {
         for (state, effects, kind) in [
-            ("dead", 1, "state-mismatch"),
-            ("cancelled", 1, "state-mismatch"),
-            ("retrying", 1, "state-mismatch"),
-            ("ready", 1, "state-mismatch"),
+            (JobState::Dead, 1, "state-mismatch"),
+            (JobState::Cancelled, 1, "state-mismatch"),
+            (JobState::Retrying, 1, "state-mismatch"),
+            (JobState::Ready, 1, "state-mismatch"),
         ] {
             let jobs = BTreeMap::from([("j".to_owned(), obs(effects, state))]);
             let found = check_jobs(&jobs);

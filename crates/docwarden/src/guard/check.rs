@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 /// A document that violates one or more invariants.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
-pub struct Violation {
+pub struct InvariantViolation {
     /// The document's `_id`.
     pub id: Bson,
     /// Names of the invariants it violates, in the order given.
@@ -55,7 +55,7 @@ pub async fn violations(
     coll: &Collection<Document>,
     invariants: &[Invariant],
     limit: Option<i64>,
-) -> Result<Vec<Violation>> {
+) -> Result<Vec<InvariantViolation>> {
     if limit.is_some_and(|n| n < 1) {
         return Err(Error::invalid("limit", "must be at least 1"));
     }
@@ -77,7 +77,10 @@ pub async fn violations_of(
     Ok(v.pop().map(|v| v.invariants).unwrap_or_default())
 }
 
-async fn collect(coll: &Collection<Document>, pipeline: Vec<Document>) -> Result<Vec<Violation>> {
+async fn collect(
+    coll: &Collection<Document>,
+    pipeline: Vec<Document>,
+) -> Result<Vec<InvariantViolation>> {
     let docs: Vec<Document> = coll.aggregate(pipeline).await?.try_collect().await?;
     docs.into_iter()
         .map(|d| {
@@ -90,7 +93,7 @@ async fn collect(coll: &Collection<Document>, pipeline: Vec<Document>) -> Result
                 .iter()
                 .filter_map(|b| b.as_str().map(str::to_owned))
                 .collect();
-            Ok(Violation { id, invariants })
+            Ok(InvariantViolation { id, invariants })
         })
         .collect()
 }

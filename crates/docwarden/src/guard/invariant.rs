@@ -306,7 +306,7 @@ impl Invariant {
         Ok(Self { name, expr })
     }
 
-    /// The invariant's name (what [`super::Outcome::Rejected`] reports).
+    /// The invariant's name (what [`super::GuardOutcome::Rejected`] reports).
     pub fn name(&self) -> &str {
         &self.name
     }

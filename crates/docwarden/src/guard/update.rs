@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 /// What a guarded update did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Outcome {
+pub enum GuardOutcome {
     /// The change was written; the document now satisfies every invariant.
     Applied,
     /// The document was already in the requested state; nothing was written.
@@ -75,7 +75,7 @@ pub struct Change {
 impl Change {
     /// Set `fields` on the element(s) of `array` whose `key_field` equals `key` (a doctor by
     /// name). Key and fields are tested on the same element (`$elemMatch` semantics); if no
-    /// element has the key the outcome is [`Outcome::NoSuchMember`].
+    /// element has the key the outcome is [`GuardOutcome::NoSuchMember`].
     ///
     /// # Errors
     /// [`Error::InvalidInput`]: `array` or `key_field` is not a top-level field name, or
@@ -105,7 +105,7 @@ impl Change {
     }
 
     /// Remove the element(s) of `array` whose `key_field` equals `key` (cancel a booking).
-    /// [`Outcome::NoSuchMember`] if there is none.
+    /// [`GuardOutcome::NoSuchMember`] if there is none.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name.
@@ -343,14 +343,14 @@ impl GuardOptions {
 ///
 /// ```no_run
 /// # async fn example(coll: mongodb::Collection<mongodb::bson::Document>) -> docwarden::Result<()> {
-/// use docwarden::guard::{Change, Condition, Guarded, Invariant, Outcome};
+/// use docwarden::guard::{Change, Condition, GuardOptions, GuardOutcome, Guarded, Invariant};
 /// use mongodb::bson::doc;
-/// let guarded = Guarded::new(coll)?;
+/// let guarded = Guarded::new(coll, GuardOptions::default())?;
 /// let on_call = Invariant::at_least("someone on call", "doctors", 1, Condition::eq("on_call", true))?;
 /// let off = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false })?;
 /// match guarded.update(1, &off, &[on_call]).await? {
-///     Outcome::Applied => println!("Bob is off call"),
-///     Outcome::Rejected { invariant } => println!("refused: {invariant}"),
+///     GuardOutcome::Applied => println!("Bob is off call"),
+///     GuardOutcome::Rejected { invariant } => println!("refused: {invariant}"),
 ///     other => println!("{other:?}"),
 /// }
 /// # Ok(()) }
@@ -362,21 +362,28 @@ pub struct Guarded {
 }
 
 impl Guarded {
-    /// A handle with default options.
-    ///
-    /// # Errors
-    /// Never with the defaults; see [`Guarded::with_options`].
-    pub fn new(coll: Collection<Document>) -> Result<Self> {
-        Self::with_options(coll, GuardOptions::default())
-    }
-
-    /// A handle with `opts`.
+    /// A handle on `coll` with `opts`, without touching the server: it only validates.
+    /// Use [`Guarded::open`] to also run the preflight checks.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `max_attempts` is 0.
-    pub fn with_options(coll: Collection<Document>, opts: GuardOptions) -> Result<Self> {
+    pub fn new(coll: Collection<Document>, opts: GuardOptions) -> Result<Self> {
         crate::validate::positive("max_attempts", opts.max_attempts)?;
         Ok(Self { coll, opts })
+    }
+
+    /// A handle on collection `name` of `db` ([`Guarded::new`]), after the preflight checks
+    /// ([`crate::preflight::check`]). No index is created: the guard writes by `_id`
+    /// (see [`super::ensure_array_index`] for the index a member lookup may want).
+    ///
+    /// # Errors
+    /// As [`Guarded::new`]; [`Error::Incompatible`] for a server older than MongoDB 6.0 or
+    /// a collection with a non-simple default collation; a database error.
+    pub async fn open(db: &mongodb::Database, name: &str, opts: GuardOptions) -> Result<Self> {
+        crate::validate::collection_name("guarded collection", name)?;
+        let this = Self::new(db.collection(name), opts)?;
+        crate::preflight::check(&this.coll).await?;
+        Ok(this)
     }
 
     /// The wrapped collection.
@@ -386,8 +393,8 @@ impl Guarded {
 
     /// Applies `change` to the document with `_id == target` only if the document after
     /// the change satisfies every invariant, in one atomic update. A miss is explained by
-    /// one read ([`Outcome`]); nothing is written unless the outcome is
-    /// [`Outcome::Applied`].
+    /// one read ([`GuardOutcome`]); nothing is written unless the outcome is
+    /// [`GuardOutcome::Applied`].
     ///
     /// # Errors
     /// [`Error::Database`] if the server fails the update (a validator refusal is code
@@ -399,7 +406,7 @@ impl Guarded {
         target: impl Into<Bson>,
         change: &Change,
         invariants: &[Invariant],
-    ) -> Result<Outcome> {
+    ) -> Result<GuardOutcome> {
         let target = target.into();
         let filter = change.filter(&target);
         let pipeline = change.pipeline(invariants);
@@ -409,7 +416,7 @@ impl Guarded {
                 .update_one(filter.clone(), pipeline.clone())
                 .await?;
             if res.modified_count > 0 {
-                return Ok(Outcome::Applied);
+                return Ok(GuardOutcome::Applied);
             }
             // Not written: no document or member (nothing matched), or the value was kept
             // because it was already so or an invariant failed. One read tells which.
@@ -435,28 +442,28 @@ impl Guarded {
         target: &Bson,
         change: &Change,
         invariants: &[Invariant],
-    ) -> Result<Option<Outcome>> {
+    ) -> Result<Option<GuardOutcome>> {
         let mut cursor = self
             .coll
             .aggregate(change.diagnose(target, invariants))
             .await?;
         let Some(d) = cursor.try_next().await? else {
-            return Ok(Some(Outcome::NotFound));
+            return Ok(Some(GuardOutcome::NotFound));
         };
         let malformed = |reason: &str| Error::Malformed {
             id: target.to_string(),
             reason: format!("diagnosis: {reason}"),
         };
         if !d.get_bool("member").map_err(|_| malformed("member"))? {
-            return Ok(Some(Outcome::NoSuchMember));
+            return Ok(Some(GuardOutcome::NoSuchMember));
         }
         if d.get_bool("same").map_err(|_| malformed("same"))? {
-            return Ok(Some(Outcome::NoChange));
+            return Ok(Some(GuardOutcome::NoChange));
         }
         let ok = d.get_array("ok").map_err(|_| malformed("ok"))?;
         for (inv, passed) in invariants.iter().zip(ok) {
             if passed != &Bson::Boolean(true) {
-                return Ok(Some(Outcome::Rejected {
+                return Ok(Some(GuardOutcome::Rejected {
                     invariant: inv.name().to_owned(),
                 }));
             }

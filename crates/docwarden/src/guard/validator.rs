@@ -10,7 +10,7 @@ use mongodb::Collection;
 use mongodb::bson::{Document, doc};
 use tracing::{info, instrument};
 
-use super::check::{Violation, violations};
+use super::check::{InvariantViolation, violations};
 use super::invariant::{Invariant, all_of};
 use crate::error::{Error, Result};
 
@@ -58,12 +58,12 @@ pub enum ValidatorInstall {
     /// when it was installed (empty unless `proceed_despite_violations` was set).
     Installed {
         /// Documents that already violated the invariants.
-        existing_violations: Vec<Violation>,
+        existing_violations: Vec<InvariantViolation>,
     },
     /// Nothing was installed because these documents already violate the invariants.
     Refused {
         /// The violating documents (at most `list_limit`).
-        violations: Vec<Violation>,
+        violations: Vec<InvariantViolation>,
     },
 }
 

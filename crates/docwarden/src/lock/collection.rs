@@ -30,12 +30,13 @@ use super::lease::{Lease, Owner};
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
 use crate::error::{self, Error, Result};
+use crate::token::FencingToken;
 use crate::validate;
 
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
 
-/// Options of a [`LockCollection`], validated by [`LockCollection::open`].
+/// Options of a [`LockCollection`], validated once by [`LockCollection::new`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct LockOptions {
@@ -126,14 +127,14 @@ impl LockOptions {
 /// Which locks [`LockCollection::list`] returns. Empty: every held lock.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
-pub struct ListFilter {
+pub struct LockListFilter {
     /// Only locks held by this owner id.
     pub owner: Option<String>,
     /// Only the lock on this resource.
     pub resource: Option<String>,
 }
 
-impl ListFilter {
+impl LockListFilter {
     /// Only locks held by `owner`.
     pub fn owner(mut self, owner: impl Into<String>) -> Self {
         self.owner = Some(owner.into());
@@ -160,7 +161,7 @@ pub struct LockRecord {
     pub owner: String,
     /// The fencing token; `None` while an acquire is between its steps, or when the stored
     /// token is not an int64.
-    pub token: Option<i64>,
+    pub token: Option<FencingToken>,
     /// When it was acquired (server time); `None` if the stored value is not a date.
     #[serde(serialize_with = "as_rfc3339")]
     pub acquired_at: Option<DateTime>,
@@ -239,9 +240,48 @@ pub struct LockCollection {
 }
 
 impl LockCollection {
+    /// A handle on the lock collection `collection` (and its counter collection
+    /// `<name>.tokens` in the same database), without touching the server: it only
+    /// validates. Use [`LockCollection::open`] to also run the preflight checks and create
+    /// the indexes, or call [`LockCollection::ensure_indexes`] once. With
+    /// [`LockOptions::write_concern`] set, both collections use it; otherwise they inherit
+    /// `collection`'s write concern (its read concern and read preference are kept).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad collection name or options.
+    pub fn new(
+        collection: Collection<Document>,
+        time: TimeSource,
+        options: LockOptions,
+    ) -> Result<Self> {
+        validate::collection_name("lock collection", collection.name())?;
+        options.validate()?;
+        let db = collection.client().database(&collection.namespace().db);
+        let coll_options = CollectionOptions::builder()
+            .write_concern(
+                options
+                    .write_concern
+                    .clone()
+                    .or_else(|| collection.write_concern().cloned()),
+            )
+            .read_concern(collection.read_concern().cloned())
+            .selection_criteria(collection.selection_criteria().cloned())
+            .build();
+        let name = collection.name();
+        Ok(Self {
+            locks: db.collection_with_options(name, coll_options.clone()),
+            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
+            time,
+            options,
+            pause: None,
+        })
+    }
+
     /// Opens the lock collection `name` (and its counter collection `<name>.tokens`) in
-    /// `db`, creating its indexes if they are missing: `{owner: 1, _id: 1}` for listing
-    /// and releasing by owner, and a TTL index on `expires_at` with `gc_after`.
+    /// `db` ([`LockCollection::new`]), runs the preflight checks on both
+    /// ([`crate::preflight::check`]) and creates the indexes if they are missing:
+    /// `{owner: 1, _id: 1}` for listing and releasing by owner, and a TTL index on
+    /// `expires_at` with `gc_after`.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
@@ -254,17 +294,7 @@ impl LockCollection {
         options: LockOptions,
     ) -> Result<Self> {
         validate::collection_name("lock collection", name)?;
-        options.validate()?;
-        let coll_options = CollectionOptions::builder()
-            .write_concern(options.write_concern.clone())
-            .build();
-        let this = Self {
-            locks: db.collection_with_options(name, coll_options.clone()),
-            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
-            time,
-            options,
-            pause: None,
-        };
+        let this = Self::new(db.collection(name), time, options)?;
         crate::preflight::check(&this.locks).await?;
         crate::preflight::check(&this.tokens).await?;
         this.ensure_indexes().await?;
@@ -407,7 +437,7 @@ impl LockCollection {
                 Ok(Some(Lease {
                     resource: resource.to_owned(),
                     owner: owner.id().to_owned(),
-                    token,
+                    token: FencingToken::new(token),
                     acquired_at,
                     expires_at,
                 }))
@@ -526,7 +556,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
     /// [`Error::InvalidInput`] for a zero ttl; a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.renew_at(lease, ttl).await.map(|_| ())
     }
@@ -560,7 +590,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease was taken over, released or deleted already (so a
     /// non-holder can never release); a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token))]
+    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let result = self
             .locks
@@ -592,7 +622,7 @@ impl LockCollection {
     ///
     /// # Errors
     /// A database error.
-    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<LockRecord>> {
+    pub async fn list(&self, filter: &LockListFilter) -> Result<Vec<LockRecord>> {
         let mut query = doc! { "owner": { "$ne": Bson::Null } };
         if let Some(owner) = &filter.owner {
             query.insert("owner", owner.as_str());
@@ -617,22 +647,24 @@ impl LockCollection {
     ///
     /// # Errors
     /// [`Error::Malformed`] for a counter docwarden did not write; a database error.
-    pub async fn last_token(&self, resource: &str) -> Result<Option<i64>> {
+    pub async fn last_token(&self, resource: &str) -> Result<Option<FencingToken>> {
         validate::name("resource", resource)?;
         let Some(d) = self.tokens.find_one(doc! { "_id": resource }).await? else {
             return Ok(None);
         };
-        d.get_i64("token").map(Some).map_err(|e| Error::Malformed {
-            id: resource.to_owned(),
-            reason: format!("token counter: {e}"),
-        })
+        d.get_i64("token")
+            .map(|t| Some(FencingToken::new(t)))
+            .map_err(|e| Error::Malformed {
+                id: resource.to_owned(),
+                reason: format!("token counter: {e}"),
+            })
     }
 }
 
 fn lost(lease: &Lease) -> Error {
     Error::LeaseLost {
         resource: lease.resource.clone(),
-        token: lease.token.to_string(),
+        token: lease.token.into(),
     }
 }
 
@@ -743,7 +775,7 @@ fn record(d: &Document, cutoff: DateTime) -> LockRecord {
         None
     } else {
         match d.get("token") {
-            Some(Bson::Int64(t)) => Some(*t),
+            Some(Bson::Int64(t)) => Some(FencingToken::new(*t)),
             other => {
                 problems.push(format!("token is {}", describe(other)));
                 None
@@ -770,7 +802,7 @@ mod tests {
         Lease {
             resource: "r".into(),
             owner: "o".into(),
-            token: 7,
+            token: FencingToken::new(7),
             acquired_at: DateTime::from_millis(0),
             expires_at: DateTime::from_millis(5_000),
         }
@@ -847,7 +879,7 @@ mod tests {
     fn records_decode_pending_and_committed() {
         let d = doc! { "_id": "r", "owner": "o", "token": 3_i64, "acquired_at": DateTime::from_millis(0), "expires_at": DateTime::from_millis(10) };
         let r = record(&d, DateTime::from_millis(20));
-        assert_eq!(r.token, Some(3));
+        assert_eq!(r.token, Some(FencingToken::new(3)));
         assert!(r.expired);
         assert_eq!(r.malformed, None);
         let mut p = d.clone();
@@ -985,7 +1017,7 @@ mod tests {
                                         Lease {
                                             resource: "r".into(),
                                             owner: owner_of(a),
-                                            token,
+                                            token: crate::token::FencingToken::new(token),
                                             acquired_at: DateTime::from_millis(0),
                                             expires_at: DateTime::from_millis(0),
                                         },

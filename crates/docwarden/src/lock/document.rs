@@ -4,7 +4,8 @@
 //! **Guarantee:** a document is locked by at most one [`DocumentGuard`] whose lock is still
 //! valid, and [`DocumentLocks::release_with`] writes the holder's change and clears the lock
 //! in one update fenced by the lock id: if the lock was taken over (after it expired) or
-//! cleared, nothing is written and the holder gets [`Error::LeaseLost`]. An expired lock
+//! cleared, nothing is written and the holder gets [`FenceOutcome::Lost`]. A document
+//! lock fences writes to the locked document only. An expired lock
 //! can be taken over: the filter is `lock_id == null OR lock_time < cutoff` (the seed ANDs
 //! the two, so an expired lock could never be taken over and a released document could
 //! never be locked again). A lock id whose `lock_time` is missing or not a date (a hand
@@ -23,6 +24,7 @@ use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
 use super::collection::describe;
+use super::fence::FenceOutcome;
 use crate::clock::TimeSource;
 use crate::error::{self, Error, Result};
 use crate::validate;
@@ -45,8 +47,8 @@ impl Default for DocumentLockOptions {
     fn default() -> Self {
         Self {
             max_duration: Duration::from_secs(30),
-            lock_id_field: "lock_id".to_owned(),
-            lock_time_field: "lock_time".to_owned(),
+            lock_id_field: crate::format::lock::document::LOCK_ID.to_owned(),
+            lock_time_field: crate::format::lock::document::LOCK_TIME.to_owned(),
             seed_and_filter: false,
         }
     }
@@ -89,6 +91,15 @@ pub struct DocumentGuard {
     pub locked_at: DateTime,
     /// The document after locking.
     pub document: Document,
+    /// The lock id field of the collection, for [`super::Fenced`].
+    lock_id_field: String,
+}
+
+impl DocumentGuard {
+    /// `{_id: id, <lock id field>: lock_id}`: the document still carries this lock.
+    pub(crate) fn fence_filter(&self) -> Document {
+        doc! { "_id": self.id.clone(), self.lock_id_field.as_str(): &self.lock_id }
+    }
 }
 
 /// A locked document as stored, for listing ([`DocumentLocks::list_locked`]).
@@ -129,8 +140,10 @@ fn as_rfc3339<S: serde::Serializer>(
 /// use docwarden::lock::{DocumentLockOptions, DocumentLocks};
 /// use mongodb::bson::doc;
 /// let dummies = DocumentLocks::new(db.collection("dummies"), time, DocumentLockOptions::default())?;
-/// let guard = dummies.lock_or_create("id-1", doc! { "value": "initial" }).await?;
-/// dummies.release_with(guard, doc! { "$set": { "value": "changed" } }).await?;
+/// if let Some(guard) = dummies.lock_or_create("id-1", doc! { "value": "initial" }).await? {
+///     let outcome = dummies.release_with(guard, doc! { "$set": { "value": "changed" } }).await?;
+///     assert!(outcome.is_applied(), "the lock expired and was taken over");
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -142,7 +155,27 @@ pub struct DocumentLocks {
 }
 
 impl DocumentLocks {
-    /// Document locks on `coll` (only the `_id` index is needed).
+    /// Document locks on collection `name` of `db` ([`DocumentLocks::new`]), after the
+    /// preflight checks ([`crate::preflight::check`]). No index is created: only the `_id`
+    /// index is needed.
+    ///
+    /// # Errors
+    /// As [`DocumentLocks::new`]; [`Error::Incompatible`] for a server older than MongoDB
+    /// 6.0 or a collection with a non-simple default collation; a database error.
+    pub async fn open(
+        db: &mongodb::Database,
+        name: &str,
+        time: TimeSource,
+        options: DocumentLockOptions,
+    ) -> Result<Self> {
+        validate::collection_name("document lock collection", name)?;
+        let this = Self::new(db.collection(name), time, options)?;
+        crate::preflight::check(&this.coll).await?;
+        Ok(this)
+    }
+
+    /// Document locks on `coll`, without touching the server: it only validates (only the
+    /// `_id` index is needed; [`DocumentLocks::open`] also runs the preflight checks).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a zero `max_duration` or bad field names.
@@ -175,10 +208,11 @@ impl DocumentLocks {
         })
     }
 
-    /// Locks the existing document `id`. `Ok(None)` if there is no such document.
+    /// Locks the existing document `id`. Contention is not an error: `Ok(None)` if the
+    /// document is locked by another holder and the lock has not certainly expired, or if
+    /// there is no such document ([`DocumentLocks::lock_or_create`] creates it).
     ///
     /// # Errors
-    /// [`Error::AlreadyLocked`] if it is locked and the lock has not certainly expired;
     /// [`Error::InvalidInput`] for a null, empty or array id; a database error.
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock(
@@ -193,41 +227,29 @@ impl DocumentLocks {
             .find_one_and_update(filter, update)
             .return_document(ReturnDocument::After)
             .await?;
-        if let Some(document) = after {
-            return Ok(Some(DocumentGuard {
-                id,
-                lock_id,
-                locked_at,
-                document,
-            }));
-        }
-        let exists = self
-            .coll
-            .find_one(doc! { "_id": id.clone() })
-            .projection(doc! { "_id": 1 })
-            .await?
-            .is_some();
-        if exists {
-            Err(already_locked(&id))
-        } else {
-            Ok(None)
-        }
+        Ok(after.map(|document| DocumentGuard {
+            id,
+            lock_id,
+            locked_at,
+            document,
+            lock_id_field: self.options.lock_id_field.clone(),
+        }))
     }
 
     /// Locks document `id`, creating it from `initial` if it does not exist (one atomic
-    /// upsert). Concurrent creators of the same new document race on the `_id` index:
-    /// exactly one wins, the others get [`Error::AlreadyLocked`].
+    /// upsert). Contention is not an error: `Ok(None)` if the document is locked by another
+    /// holder, including the duplicate-key race of concurrent creators of the same new
+    /// document (exactly one wins, the others get `Ok(None)`).
     ///
     /// # Errors
-    /// [`Error::AlreadyLocked`] if it is locked (including the duplicate-key race of the
-    /// upsert); [`Error::InvalidInput`] if `initial` has `$` fields, the lock fields, or an
+    /// [`Error::InvalidInput`] if `initial` has `$` fields, the lock fields, or an
     /// `_id` other than `id`; a database error.
     #[instrument(skip(self, id, initial), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock_or_create(
         &self,
         id: impl Into<Bson> + std::fmt::Display,
         mut initial: Document,
-    ) -> Result<DocumentGuard> {
+    ) -> Result<Option<DocumentGuard>> {
         let id = id.into();
         check_id(&id)?;
         if let Some(given) = initial.remove("_id")
@@ -260,17 +282,18 @@ impl DocumentLocks {
             .return_document(ReturnDocument::After)
             .await
         {
-            Ok(Some(document)) => Ok(DocumentGuard {
+            Ok(Some(document)) => Ok(Some(DocumentGuard {
                 id,
                 lock_id,
                 locked_at,
                 document,
-            }),
+                lock_id_field: self.options.lock_id_field.clone(),
+            })),
             Ok(None) => Err(Error::Malformed {
                 id: id.to_string(),
                 reason: "upsert returned no document".into(),
             }),
-            Err(e) if error::is_duplicate_key(&e) => Err(already_locked(&id)),
+            Err(e) if error::is_duplicate_key(&e) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -278,31 +301,28 @@ impl DocumentLocks {
     /// Writes the operator update `update` and clears the lock, in one update fenced by
     /// the guard's lock id.
     ///
+    /// Returns the fencing shape every holder shares: [`FenceOutcome::Applied`], or
+    /// [`FenceOutcome::Lost`] if the lock was taken over or cleared (nothing was written).
+    ///
     /// # Errors
-    /// [`Error::LeaseLost`] if the lock was taken over or cleared (nothing was written);
     /// [`Error::InvalidInput`] if `update` is not an operator document or touches `_id` or
     /// the lock fields; a database error.
     #[instrument(skip(self, guard, update), fields(collection = %self.coll.name(), id = %guard.id))]
-    pub async fn release_with(&self, guard: DocumentGuard, update: Document) -> Result<()> {
+    pub async fn release_with(
+        &self,
+        guard: DocumentGuard,
+        update: Document,
+    ) -> Result<FenceOutcome> {
         let update = release_update(
             &self.options.lock_id_field,
             &self.options.lock_time_field,
             update,
         )?;
-        let result = self
-            .coll
-            .update_one(
-                doc! { "_id": guard.id.clone(), self.options.lock_id_field.as_str(): &guard.lock_id },
-                update,
-            )
-            .await?;
+        let result = self.coll.update_one(guard.fence_filter(), update).await?;
         if result.matched_count == 0 {
-            return Err(Error::LeaseLost {
-                resource: guard.id.to_string(),
-                token: guard.lock_id,
-            });
+            return Ok(FenceOutcome::Lost);
         }
-        Ok(())
+        Ok(FenceOutcome::Applied)
     }
 
     /// Clears the lock without other changes ([`DocumentLocks::release_with`] with an
@@ -310,7 +330,7 @@ impl DocumentLocks {
     ///
     /// # Errors
     /// As [`DocumentLocks::release_with`].
-    pub async fn release(&self, guard: DocumentGuard) -> Result<()> {
+    pub async fn release(&self, guard: DocumentGuard) -> Result<FenceOutcome> {
         self.release_with(guard, Document::new()).await
     }
 
@@ -476,15 +496,6 @@ fn check_id(id: &Bson) -> Result<()> {
         }
         Bson::String(s) => validate::name("document id", s),
         _ => Ok(()),
-    }
-}
-
-fn already_locked(id: &Bson) -> Error {
-    Error::AlreadyLocked {
-        resource: match id {
-            Bson::String(s) => s.clone(),
-            other => other.to_string(),
-        },
     }
 }
 

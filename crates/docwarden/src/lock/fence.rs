@@ -1,8 +1,17 @@
-//! Fenced writes to another collection (Kleppmann's storage-side check): a write made under
-//! a lease is applied only if the token stored in the target document is lower than or
-//! equal to the lease's token, and the write stores the lease's token.
+//! Fenced writes, one shape for every holder ([`Fenced`]): a lock-collection [`Lease`], a
+//! document lock ([`super::DocumentGuard`]) and a job claim ([`crate::queue::ClaimedJob`])
+//! all write through [`Fence::apply`] and get a [`FenceOutcome`].
 //!
-//! **Guarantee:** once a write with token `t` was applied to a document, no write with a
+//! Which documents a holder can fence:
+//! - a **lease** fences any document, by token order (Kleppmann's storage-side check): a
+//!   write is applied only if the token stored in the target document is lower than or
+//!   equal to the lease's token, and the write stores the lease's token;
+//! - a **document lock** fences the locked document: the write applies only while the
+//!   document still carries the guard's lock id;
+//! - a **job claim** fences the job document: the write applies only while the job is
+//!   still running under the claim's token.
+//!
+//! **Guarantee (lease):** once a write with token `t` was applied to a document, no write with a
 //! token below `t` is ever applied to it: a holder that was paused past its lease and
 //! wakes up after a newer holder wrote gets [`FenceOutcome::Stale`].
 //!
@@ -16,8 +25,11 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use tracing::instrument;
 
+use super::document::DocumentGuard;
 use super::lease::Lease;
 use crate::error::{Error, Result};
+use crate::queue::ClaimedJob;
+use crate::token::FencingToken;
 use crate::validate;
 
 /// Options of a [`Fence`].
@@ -34,7 +46,7 @@ pub struct FenceOptions {
 impl Default for FenceOptions {
     fn default() -> Self {
         Self {
-            token_field: "fence_token".to_owned(),
+            token_field: crate::format::lock::FENCE_TOKEN.to_owned(),
             check_token: true,
         }
     }
@@ -57,8 +69,9 @@ impl FenceOptions {
     }
 }
 
-/// What a fenced write did.
+/// What a fenced write did, for every kind of holder ([`Fenced`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "a fenced write may have been refused: check the outcome"]
 #[non_exhaustive]
 pub enum FenceOutcome {
     /// The update was applied and the document now carries the lease's token.
@@ -66,10 +79,60 @@ pub enum FenceOutcome {
     /// The document carries a higher token: a newer holder wrote. Nothing was written.
     Stale {
         /// The token stored in the document.
-        seen: i64,
+        seen: FencingToken,
     },
+    /// The holder no longer holds the document: the document lock was taken over or
+    /// cleared, or the job is no longer running under this claim. Nothing was written.
+    Lost,
     /// No document matched the filter. Nothing was written.
     NotFound,
+}
+
+/// A holder whose writes can be fenced by [`Fence::apply`]: a lock-collection [`Lease`]
+/// (any document, by token order), a [`DocumentGuard`] (the locked document) or a
+/// [`ClaimedJob`] (the job document). Sealed: docwarden implements it for its holders.
+pub trait Fenced: sealed::Sealed {
+    /// The condition a target document must meet for a write under this holder.
+    #[doc(hidden)]
+    fn fence_condition(&self) -> FenceCondition;
+}
+
+/// What [`Fenced::fence_condition`] yields. Not part of the stable API.
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum FenceCondition {
+    /// Compare-and-raise this token in the fence's token field.
+    Token(i64),
+    /// The document must match this filter (ANDed with the caller's).
+    Matches(Document),
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Lease {}
+    impl Sealed for super::DocumentGuard {}
+    impl Sealed for super::ClaimedJob {}
+}
+
+impl Fenced for Lease {
+    fn fence_condition(&self) -> FenceCondition {
+        FenceCondition::Token(self.token.get())
+    }
+}
+
+impl Fenced for DocumentGuard {
+    fn fence_condition(&self) -> FenceCondition {
+        FenceCondition::Matches(self.fence_filter())
+    }
+}
+
+impl Fenced for ClaimedJob {
+    fn fence_condition(&self) -> FenceCondition {
+        FenceCondition::Matches(crate::queue::job::fence_filter(
+            &Bson::ObjectId(self.id()),
+            self.lease.token.as_str(),
+        ))
+    }
 }
 
 impl FenceOutcome {
@@ -82,11 +145,16 @@ impl FenceOutcome {
     /// [`Error::Stale`] if a newer token was seen.
     ///
     /// # Errors
-    /// [`Error::Stale`] for [`FenceOutcome::Stale`].
+    /// [`Error::Stale`] for [`FenceOutcome::Stale`]; [`Error::LeaseLost`] for
+    /// [`FenceOutcome::Lost`].
     pub fn into_result(self, lease: &Lease) -> Result<bool> {
         match self {
             FenceOutcome::Applied => Ok(true),
             FenceOutcome::NotFound => Ok(false),
+            FenceOutcome::Lost => Err(Error::LeaseLost {
+                resource: lease.resource.clone(),
+                token: lease.token.into(),
+            }),
             FenceOutcome::Stale { seen } => Err(Error::Stale {
                 resource: lease.resource.clone(),
                 token: lease.token,
@@ -117,7 +185,21 @@ pub struct Fence {
 }
 
 impl Fence {
-    /// Fenced writes to `coll`.
+    /// Fenced writes to collection `name` of `db` ([`Fence::new`]), after the preflight
+    /// checks ([`crate::preflight::check`]). No index is created: fenced writes go by the
+    /// caller's filter.
+    ///
+    /// # Errors
+    /// As [`Fence::new`]; [`Error::Incompatible`] for a server older than MongoDB 6.0 or a
+    /// collection with a non-simple default collation; a database error.
+    pub async fn open(db: &mongodb::Database, name: &str, options: FenceOptions) -> Result<Self> {
+        validate::collection_name("fenced collection", name)?;
+        let this = Self::new(db.collection(name), options)?;
+        crate::preflight::check(&this.coll).await?;
+        Ok(this)
+    }
+
+    /// Fenced writes to `coll`, without touching the server: it only validates.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an empty or `$`-prefixed token field.
@@ -133,23 +215,34 @@ impl Fence {
         })
     }
 
-    /// Applies the operator update `update` to the one document matching `filter`, only if
-    /// the document's stored token is absent or not above `lease.token`; the document then
-    /// stores `lease.token`. An empty `update` only records the token.
+    /// Applies the operator update `update` to the one document matching `filter`, only
+    /// while `holder` still holds it:
+    /// - a [`Lease`]: only if the document's stored token is absent or not above the
+    ///   lease's token; the document then stores the token ([`FenceOutcome::Stale`]
+    ///   otherwise). An empty `update` only records the token.
+    /// - a [`DocumentGuard`] or a [`ClaimedJob`]: only if the document is the locked
+    ///   document still carrying the guard's lock id, or the job still running under the
+    ///   claim's token ([`FenceOutcome::Lost`] otherwise).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `update` is not an operator document or touches the
     /// token field (nothing is written); a database error.
-    #[instrument(skip(self, lease, filter, update), fields(resource = %lease.resource, token = lease.token))]
-    pub async fn apply(
+    #[instrument(skip_all)]
+    pub async fn apply<H: Fenced + ?Sized>(
         &self,
-        lease: &Lease,
+        holder: &H,
         filter: Document,
         update: Document,
     ) -> Result<FenceOutcome> {
-        let update = fenced_update(&self.field, lease.token, update)?;
+        let token = match holder.fence_condition() {
+            FenceCondition::Token(token) => token,
+            FenceCondition::Matches(condition) => {
+                return self.apply_matching(condition, filter, update).await;
+            }
+        };
+        let update = fenced_update(&self.field, token, update)?;
         let guarded = if self.check_token {
-            fenced_filter(&self.field, lease.token, filter.clone())
+            fenced_filter(&self.field, token, filter.clone())
         } else {
             filter.clone()
         };
@@ -170,8 +263,10 @@ impl Fence {
                 return Ok(FenceOutcome::NotFound);
             };
             match current.get(&self.field) {
-                Some(Bson::Int64(seen)) if *seen > lease.token => {
-                    return Ok(FenceOutcome::Stale { seen: *seen });
+                Some(Bson::Int64(seen)) if *seen > token => {
+                    return Ok(FenceOutcome::Stale {
+                        seen: FencingToken::new(*seen),
+                    });
                 }
                 Some(Bson::Int64(_)) | Some(Bson::Null) | None => {
                     // The document changed between the two reads; try again.
@@ -189,6 +284,42 @@ impl Fence {
         }
         Ok(FenceOutcome::NotFound)
     }
+
+    /// [`Fence::apply`] for a holder whose fence is a match condition on the document.
+    async fn apply_matching(
+        &self,
+        condition: Document,
+        filter: Document,
+        update: Document,
+    ) -> Result<FenceOutcome> {
+        check_operator_update(&update, None)?;
+        if update.is_empty() {
+            return Err(Error::invalid(
+                "fenced update",
+                "must change something (a lease records its token; other holders have none)",
+            ));
+        }
+        let guarded = if self.check_token {
+            doc! { "$and": [ filter.clone(), condition ] }
+        } else {
+            filter.clone()
+        };
+        let result = self.coll.update_one(guarded, update).await?;
+        if result.matched_count == 1 {
+            return Ok(FenceOutcome::Applied);
+        }
+        let exists = self
+            .coll
+            .find_one(filter)
+            .projection(doc! { "_id": 1 })
+            .await?
+            .is_some();
+        Ok(if exists {
+            FenceOutcome::Lost
+        } else {
+            FenceOutcome::NotFound
+        })
+    }
 }
 
 /// `filter AND (field == null OR field <= token)`.
@@ -201,7 +332,21 @@ pub(crate) fn fenced_filter(field: &str, token: i64, filter: Document) -> Docume
 
 /// The caller's operator update with `$set: {field: token}` added.
 pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Result<Document> {
-    for (op, value) in &update {
+    check_operator_update(&update, Some(field))?;
+    match update.get_mut("$set") {
+        Some(Bson::Document(set)) => {
+            set.insert(field, token);
+        }
+        _ => {
+            update.insert("$set", doc! { field: token });
+        }
+    }
+    Ok(update)
+}
+
+/// Refuses anything but an operator update, and one touching `protected` (if given).
+fn check_operator_update(update: &Document, protected: Option<&str>) -> Result<()> {
+    for (op, value) in update {
         if !op.starts_with('$') {
             return Err(Error::invalid(
                 "fenced update",
@@ -214,9 +359,10 @@ pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Re
                 format!("`{op}` must take a document"),
             ));
         };
-        if fields
-            .keys()
-            .any(|k| k == field || k.starts_with(&format!("{field}.")))
+        if let Some(field) = protected
+            && fields
+                .keys()
+                .any(|k| k == field || k.starts_with(&format!("{field}.")))
         {
             return Err(Error::invalid(
                 "fenced update",
@@ -224,15 +370,7 @@ pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Re
             ));
         }
     }
-    match update.get_mut("$set") {
-        Some(Bson::Document(set)) => {
-            set.insert(field, token);
-        }
-        _ => {
-            update.insert("$set", doc! { field: token });
-        }
-    }
-    Ok(update)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@ use mongodb::bson::DateTime;
 
 use crate::clock::ServerTime;
 use crate::error::Result;
+use crate::token::FencingToken;
 use crate::validate;
 
 /// Who holds leases: a random 128-bit id (32 hex digits).
@@ -60,7 +61,7 @@ pub struct Lease {
     /// The owner id of the holder.
     pub owner: String,
     /// The fencing token of this acquisition.
-    pub token: i64,
+    pub token: FencingToken,
     /// Server time (estimated) when the lease was acquired.
     pub acquired_at: DateTime,
     /// Server time (estimated) when the lease expires unless renewed.
@@ -105,7 +106,7 @@ mod tests {
         let lease = Lease {
             resource: "r".into(),
             owner: "o".into(),
-            token: 1,
+            token: FencingToken::new(1),
             acquired_at: DateTime::from_millis(0),
             expires_at: DateTime::from_millis(1_000),
         };

@@ -97,7 +97,8 @@ impl Watchdog {
         // Not known to be valid until the task has read the server time.
         let (tx, rx) = watch::channel(State::Held(lease.clone(), Instant::now()));
         let cancel = CancellationToken::new();
-        let span = tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token);
+        let span =
+            tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token.get());
         let task = tokio::spawn(
             run(locks.clone(), lease, ttl, interval, tx, cancel.clone()).instrument(span),
         );
@@ -170,7 +171,7 @@ impl Watchdog {
             State::Held(lease, _) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
-                token: lease.token.to_string(),
+                token: lease.token.into(),
             }),
         }
     }
@@ -326,7 +327,7 @@ mod tests {
         Lease {
             resource: "r".into(),
             owner: "o".into(),
-            token: 1,
+            token: crate::token::FencingToken::new(1),
             acquired_at: DateTime::from_millis(0),
             expires_at,
         }

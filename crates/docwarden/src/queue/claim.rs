@@ -59,7 +59,7 @@ impl JobQueue {
         doc! {
             "$set": {
                 field::STATE: JobState::Running.as_str(),
-                field::LEASE: { "owner": owner, "token": token, "until": until },
+                field::LEASE: { field::lease::OWNER: owner, field::lease::TOKEN: token, field::lease::UNTIL: until },
                 field::UPDATED_AT: now,
             },
             "$inc": { field::ATTEMPTS: 1_i64 },
@@ -257,7 +257,7 @@ impl JobQueue {
     async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
-                Some(lease) if lease.token == token => Ok(Some(ClaimedJob { job, lease })),
+                Some(lease) if lease.token.as_str() == token => Ok(Some(ClaimedJob { job, lease })),
                 _ => Ok(None),
             },
             Err(Error::Malformed { reason, id }) => {

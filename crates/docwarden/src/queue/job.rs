@@ -7,96 +7,10 @@
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 use crate::error::{Error, Result};
+use crate::token::JobToken;
 
-/// Field names of the job document (see `docs/queue.md`).
-pub(crate) mod field {
-    pub(crate) const ID: &str = "_id";
-    pub(crate) const STATE: &str = "state";
-    pub(crate) const PAYLOAD: &str = "payload";
-    pub(crate) const PRIORITY: &str = "priority";
-    pub(crate) const RUN_AT: &str = "run_at";
-    pub(crate) const ATTEMPTS: &str = "attempts";
-    pub(crate) const MAX_ATTEMPTS: &str = "max_attempts";
-    pub(crate) const LEASE: &str = "lease";
-    pub(crate) const LEASE_TOKEN: &str = "lease.token";
-    pub(crate) const LEASE_UNTIL: &str = "lease.until";
-    pub(crate) const LAST_ERROR: &str = "last_error";
-    pub(crate) const RESULT: &str = "result";
-    pub(crate) const DEDUPE_KEY: &str = "dedupe_key";
-    pub(crate) const CREATED_AT: &str = "created_at";
-    pub(crate) const UPDATED_AT: &str = "updated_at";
-    pub(crate) const FINISHED_AT: &str = "finished_at";
-}
-
-/// Where a job is in its life.
-///
-/// ```text
-/// ready ──claim──▶ running ──complete──▶ succeeded
-///   ▲                │ │ └──fail (attempts < max)──▶ retrying ──claim──▶ running
-///   │                │ └────fail (attempts = max)──▶ dead
-///   └──release───────┘      lease expired ──▶ retrying (or dead at max attempts)
-/// any unfinished ──cancel──▶ cancelled;   dead ──retry──▶ ready
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum JobState {
-    /// Waiting to be claimed once `run_at` has passed.
-    Ready,
-    /// Claimed: a worker holds the lease.
-    Running,
-    /// Completed; `result` holds what the handler returned.
-    Succeeded,
-    /// Failed (or its lease expired) and waits for `run_at` to be tried again.
-    Retrying,
-    /// Failed `max_attempts` times, or malformed; `last_error` says why.
-    Dead,
-    /// Cancelled by an operator or its worker.
-    Cancelled,
-}
-
-impl JobState {
-    /// Every state, in display order.
-    pub const ALL: [JobState; 6] = [
-        JobState::Ready,
-        JobState::Running,
-        JobState::Succeeded,
-        JobState::Retrying,
-        JobState::Dead,
-        JobState::Cancelled,
-    ];
-
-    /// The stored string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Ready => "ready",
-            JobState::Running => "running",
-            JobState::Succeeded => "succeeded",
-            JobState::Retrying => "retrying",
-            JobState::Dead => "dead",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    /// Parses a stored string.
-    pub fn parse(s: &str) -> Option<JobState> {
-        JobState::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-
-    /// Whether the job will never run again on its own (succeeded, dead, cancelled).
-    pub fn is_finished(self) -> bool {
-        matches!(
-            self,
-            JobState::Succeeded | JobState::Dead | JobState::Cancelled
-        )
-    }
-}
-
-impl std::fmt::Display for JobState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::format::job::JobState;
+pub(crate) use crate::format::job::field;
 
 /// The states a job can be claimed from once due, as stored strings.
 pub(crate) fn claimable_states() -> Bson {
@@ -128,11 +42,11 @@ pub(crate) fn finished_states() -> Bson {
 /// A claim on a job: who holds it, the fencing token, and when it expires (server time).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Lease {
+pub struct JobLease {
     /// The worker that holds (or last held) the job.
     pub owner: String,
     /// 128-bit random token, 32 hex digits; every transition matches it.
-    pub token: String,
+    pub token: JobToken,
     /// Expiry by the server's clock.
     pub until: DateTime,
 }
@@ -156,7 +70,7 @@ pub struct Job {
     /// After this many failed attempts the job is dead.
     pub max_attempts: i64,
     /// The current (or last) lease.
-    pub lease: Option<Lease>,
+    pub lease: Option<JobLease>,
     /// The last failure's reason.
     pub last_error: Option<String>,
     /// What a successful handler returned.
@@ -279,14 +193,14 @@ impl Job {
         let lease = match d.get(field::LEASE) {
             None | Some(Bson::Null) => None,
             Some(Bson::Document(l)) => {
-                let owner = get_opt_string(l, &raw_id, "owner")?
+                let owner = get_opt_string(l, &raw_id, field::lease::OWNER)?
                     .ok_or_else(|| malformed(&raw_id, "`lease.owner` is missing"))?;
-                let token = get_opt_string(l, &raw_id, "token")?
+                let token = get_opt_string(l, &raw_id, field::lease::TOKEN)?
                     .ok_or_else(|| malformed(&raw_id, "`lease.token` is missing"))?;
-                let until = get_date(l, &raw_id, "until")?;
-                Some(Lease {
+                let until = get_date(l, &raw_id, field::lease::UNTIL)?;
+                Some(JobLease {
                     owner,
-                    token,
+                    token: JobToken::new(token),
                     until,
                 })
             }
@@ -326,7 +240,7 @@ pub struct ClaimedJob {
     /// The job as it was right after the claim.
     pub job: Job,
     /// The lease taken by the claim.
-    pub lease: Lease,
+    pub lease: JobLease,
 }
 
 impl ClaimedJob {
@@ -338,13 +252,6 @@ impl ClaimedJob {
     /// The job's payload.
     pub fn payload(&self) -> &Bson {
         &self.job.payload
-    }
-
-    /// The fencing filter `{_id, state: "running", "lease.token": token}`: a write to the
-    /// job document with this filter applies only while this claim still holds the job.
-    /// Handlers can use it for their own fenced writes (progress, side effects).
-    pub fn fence(&self) -> Document {
-        fence_filter(&Bson::ObjectId(self.job.id), &self.lease.token)
     }
 }
 
@@ -376,7 +283,7 @@ mod tests {
         let job = Job::from_document(&sample())?;
         assert_eq!(job.state, JobState::Running);
         assert_eq!(job.max_attempts, 5);
-        assert_eq!(job.lease.map(|l| l.token), Some("t".to_owned()));
+        assert_eq!(job.lease.map(|l| l.token), Some(JobToken::new("t")));
         Ok(())
     }
 

@@ -42,14 +42,14 @@ pub struct QueueStats {
 /// Which jobs [`JobQueue::list`] returns.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
-pub struct ListFilter {
+pub struct JobListFilter {
     /// Only this state; all states when `None`.
     pub state: Option<JobState>,
     /// At most this many (newest `updated_at` first). Default 50.
     pub limit: i64,
 }
 
-impl Default for ListFilter {
+impl Default for JobListFilter {
     fn default() -> Self {
         Self {
             state: None,
@@ -58,13 +58,13 @@ impl Default for ListFilter {
     }
 }
 
-impl ListFilter {
-    /// Sets [`ListFilter::state`].
+impl JobListFilter {
+    /// Sets [`JobListFilter::state`].
     pub fn state(mut self, state: JobState) -> Self {
         self.state = Some(state);
         self
     }
-    /// Sets [`ListFilter::limit`].
+    /// Sets [`JobListFilter::limit`].
     pub fn limit(mut self, limit: i64) -> Self {
         self.limit = limit;
         self
@@ -142,7 +142,7 @@ impl JobQueue {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a limit below 1; a database error.
-    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Document>> {
+    pub async fn list(&self, filter: &JobListFilter) -> Result<Vec<Document>> {
         if filter.limit < 1 {
             return Err(Error::invalid("limit", "must be at least 1"));
         }

@@ -43,7 +43,14 @@ pub(super) fn clip(error: &str) -> String {
 
 impl JobQueue {
     async fn fenced(&self, job: &ClaimedJob, update: Document) -> Result<()> {
-        let r = self.inner.coll.update_one(job.fence(), update).await?;
+        let r = self
+            .inner
+            .coll
+            .update_one(
+                super::job::fence_filter(&Bson::ObjectId(job.id()), job.lease.token.as_str()),
+                update,
+            )
+            .await?;
         if r.matched_count == 1 {
             Ok(())
         } else {

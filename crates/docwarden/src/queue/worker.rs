@@ -8,7 +8,7 @@
 //! Shutdown stops claiming, waits for running handlers up to `shutdown_deadline`, then
 //! releases the jobs still running so other workers can claim them at once.
 //!
-//! Shutdown, [`WorkerHandle::kill`] and dropping the handle all stop every task of the
+//! Shutdown, [`Worker::kill`] and dropping the handle all stop every task of the
 //! worker (supervisor, handlers, change-stream listener). A transition whose reply was
 //! lost counts as applied only if the job shows that transition's own result.
 //!
@@ -103,18 +103,28 @@ struct Ctx {
     handler: BoxHandler,
     counters: Arc<Counters>,
     /// Held by the change-stream listener task while it lives (see
-    /// [`WorkerHandle::listener_probe`]).
+    /// [`Worker::listener_probe`]).
     listener_alive: Arc<()>,
 }
 
-/// Starts workers. See [`Worker::spawn`].
+/// A running worker, started by [`Worker::spawn`]. Dropping it aborts the worker like
+/// [`Worker::kill`]: the supervisor, every running handler and the change-stream listener
+/// stop.
 #[derive(Debug)]
-#[non_exhaustive]
-pub struct Worker;
+pub struct Worker {
+    owner: String,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+    counters: Arc<Counters>,
+    listener_probe: std::sync::Weak<()>,
+}
 
 impl Worker {
     /// Starts a worker on the current tokio runtime that runs `handler` for every job it
-    /// claims from `queue`, up to `options.concurrency` at once.
+    /// claims from `queue`, up to `options.concurrency` at once, and returns the running
+    /// worker. A worker is not a handle on a collection, so it has no `new`/`open` pair:
+    /// `spawn` validates the options (before anything runs) and starts it; the returned
+    /// [`Worker`] stops it ([`Worker::shutdown`], [`Worker::kill`], or drop).
     ///
     /// ```no_run
     /// # async fn example(queue: docwarden::queue::JobQueue) -> docwarden::Result<()> {
@@ -129,11 +139,7 @@ impl Worker {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for invalid options.
-    pub fn spawn<F, Fut>(
-        queue: JobQueue,
-        options: WorkerOptions,
-        handler: F,
-    ) -> Result<WorkerHandle>
+    pub fn spawn<F, Fut>(queue: JobQueue, options: WorkerOptions, handler: F) -> Result<Worker>
     where
         F: Fn(ClaimedJob) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = HandlerResult> + Send + 'static,
@@ -161,7 +167,7 @@ impl Worker {
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
         let task = tokio::spawn(supervise(ctx, shutdown.clone()).instrument(span));
-        Ok(WorkerHandle {
+        Ok(Worker {
             owner,
             shutdown,
             task: Some(task),
@@ -171,18 +177,7 @@ impl Worker {
     }
 }
 
-/// A running worker. Dropping it aborts the worker like [`WorkerHandle::kill`]: the
-/// supervisor, every running handler and the change-stream listener stop.
-#[derive(Debug)]
-pub struct WorkerHandle {
-    owner: String,
-    shutdown: CancellationToken,
-    task: Option<JoinHandle<()>>,
-    counters: Arc<Counters>,
-    listener_probe: std::sync::Weak<()>,
-}
-
-impl WorkerHandle {
+impl Worker {
     /// The owner name written into this worker's leases.
     pub fn owner(&self) -> &str {
         &self.owner
@@ -227,7 +222,7 @@ impl WorkerHandle {
     }
 }
 
-impl Drop for WorkerHandle {
+impl Drop for Worker {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
             // Aborting the supervisor drops its `JoinSet`s, which abort the handlers and

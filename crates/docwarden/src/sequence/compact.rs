@@ -7,7 +7,7 @@
 //! document (`_seq_sets.<field>.floor`, only ever raised). That is safe: any later operation on
 //! such a member has `seq >= watermark`, which beats the removed tombstone anyway. As a
 //! safety net, an operation that still arrives with `seq` below the recorded floor is
-//! refused as [`super::Outcome::Stale`] instead of resurrecting a compacted member.
+//! refused as [`super::ApplyOutcome::Stale`] instead of resurrecting a compacted member.
 //! Present entries keep their state: a later remove must still compare against them.
 //!
 //! Each document is compacted by one atomic pipeline update; [`SequencedSet::compact_all`]

@@ -11,8 +11,8 @@
 //! `{a: 1}` and `{a: 1.0}`) and the value's **tie key** ([`tie_key`]: its BSON encoding,
 //! length first) is greater. That is a total order over BSON values *with their types*,
 //! so which value is stored, type included, does not depend on arrival order. The same
-//! value (identical bytes) at an equal seq is [`Outcome::Duplicate`]; a losing write is
-//! [`Outcome::Stale`].
+//! value (identical bytes) at an equal seq is [`ApplyOutcome::Duplicate`]; a losing write is
+//! [`ApplyOutcome::Stale`].
 //!
 //! **Canonical document:** the first write of a field sorts the document's top-level
 //! fields by name (`_id` first) and the entries of `_seq` and `_seq_tie`; later writes
@@ -27,7 +27,7 @@ use mongodb::bson::{Bson, Document, doc};
 
 use mongodb::options::WriteConcern;
 
-use super::{CREATED, OUTCOME_FIELD, Outcome, encode, validate_seq};
+use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// The sub-document holding each register's sequence number.
@@ -129,25 +129,45 @@ pub struct SequencedFields {
 }
 
 impl SequencedFields {
-    /// A handle on `collection`; validates the options and creates the unique key index
-    /// (idempotently) unless the key is `_id`.
+    /// A handle on `collection`, without touching the server: it only validates the
+    /// options. Use [`SequencedFields::open`] to also run the preflight checks and create
+    /// the key index, or call [`SequencedFields::ensure_indexes`] once.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a key field that is not a plain name;
-    /// [`Error::Incompatible`] for a server older than MongoDB 6.0 or a collection with a
-    /// non-simple default collation (see [`crate::preflight`]); [`Error::Database`] if the
-    /// index cannot be created.
-    pub async fn new(collection: Collection<Document>, options: FieldsOptions) -> Result<Self> {
+    /// [`Error::InvalidInput`] for a key field that is not a plain name.
+    pub fn new(collection: Collection<Document>, options: FieldsOptions) -> Result<Self> {
         if options.key_field != "_id" {
             encode::field("key field", &options.key_field)?;
         }
-        crate::preflight::check(&collection).await?;
-        super::ensure_key_index(&collection, &options.key_field).await?;
         Ok(Self {
             collection: super::with_write_concern(collection, options.write_concern.as_ref()),
             key_field: options.key_field,
             tie_keys: options.tie_keys,
         })
+    }
+
+    /// A handle on collection `name` of `db` ([`SequencedFields::new`]), after the
+    /// preflight checks ([`crate::preflight::check`]), with the unique key index created
+    /// ([`SequencedFields::ensure_indexes`]).
+    ///
+    /// # Errors
+    /// As [`SequencedFields::new`]; [`Error::Incompatible`] for a server older than
+    /// MongoDB 6.0 or a collection with a non-simple default collation (see
+    /// [`crate::preflight`]); [`Error::Database`] if the index cannot be created.
+    pub async fn open(db: &mongodb::Database, name: &str, options: FieldsOptions) -> Result<Self> {
+        crate::validate::collection_name("fields collection", name)?;
+        let this = Self::new(db.collection(name), options)?;
+        crate::preflight::check(&this.collection).await?;
+        this.ensure_indexes().await?;
+        Ok(this)
+    }
+
+    /// Creates the unique key index (idempotent) unless the key is `_id`.
+    ///
+    /// # Errors
+    /// [`Error::Database`] if the index cannot be created.
+    pub async fn ensure_indexes(&self) -> Result<()> {
+        super::ensure_key_index(&self.collection, &self.key_field).await
     }
 
     /// The collection this handle writes to.
@@ -169,7 +189,7 @@ impl SequencedFields {
         field: &str,
         value: impl Into<Bson>,
         seq: i64,
-    ) -> Result<Outcome> {
+    ) -> Result<ApplyOutcome> {
         let key = encode::key(key.into())?;
         self.check_field(field)?;
         validate_seq(seq)?;
@@ -246,33 +266,33 @@ impl SequencedFields {
             doc! { "case": { "$gt": [seq, "$$cur"] }, "then": { "$cond": [
                 { "$eq": [{ "$type": cur_seq.as_str() }, "missing"] },
                 CREATED,
-                Outcome::Applied.as_str(),
+                ApplyOutcome::Applied.as_str(),
             ] } },
-            doc! { "case": { "$lt": [seq, "$$cur"] }, "then": Outcome::Stale.as_str() },
+            doc! { "case": { "$lt": [seq, "$$cur"] }, "then": ApplyOutcome::Stale.as_str() },
             // Equal numbers: the greater value in MongoDB's comparison order wins…
             doc! { "case": { "$gt": [v.clone(), current_value.as_str()] },
-            "then": Outcome::Applied.as_str() },
+            "then": ApplyOutcome::Applied.as_str() },
             doc! { "case": { "$lt": [v.clone(), current_value.as_str()] },
-            "then": Outcome::Stale.as_str() },
+            "then": ApplyOutcome::Stale.as_str() },
         ];
         if tie_keys {
             // …and values equal there (7, 7.0, {a: 1}, {a: 1.0}) by tie key. A missing tie
             // key (a document written before tie keys existed) is below every key.
             branches.push(doc! { "case": { "$gt": [t.clone(), cur_tie.as_str()] },
-            "then": Outcome::Applied.as_str() });
+            "then": ApplyOutcome::Applied.as_str() });
             branches.push(doc! { "case": { "$eq": [t.clone(), cur_tie.as_str()] },
-            "then": Outcome::Duplicate.as_str() });
+            "then": ApplyOutcome::Duplicate.as_str() });
         } else {
             branches.push(
                 doc! { "case": { "$eq": [v.clone(), current_value.as_str()] },
-                "then": Outcome::Duplicate.as_str() },
+                "then": ApplyOutcome::Duplicate.as_str() },
             );
         }
         let outcome = doc! { "$let": {
             "vars": { "cur": { "$ifNull": [cur_seq.as_str(), -1_i64] } },
             "in": { "$switch": {
                 "branches": branches,
-                "default": Outcome::Stale.as_str(),
+                "default": ApplyOutcome::Stale.as_str(),
             } },
         } };
         let applied = super::applied_expr();

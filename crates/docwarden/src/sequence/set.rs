@@ -27,14 +27,14 @@
 //! when `seq > seq₀`, or when `seq == seq₀` and the operation is a remove while the state
 //! is present — **remove wins at equal sequence numbers**. So the final state is the
 //! maximum under the order `(seq, remove > add)`, which does not depend on arrival order.
-//! The same operation again is [`Outcome::Duplicate`]; a losing one is [`Outcome::Stale`];
-//! one with `seq` below the document's compaction watermark is [`Outcome::Stale`] too.
+//! The same operation again is [`ApplyOutcome::Duplicate`]; a losing one is [`ApplyOutcome::Stale`];
+//! one with `seq` below the document's compaction watermark is [`ApplyOutcome::Stale`] too.
 
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::WriteConcern;
-use mongodb::{Collection, IndexModel};
+use mongodb::{Collection, Database, IndexModel};
 
-use super::{CREATED, OUTCOME_FIELD, Outcome, encode, validate_seq};
+use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// Options of a [`SequencedSet`], validated by [`SequencedSet::new`].
@@ -133,6 +133,7 @@ pub struct SequencedSet {
     /// `_seq_sets.<field>.floor`.
     pub(super) floor_field: String,
     canonical_order: bool,
+    index_members: bool,
 }
 
 /// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
@@ -142,16 +143,14 @@ pub struct SequencedSet {
 pub const SETS_FIELD: &str = "_seq_sets";
 
 impl SequencedSet {
-    /// A handle on `collection`; validates the options and creates the indexes
-    /// (idempotently): a unique index on the key field unless it is `_id`, and the
-    /// members index if asked for.
+    /// A handle on `collection`, without touching the server: it only validates the
+    /// options. Use [`SequencedSet::open`] to also run the preflight checks and create the
+    /// indexes, or call [`SequencedSet::ensure_indexes`] once.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a key field or set field that is not a plain name (see
-    /// [`encode::field`]; the key field may be `_id`); [`Error::Incompatible`] for a server older than MongoDB 6.0 or a
-    /// collection with a non-simple default collation (see [`crate::preflight`]);
-    /// [`Error::Database`] if the indexes cannot be created.
-    pub async fn new(collection: Collection<Document>, options: SetOptions) -> Result<Self> {
+    /// [`encode::field`]; the key field may be `_id`).
+    pub fn new(collection: Collection<Document>, options: SetOptions) -> Result<Self> {
         if options.key_field != "_id" {
             encode::field("key field", &options.key_field)?;
         }
@@ -162,17 +161,6 @@ impl SequencedSet {
                 "must differ from the key field",
             ));
         }
-        crate::preflight::check(&collection).await?;
-        super::ensure_key_index(&collection, &options.key_field).await?;
-        if options.index_members {
-            collection
-                .create_index(
-                    IndexModel::builder()
-                        .keys(doc! { options.field.as_str(): 1 })
-                        .build(),
-                )
-                .await?;
-        }
         Ok(Self {
             state_field: format!("{SETS_FIELD}.{}.state", options.field),
             floor_field: format!("{SETS_FIELD}.{}.floor", options.field),
@@ -180,7 +168,43 @@ impl SequencedSet {
             key_field: options.key_field,
             field: options.field,
             canonical_order: options.canonical_order,
+            index_members: options.index_members,
         })
+    }
+
+    /// A handle on collection `name` of `db` ([`SequencedSet::new`]), after the preflight
+    /// checks ([`crate::preflight::check`]), with its indexes created
+    /// ([`SequencedSet::ensure_indexes`]).
+    ///
+    /// # Errors
+    /// As [`SequencedSet::new`]; [`Error::Incompatible`] for a server older than MongoDB
+    /// 6.0 or a collection with a non-simple default collation (see
+    /// [`crate::preflight`]); [`Error::Database`] if the indexes cannot be created.
+    pub async fn open(db: &Database, name: &str, options: SetOptions) -> Result<Self> {
+        crate::validate::collection_name("set collection", name)?;
+        let this = Self::new(db.collection(name), options)?;
+        crate::preflight::check(&this.collection).await?;
+        this.ensure_indexes().await?;
+        Ok(this)
+    }
+
+    /// Creates the indexes (idempotent): a unique index on the key field unless it is
+    /// `_id`, and the members index if [`SetOptions::index_members`] asked for it.
+    ///
+    /// # Errors
+    /// [`Error::Database`] if the indexes cannot be created.
+    pub async fn ensure_indexes(&self) -> Result<()> {
+        super::ensure_key_index(&self.collection, &self.key_field).await?;
+        if self.index_members {
+            self.collection
+                .create_index(
+                    IndexModel::builder()
+                        .keys(doc! { self.field.as_str(): 1 })
+                        .build(),
+                )
+                .await?;
+        }
+        Ok(())
     }
 
     /// The collection this handle writes to.
@@ -211,7 +235,7 @@ impl SequencedSet {
     /// [`Error::Malformed`] if the stored document is not in the expected shape;
     /// [`Error::Database`] otherwise (a duplicate-key error from a consumer
     /// racing to create the document is absorbed, not returned).
-    pub async fn add(&self, key: impl Into<Bson>, member: &str, seq: i64) -> Result<Outcome> {
+    pub async fn add(&self, key: impl Into<Bson>, member: &str, seq: i64) -> Result<ApplyOutcome> {
         self.apply(key.into(), member, seq, true).await
     }
 
@@ -220,11 +244,22 @@ impl SequencedSet {
     ///
     /// # Errors
     /// As [`SequencedSet::add`].
-    pub async fn remove(&self, key: impl Into<Bson>, member: &str, seq: i64) -> Result<Outcome> {
+    pub async fn remove(
+        &self,
+        key: impl Into<Bson>,
+        member: &str,
+        seq: i64,
+    ) -> Result<ApplyOutcome> {
         self.apply(key.into(), member, seq, false).await
     }
 
-    async fn apply(&self, key: Bson, member: &str, seq: i64, present: bool) -> Result<Outcome> {
+    async fn apply(
+        &self,
+        key: Bson,
+        member: &str,
+        seq: i64,
+        present: bool,
+    ) -> Result<ApplyOutcome> {
         let key = encode::key(key)?;
         encode::member(member)?;
         validate_seq(seq)?;
@@ -281,14 +316,14 @@ impl SequencedSet {
         let mut branches = vec![
             doc! {
                 "case": { "$lt": [seq, { "$ifNull": [format!("${}", self.floor_field), 0_i64] }] },
-                "then": Outcome::Stale.as_str(),
+                "then": ApplyOutcome::Stale.as_str(),
             },
             doc! {
                 "case": { "$gt": [seq, cur_seq] },
                 "then": { "$cond": [
                     { "$eq": [{ "$type": cur.as_str() }, "missing"] },
                     CREATED,
-                    Outcome::Applied.as_str(),
+                    ApplyOutcome::Applied.as_str(),
                 ] },
             },
         ];
@@ -297,12 +332,12 @@ impl SequencedSet {
         if present {
             branches.push(doc! {
                 "case": { "$and": [same_seq, cur_present] },
-                "then": Outcome::Duplicate.as_str(),
+                "then": ApplyOutcome::Duplicate.as_str(),
             });
         } else {
             branches.push(doc! {
                 "case": same_seq,
-                "then": { "$cond": [cur_present, Outcome::Applied.as_str(), Outcome::Duplicate.as_str()] },
+                "then": { "$cond": [cur_present, ApplyOutcome::Applied.as_str(), ApplyOutcome::Duplicate.as_str()] },
             });
         }
         let applied = super::applied_expr();
@@ -332,7 +367,7 @@ impl SequencedSet {
             } }
         };
         let decision = doc! {
-            "$switch": { "branches": branches, "default": Outcome::Stale.as_str() },
+            "$switch": { "branches": branches, "default": ApplyOutcome::Stale.as_str() },
         };
         let state = format!("${}", self.state_field);
         let new_entry = doc! { "$literal": { "seq": seq, "present": present } };
@@ -465,16 +500,16 @@ fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Re
 
 /// The model the pipeline implements: `(seq, present)` replaces `current` when it is
 /// greater under `(seq, remove > add)`. Used by tests and the demo as the reference.
-pub fn resolve(current: Option<(i64, bool)>, seq: i64, present: bool) -> Outcome {
+pub fn resolve(current: Option<(i64, bool)>, seq: i64, present: bool) -> ApplyOutcome {
     match current {
-        None => Outcome::Applied,
-        Some((s, _)) if seq > s => Outcome::Applied,
+        None => ApplyOutcome::Applied,
+        Some((s, _)) if seq > s => ApplyOutcome::Applied,
         Some((s, p)) if seq == s => match (p, present) {
-            (true, true) | (false, false) => Outcome::Duplicate,
-            (true, false) => Outcome::Applied,
-            (false, true) => Outcome::Stale,
+            (true, true) | (false, false) => ApplyOutcome::Duplicate,
+            (true, false) => ApplyOutcome::Applied,
+            (false, true) => ApplyOutcome::Stale,
         },
-        Some(_) => Outcome::Stale,
+        Some(_) => ApplyOutcome::Stale,
     }
 }
 
@@ -501,7 +536,7 @@ mod tests {
             shuffled.reverse();
             let mut state: BTreeMap<(), (i64, bool)> = BTreeMap::new();
             for (s, p) in shuffled {
-                if resolve(state.get(&()).copied(), s, p) == Outcome::Applied {
+                if resolve(state.get(&()).copied(), s, p) == ApplyOutcome::Applied {
                     state.insert((), (s, p));
                 }
             }
@@ -511,11 +546,11 @@ mod tests {
 
     #[test]
     fn remove_wins_ties() {
-        assert_eq!(resolve(Some((3, true)), 3, false), Outcome::Applied);
-        assert_eq!(resolve(Some((3, false)), 3, true), Outcome::Stale);
-        assert_eq!(resolve(Some((3, false)), 3, false), Outcome::Duplicate);
-        assert_eq!(resolve(Some((3, true)), 3, true), Outcome::Duplicate);
-        assert_eq!(resolve(Some((3, true)), 2, false), Outcome::Stale);
-        assert_eq!(resolve(None, 0, false), Outcome::Applied);
+        assert_eq!(resolve(Some((3, true)), 3, false), ApplyOutcome::Applied);
+        assert_eq!(resolve(Some((3, false)), 3, true), ApplyOutcome::Stale);
+        assert_eq!(resolve(Some((3, false)), 3, false), ApplyOutcome::Duplicate);
+        assert_eq!(resolve(Some((3, true)), 3, true), ApplyOutcome::Duplicate);
+        assert_eq!(resolve(Some((3, true)), 2, false), ApplyOutcome::Stale);
+        assert_eq!(resolve(None, 0, false), ApplyOutcome::Applied);
     }
 }

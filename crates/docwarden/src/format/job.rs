@@ -1,0 +1,151 @@
+//! The job document's format: its field names and its states (see `docs/queue.md`),
+//! re-exported as [`crate::queue::format`].
+
+/// Field names of the job document (see `docs/queue.md`).
+pub mod field {
+    /// The job id (an ObjectId).
+    pub const ID: &str = "_id";
+    /// The job's [`super::JobState`], as [`super::JobState::as_str`].
+    pub const STATE: &str = "state";
+    /// What the handler gets.
+    pub const PAYLOAD: &str = "payload";
+    /// Higher is claimed first.
+    pub const PRIORITY: &str = "priority";
+    /// Server time from which the job may be claimed.
+    pub const RUN_AT: &str = "run_at";
+    /// How many times the job was claimed.
+    pub const ATTEMPTS: &str = "attempts";
+    /// How many claims the job may have before it is dead.
+    pub const MAX_ATTEMPTS: &str = "max_attempts";
+    /// The claim's sub-document (keys in [`lease`]), present while running.
+    pub const LEASE: &str = "lease";
+    /// The claim token's path (`lease.token`).
+    pub const LEASE_TOKEN: &str = "lease.token";
+    /// The claim expiry's path (`lease.until`).
+    pub const LEASE_UNTIL: &str = "lease.until";
+    /// The claim owner's path (`lease.owner`).
+    pub const LEASE_OWNER: &str = "lease.owner";
+    /// Why the last attempt failed.
+    pub const LAST_ERROR: &str = "last_error";
+    /// What the handler returned.
+    pub const RESULT: &str = "result";
+    /// At most one unfinished job per dedupe key.
+    pub const DEDUPE_KEY: &str = "dedupe_key";
+    /// Server time the job was enqueued.
+    pub const CREATED_AT: &str = "created_at";
+    /// Server time of the last transition.
+    pub const UPDATED_AT: &str = "updated_at";
+    /// Server time the job reached a finished state.
+    pub const FINISHED_AT: &str = "finished_at";
+
+    /// Every field name and dotted path of the job document docwarden writes, `_id`
+    /// excepted (it is MongoDB's, not docwarden's).
+    pub const ALL: [&str; 16] = [
+        STATE,
+        PAYLOAD,
+        PRIORITY,
+        RUN_AT,
+        ATTEMPTS,
+        MAX_ATTEMPTS,
+        LEASE,
+        LEASE_TOKEN,
+        LEASE_UNTIL,
+        LEASE_OWNER,
+        LAST_ERROR,
+        RESULT,
+        DEDUPE_KEY,
+        CREATED_AT,
+        UPDATED_AT,
+        FINISHED_AT,
+    ];
+
+    /// Keys inside the [`LEASE`] sub-document.
+    pub mod lease {
+        /// The worker that holds (or last held) the job.
+        pub const OWNER: &str = "owner";
+        /// The claim token (a `crate::queue::JobLease::token`).
+        pub const TOKEN: &str = "token";
+        /// The claim's expiry, server time.
+        pub const UNTIL: &str = "until";
+    }
+}
+
+/// Where a job is in its life.
+///
+/// ```text
+/// ready ──claim──▶ running ──complete──▶ succeeded
+///   ▲                │ │ └──fail (attempts < max)──▶ retrying ──claim──▶ running
+///   │                │ └────fail (attempts = max)──▶ dead
+///   └──release───────┘      lease expired ──▶ retrying (or dead at max attempts)
+/// any unfinished ──cancel──▶ cancelled;   dead ──retry──▶ ready
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum JobState {
+    /// Waiting to be claimed once `run_at` has passed.
+    Ready,
+    /// Claimed: a worker holds the lease.
+    Running,
+    /// Completed; `result` holds what the handler returned.
+    Succeeded,
+    /// Failed (or its lease expired) and waits for `run_at` to be tried again.
+    Retrying,
+    /// Failed `max_attempts` times, or malformed; `last_error` says why.
+    Dead,
+    /// Cancelled by an operator or its worker.
+    Cancelled,
+}
+
+impl JobState {
+    /// Every state, in display order.
+    pub const ALL: [JobState; 6] = [
+        JobState::Ready,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Retrying,
+        JobState::Dead,
+        JobState::Cancelled,
+    ];
+
+    /// The stored string.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobState::Ready => "ready",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Retrying => "retrying",
+            JobState::Dead => "dead",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses a stored string.
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Whether the job will never run again on its own (succeeded, dead, cancelled).
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Dead | JobState::Cancelled
+        )
+    }
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The state names as stored, in [`JobState::ALL`] order.
+pub const STATES: [&str; 6] = [
+    JobState::Ready.as_str(),
+    JobState::Running.as_str(),
+    JobState::Succeeded.as_str(),
+    JobState::Retrying.as_str(),
+    JobState::Dead.as_str(),
+    JobState::Cancelled.as_str(),
+];

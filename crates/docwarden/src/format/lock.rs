@@ -1,0 +1,34 @@
+//! The stored lock formats (re-exported as [`crate::lock::format`]), typed, for tools and other languages (see `docs/locks.md`):
+//! the fields of a lock-collection document and the default fields of a document lock.
+//! Code outside the library (the CLI, `check`) names stored fields through these constants.
+
+/// Fields of a lock document in a [`crate::lock::LockCollection`] (`_id` is the resource).
+pub mod collection {
+    /// The holder's owner id.
+    pub const OWNER: &str = "owner";
+    /// The fencing token of the acquisition (set once committed).
+    pub const TOKEN: &str = "token";
+    /// The random nonce of an acquisition whose token is not committed yet.
+    pub const PENDING: &str = "pending";
+    /// Server time the lease was acquired.
+    pub const ACQUIRED_AT: &str = "acquired_at";
+    /// Server time the lease expires unless renewed (the TTL index's field).
+    pub const EXPIRES_AT: &str = "expires_at";
+
+    /// Every field docwarden writes in a lock document, `_id` excepted.
+    pub const ALL: [&str; 5] = [OWNER, TOKEN, PENDING, ACQUIRED_AT, EXPIRES_AT];
+}
+
+/// Default fields of a document lock ([`crate::lock::DocumentLockOptions`]).
+pub mod document {
+    /// The random lock id of the holder (`null` when unlocked).
+    pub const LOCK_ID: &str = "lock_id";
+    /// Server time the lock was taken.
+    pub const LOCK_TIME: &str = "lock_time";
+
+    /// Every field docwarden writes in a locked document by default.
+    pub const ALL: [&str; 2] = [LOCK_ID, LOCK_TIME];
+}
+
+/// The default token field of a [`crate::lock::Fence`] target document.
+pub const FENCE_TOKEN: &str = "fence_token";

@@ -1,0 +1,329 @@
+//! Seeds 003 and 004, counters under locks (`docwarden::lock`): read-modify-writes of
+//! counter documents `{ _id: "counter-N", n }` that lose updates unless a lock serialises
+//! them.
+//!
+//! Seed 004 (lock collection): [`run_locked`] is the fixed-size run (owners acquire a
+//! lease, read, write `n + 1`, release; the lease's tokens must increase), and
+//! [`Counters::touch`] / [`Counters::write`] are the fenced steps of the history-recording
+//! run. Seed 003 (document locks): [`document_increment`]. [`Mode::Control`] for the
+//! fenced steps is the fence with its token check off
+//! ([`FenceOptions::unsafe_without_token_check`]); the lock collection's own control is
+//! [`docwarden::lock::LockOptions::unsafe_ignore_expiry`], chosen by the caller. The final
+//! read is [`Counters::total`] / [`Counters::finals`], judged by [`check`].
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use docwarden::Error;
+use docwarden::check::{Event, Violation, lease};
+use docwarden::lock::{
+    DocumentLocks, Fence, FenceOptions, FenceOutcome, Lease, LockCollection, Owner,
+};
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+
+use crate::{Mode, RunConfig, RunReport, run_tasks};
+
+/// The operations of the workload, as the history names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A lease acquired (or refused: held).
+    Acquire,
+    /// The fenced touch that registers the holder's token before it reads.
+    Touch,
+    /// The fenced write of `n + 1`.
+    Write,
+    /// The lease released.
+    Release,
+}
+
+impl Op {
+    /// The name in histories and reports.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Op::Acquire => "acquire",
+            Op::Touch => "touch",
+            Op::Write => "write",
+            Op::Release => "release",
+        }
+    }
+}
+
+/// The key of counter `r`, also the lock resource guarding it.
+#[must_use]
+pub fn resource(r: usize) -> String {
+    format!("counter-{r}")
+}
+
+/// The counters collection.
+#[derive(Clone, Debug)]
+pub struct Counters {
+    coll: Collection<Document>,
+}
+
+impl Counters {
+    /// A handle on `coll`.
+    #[must_use]
+    pub fn new(coll: Collection<Document>) -> Self {
+        Self { coll }
+    }
+
+    /// The counters collection.
+    #[must_use]
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.coll
+    }
+
+    /// Setup: counters `0..resources`, each at 0.
+    ///
+    /// # Errors
+    /// The insert's error.
+    pub async fn setup(&self, resources: usize) -> anyhow::Result<()> {
+        self.coll
+            .insert_many((0..resources).map(|r| doc! { "_id": resource(r), "n": 0_i64 }))
+            .await?;
+        Ok(())
+    }
+
+    /// Reads counter `key`.
+    ///
+    /// # Errors
+    /// A database error, or the counter is missing.
+    pub async fn read(&self, key: &str) -> anyhow::Result<i64> {
+        let d = self
+            .coll
+            .find_one(doc! { "_id": key })
+            .await?
+            .with_context(|| format!("counter {key} is missing"))?;
+        Ok(d.get_i64("n").unwrap_or_default())
+    }
+
+    /// An unsynchronised read-modify-write of counter `key` (what the lock protects).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn read_modify_write(&self, key: &str) -> anyhow::Result<()> {
+        let n = self.read(key).await?;
+        tokio::task::yield_now().await;
+        self.coll
+            .update_one(doc! { "_id": key }, doc! { "$set": { "n": n + 1 } })
+            .await?;
+        Ok(())
+    }
+
+    /// The fence of the counters: the token check on (safe) or off (control).
+    ///
+    /// # Errors
+    /// The fence's validation.
+    pub fn fence(&self, mode: Mode) -> docwarden::Result<Fence> {
+        let options = match mode {
+            Mode::Safe => FenceOptions::default(),
+            Mode::Control => FenceOptions::default().unsafe_without_token_check(),
+        };
+        Fence::new(self.coll.clone(), options)
+    }
+
+    /// The fenced touch: registers `lease`'s token on counter `key` before the holder
+    /// reads, so that no older holder can write after this point.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn touch(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+        owner: &Owner,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(
+                lease,
+                doc! { "_id": key },
+                doc! { "$set": { "holder": owner.id() } },
+            )
+            .await
+    }
+
+    /// The fenced write of `value` to counter `key`.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn write(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+        value: i64,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(lease, doc! { "_id": key }, doc! { "$set": { "n": value } })
+            .await
+    }
+
+    /// The final read: every counter's value.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn finals(&self) -> anyhow::Result<BTreeMap<String, i64>> {
+        let mut out = BTreeMap::new();
+        let mut cursor = self.coll.find(doc! {}).await?;
+        while cursor.advance().await? {
+            let d = cursor.deserialize_current()?;
+            let key = match d.get("_id") {
+                Some(Bson::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+                None => continue,
+            };
+            out.insert(key, d.get_i64("n").unwrap_or_default());
+        }
+        Ok(out)
+    }
+
+    /// The final read: the sum of all counters.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn total(&self) -> anyhow::Result<i64> {
+        Ok(self.finals().await?.values().sum())
+    }
+}
+
+/// The checker of a recorded run: fencing tokens strictly increase per resource, no stale
+/// write was accepted, and each final counter equals its acknowledged increments (give or
+/// take the uncertain ones).
+#[must_use]
+pub fn check(
+    events: &[Event],
+    acknowledged: &BTreeMap<String, i64>,
+    uncertain: &BTreeMap<String, i64>,
+    finals: &BTreeMap<String, i64>,
+) -> Vec<Violation> {
+    let mut violations = lease::check_tokens(events);
+    violations.extend(lease::check_counters(acknowledged, uncertain, finals));
+    violations
+}
+
+/// What a fixed-size run of seed 004 found.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LockedReport {
+    /// Increments lost (expected minus the final total).
+    pub lost: i64,
+    /// Tokens of a resource that did not increase.
+    pub regressions: u64,
+    /// Releases refused with `LeaseLost`.
+    pub refused: u64,
+    /// Acquire, read, write and release calls.
+    pub operations: u64,
+}
+
+impl LockedReport {
+    /// The runner's summary: lost updates and token regressions.
+    #[must_use]
+    pub fn report(&self) -> RunReport {
+        RunReport {
+            operations: self.operations,
+            violations: self.lost.unsigned_abs() + self.regressions,
+        }
+    }
+}
+
+/// Seed 004's fixed-size run: `config.workers` owners × `config.ops_per_worker` rounds;
+/// round `i` of owner `w` acquires counter `(w + i) % resources` (waiting up to 60 s,
+/// lease 30 s), read-modify-writes it and releases. `counters` must be set up with
+/// `resources` counters. `config.mode` is not used here: the control is the lock
+/// collection opened with `unsafe_ignore_expiry`.
+///
+/// # Errors
+/// A database error, or an acquire that timed out.
+pub async fn run_locked(
+    locks: &LockCollection,
+    counters: &Counters,
+    resources: usize,
+    config: RunConfig,
+) -> anyhow::Result<LockedReport> {
+    let tokens: Arc<Mutex<BTreeMap<String, Vec<i64>>>> = Arc::default();
+    let refused = run_tasks(config.workers, |worker| {
+        let (locks, counters, tokens) = (locks.clone(), counters.clone(), Arc::clone(&tokens));
+        async move {
+            let owner = Owner::random();
+            let mut refused = 0_u64;
+            for round in 0..config.ops_per_worker {
+                let r = (worker + usize::try_from(round)?) % resources;
+                let key = resource(r);
+                let lease = locks
+                    .acquire(
+                        &owner,
+                        &key,
+                        Duration::from_secs(30),
+                        Duration::from_secs(60),
+                    )
+                    .await?
+                    .context("acquire timed out")?;
+                tokens
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(key.clone())
+                    .or_default()
+                    .push(lease.token);
+                counters.read_modify_write(&key).await?;
+                match locks.release(&lease).await {
+                    Ok(()) => {}
+                    Err(Error::LeaseLost { .. }) => refused += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            anyhow::Ok(refused)
+        }
+    })
+    .await?;
+    let rounds = u64::try_from(config.workers)?.saturating_mul(config.ops_per_worker);
+    let regressions = tokens
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
+        .sum::<usize>();
+    Ok(LockedReport {
+        lost: i64::try_from(rounds)? - counters.total().await?,
+        regressions: u64::try_from(regressions)?,
+        refused: refused.iter().sum(),
+        operations: rounds.saturating_mul(4),
+    })
+}
+
+/// What one [`document_increment`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Increment {
+    /// Locked, read, wrote `n + 1` and released in one fenced update.
+    Done,
+    /// The document is locked by someone else (contention).
+    Busy,
+    /// No such document.
+    Missing,
+}
+
+/// Seed 003's operation: lock document `id` in place, read its `n`, and write `n + 1` in
+/// the release (fenced by the lock id).
+///
+/// # Errors
+/// A database error, or a lock lost before the release.
+pub async fn document_increment(
+    locks: &DocumentLocks,
+    id: impl Into<Bson> + std::fmt::Display,
+) -> anyhow::Result<Increment> {
+    match locks.lock(id).await {
+        Ok(Some(guard)) => {
+            let n = guard.document.get_i64("n").unwrap_or_default();
+            locks
+                .release_with(guard, doc! { "$set": { "n": n + 1 } })
+                .await?;
+            Ok(Increment::Done)
+        }
+        Ok(None) => Ok(Increment::Missing),
+        Err(Error::AlreadyLocked { .. }) => Ok(Increment::Busy),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -327,3 +327,76 @@ pub async fn document_increment(
         Err(e) => Err(e.into()),
     }
 }
+
+/// What [`paused_holder`] saw.
+#[derive(Debug)]
+pub struct PausedHolder {
+    /// A's lease (1 s), which lapsed while A was paused.
+    pub paused: Lease,
+    /// B's lease, taken after A's lapsed.
+    pub taker: Lease,
+    /// A's fenced write (−10) while it held the lease.
+    pub first_write: FenceOutcome,
+    /// Whether B's `try_acquire` was refused while A held the lease.
+    pub refused_while_held: bool,
+    /// B's fenced write (−20).
+    pub taker_write: FenceOutcome,
+    /// A's renew after waking up.
+    pub renew: docwarden::Result<()>,
+    /// A's release after waking up.
+    pub release: docwarden::Result<()>,
+    /// A's fenced write (−10) after waking up.
+    pub late_write: FenceOutcome,
+}
+
+/// Seed 004's paused holder: account `1` (balance 100) in `accounts`, guarded by lease
+/// `account-1`. A leases it for 1 s and writes through `fence`, B is refused, A pauses
+/// 2.5 s, B acquires and writes, then A wakes up and renews, releases and writes as if it
+/// still held the lease. The caller releases [`PausedHolder::taker`].
+///
+/// # Errors
+/// A database error, or an acquire that did not succeed.
+pub async fn paused_holder(
+    locks: &LockCollection,
+    accounts: &Collection<Document>,
+    fence: &Fence,
+) -> anyhow::Result<PausedHolder> {
+    accounts
+        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
+        .await?;
+    let (a, b) = (Owner::random(), Owner::random());
+    let debit = |n: i64| doc! { "$inc": { "balance": -n } };
+    let mut paused = locks
+        .try_acquire(&a, "account-1", Duration::from_secs(1))
+        .await?
+        .context("A acquires")?;
+    let first_write = fence.apply(&paused, doc! { "_id": 1 }, debit(10)).await?;
+    let refused_while_held = locks
+        .try_acquire(&b, "account-1", Duration::from_secs(10))
+        .await?
+        .is_none();
+    tokio::time::sleep(Duration::from_millis(2_500)).await; // A is paused past its ttl
+    let taker = locks
+        .acquire(
+            &b,
+            "account-1",
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
+        .await?
+        .context("B acquires after A's lease lapsed")?;
+    let taker_write = fence.apply(&taker, doc! { "_id": 1 }, debit(20)).await?;
+    let renew = locks.renew(&mut paused, Duration::from_secs(1)).await;
+    let release = locks.release(&paused).await;
+    let late_write = fence.apply(&paused, doc! { "_id": 1 }, debit(10)).await?;
+    Ok(PausedHolder {
+        paused,
+        taker,
+        first_write,
+        refused_while_held,
+        taker_write,
+        renew,
+        release,
+        late_write,
+    })
+}

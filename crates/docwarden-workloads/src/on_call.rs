@@ -16,6 +16,8 @@ use docwarden::check::{Event, OpOutcome, Violation, state::check_invariant_reads
 use docwarden::guard::{self, Change, Condition, Guarded, Invariant, Outcome};
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::UpdateOptions;
+use mongodb::results::UpdateResult;
 use rand::Rng;
 
 use crate::{Mode, RunConfig, RunReport, run_tasks};
@@ -83,6 +85,27 @@ pub async fn setup(coll: &Collection<Document>, shifts: i64) -> anyhow::Result<(
         .collect();
     coll.insert_many(docs).await?;
     Ok(())
+}
+
+/// The seed's bypass update: every doctor of `shift` off call through `arrayFilters`, no
+/// condition. A collection validator holding the rule must refuse it with code 121.
+///
+/// # Errors
+/// The driver's error, which the caller inspects (121 is the expected refusal).
+pub async fn seed_bypass(
+    coll: &Collection<Document>,
+    shift: i64,
+) -> Result<UpdateResult, mongodb::error::Error> {
+    coll.update_one(
+        doc! { "_id": shift },
+        doc! { "$set": { "doctors.$[doc].on_call": false, "updated": DateTime::now() } },
+    )
+    .with_options(
+        UpdateOptions::builder()
+            .array_filters(vec![doc! { "doc.on_call": true }])
+            .build(),
+    )
+    .await
 }
 
 /// One toggle: a doctor of a shift goes on or off call.

@@ -224,49 +224,20 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
 
     // A holder paused past its ttl.
     let accounts = db.collection::<Document>("account");
-    accounts
-        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
-        .await?;
     let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
-    let (a, b) = (Owner::random(), Owner::random());
-    let mut la = locks
-        .try_acquire(&a, "account-1", Duration::from_secs(1))
-        .await?
-        .context("a")?;
+    crate::demo::narrate!("   owner A leases account-1 for 1 s, writes, and pauses for 2.5 s…");
+    let paused = counters::paused_holder(&locks, &accounts, &fence).await?;
     crate::demo::narrate!(
-        "   owner A leases account-1 for 1 s (token {}) and pauses for 2 s…",
-        la.token
+        "   owner B takes it over with token {} (A had {}) and writes (fenced)",
+        paused.taker.token,
+        paused.paused.token
     );
-    tokio::time::sleep(Duration::from_millis(2_000)).await;
-    let lb = locks
-        .acquire(
-            &b,
-            "account-1",
-            Duration::from_secs(10),
-            Duration::from_secs(5),
-        )
-        .await?
-        .context("b")?;
-    fence
-        .apply(
-            &lb,
-            doc! { "_id": 1 },
-            doc! { "$inc": { "balance": -20_i64 } },
-        )
-        .await?;
-    crate::demo::narrate!(
-        "   owner B takes it over with token {} and writes (fenced)",
-        lb.token
+    let (renew, release, write, lb) = (
+        paused.renew,
+        paused.release,
+        paused.late_write,
+        paused.taker,
     );
-    let renew = locks.renew(&mut la, Duration::from_secs(1)).await;
-    let release = locks.release(&la).await;
-    let write = fence
-        .apply(
-            &la,
-            doc! { "_id": 1 },
-            doc! { "$inc": { "balance": -10_i64 } },
-        )
-        .await?;
     ops += 6;
     let refused = [
         matches!(renew, Err(Error::LeaseLost { .. })),

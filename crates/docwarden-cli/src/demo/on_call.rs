@@ -9,8 +9,7 @@ use docwarden::guard::{self, ValidatorInstall, ValidatorOptions};
 use docwarden_workloads::on_call::{self, OnCall};
 use docwarden_workloads::{Mode, RunConfig};
 use mongodb::Database;
-use mongodb::bson::{DateTime, Document, doc};
-use mongodb::options::UpdateOptions;
+use mongodb::bson::Document;
 
 use super::ScenarioReport;
 
@@ -64,17 +63,7 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         other => anyhow::bail!("unexpected validator outcome {other:?}"),
     }
     // The seed's bypass: every doctor of shift 0 off call, no condition.
-    let bypass = coll
-        .update_one(
-            doc! { "_id": 0_i64 },
-            doc! { "$set": { "doctors.$[doc].on_call": false, "updated": DateTime::now() } },
-        )
-        .with_options(
-            UpdateOptions::builder()
-                .array_filters(vec![doc! { "doc.on_call": true }])
-                .build(),
-        )
-        .await;
+    let bypass = on_call::seed_bypass(&coll, 0).await;
     match bypass {
         Err(e) if docwarden::error::error_code(&e) == Some(121) => {
             crate::demo::narrate!(

@@ -400,3 +400,32 @@ pub async fn paused_holder(
         late_write,
     })
 }
+
+/// Seed 004's crash: `crashed` acquires `resource` (30 s) and crashes, its lock document
+/// is deleted from `lock_docs` (what the TTL index does, later), and `next` acquires.
+/// Returns the crashed lease, the documents deleted, and the next lease, whose token must
+/// be greater.
+///
+/// # Errors
+/// A database error, or an acquire that did not succeed.
+pub async fn crash_and_delete(
+    locks: &LockCollection,
+    lock_docs: &Collection<Document>,
+    resource: &str,
+    crashed: &Owner,
+    next: &Owner,
+) -> anyhow::Result<(Lease, u64, Lease)> {
+    let lc = locks
+        .try_acquire(crashed, resource, Duration::from_secs(30))
+        .await?
+        .context("the first owner acquires")?;
+    let deleted = lock_docs
+        .delete_many(doc! { "_id": resource })
+        .await?
+        .deleted_count;
+    let ld = locks
+        .try_acquire(next, resource, Duration::from_secs(30))
+        .await?
+        .context("the next owner acquires")?;
+    Ok((lc, deleted, ld))
+}

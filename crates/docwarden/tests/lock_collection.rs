@@ -259,21 +259,11 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
     check(lb.token, &mut seen);
     locks.release(&lb).await?;
 
-    let c = Owner::random();
-    let lc = locks
-        .try_acquire(&c, "job", Duration::from_secs(30))
-        .await?
-        .context("c")?;
-    check(lc.token, &mut seen);
     // c crashes, and its lock document is deleted (what the TTL index does, later).
-    let deleted = lock_docs.delete_many(doc! { "_id": "job" }).await?;
-    assert_eq!(deleted.deleted_count, 1);
-
-    let d = Owner::random();
-    let ld = locks
-        .try_acquire(&d, "job", Duration::from_secs(30))
-        .await?
-        .context("d")?;
+    let (c, d) = (Owner::random(), Owner::random());
+    let (lc, deleted, ld) = counters::crash_and_delete(&locks, &lock_docs, "job", &c, &d).await?;
+    check(lc.token, &mut seen);
+    assert_eq!(deleted, 1);
     check(ld.token, &mut seen);
     assert_eq!(locks.last_token("job").await?, Some(ld.token));
     // Once more: delete while free, acquire again.

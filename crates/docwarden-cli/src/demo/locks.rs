@@ -267,17 +267,14 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
 
     // A crash, and the lock document deleted (what the TTL index does, later).
     let c = Owner::random();
-    let lc = locks
-        .try_acquire(&c, "account-1", Duration::from_secs(30))
-        .await?
-        .context("c")?;
-    db.collection::<Document>("workitem.lock")
-        .delete_one(doc! { "_id": "account-1" })
-        .await?;
-    let ld = locks
-        .try_acquire(&Owner::random(), "account-1", Duration::from_secs(30))
-        .await?
-        .context("d")?;
+    let (lc, _, ld) = counters::crash_and_delete(
+        &locks,
+        &db.collection::<Document>("workitem.lock"),
+        "account-1",
+        &c,
+        &Owner::random(),
+    )
+    .await?;
     ops += 3;
     crate::demo::narrate!(
         "   owner C (token {}) crashes and its lock document is deleted; the next owner gets token {}",

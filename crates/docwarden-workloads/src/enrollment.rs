@@ -342,3 +342,78 @@ pub async fn seed_apply(
         Outcome::Stale
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::*;
+
+    #[test]
+    fn the_plan_is_the_sequential_history_and_delivery_keeps_every_message() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let plan = produce(&mut rng, 5, 200);
+        let mut replay: BTreeMap<i64, BTreeSet<String>> = BTreeMap::new();
+        for m in &plan.messages {
+            let classes = replay.entry(m.student).or_default();
+            assert_eq!(m.enroll, !classes.contains(m.class), "messages toggle");
+            if m.enroll {
+                classes.insert(m.class.to_owned());
+            } else {
+                classes.remove(m.class);
+            }
+        }
+        assert_eq!(replay, plan.expected);
+        let delivered = deliver(&mut rng, &plan.messages);
+        let ids: BTreeSet<usize> = delivered.iter().map(|m| m.id).collect();
+        assert_eq!(
+            ids.len(),
+            plan.messages.len(),
+            "every message at least once"
+        );
+        assert!(delivered.len() > plan.messages.len(), "some twice");
+    }
+
+    #[test]
+    fn the_checker_counts_wrong_classes_and_duplicate_documents() {
+        let plan = produce(&mut StdRng::seed_from_u64(2), 3, 30);
+        let mut read = FinalRead {
+            classes: plan.expected.clone(),
+            documents: plan.expected.keys().map(|k| (*k, 1)).collect(),
+        };
+        assert!(check(&plan, &read).is_empty());
+        let (first, _) = plan
+            .expected
+            .iter()
+            .next()
+            .map(|(k, v)| (*k, v))
+            .unwrap_or((0, &BTreeSet::new()));
+        read.documents.insert(first, 2);
+        read.classes
+            .entry(first)
+            .or_default()
+            .insert("NOT A CLASS".to_owned());
+        let kinds: Vec<&str> = check(&plan, &read).iter().map(|v| v.kind).collect();
+        assert_eq!(kinds.len(), 2, "{kinds:?}");
+        assert!(kinds.contains(&"duplicate-document"));
+    }
+
+    #[test]
+    fn the_mailbox_redelivers_what_was_not_acknowledged() {
+        let plan = produce(&mut StdRng::seed_from_u64(3), 2, 4);
+        let mailbox = Mailbox::new(plan.messages.clone());
+        let first = mailbox.take();
+        assert!(first.is_some());
+        if let Some(m) = first {
+            mailbox.ack(&m);
+        }
+        let second = mailbox.take();
+        mailbox.redeliver_unacked(&plan.messages);
+        let mut left = 0;
+        while mailbox.take().is_some() {
+            left += 1;
+        }
+        assert_eq!(left, 3, "all but the acknowledged one, {second:?} included");
+    }
+}

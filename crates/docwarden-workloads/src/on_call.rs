@@ -357,3 +357,22 @@ pub async fn run(on_call: &OnCall, shifts: i64, config: RunConfig) -> anyhow::Re
         operations: u64::try_from(config.workers)?.saturating_mul(config.ops_per_worker),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use docwarden::check::{Event, OpOutcome};
+
+    use super::{Op, check};
+
+    #[test]
+    fn only_failed_checks_are_violations() {
+        let events = vec![
+            Event::new(0, Op::OffCall.as_str(), "shift 1", 0, 1).outcome(OpOutcome::Failed),
+            Event::new(0, Op::Check.as_str(), "shift 1", 2, 2),
+            Event::new(1, Op::Check.as_str(), "shift 2", 3, 3).outcome(OpOutcome::Failed),
+        ];
+        let found = check(&events);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].key, "shift 2");
+    }
+}

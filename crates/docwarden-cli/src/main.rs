@@ -11,7 +11,6 @@ mod doctor;
 mod locks;
 mod output;
 mod queue;
-mod shifts;
 mod verify;
 
 /// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,

@@ -9,26 +9,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use docwarden::guard::{
-    self, Change, CmpOp, Condition, GuardOptions, GuardOutcome, Guarded, IndexUse, Invariant,
-    Operand, ValidatorInstall, ValidatorOptions,
+    self, Change, CmpOp, GuardOptions, GuardOutcome, Guarded, IndexUse, Invariant, Operand,
+    ValidatorInstall, ValidatorOptions,
 };
 use docwarden_testkit::TestDb;
+use docwarden_workloads::{Mode as WorkloadMode, RunConfig, on_call};
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::UpdateOptions;
 
 const WORKERS: usize = 8;
 const OPS_PER_WORKER: usize = 1_000;
 const SHIFTS: i64 = 10;
 
 fn on_call() -> Invariant {
-    Invariant::at_least(
-        "at least one doctor on call",
-        "doctors",
-        1,
-        Condition::eq("on_call", true),
-    )
-    .unwrap()
+    on_call::rule().unwrap()
 }
 
 fn within_capacity() -> Invariant {
@@ -237,66 +231,31 @@ enum Mode {
     ReadThenWrite,
 }
 
-/// 8 workers × 1,000 random on/off toggles on 10 shifts; the shift is checked after every
-/// operation. Returns (violations seen after operations, violating documents at the end).
+/// Seed 000's workload (`docwarden_workloads::on_call`): 8 workers × 1,000 random on/off
+/// toggles on 10 shifts; the shift is checked after every operation. Returns (violations
+/// seen after operations, violating shifts at the end).
 async fn on_call_workload(
     coll: Collection<Document>,
-    mode: Mode,
-    doctors: usize,
-) -> anyhow::Result<(u64, usize)> {
-    coll.insert_many((0..SHIFTS).map(|s| shift(s, doctors)))
-        .await?;
-    let violations = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for _ in 0..WORKERS {
-        let coll = coll.clone();
-        let violations = Arc::clone(&violations);
-        tasks.push(tokio::spawn(async move {
-            let g = Guarded::new(coll.clone(), GuardOptions::default())?;
-            let inv = [on_call()];
-            for _ in 0..OPS_PER_WORKER {
-                let s = rand::random_range(0..SHIFTS);
-                let name = format!("doctor{}", rand::random_range(0..doctors));
-                let on = rand::random_bool(0.5);
-                match mode {
-                    Mode::Guarded => {
-                        let change = Change::set_member("doctors", "name", name.as_str(), doc! { "on_call": on, "updated": DateTime::now() })?;
-                        g.update(s, &change, &inv).await?;
-                    }
-                    Mode::ReadThenWrite => {
-                        let d = coll.find_one(doc! { "_id": s }).await?.unwrap();
-                        let others_on = d.get_array("doctors")?.iter().filter_map(Bson::as_document)
-                            .filter(|m| m.get_str("name").ok() != Some(name.as_str()) && m.get_bool("on_call").unwrap_or(false))
-                            .count();
-                        if on || others_on >= 1 {
-                            // The window between the read and the write, as in any
-                            // application that decides in between.
-                            tokio::time::sleep(Duration::from_micros(300)).await;
-                            coll.update_one(
-                                doc! { "_id": s, "doctors": { "$elemMatch": { "name": name.as_str() } } },
-                                doc! { "$set": { "doctors.$.on_call": on, "doctors.$.updated": DateTime::now() } },
-                            ).await?;
-                        }
-                    }
-                }
-                if !guard::violations_of(&coll, s, &inv).await?.is_empty() {
-                    violations.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
-    let end = guard::violations(&coll, &[on_call()], None).await?.len();
-    Ok((violations.load(Ordering::Relaxed), end))
+    mode: WorkloadMode,
+) -> anyhow::Result<(u64, u64)> {
+    on_call::setup(&coll, SHIFTS).await?;
+    let report = on_call::run(
+        &on_call::OnCall::new(coll)?,
+        SHIFTS,
+        RunConfig {
+            workers: WORKERS,
+            ops_per_worker: u64::try_from(OPS_PER_WORKER)?,
+            mode,
+        },
+    )
+    .await?;
+    Ok((report.seen, report.at_end))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_call_holds_under_8_workers_x_1000_toggles() -> anyhow::Result<()> {
     let t = TestDb::new("guard_on_call").await?;
-    let (seen, end) = on_call_workload(t.db.collection("shifts"), Mode::Guarded, 3).await?;
+    let (seen, end) = on_call_workload(t.db.collection("shifts"), WorkloadMode::Safe).await?;
     assert_eq!(seen, 0, "violations observed after operations");
     assert_eq!(end, 0, "violating shifts at the end");
     Ok(())
@@ -305,7 +264,7 @@ async fn on_call_holds_under_8_workers_x_1000_toggles() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_call_control_read_then_write_breaks_the_rule() -> anyhow::Result<()> {
     let t = TestDb::new("guard_on_call_control").await?;
-    let (seen, end) = on_call_workload(t.db.collection("shifts"), Mode::ReadThenWrite, 3).await?;
+    let (seen, end) = on_call_workload(t.db.collection("shifts"), WorkloadMode::Control).await?;
     eprintln!("control: {seen} violations observed, {end} violating shifts at the end");
     assert!(
         seen > 0,
@@ -437,17 +396,6 @@ async fn the_validator_refuses_the_seed_bypass_update_with_121() -> anyhow::Resu
     let t = TestDb::new("guard_validator_bypass").await?;
     let coll = t.db.collection::<Document>("shifts");
     coll.insert_many([shift(1, 2), shift(2, 2)]).await?;
-    let bypass = || {
-        coll.update_one(
-            doc! { "_id": 1 },
-            doc! { "$set": { "doctors.$[doc].on_call": false, "updated": DateTime::now() } },
-        )
-        .with_options(
-            UpdateOptions::builder()
-                .array_filters(vec![doc! { "doc.on_call": true }])
-                .build(),
-        )
-    };
     let installed =
         guard::install_validator(&coll, &[on_call()], &ValidatorOptions::default()).await?;
     assert_eq!(
@@ -456,7 +404,7 @@ async fn the_validator_refuses_the_seed_bypass_update_with_121() -> anyhow::Resu
             existing_violations: vec![]
         }
     );
-    let err = docwarden::Error::from(bypass().await.unwrap_err());
+    let err = docwarden::Error::from(on_call::seed_bypass(&coll, 1).await.unwrap_err());
     assert!(err.is_validation_failure(), "expected code 121, got {err}");
     let d = coll.find_one(doc! { "_id": 1 }).await?.unwrap();
     assert_eq!(

@@ -2,8 +2,6 @@
 //! crashes and deleted lock documents, clock skew, release-all, blocking acquire, bad input
 //! and the watchdog. Every concurrency test has a control run without the safeguard.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -14,7 +12,8 @@ use docwarden::lock::{
     LostReason, Owner, WatchdogOptions,
 };
 use docwarden_testkit::TestDb;
-use mongodb::Collection;
+use docwarden_workloads::counters::{self, Counters};
+use docwarden_workloads::{Mode, RunConfig};
 use mongodb::bson::{Document, doc};
 use mongodb::options::WriteConcern;
 
@@ -40,108 +39,32 @@ async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {
     .await
 }
 
-/// An unsynchronized read-modify-write of counter `r`.
-async fn read_modify_write(counters: &Collection<Document>, r: i64) -> anyhow::Result<()> {
-    let d = counters
-        .find_one(doc! { "_id": r })
-        .await?
-        .context("counter document")?;
-    let n = d.get_i64("n")?;
-    tokio::task::yield_now().await;
-    counters
-        .update_one(doc! { "_id": r }, doc! { "$set": { "n": n + 1 } })
-        .await?;
-    Ok(())
-}
-
-async fn counters(t: &TestDb, name: &str, resources: i64) -> anyhow::Result<Collection<Document>> {
-    let c = t.db.collection::<Document>(name);
-    c.insert_many((0..resources).map(|r| doc! { "_id": r, "n": 0_i64 }))
-        .await?;
-    Ok(c)
-}
-
-async fn total(c: &Collection<Document>) -> anyhow::Result<i64> {
-    let mut sum = 0;
-    let mut cursor = c.find(doc! {}).await?;
-    while cursor.advance().await? {
-        sum += cursor.deserialize_current()?.get_i64("n")?;
-    }
-    Ok(sum)
-}
-
 const TASKS: usize = 16;
 const ROUNDS: usize = 300;
-const RESOURCES: i64 = 4;
+const RESOURCES: usize = 4;
 
-/// Runs TASKS × ROUNDS read-modify-writes on RESOURCES counters, under the lock or not.
-/// Returns (lost updates, token regressions, releases refused with `LeaseLost`).
+/// Seed 004's workload (`docwarden_workloads::counters`): TASKS × ROUNDS locked
+/// read-modify-writes on RESOURCES counters. Returns (lost updates, token regressions,
+/// releases refused with `LeaseLost`).
 async fn run_counters(
     t: &TestDb,
-    locks: Option<LockCollection>,
+    locks: LockCollection,
     name: &str,
-) -> anyhow::Result<(i64, usize, usize)> {
-    let c = counters(t, name, RESOURCES).await?;
-    let tokens: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
-    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for task in 0..TASKS {
-        let c = c.clone();
-        let locks = locks.clone();
-        let tokens = Arc::clone(&tokens);
-        let refused = Arc::clone(&refused);
-        tasks.push(tokio::spawn(async move {
-            let owner = Owner::random();
-            for round in 0..ROUNDS {
-                let r = i64::try_from((task + round) % 4)?;
-                match &locks {
-                    Some(locks) => {
-                        let lease = locks
-                            .acquire(
-                                &owner,
-                                &format!("counter-{r}"),
-                                Duration::from_secs(30),
-                                Duration::from_secs(60),
-                            )
-                            .await?
-                            .context("acquire timed out")?;
-                        tokens
-                            .lock()
-                            .map_err(|_| anyhow::anyhow!("poisoned"))?
-                            .entry(r)
-                            .or_default()
-                            .push(lease.token.get());
-                        read_modify_write(&c, r).await?;
-                        match locks.release(&lease).await {
-                            Ok(()) => {}
-                            Err(Error::LeaseLost { .. }) => {
-                                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            }
-                            Err(e) => return Err(e.into()),
-                        }
-                    }
-                    None => read_modify_write(&c, r).await?,
-                }
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
-    let expected = i64::try_from(TASKS * ROUNDS)?;
-    let lost = expected - total(&c).await?;
-    let regressions = tokens
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-        .values()
-        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
-        .sum();
-    Ok((
-        lost,
-        regressions,
-        refused.load(std::sync::atomic::Ordering::Relaxed),
-    ))
+) -> anyhow::Result<(i64, u64, u64)> {
+    let c = Counters::new(t.db.collection(name));
+    c.setup(RESOURCES).await?;
+    let r = counters::run_locked(
+        &locks,
+        &c,
+        RESOURCES,
+        RunConfig {
+            workers: TASKS,
+            ops_per_worker: u64::try_from(ROUNDS)?,
+            mode: Mode::Safe,
+        },
+    )
+    .await?;
+    Ok((r.lost, r.regressions, r.refused))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -149,7 +72,7 @@ async fn mutual_exclusion_16_tasks_300_rounds_loses_no_update() -> anyhow::Resul
     let t = TestDb::new("lock_mutual_exclusion").await?;
     let locks = open(&t).await?;
     let started = Instant::now();
-    let (lost, regressions, refused) = run_counters(&t, Some(locks), "counters").await?;
+    let (lost, regressions, refused) = run_counters(&t, locks, "counters").await?;
     eprintln!(
         "with lock: {TASKS} tasks × {ROUNDS} rounds on {RESOURCES} resources in {:.1} s: lost {lost}, token regressions {regressions}, releases refused {refused}",
         started.elapsed().as_secs_f64()
@@ -174,7 +97,7 @@ async fn mutual_exclusion_16_tasks_300_rounds_loses_no_update() -> anyhow::Resul
     )
     .await?;
     let started = Instant::now();
-    let (lost, _, refused) = run_counters(&t, Some(unsafe_locks), "counters_control").await?;
+    let (lost, _, refused) = run_counters(&t, unsafe_locks, "counters_control").await?;
     eprintln!(
         "control (expiry check off): lost {lost}, releases refused {refused} in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -188,73 +111,28 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
     let t = TestDb::new("lock_paused_holder").await?;
     let locks = open(&t).await?;
     let accounts = t.db.collection::<Document>("accounts");
-    accounts
-        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
-        .await?;
     let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
-
-    let (a, b) = (Owner::random(), Owner::random());
-    let mut la = locks
-        .try_acquire(&a, "account-1", Duration::from_secs(1))
-        .await?
-        .context("a acquires")?;
-    assert!(
-        fence
-            .apply(
-                &la,
-                doc! { "_id": 1 },
-                doc! { "$inc": { "balance": -10_i64 } }
-            )
-            .await?
-            .is_applied()
-    );
-    assert!(
-        locks
-            .try_acquire(&b, "account-1", Duration::from_secs(10))
-            .await?
-            .is_none()
-    );
-
-    tokio::time::sleep(Duration::from_millis(2_500)).await; // a is paused past its ttl
-
-    let lb = locks
-        .acquire(
-            &b,
-            "account-1",
-            Duration::from_secs(10),
-            Duration::from_secs(5),
-        )
-        .await?
-        .context("b acquires after a's lease expired")?;
+    let p = counters::paused_holder(&locks, &accounts, &fence).await?;
+    let (la, lb, b) = (&p.paused, &p.taker, p.taker.owner.clone());
+    assert!(p.first_write.is_applied());
+    assert!(p.refused_while_held, "B is refused while A holds the lease");
     assert!(lb.token > la.token, "{} > {}", lb.token, la.token);
-    assert_eq!(
-        fence
-            .apply(
-                &lb,
-                doc! { "_id": 1 },
-                doc! { "$inc": { "balance": -20_i64 } }
-            )
-            .await?,
-        FenceOutcome::Applied
-    );
+    assert_eq!(p.taker_write, FenceOutcome::Applied);
 
-    // a wakes up and carries on as if it still held the lease.
-    let renew = locks.renew(&mut la, Duration::from_secs(1)).await;
-    assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
-    let release = locks.release(&la).await;
+    // A woke up and carried on as if it still held the lease.
     assert!(
-        matches!(release, Err(Error::LeaseLost { .. })),
-        "{release:?}"
+        matches!(p.renew, Err(Error::LeaseLost { .. })),
+        "{:?}",
+        p.renew
     );
-    let write = fence
-        .apply(
-            &la,
-            doc! { "_id": 1 },
-            doc! { "$inc": { "balance": -10_i64 } },
-        )
-        .await?;
+    assert!(
+        matches!(p.release, Err(Error::LeaseLost { .. })),
+        "{:?}",
+        p.release
+    );
+    let write = p.late_write;
     assert_eq!(write, FenceOutcome::Stale { seen: lb.token });
-    assert!(matches!(write.into_result(&la), Err(Error::Stale { .. })));
+    assert!(matches!(write.into_result(la), Err(Error::Stale { .. })));
 
     let d = accounts
         .find_one(doc! { "_id": 1 })
@@ -266,7 +144,7 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
         .list(&LockListFilter::default().resource("account-1"))
         .await?;
     assert_eq!(held.len(), 1);
-    assert_eq!(held[0].owner, b.id());
+    assert_eq!(held[0].owner, b);
 
     // Control: the same fence with its token check off applies the paused holder's write.
     let unfenced = Fence::new(
@@ -275,7 +153,7 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
     )?;
     let control = unfenced
         .apply(
-            &la,
+            la,
             doc! { "_id": 1 },
             doc! { "$inc": { "balance": -10_i64 } },
         )
@@ -294,7 +172,7 @@ async fn a_paused_holder_is_refused_renew_release_and_fenced_write() -> anyhow::
         60,
         "the control's stale write was applied"
     );
-    locks.release(&lb).await?;
+    locks.release(lb).await?;
     Ok(())
 }
 
@@ -381,22 +259,12 @@ async fn tokens_increase_across_crash_expiry_release_and_document_deletion() -> 
     check(lb.token.get(), &mut seen);
     locks.release(&lb).await?;
 
-    let c = Owner::random();
-    let lc = locks
-        .try_acquire(&c, "job", Duration::from_secs(30))
-        .await?
-        .context("c")?;
-    check(lc.token.get(), &mut seen);
     // c crashes, and its lock document is deleted (what the TTL index does, later).
-    let deleted = lock_docs.delete_many(doc! { "_id": "job" }).await?;
-    assert_eq!(deleted.deleted_count, 1);
-
-    let d = Owner::random();
-    let ld = locks
-        .try_acquire(&d, "job", Duration::from_secs(30))
-        .await?
-        .context("d")?;
-    check(ld.token.get(), &mut seen);
+    let (c, d) = (Owner::random(), Owner::random());
+    let (lc, deleted, ld) = counters::crash_and_delete(&locks, &lock_docs, "job", &c, &d).await?;
+    check(lc.token.into(), &mut seen);
+    assert_eq!(deleted, 1);
+    check(ld.token.into(), &mut seen);
     assert_eq!(locks.last_token("job").await?, Some(ld.token));
     // Once more: delete while free, acquire again.
     locks.release(&ld).await?;

@@ -12,6 +12,7 @@ use docwarden::queue::{
     WorkerOptions,
 };
 use docwarden_testkit::TestDb;
+use docwarden_workloads::jobs::{self, Producer};
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::{Collection, Database};
 
@@ -49,21 +50,10 @@ async fn wait_for(
     }
 }
 
-/// The handler's side effect, fenced by the claim: `$inc effects` on the job document
-/// applies only while this claim holds the job.
+/// Seed 002's effect (`docwarden_workloads::jobs::fenced_effect`): `$inc effects` on the
+/// job document, fenced by the claim.
 async fn fenced_effect(coll: Collection<Document>, job: ClaimedJob) -> HandlerResult {
-    let outcome = Fence::new(coll, FenceOptions::default())?
-        .apply(
-            &job,
-            doc! { "_id": job.id() },
-            doc! { "$inc": { "effects": 1 } },
-        )
-        .await?;
-    if outcome == FenceOutcome::Applied {
-        Ok(Bson::Int64(job.job.attempts))
-    } else {
-        Err("the effect was fenced off: lease lost".into())
-    }
+    jobs::fenced_effect(coll, job).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -72,12 +62,7 @@ async fn five_thousand_jobs_eight_workers_every_effect_exactly_once() -> anyhow:
     let q = open(&t.db, &t.client, QueueOptions::default()).await?;
     let coll = q.collection().clone();
     let started = Instant::now();
-    for chunk in 0..5 {
-        q.enqueue_many(
-            (0..1000).map(|i| (doc! { "n": chunk * 1000 + i }, EnqueueOptions::default())),
-        )
-        .await?;
-    }
+    Producer::new().enqueue(&q, 5000).await?;
     let mut workers = Vec::new();
     for w in 0..8 {
         let c = coll.clone();
@@ -128,8 +113,7 @@ async fn five_thousand_jobs_eight_workers_every_effect_exactly_once() -> anyhow:
         QueueOptions::default().unsafe_without(Safeguard::ClaimRecheck),
     )
     .await?;
-    cq.enqueue_many((0..100).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
-        .await?;
+    Producer::new().enqueue(&cq, 100).await?;
     let mut workers = Vec::new();
     for w in 0..8 {
         let c = control.clone();
@@ -165,8 +149,7 @@ async fn killed_workers_jobs_are_reclaimed_and_their_late_completions_refused() 
         .reap_interval(Duration::from_millis(200));
     let q = open(&t.db, &t.client, opts).await?;
     let coll = q.collection().clone();
-    q.enqueue_many((0..40).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
-        .await?;
+    Producer::new().enqueue(&q, 40).await?;
     // A worker that hangs in every handler, then is killed (tasks aborted).
     let hang = Worker::spawn(
         q.clone(),

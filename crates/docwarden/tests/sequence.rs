@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use docwarden::Error;
 use docwarden::sequence::{ApplyOutcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions};
 use docwarden_testkit::TestDb;
+use docwarden_workloads::enrollment;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use proptest::prelude::*;
@@ -87,14 +88,7 @@ where
 }
 
 async fn student_set(t: &TestDb) -> anyhow::Result<SequencedSet> {
-    Ok(SequencedSet::open(
-        &t.db,
-        "students",
-        SetOptions::default()
-            .key_field("student_id")
-            .field("classes"),
-    )
-    .await?)
+    Ok(enrollment::open_set(t.db.collection("students")).await?)
 }
 
 /// Runs one history through `CONSUMERS` racing consumers on `key` and returns the number
@@ -229,9 +223,9 @@ async fn seed_insert_delete_insert_applied_as_1_3_2_keeps_the_last_insert() -> a
     // Control: the seed's two updates in the same order lose the insert or split the
     // student into two documents.
     let coll: Collection<Document> = t.db.collection("seed_students");
-    seed_apply(&coll, 1, "CS 101", 1, true).await?;
-    seed_apply(&coll, 1, "CS 101", 3, true).await?;
-    seed_apply(&coll, 1, "CS 101", 2, false).await?;
+    enrollment::seed_apply(&coll, 1, "CS 101", 1, true).await?;
+    enrollment::seed_apply(&coll, 1, "CS 101", 3, true).await?;
+    enrollment::seed_apply(&coll, 1, "CS 101", 2, false).await?;
     let (docs, diverged) = seed_check(&coll, 1, &BTreeSet::from(["CS 101".to_owned()])).await?;
     assert!(
         docs > 1 || diverged,
@@ -240,72 +234,19 @@ async fn seed_insert_delete_insert_applied_as_1_3_2_keeps_the_last_insert() -> a
     Ok(())
 }
 
-/// The seed's update, translated exactly (its `$or` written as the array MongoDB needs),
-/// with upsert.
-async fn seed_apply(
-    coll: &Collection<Document>,
-    student: i64,
-    class: &str,
-    seq: i64,
-    insert: bool,
-) -> anyhow::Result<ApplyOutcome> {
-    let (filter, update) = if insert {
-        (
-            doc! {
-                "student_id": student,
-                "classes": { "$not": { "$elemMatch": { "name": class } } },
-                "$or": [
-                    { "deleted_classes": { "$not": { "$elemMatch": { "name": class } } } },
-                    { "deleted_classes": { "$elemMatch": { "name": class, "seq": { "$lt": seq } } } },
-                ],
-            },
-            doc! {
-                "$push": { "classes": { "name": class, "seq": seq } },
-                "$pull": { "deleted_classes": { "name": class } },
-            },
-        )
-    } else {
-        (
-            doc! {
-                "student_id": student,
-                "deleted_classes": { "$not": { "$elemMatch": { "name": class } } },
-                "$or": [
-                    { "classes": { "$not": { "$elemMatch": { "name": class } } } },
-                    { "classes": { "$elemMatch": { "name": class, "seq": { "$lt": seq } } } },
-                ],
-            },
-            doc! {
-                "$push": { "deleted_classes": { "name": class, "seq": seq } },
-                "$pull": { "classes": { "name": class } },
-            },
-        )
-    };
-    let r = coll.update_one(filter, update).upsert(true).await?;
-    Ok(if r.modified_count > 0 || r.upserted_id.is_some() {
-        ApplyOutcome::Applied
-    } else {
-        ApplyOutcome::Stale
-    })
-}
-
-/// (documents for the student, whether their classes differ from `expected`).
+/// (documents for the student, whether their classes differ from `expected`), from the
+/// workload's final read.
 async fn seed_check(
     coll: &Collection<Document>,
     student: i64,
     expected: &BTreeSet<String>,
 ) -> anyhow::Result<(u64, bool)> {
-    let docs = coll.count_documents(doc! { "student_id": student }).await?;
-    let mut classes = BTreeSet::new();
-    let mut cursor = coll.find(doc! { "student_id": student }).await?;
-    use futures::TryStreamExt;
-    while let Some(d) = cursor.try_next().await? {
-        for c in d.get_array("classes").cloned().unwrap_or_default() {
-            if let Some(name) = c.as_document().and_then(|c| c.get_str("name").ok()) {
-                classes.insert(name.to_owned());
-            }
-        }
-    }
-    Ok((docs, &classes != expected))
+    let read = enrollment::final_read(coll).await?;
+    let classes = read.classes.get(&student).cloned().unwrap_or_default();
+    Ok((
+        read.documents.get(&student).copied().unwrap_or(0),
+        &classes != expected,
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -330,7 +271,7 @@ async fn control_the_seed_two_update_upsert_diverges_or_duplicates() -> anyhow::
         let c = coll.clone();
         consume(msgs, move |o| {
             let c = c.clone();
-            async move { seed_apply(&c, key, MEMBERS[o.member], o.seq, o.present).await }
+            async move { enrollment::seed_apply(&c, key, MEMBERS[o.member], o.seq, o.present).await }
         })
         .await?;
         let (docs, diverged) = seed_check(&coll, key, &present(&model(&ops))).await?;
@@ -371,7 +312,7 @@ async fn exactly_one_document_per_key_when_8_consumers_race_to_create_it() -> an
                 let seq = i64::try_from(c % 4)?;
                 let a = set.add(key, &member, seq).await?;
                 let b = by_id.add(key, &member, seq).await?;
-                seed_apply(&seed_coll, key, &member, seq, true).await?;
+                enrollment::seed_apply(&seed_coll, key, &member, seq, true).await?;
                 anyhow::Ok([a, b])
             }));
         }

@@ -1,10 +1,11 @@
 //! Lock workloads: acquire + release pairs on random resources of a lock collection, and
-//! lock + release_with pairs of document locks.
+//! seed 003's locked increments of document locks (`docwarden_workloads::counters`).
 
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
+use docwarden_workloads::counters::{self, Increment};
 use mongodb::Database;
 use mongodb::bson::{Document, doc};
 
@@ -44,17 +45,9 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         let doc_locks = doc_locks.clone();
         async move {
             let id = rand::random_range(0..RESOURCES);
-            match doc_locks.lock(id).await {
-                Ok(Some(guard)) => {
-                    let released = doc_locks
-                        .release_with(guard, doc! { "$inc": { "n": 1_i64 } })
-                        .await?;
-                    anyhow::ensure!(released.is_applied(), "release_with: {released:?}");
-                    Ok(1)
-                }
-                Ok(None) => Ok(0),
-                Err(e) => Err(e.into()),
-            }
+            Ok(u64::from(
+                counters::document_increment(&doc_locks, id).await? == Increment::Done,
+            ))
         }
     })
     .await?;

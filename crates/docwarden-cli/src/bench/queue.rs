@@ -1,14 +1,14 @@
 //! Queue workloads: jobs/s with `workers` concurrent claimers, for a single claim by
 //! `findOneAndUpdate`, a single claim by `updateOne` + fetch by token (the seed's
 //! choice), and a batch claim of 16; every job is completed (fenced) before it counts.
+//! Producers and the effect are seed 002's (`docwarden_workloads::jobs`).
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::format::field;
-use docwarden::queue::{
-    ClaimStrategy, ClaimedJob, EnqueueOptions, JobQueue, JobState, QueueOptions,
-};
+use docwarden::queue::{ClaimStrategy, ClaimedJob, JobQueue, QueueOptions};
+use docwarden_workloads::Mode;
+use docwarden_workloads::jobs::{self, Producer};
 use mongodb::Database;
-use mongodb::bson::{Bson, doc};
+use mongodb::bson::Bson;
 
 use super::{BenchRow, Load, measure};
 
@@ -18,20 +18,9 @@ const STEADY: usize = 100;
 
 /// Keeps about [`STEADY`] jobs due until `stop` is cancelled.
 async fn top_up(q: JobQueue, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
-    let mut n = 0_i64;
+    let mut producer = Producer::new();
     while !stop.is_cancelled() {
-        let waiting = q
-            .collection()
-            .count_documents(doc! { field::STATE: { "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()] } })
-            .await?;
-        let missing = STEADY.saturating_sub(usize::try_from(waiting).unwrap_or(STEADY));
-        if missing > 0 {
-            q.enqueue_many((0..missing).map(|_| {
-                n += 1;
-                (doc! { "n": n }, EnqueueOptions::default())
-            }))
-            .await?;
-        }
+        producer.top_up(&q, STEADY).await?;
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     Ok(())
@@ -51,34 +40,22 @@ async fn prepared(
         QueueOptions::default().claim_strategy(strategy),
     )
     .await?;
-    let mut left = jobs;
-    let mut n = 0_i64;
-    while left > 0 {
-        let chunk = left.min(1000);
-        q.enqueue_many((0..chunk).map(|_| {
-            n += 1;
-            (doc! { "n": n }, EnqueueOptions::default())
-        }))
-        .await?;
-        left -= chunk;
-    }
+    Producer::new().enqueue(&q, jobs).await?;
     Ok(q)
 }
 
-/// Completes a claimed job: 1 if the fenced completion applied, 0 (and a warning) if
-/// the lease was lost — which happens only if two claims took the same job, so the
-/// count is printed: it must be 0 on MongoDB.
+/// Completes a claimed job (seed 002's effect): 1 if the fenced completion applied, 0
+/// (and a warning) if the lease was lost — which happens only if two claims took the
+/// same job, so the count is printed: it must be 0 on MongoDB.
 async fn completed(q: &JobQueue, job: &ClaimedJob) -> anyhow::Result<u64> {
-    match q.complete(job, Bson::Null).await {
-        Ok(()) => Ok(1),
-        Err(docwarden::Error::LeaseLost { .. }) => {
-            eprintln!(
-                "bench: a completion was refused (lease lost): job {} was claimed twice",
-                job.id()
-            );
-            Ok(0)
-        }
-        Err(e) => Err(e.into()),
+    if jobs::complete(q, job, Bson::Null, Mode::Safe).await? {
+        Ok(1)
+    } else {
+        eprintln!(
+            "bench: a completion was refused (lease lost): job {} was claimed twice",
+            job.id()
+        );
+        Ok(0)
     }
 }
 

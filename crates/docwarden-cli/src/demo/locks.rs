@@ -1,8 +1,7 @@
 //! `docwarden demo locks`: seed 003 (document locks in the entity) and seed 004 (a lock
 //! collection with leases), narrated, each ending in a counted check.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -13,8 +12,10 @@ use docwarden::lock::{
     DocumentLockOptions, DocumentLocks, Fence, FenceOptions, FenceOutcome, LockCollection,
     LockOptions, Owner,
 };
+use docwarden_workloads::counters::{self, Counters, Increment};
+use docwarden_workloads::{Mode, RunConfig, run_tasks};
+use mongodb::Database;
 use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::{Collection, Database};
 
 use super::ScenarioReport;
 
@@ -105,37 +106,27 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     // Concurrent read-modify-write under the document lock.
     coll.insert_one(doc! { "_id": "counter", "n": 0_i64 })
         .await?;
-    let mut tasks = Vec::new();
-    for _ in 0..TASKS {
+    let per_task = run_tasks(TASKS, |_| {
         let locks = locks.clone();
-        tasks.push(tokio::spawn(async move {
+        async move {
             let mut ops = 0_u64;
             for _ in 0..ROUNDS {
                 loop {
                     ops += 1;
-                    match locks.lock("counter").await {
-                        Ok(Some(g)) => {
-                            let n = g.document.get_i64("n")?;
-                            let released = locks
-                                .release_with(g, doc! { "$set": { "n": n + 1 } })
-                                .await?;
-                            anyhow::ensure!(released.is_applied(), "counter: {released:?}");
+                    match counters::document_increment(&locks, "counter").await? {
+                        Increment::Done => {
                             ops += 1;
                             break;
                         }
-                        Ok(None) => {
-                            tokio::time::sleep(Duration::from_millis(2)).await;
-                        }
-                        Err(e) => return Err(e.into()),
+                        Increment::Busy => tokio::time::sleep(Duration::from_millis(2)).await,
                     }
                 }
             }
             anyhow::Ok(ops)
-        }));
-    }
-    for t in tasks {
-        ops += t.await??;
-    }
+        }
+    })
+    .await?;
+    ops += per_task.iter().sum::<u64>();
     let n = coll
         .find_one(doc! { "_id": "counter" })
         .await?
@@ -210,110 +201,48 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         LockOptions::default().backoff(Duration::from_millis(1), Duration::from_millis(20)),
     )
     .await?;
-    let workitems = db.collection::<Document>("workitem");
-    workitems
-        .insert_many((0..4_i64).map(|i| doc! { "_id": i, "n": 0_i64 }))
-        .await?;
+    let workitems = Counters::new(db.collection::<Document>("workitem"));
+    workitems.setup(4).await?;
 
     // Mutual exclusion with unsynchronized read-modify-writes.
-    let tokens: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
-    let mut tasks = Vec::new();
-    for task in 0..TASKS * 2 {
-        let (locks, workitems, tokens) = (locks.clone(), workitems.clone(), Arc::clone(&tokens));
-        tasks.push(tokio::spawn(async move {
-            let owner = Owner::random();
-            for round in 0..ROUNDS {
-                let r = i64::try_from((task + round) % 4)?;
-                let lease = locks
-                    .acquire(
-                        &owner,
-                        &format!("workitem-{r}"),
-                        Duration::from_secs(30),
-                        Duration::from_secs(30),
-                    )
-                    .await?
-                    .context("acquire timed out")?;
-                tokens
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("poisoned"))?
-                    .entry(r)
-                    .or_default()
-                    .push(lease.token.get());
-                read_modify_write(&workitems, r).await?;
-                locks.release(&lease).await?;
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    ops += u64::try_from(TASKS * 2 * ROUNDS * 5)?;
-    let mut total = 0;
-    let mut cursor = workitems.find(doc! {}).await?;
-    while cursor.advance().await? {
-        total += cursor.deserialize_current()?.get_i64("n")?;
-    }
-    let expected = i64::try_from(TASKS * 2 * ROUNDS)?;
-    let regressions: usize = tokens
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-        .values()
-        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
-        .sum();
+    let owners = TASKS * 2;
+    let locked = counters::run_locked(
+        &locks,
+        &workitems,
+        4,
+        RunConfig {
+            workers: owners,
+            ops_per_worker: u64::try_from(ROUNDS)?,
+            mode: Mode::Safe,
+        },
+    )
+    .await?;
+    ops += locked.report().operations;
+    let expected = i64::try_from(owners * ROUNDS)?;
     crate::demo::narrate!(
-        "   {} owners × {ROUNDS} leased read-modify-writes on 4 work items: {total} of {expected}, lost {}, token regressions {regressions}",
-        TASKS * 2,
-        expected - total
+        "   {owners} owners × {ROUNDS} leased read-modify-writes on 4 work items: {} of {expected}, lost {}, token regressions {}",
+        expected - locked.lost,
+        locked.lost,
+        locked.regressions
     );
-    violations += u64::try_from((expected - total).abs())? + u64::try_from(regressions)?;
+    violations += locked.report().violations;
 
     // A holder paused past its ttl.
     let accounts = db.collection::<Document>("account");
-    accounts
-        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
-        .await?;
     let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
-    let (a, b) = (Owner::random(), Owner::random());
-    let mut la = locks
-        .try_acquire(&a, "account-1", Duration::from_secs(1))
-        .await?
-        .context("a")?;
+    crate::demo::narrate!("   owner A leases account-1 for 1 s, writes, and pauses for 2.5 s…");
+    let paused = counters::paused_holder(&locks, &accounts, &fence).await?;
     crate::demo::narrate!(
-        "   owner A leases account-1 for 1 s (token {}) and pauses for 2 s…",
-        la.token
+        "   owner B takes it over with token {} (A had {}) and writes (fenced)",
+        paused.taker.token,
+        paused.paused.token
     );
-    tokio::time::sleep(Duration::from_millis(2_000)).await;
-    let lb = locks
-        .acquire(
-            &b,
-            "account-1",
-            Duration::from_secs(10),
-            Duration::from_secs(5),
-        )
-        .await?
-        .context("b")?;
-    let b_write = fence
-        .apply(
-            &lb,
-            doc! { "_id": 1 },
-            doc! { "$inc": { "balance": -20_i64 } },
-        )
-        .await?;
-    anyhow::ensure!(b_write.is_applied(), "B's fenced write: {b_write:?}");
-    crate::demo::narrate!(
-        "   owner B takes it over with token {} and writes (fenced)",
-        lb.token
+    let (renew, release, write, lb) = (
+        paused.renew,
+        paused.release,
+        paused.late_write,
+        paused.taker,
     );
-    let renew = locks.renew(&mut la, Duration::from_secs(1)).await;
-    let release = locks.release(&la).await;
-    let write = fence
-        .apply(
-            &la,
-            doc! { "_id": 1 },
-            doc! { "$inc": { "balance": -10_i64 } },
-        )
-        .await?;
     ops += 6;
     let refused = [
         matches!(renew, Err(Error::LeaseLost { .. })),
@@ -343,17 +272,14 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
 
     // A crash, and the lock document deleted (what the TTL index does, later).
     let c = Owner::random();
-    let lc = locks
-        .try_acquire(&c, "account-1", Duration::from_secs(30))
-        .await?
-        .context("c")?;
-    db.collection::<Document>("workitem.lock")
-        .delete_one(doc! { "_id": "account-1" })
-        .await?;
-    let ld = locks
-        .try_acquire(&Owner::random(), "account-1", Duration::from_secs(30))
-        .await?
-        .context("d")?;
+    let (lc, _, ld) = counters::crash_and_delete(
+        &locks,
+        &db.collection::<Document>("workitem.lock"),
+        "account-1",
+        &c,
+        &Owner::random(),
+    )
+    .await?;
     ops += 3;
     crate::demo::narrate!(
         "   owner C (token {}) crashes and its lock document is deleted; the next owner gets token {}",
@@ -385,16 +311,4 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
         violations,
         elapsed: started.elapsed(),
     })
-}
-
-async fn read_modify_write(c: &Collection<Document>, r: i64) -> anyhow::Result<()> {
-    let n = c
-        .find_one(doc! { "_id": r })
-        .await?
-        .context("work item")?
-        .get_i64("n")?;
-    tokio::task::yield_now().await;
-    c.update_one(doc! { "_id": r }, doc! { "$set": { "n": n + 1 } })
-        .await?;
-    Ok(())
 }

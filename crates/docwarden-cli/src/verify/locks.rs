@@ -1,9 +1,10 @@
-//! The locks workload: read-modify-write of counters under leases, every write fenced.
+//! Records seeds 003/004's counters under leases (`docwarden_workloads::counters`):
+//! read-modify-write of counters under leases, every write fenced.
 //!
 //! Each worker repeatedly acquires one of four resources with a 1 s lease, registers its
 //! token on the counter document (a fenced touch, so no older holder can write after this
-//! point), reads the counter, possibly pauses past its lease, and writes `value + 1`
-//! fenced by its token. The control run trusts client clocks and writes unfenced.
+//! point), reads the counter, possibly pauses past its lease, and writes `n + 1` fenced by
+//! its token. The control run trusts client clocks and its fence checks no token.
 //!
 //! Checked: tokens strictly increase per resource, no stale write accepted, and every
 //! counter equals its acknowledged increments (give or take uncertain ones).
@@ -12,12 +13,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use docwarden::check::{OpOutcome, lease};
-use docwarden::lock::{Fence, FenceOptions, FenceOutcome, LockCollection, LockOptions, Owner};
-use mongodb::bson::{Document, doc};
+use docwarden::check::{Event, OpOutcome};
+use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner};
+use docwarden_workloads::Process;
+use docwarden_workloads::counters::{self, Counters, Op};
+use mongodb::bson::Document;
 use rand::Rng;
 
-use super::{Ctx, Findings};
+use super::context::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
 const TTL: Duration = Duration::from_secs(1);
@@ -28,50 +31,52 @@ struct Tally {
     uncertain: BTreeMap<String, i64>,
 }
 
-pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
-    let counters = ctx.db.collection::<Document>("counters");
-    for r in 0..RESOURCES {
-        counters
-            .insert_one(doc! { "_id": format!("r{r}"), "value": 0_i64 })
-            .await?;
+impl Tally {
+    fn add(this: &Mutex<Tally>, acked: bool, key: &str, n: i64) {
+        let mut t = this.lock().unwrap_or_else(|p| p.into_inner());
+        let map = if acked {
+            &mut t.acked
+        } else {
+            &mut t.uncertain
+        };
+        *map.entry(key.to_owned()).or_default() += n;
     }
+}
+
+pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
+    let counters = Counters::new(ctx.db.collection::<Document>("counters"));
+    counters.setup(RESOURCES).await?;
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let (c, t) = (Arc::clone(&ctx), Arc::clone(&tally));
+    let (c, t, k) = (Arc::clone(&ctx), Arc::clone(&tally), counters.clone());
     ctx.supervise("locks", move |process| {
-        let (ctx, tally) = (Arc::clone(&c), Arc::clone(&t));
-        async move { worker(&ctx, &tally, process).await }
+        let (ctx, tally, counters) = (Arc::clone(&c), Arc::clone(&t), k.clone());
+        async move { worker(&ctx, &counters, &tally, process).await }
     })
     .await;
 
-    let mut finals = BTreeMap::new();
-    let direct = ctx.db.collection::<Document>("counters");
-    for r in 0..RESOURCES {
-        let key = format!("r{r}");
-        let value = read_value(&direct, &key).await?;
-        finals.insert(key, value);
-    }
+    let finals = counters.finals().await?;
     let events = ctx.history.events();
-    let (acked, uncertain) = {
-        let t = tally.lock().unwrap_or_else(|p| p.into_inner());
-        (t.acked.clone(), t.uncertain.clone())
-    };
-    let mut violations = lease::check_tokens(&events);
-    violations.extend(lease::check_counters(&acked, &uncertain, &finals));
+    let t = tally.lock().unwrap_or_else(|p| p.into_inner());
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
-        violations,
+        violations: counters::check(&events, &t.acked, &t.uncertain, &finals),
     })
 }
 
-async fn read_value(coll: &mongodb::Collection<Document>, key: &str) -> anyhow::Result<i64> {
-    let d = coll
-        .find_one(doc! { "_id": key })
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("counter {key} is missing"))?;
-    Ok(d.get_i64("value").unwrap_or_default())
+fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
+    match r {
+        Ok(FenceOutcome::Applied) => e,
+        Ok(other) => e.outcome(OpOutcome::Failed).detail(format!("{other:?}")),
+        Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
+    }
 }
 
-async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result<()> {
+async fn worker(
+    ctx: &Ctx,
+    counters: &Counters,
+    tally: &Mutex<Tally>,
+    process: Process,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let mut rng = ctx.rng(process);
     let locks = LockCollection::open(
@@ -81,16 +86,15 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
         LockOptions::default(),
     )
     .await?;
-    let fence = Fence::new(ctx.db.collection("counters"), FenceOptions::default())?;
-    let counters = ctx.db.collection::<Document>("counters");
+    let fence = counters.fence(ctx.mode)?;
     let owner = Owner::random();
-    let h = &ctx.history;
+    let (h, p) = (&ctx.history, process.id());
     while Instant::now() < deadline {
-        let key = format!("r{}", rng.random_range(0..RESOURCES));
+        let key = counters::resource(rng.random_range(0..RESOURCES));
         let acquired = h
             .record(
-                process,
-                "acquire",
+                p,
+                Op::Acquire.as_str(),
                 &key,
                 locks.try_acquire(&owner, &key, TTL),
                 |r, e| match r {
@@ -112,106 +116,53 @@ async fn worker(ctx: &Ctx, tally: &Mutex<Tally>, process: u32) -> anyhow::Result
             }
         };
         // The fenced touch registers our token before we read.
-        if !ctx.control {
-            let touched = h
-                .record(
-                    process,
-                    "touch",
-                    &key,
-                    fence.apply(
-                        &lease,
-                        doc! { "_id": &key },
-                        doc! { "$set": { "holder": owner.id() } },
-                    ),
-                    |r, e| {
-                        let e = e.token(lease.token.get());
-                        match r {
-                            Ok(FenceOutcome::Applied) => e,
-                            Ok(other) => e.outcome(OpOutcome::Failed).detail(format!("{other:?}")),
-                            Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
-                        }
-                    },
-                )
-                .await;
-            if !matches!(touched, Ok(FenceOutcome::Applied)) {
-                let _ = locks.release(&lease).await;
-                continue;
-            }
-        }
-        let Ok(value) = read_value(&counters, &key).await else {
+        let touched = h
+            .record(
+                p,
+                Op::Touch.as_str(),
+                &key,
+                counters.touch(&fence, &lease, &key, &owner),
+                |r, e| classify(r, e.token(lease.token.into())),
+            )
+            .await;
+        let read = match touched {
+            Ok(FenceOutcome::Applied) => counters.read(&key).await.ok(),
+            _ => None,
+        };
+        let Some(value) = read else {
             let _ = locks.release(&lease).await;
             continue;
         };
         ctx.maybe_pause(&mut rng, process, 0.05, TTL + Duration::from_millis(700))
             .await;
-        tally_add(tally, |t| &mut t.uncertain, &key, 1);
-        let written = if ctx.control {
-            h.record(
-                process,
-                "write",
+        Tally::add(tally, false, &key, 1);
+        let written = h
+            .record(
+                p,
+                Op::Write.as_str(),
                 &key,
-                async {
-                    counters
-                        .update_one(
-                            doc! { "_id": &key },
-                            doc! { "$set": { "value": value + 1 } },
-                        )
-                        .await
-                        .map(|_| FenceOutcome::Applied)
-                        .map_err(docwarden::Error::from)
-                },
-                |r, e| classify_write(r, e.token(lease.token.get()).value(value + 1)),
+                counters.write(&fence, &lease, &key, value + 1),
+                |r, e| classify(r, e.token(lease.token.into()).value(value + 1)),
             )
-            .await
-        } else {
-            h.record(
-                process,
-                "write",
-                &key,
-                fence.apply(
-                    &lease,
-                    doc! { "_id": &key },
-                    doc! { "$set": { "value": value + 1 } },
-                ),
-                |r, e| classify_write(r, e.token(lease.token.get()).value(value + 1)),
-            )
-            .await
-        };
+            .await;
         match written {
             Ok(FenceOutcome::Applied) => {
-                tally_add(tally, |t| &mut t.uncertain, &key, -1);
-                tally_add(tally, |t| &mut t.acked, &key, 1);
+                Tally::add(tally, false, &key, -1);
+                Tally::add(tally, true, &key, 1);
             }
-            Ok(_) => tally_add(tally, |t| &mut t.uncertain, &key, -1),
-            Err(ref e) if !e.is_retryable() => tally_add(tally, |t| &mut t.uncertain, &key, -1),
+            Ok(_) => Tally::add(tally, false, &key, -1),
+            Err(ref e) if !e.is_retryable() => Tally::add(tally, false, &key, -1),
             Err(_) => {} // may or may not have landed: stays uncertain
         }
-        h.record(process, "release", &key, locks.release(&lease), |r, e| {
-            e.token(lease.token.get()).outcome(Ctx::outcome_of(r))
-        })
+        h.record(
+            p,
+            Op::Release.as_str(),
+            &key,
+            locks.release(&lease),
+            |r, e| e.token(lease.token.into()).outcome(Ctx::outcome_of(r)),
+        )
         .await
         .ok();
     }
     Ok(())
-}
-
-fn classify_write(
-    r: &docwarden::Result<FenceOutcome>,
-    e: docwarden::check::Event,
-) -> docwarden::check::Event {
-    match r {
-        Ok(FenceOutcome::Applied) => e,
-        Ok(other) => e.outcome(OpOutcome::Failed).detail(format!("{other:?}")),
-        Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
-    }
-}
-
-fn tally_add(
-    tally: &Mutex<Tally>,
-    field: impl Fn(&mut Tally) -> &mut BTreeMap<String, i64>,
-    key: &str,
-    n: i64,
-) {
-    let mut t = tally.lock().unwrap_or_else(|p| p.into_inner());
-    *field(&mut t).entry(key.to_owned()).or_default() += n;
 }

@@ -6,8 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use docwarden::check::{Event, OpOutcome};
+use docwarden_workloads::Process;
+use docwarden_workloads::counters::Op;
 
-use super::WorkloadResult;
+use super::context::{FAULT_OP, WorkloadResult};
 
 const WIDTH: f64 = 1100.0;
 const LANE: f64 = 16.0;
@@ -84,7 +86,7 @@ fn timeline(events: &[Event]) -> String {
     let end = events.iter().map(|e| e.end_us).max().unwrap_or(1).max(1);
     let lanes: Vec<u32> = events
         .iter()
-        .filter(|e| e.process != u32::MAX)
+        .filter(|e| Process::from_id(e.process) != Process::Server)
         .map(|e| e.process)
         .collect::<BTreeSet<_>>()
         .into_iter()
@@ -100,7 +102,10 @@ fn timeline(events: &[Event]) -> String {
     );
     // Fault windows: server-wide faults as bands across every lane, a worker's own fault
     // (pause, kill) in its lane only.
-    for f in events.iter().filter(|e| e.op == "fault" && e.key != "skew") {
+    for f in events
+        .iter()
+        .filter(|e| e.op == FAULT_OP && e.key != "skew")
+    {
         let (x0, x1) = (x(f.start_us), x(f.end_us));
         #[allow(clippy::cast_precision_loss)]
         let (y, h) = match lane_of.get(&f.process) {
@@ -128,7 +133,7 @@ fn timeline(events: &[Event]) -> String {
             svg,
             "<text x=\"4\" y=\"{:.1}\">{}</text>",
             y + 10.0,
-            lane_name(*p)
+            Process::from_id(*p).label()
         );
         let _ = write!(
             svg,
@@ -146,11 +151,12 @@ fn timeline(events: &[Event]) -> String {
         };
         #[allow(clippy::cast_precision_loss)]
         let y = 20.0 + LANE * lane as f64;
-        match (e.op.as_str(), e.outcome) {
-            ("acquire", OpOutcome::Ok) => {
+        let op = e.op.as_str();
+        match e.outcome {
+            OpOutcome::Ok if op == Op::Acquire.as_str() => {
                 open.insert((e.process, e.key.as_str()), e);
             }
-            ("release", _) => {
+            _ if op == Op::Release.as_str() => {
                 if let Some(a) = open.remove(&(e.process, e.key.as_str())) {
                     let (x0, x1) = (x(a.end_us), x(e.start_us));
                     let _ = write!(
@@ -173,9 +179,9 @@ fn timeline(events: &[Event]) -> String {
                     }
                 }
             }
-            ("fault", _) => {}
+            _ if op == FAULT_OP => {}
             // Operation ticks: at most a few per pixel column are visible anyway.
-            (_, outcome) if ticks_left > 0 => {
+            outcome if ticks_left > 0 => {
                 ticks_left -= 1;
                 let fill = match outcome {
                     OpOutcome::Ok => "#2a2",
@@ -203,16 +209,6 @@ fn timeline(events: &[Event]) -> String {
     svg
 }
 
-/// The label of a lane: workers by number, the workload's helpers by role.
-fn lane_name(process: u32) -> String {
-    match process {
-        u32::MAX => "server".to_owned(),
-        p if p == u32::MAX - 1 => "drain / final read".to_owned(),
-        p if p == u32::MAX - 2 => "producer".to_owned(),
-        p => format!("process {p}"),
-    }
-}
-
 fn color(key: &str) -> &'static str {
     const PALETTE: [&str; 6] = [
         "#4a7bd0", "#7a4ad0", "#2a8a8a", "#c05a9a", "#5a8a2a", "#b07a2a",
@@ -237,10 +233,10 @@ mod tests {
     #[test]
     fn the_timeline_draws_holds_and_fault_windows() {
         let events = vec![
-            Event::new(1, "acquire", "r1", 0, 10).token(7),
-            Event::new(1, "write", "r1", 20, 30),
-            Event::new(1, "release", "r1", 500, 510),
-            Event::new(u32::MAX, "fault", "restart", 600, 900),
+            Event::new(1, Op::Acquire.as_str(), "r1", 0, 10).token(7),
+            Event::new(1, Op::Write.as_str(), "r1", 20, 30),
+            Event::new(1, Op::Release.as_str(), "r1", 500, 510),
+            Event::new(Process::Server.id(), FAULT_OP, "restart", 600, 900),
         ];
         let svg = timeline(&events);
         assert!(svg.contains("token 7"));

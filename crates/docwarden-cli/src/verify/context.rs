@@ -1,0 +1,194 @@
+//! What a workload run gets: where to write, the history to record into, the faults to
+//! inject in the workers (pause, kill, skew), their clocks, and the supervisor that runs
+//! and replaces workers.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use docwarden::check::{Event, History, OpOutcome, Violation};
+use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
+use docwarden_workloads::{Mode, Process};
+use indicatif::ProgressBar;
+use mongodb::{Client, Database};
+use rand::{Rng, SeedableRng};
+
+use super::args::Fault;
+
+/// The history's name of an injected fault (its key is the fault's name).
+pub(super) const FAULT_OP: &str = "fault";
+
+/// What a workload needs: where to write, what to record, which faults to inject.
+pub(super) struct Ctx {
+    /// A client for the workers (through the proxy when latency/reset are on).
+    pub(super) client: Client,
+    /// The workload's database.
+    pub(super) db: Database,
+    pub(super) history: Arc<History>,
+    pub(super) faults: Vec<Fault>,
+    pub(super) mode: Mode,
+    pub(super) workers: usize,
+    pub(super) duration: Duration,
+    pub(super) seed: u64,
+    pub(super) injected: Mutex<BTreeMap<&'static str, u64>>,
+    pub(super) progress: ProgressBar,
+}
+
+/// A worker body: given its process, runs until the deadline.
+type WorkerFn = Arc<dyn Fn(Process) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+impl Ctx {
+    pub(super) fn has(&self, fault: Fault) -> bool {
+        self.faults.contains(&fault)
+    }
+
+    /// Counts an injected fault and records it in the history (for the timeline).
+    pub(super) fn injected(&self, fault: Fault, process: Process, start_us: u64, end_us: u64) {
+        *self
+            .injected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(fault.name())
+            .or_default() += 1;
+        self.history.push(Event::new(
+            process.id(),
+            FAULT_OP,
+            fault.name(),
+            start_us,
+            end_us,
+        ));
+    }
+
+    /// The faults injected so far, by name.
+    pub(super) fn injected_counts(&self) -> BTreeMap<&'static str, u64> {
+        self.injected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A deterministic random generator for `process` (from `--seed`).
+    pub(super) fn rng(&self, process: Process) -> rand::rngs::StdRng {
+        process.rng(self.seed)
+    }
+
+    /// The clock of one worker: shifted by up to ±30 s under `skew`. Safe runs estimate
+    /// the server clock from it; control runs trust it.
+    pub(super) fn clock(&self, process: Process) -> anyhow::Result<TimeSource> {
+        let offset_ms = if self.has(Fault::Skew) {
+            let offset = self.rng(process).random_range(-30_000..=30_000_i64);
+            self.injected(Fault::Skew, process, 0, 0);
+            offset
+        } else {
+            0
+        };
+        let local = LocalClock::with_offset_ms(offset_ms);
+        let options = ClockOptions::default();
+        Ok(match self.mode {
+            Mode::Control => TimeSource::local_unchecked(local, options)?,
+            Mode::Safe => TimeSource::server_with_local(self.client.clone(), local, options)?,
+        })
+    }
+
+    /// Under `pause`, with probability `p`, sleeps for `how_long` and records the fault.
+    pub(super) async fn maybe_pause(
+        &self,
+        rng: &mut impl Rng,
+        process: Process,
+        p: f64,
+        how_long: Duration,
+    ) -> bool {
+        if !self.has(Fault::Pause) || !rng.random_bool(p) {
+            return false;
+        }
+        let start = self.history.now_us();
+        tokio::time::sleep(how_long).await;
+        self.injected(Fault::Pause, process, start, self.history.now_us());
+        true
+    }
+
+    /// Runs `body` on `self.workers` worker processes until the deadline. Under `kill`,
+    /// every few seconds one worker is aborted mid-operation and replaced by a new process.
+    pub(super) async fn supervise<F, Fut>(&self, workload: &'static str, body: F)
+    where
+        F: Fn(Process) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let worker: WorkerFn = Arc::new(move |process| {
+            let run = body(process);
+            Box::pin(async move {
+                if let Err(e) = run.await {
+                    tracing::warn!(process = process.id(), %e, workload, "worker stopped");
+                }
+            })
+        });
+        let deadline = Instant::now() + self.duration;
+        let mut tasks: Vec<(Process, tokio::task::JoinHandle<()>)> = (0..self.workers)
+            .map(|p| {
+                let p = Process::worker(p);
+                (p, tokio::spawn(worker(p)))
+            })
+            .collect();
+        let mut next_worker = self.workers;
+        // The supervisor's own random stream (which worker to kill).
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.rotate_left(17));
+        let kill_every = (self.duration / 6).max(Duration::from_millis(500));
+        let started = Instant::now();
+        let mut next_kill = started + kill_every;
+        while Instant::now() < deadline {
+            let step =
+                Duration::from_millis(250).min(deadline.saturating_duration_since(Instant::now()));
+            tokio::time::sleep(step).await;
+            self.progress
+                .set_position(started.elapsed().as_secs().min(self.duration.as_secs()));
+            if Instant::now() < next_kill {
+                continue;
+            }
+            next_kill += kill_every;
+            if self.has(Fault::Kill) && Instant::now() < deadline && !tasks.is_empty() {
+                let i = rng.random_range(0..tasks.len());
+                let (victim, handle) = &tasks[i];
+                let at = self.history.now_us();
+                handle.abort();
+                self.injected(Fault::Kill, *victim, at, at);
+                let replacement = Process::worker(next_worker);
+                tasks[i] = (replacement, tokio::spawn(worker(replacement)));
+                next_worker += 1;
+            }
+        }
+        for (_, handle) in tasks {
+            let _ = handle.await;
+        }
+    }
+
+    /// Records an operation's outcome from a `Result`: `Ok` → Ok, a retryable/network error
+    /// → Indeterminate, any other error → Failed.
+    pub(super) fn outcome_of<T>(result: &docwarden::Result<T>) -> OpOutcome {
+        match result {
+            Ok(_) => OpOutcome::Ok,
+            Err(e) if e.is_retryable() => OpOutcome::Indeterminate,
+            Err(_) => OpOutcome::Failed,
+        }
+    }
+}
+
+/// What one workload found.
+#[derive(Debug, serde::Serialize)]
+pub(super) struct WorkloadResult {
+    pub(super) workload: &'static str,
+    pub(super) operations: u64,
+    pub(super) faults: BTreeMap<&'static str, u64>,
+    pub(super) violations_by_kind: BTreeMap<&'static str, usize>,
+    /// The first violations found (at most 20).
+    pub(super) violations: Vec<Violation>,
+    #[serde(skip)]
+    pub(super) events: Vec<Event>,
+}
+
+/// A workload's own findings, before faults are added.
+pub(super) struct Findings {
+    pub(super) operations: u64,
+    pub(super) violations: Vec<Violation>,
+}

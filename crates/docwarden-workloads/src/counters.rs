@@ -1,0 +1,433 @@
+//! Seeds 003 and 004, counters under locks (`docwarden::lock`): read-modify-writes of
+//! counter documents `{ _id: "counter-N", n }` that lose updates unless a lock serialises
+//! them.
+//!
+//! Seed 004 (lock collection): [`run_locked`] is the fixed-size run (owners acquire a
+//! lease, read, write `n + 1`, release; the lease's tokens must increase), and
+//! [`Counters::touch`] / [`Counters::write`] are the fenced steps of the history-recording
+//! run. Seed 003 (document locks): [`document_increment`]. [`Mode::Control`] for the
+//! fenced steps is the fence with its token check off
+//! ([`FenceOptions::unsafe_without_token_check`]); the lock collection's own control is
+//! [`docwarden::lock::LockOptions::unsafe_ignore_expiry`], chosen by the caller. The final
+//! read is [`Counters::total`] / [`Counters::finals`], judged by [`check`].
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use docwarden::Error;
+use docwarden::check::{Event, Violation, lease};
+use docwarden::lock::{
+    DocumentLocks, Fence, FenceOptions, FenceOutcome, Lease, LockCollection, Owner,
+};
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+
+use crate::{Mode, RunConfig, RunReport, run_tasks};
+
+/// The operations of the workload, as the history names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A lease acquired (or refused: held).
+    Acquire,
+    /// The fenced touch that registers the holder's token before it reads.
+    Touch,
+    /// The fenced write of `n + 1`.
+    Write,
+    /// The lease released.
+    Release,
+}
+
+impl Op {
+    /// The name in histories and reports.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Op::Acquire => "acquire",
+            Op::Touch => "touch",
+            Op::Write => "write",
+            Op::Release => "release",
+        }
+    }
+}
+
+/// The key of counter `r`, also the lock resource guarding it.
+#[must_use]
+pub fn resource(r: usize) -> String {
+    format!("counter-{r}")
+}
+
+/// The counters collection.
+#[derive(Clone, Debug)]
+pub struct Counters {
+    coll: Collection<Document>,
+}
+
+impl Counters {
+    /// A handle on `coll`.
+    #[must_use]
+    pub fn new(coll: Collection<Document>) -> Self {
+        Self { coll }
+    }
+
+    /// The counters collection.
+    #[must_use]
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.coll
+    }
+
+    /// Setup: counters `0..resources`, each at 0.
+    ///
+    /// # Errors
+    /// The insert's error.
+    pub async fn setup(&self, resources: usize) -> anyhow::Result<()> {
+        self.coll
+            .insert_many((0..resources).map(|r| doc! { "_id": resource(r), "n": 0_i64 }))
+            .await?;
+        Ok(())
+    }
+
+    /// Reads counter `key`.
+    ///
+    /// # Errors
+    /// A database error, or the counter is missing.
+    pub async fn read(&self, key: &str) -> anyhow::Result<i64> {
+        let d = self
+            .coll
+            .find_one(doc! { "_id": key })
+            .await?
+            .with_context(|| format!("counter {key} is missing"))?;
+        Ok(d.get_i64("n").unwrap_or_default())
+    }
+
+    /// An unsynchronised read-modify-write of counter `key` (what the lock protects).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn read_modify_write(&self, key: &str) -> anyhow::Result<()> {
+        let n = self.read(key).await?;
+        tokio::task::yield_now().await;
+        self.coll
+            .update_one(doc! { "_id": key }, doc! { "$set": { "n": n + 1 } })
+            .await?;
+        Ok(())
+    }
+
+    /// The fence of the counters: the token check on (safe) or off (control).
+    ///
+    /// # Errors
+    /// The fence's validation.
+    pub fn fence(&self, mode: Mode) -> docwarden::Result<Fence> {
+        let options = match mode {
+            Mode::Safe => FenceOptions::default(),
+            Mode::Control => FenceOptions::default().unsafe_without_token_check(),
+        };
+        Fence::new(self.coll.clone(), options)
+    }
+
+    /// The fenced touch: registers `lease`'s token on counter `key` before the holder
+    /// reads, so that no older holder can write after this point.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn touch(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+        owner: &Owner,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(
+                lease,
+                doc! { "_id": key },
+                doc! { "$set": { "holder": owner.id() } },
+            )
+            .await
+    }
+
+    /// The fenced write of `value` to counter `key`.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn write(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+        value: i64,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(lease, doc! { "_id": key }, doc! { "$set": { "n": value } })
+            .await
+    }
+
+    /// The final read: every counter's value.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn finals(&self) -> anyhow::Result<BTreeMap<String, i64>> {
+        let mut out = BTreeMap::new();
+        let mut cursor = self.coll.find(doc! {}).await?;
+        while cursor.advance().await? {
+            let d = cursor.deserialize_current()?;
+            let key = match d.get("_id") {
+                Some(Bson::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+                None => continue,
+            };
+            out.insert(key, d.get_i64("n").unwrap_or_default());
+        }
+        Ok(out)
+    }
+
+    /// The final read: the sum of all counters.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn total(&self) -> anyhow::Result<i64> {
+        Ok(self.finals().await?.values().sum())
+    }
+}
+
+/// The checker of a recorded run: fencing tokens strictly increase per resource, no stale
+/// write was accepted, and each final counter equals its acknowledged increments (give or
+/// take the uncertain ones).
+#[must_use]
+pub fn check(
+    events: &[Event],
+    acknowledged: &BTreeMap<String, i64>,
+    uncertain: &BTreeMap<String, i64>,
+    finals: &BTreeMap<String, i64>,
+) -> Vec<Violation> {
+    let mut violations = lease::check_tokens(events);
+    violations.extend(lease::check_counters(acknowledged, uncertain, finals));
+    violations
+}
+
+/// What a fixed-size run of seed 004 found.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LockedReport {
+    /// Increments lost (expected minus the final total).
+    pub lost: i64,
+    /// Tokens of a resource that did not increase.
+    pub regressions: u64,
+    /// Releases refused with `LeaseLost`.
+    pub refused: u64,
+    /// Acquire, read, write and release calls.
+    pub operations: u64,
+}
+
+impl LockedReport {
+    /// The runner's summary: lost updates and token regressions.
+    #[must_use]
+    pub fn report(&self) -> RunReport {
+        RunReport {
+            operations: self.operations,
+            violations: self.lost.unsigned_abs() + self.regressions,
+        }
+    }
+}
+
+/// Seed 004's fixed-size run: `config.workers` owners × `config.ops_per_worker` rounds;
+/// round `i` of owner `w` acquires counter `(w + i) % resources` (waiting up to 60 s,
+/// lease 30 s), read-modify-writes it and releases. `counters` must be set up with
+/// `resources` counters. `config.mode` is not used here: the control is the lock
+/// collection opened with `unsafe_ignore_expiry`.
+///
+/// # Errors
+/// A database error, or an acquire that timed out.
+pub async fn run_locked(
+    locks: &LockCollection,
+    counters: &Counters,
+    resources: usize,
+    config: RunConfig,
+) -> anyhow::Result<LockedReport> {
+    let tokens: Arc<Mutex<BTreeMap<String, Vec<i64>>>> = Arc::default();
+    let refused = run_tasks(config.workers, |worker| {
+        let (locks, counters, tokens) = (locks.clone(), counters.clone(), Arc::clone(&tokens));
+        async move {
+            let owner = Owner::random();
+            let mut refused = 0_u64;
+            for round in 0..config.ops_per_worker {
+                let r = (worker + usize::try_from(round)?) % resources;
+                let key = resource(r);
+                let lease = locks
+                    .acquire(
+                        &owner,
+                        &key,
+                        Duration::from_secs(30),
+                        Duration::from_secs(60),
+                    )
+                    .await?
+                    .context("acquire timed out")?;
+                tokens
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(key.clone())
+                    .or_default()
+                    .push(lease.token.into());
+                counters.read_modify_write(&key).await?;
+                match locks.release(&lease).await {
+                    Ok(()) => {}
+                    Err(Error::LeaseLost { .. }) => refused += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            anyhow::Ok(refused)
+        }
+    })
+    .await?;
+    let rounds = u64::try_from(config.workers)?.saturating_mul(config.ops_per_worker);
+    let regressions = tokens
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|v| v.windows(2).filter(|w| w[1] <= w[0]).count())
+        .sum::<usize>();
+    Ok(LockedReport {
+        lost: i64::try_from(rounds)? - counters.total().await?,
+        regressions: u64::try_from(regressions)?,
+        refused: refused.iter().sum(),
+        operations: rounds.saturating_mul(4),
+    })
+}
+
+/// What one [`document_increment`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Increment {
+    /// Locked, read, wrote `n + 1` and released in one fenced update.
+    Done,
+    /// Not locked: the document is locked by someone else (contention) or does not exist;
+    /// `DocumentLocks::lock` reports both as `None`.
+    Busy,
+}
+
+/// Seed 003's operation: lock document `id` in place, read its `n`, and write `n + 1` in
+/// the release (fenced by the lock id).
+///
+/// # Errors
+/// A database error, or a lock lost before the release.
+pub async fn document_increment(
+    locks: &DocumentLocks,
+    id: impl Into<Bson> + std::fmt::Display,
+) -> anyhow::Result<Increment> {
+    match locks.lock(id).await {
+        Ok(Some(guard)) => {
+            let n = guard.document.get_i64("n").unwrap_or_default();
+            let outcome = locks
+                .release_with(guard, doc! { "$set": { "n": n + 1 } })
+                .await?;
+            anyhow::ensure!(
+                outcome.is_applied(),
+                "the fenced release was refused: {outcome:?}"
+            );
+            Ok(Increment::Done)
+        }
+        Ok(None) => Ok(Increment::Busy),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What [`paused_holder`] saw.
+#[derive(Debug)]
+pub struct PausedHolder {
+    /// A's lease (1 s), which lapsed while A was paused.
+    pub paused: Lease,
+    /// B's lease, taken after A's lapsed.
+    pub taker: Lease,
+    /// A's fenced write (−10) while it held the lease.
+    pub first_write: FenceOutcome,
+    /// Whether B's `try_acquire` was refused while A held the lease.
+    pub refused_while_held: bool,
+    /// B's fenced write (−20).
+    pub taker_write: FenceOutcome,
+    /// A's renew after waking up.
+    pub renew: docwarden::Result<()>,
+    /// A's release after waking up.
+    pub release: docwarden::Result<()>,
+    /// A's fenced write (−10) after waking up.
+    pub late_write: FenceOutcome,
+}
+
+/// Seed 004's paused holder: account `1` (balance 100) in `accounts`, guarded by lease
+/// `account-1`. A leases it for 1 s and writes through `fence`, B is refused, A pauses
+/// 2.5 s, B acquires and writes, then A wakes up and renews, releases and writes as if it
+/// still held the lease. The caller releases [`PausedHolder::taker`].
+///
+/// # Errors
+/// A database error, or an acquire that did not succeed.
+pub async fn paused_holder(
+    locks: &LockCollection,
+    accounts: &Collection<Document>,
+    fence: &Fence,
+) -> anyhow::Result<PausedHolder> {
+    accounts
+        .insert_one(doc! { "_id": 1, "balance": 100_i64 })
+        .await?;
+    let (a, b) = (Owner::random(), Owner::random());
+    let debit = |n: i64| doc! { "$inc": { "balance": -n } };
+    let mut paused = locks
+        .try_acquire(&a, "account-1", Duration::from_secs(1))
+        .await?
+        .context("A acquires")?;
+    let first_write = fence.apply(&paused, doc! { "_id": 1 }, debit(10)).await?;
+    let refused_while_held = locks
+        .try_acquire(&b, "account-1", Duration::from_secs(10))
+        .await?
+        .is_none();
+    tokio::time::sleep(Duration::from_millis(2_500)).await; // A is paused past its ttl
+    let taker = locks
+        .acquire(
+            &b,
+            "account-1",
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
+        .await?
+        .context("B acquires after A's lease lapsed")?;
+    let taker_write = fence.apply(&taker, doc! { "_id": 1 }, debit(20)).await?;
+    let renew = locks.renew(&mut paused, Duration::from_secs(1)).await;
+    let release = locks.release(&paused).await;
+    let late_write = fence.apply(&paused, doc! { "_id": 1 }, debit(10)).await?;
+    Ok(PausedHolder {
+        paused,
+        taker,
+        first_write,
+        refused_while_held,
+        taker_write,
+        renew,
+        release,
+        late_write,
+    })
+}
+
+/// Seed 004's crash: `crashed` acquires `resource` (30 s) and crashes, its lock document
+/// is deleted from `lock_docs` (what the TTL index does, later), and `next` acquires.
+/// Returns the crashed lease, the documents deleted, and the next lease, whose token must
+/// be greater.
+///
+/// # Errors
+/// A database error, or an acquire that did not succeed.
+pub async fn crash_and_delete(
+    locks: &LockCollection,
+    lock_docs: &Collection<Document>,
+    resource: &str,
+    crashed: &Owner,
+    next: &Owner,
+) -> anyhow::Result<(Lease, u64, Lease)> {
+    let lc = locks
+        .try_acquire(crashed, resource, Duration::from_secs(30))
+        .await?
+        .context("the first owner acquires")?;
+    let deleted = lock_docs
+        .delete_many(doc! { "_id": resource })
+        .await?
+        .deleted_count;
+    let ld = locks
+        .try_acquire(next, resource, Duration::from_secs(30))
+        .await?
+        .context("the next owner acquires")?;
+    Ok((lc, deleted, ld))
+}

@@ -1,0 +1,31 @@
+//! The seed workloads of docwarden, each written once.
+//!
+//! A workload is its setup (collections and fixtures), its operation in [`Mode::Safe`]
+//! (docwarden's safeguard on) and in [`Mode::Control`] (the same operation with one
+//! safeguard off, which must produce violations), its final read, and its checker (which
+//! calls [`docwarden::check`] or the module's own checker). `docwarden demo`, `verify`,
+//! `bench` and the integration tests all run these definitions; none of them imports
+//! another.
+//!
+//! | module | seed | docwarden module |
+//! |---|---|---|
+//! | [`on_call`] | 000, doctors on call | `guard` |
+//! | [`enrollment`] | 001, enroll/unenroll messages | `sequence` |
+//! | [`jobs`] | 002, job producers and the queue effect | `queue` |
+//! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
+//!
+//! Every history event names its process with a typed [`Process`] and its operation with
+//! the workload's own `Op` enum (`as_str()` is what the history and the report show).
+//!
+//! This is harness code for the binary and the tests: it returns `anyhow` errors where a
+//! run fails, and `docwarden::Result` where the caller classifies the library's outcome.
+
+pub mod counters;
+pub mod enrollment;
+pub mod jobs;
+pub mod on_call;
+mod process;
+mod run;
+
+pub use process::Process;
+pub use run::{Mode, RunConfig, RunReport, run_tasks};

@@ -185,6 +185,11 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// The collection this fence writes to.
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.coll
+    }
+
     /// Fenced writes to collection `name` of `db` ([`Fence::new`]), after the preflight
     /// checks ([`crate::preflight::check`]). No index is created: fenced writes go by the
     /// caller's filter.

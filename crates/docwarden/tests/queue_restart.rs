@@ -3,10 +3,10 @@
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{Fence, FenceOptions};
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions, Worker, WorkerOptions};
 use docwarden_testkit::TestDb;
-use mongodb::bson::{Bson, doc};
+use docwarden_workloads::jobs;
+use mongodb::bson::doc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_survive_a_server_restart_and_lose_no_job() -> anyhow::Result<()> {
@@ -31,15 +31,9 @@ async fn workers_survive_a_server_restart_and_lose_no_job() -> anyhow::Result<()
                 let c = c.clone();
                 async move {
                     tokio::time::sleep(Duration::from_millis(10)).await;
-                    // The effect is fenced by the claim; a refused one is not counted.
-                    let _outcome = Fence::new(c, FenceOptions::default())?
-                        .apply(
-                            &job,
-                            doc! { "_id": job.id() },
-                            doc! { "$inc": { "effects": 1 } },
-                        )
-                        .await?;
-                    Ok(Bson::Null)
+                    // The seed workload's effect, fenced by the claim; a refused one is
+                    // not counted and fails the attempt (the job is retried).
+                    jobs::fenced_effect(c, job).await
                 }
             },
         )?);

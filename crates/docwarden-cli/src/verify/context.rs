@@ -34,6 +34,8 @@ pub(super) struct Ctx {
     pub(super) seed: u64,
     pub(super) injected: Mutex<BTreeMap<&'static str, u64>>,
     pub(super) progress: ProgressBar,
+    /// The workers' wall clocks (with their drift in ms per 100 ms), for the clock nemesis.
+    pub(super) clocks: Mutex<Vec<(Process, LocalClock, i64)>>,
 }
 
 /// A worker body: given its process, runs until the deadline.
@@ -74,22 +76,84 @@ impl Ctx {
         process.rng(self.seed)
     }
 
-    /// The clock of one worker: shifted by up to ±30 s under `skew`. Safe runs estimate
-    /// the server clock from it; control runs trust it.
+    /// The clock of one worker: shifted by up to ±30 s under `skew`, stepped by the clock
+    /// nemesis under `step`, walking fast or slow under `drift`. Safe runs estimate the
+    /// server clock from a sample projected on the monotonic clock; control runs trust the
+    /// wall clock (under `step`/`drift`: the server sample projected on the wall clock, the
+    /// one safeguard those faults test; otherwise the wall clock alone).
     pub(super) fn clock(&self, process: Process) -> anyhow::Result<TimeSource> {
+        let mut rng = self.rng(process);
         let offset_ms = if self.has(Fault::Skew) {
-            let offset = self.rng(process).random_range(-30_000..=30_000_i64);
+            let offset = rng.random_range(-30_000..=30_000_i64);
             self.injected(Fault::Skew, process, 0, 0);
             offset
         } else {
             0
         };
         let local = LocalClock::with_offset_ms(offset_ms);
+        let clock_faults = self.has(Fault::Step) || self.has(Fault::Drift);
+        if clock_faults {
+            let drift = if self.has(Fault::Drift) {
+                let ms = rng.random_range(2..=10_i64);
+                self.injected(Fault::Drift, process, 0, 0);
+                if rng.random_bool(0.5) { ms } else { -ms }
+            } else {
+                0
+            };
+            self.clocks.lock().unwrap_or_else(|p| p.into_inner()).push((
+                process,
+                local.clone(),
+                drift,
+            ));
+        }
         let options = ClockOptions::default();
         Ok(match self.mode {
+            Mode::Control if clock_faults => TimeSource::server_with_local(
+                self.client.clone(),
+                local,
+                options.unsafe_wall_clock_projection(),
+            )?,
             Mode::Control => TimeSource::local_unchecked(local, options)?,
             Mode::Safe => TimeSource::server_with_local(self.client.clone(), local, options)?,
         })
+    }
+
+    /// Under `step` and `drift`, until the deadline: every 100 ms moves each drifting
+    /// clock by its drift, and a few times a run steps one live worker's clock by ±20 s.
+    pub(super) async fn clock_nemesis(&self) {
+        if !self.has(Fault::Step) && !self.has(Fault::Drift) {
+            return;
+        }
+        let deadline = Instant::now() + self.duration;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.rotate_left(41));
+        let step_every = (self.duration / 8).max(Duration::from_millis(300));
+        let mut next_step = Instant::now() + step_every / 2;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let clocks = self
+                .clocks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for (_, clock, drift) in &clocks {
+                clock.step_ms(*drift);
+            }
+            if self.has(Fault::Step) && Instant::now() >= next_step && !clocks.is_empty() {
+                next_step += step_every;
+                // The last `workers` registered are the live ones (replacements append).
+                let live = &clocks[clocks.len().saturating_sub(self.workers)..];
+                let (process, clock, _) = &live[rng.random_range(0..live.len())];
+                let delta = if rng.random_bool(0.5) {
+                    20_000
+                } else {
+                    -20_000
+                };
+                clock.step_ms(delta);
+                let at = self.history.now_us();
+                self.injected(Fault::Step, *process, at, at);
+                tracing::debug!(process = process.id(), delta, "wall clock stepped");
+            }
+        }
     }
 
     /// Under `pause`, with probability `p`, sleeps for `how_long` and records the fault.

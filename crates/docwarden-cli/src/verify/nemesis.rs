@@ -1,7 +1,12 @@
 //! Server-side faults on a schedule: restart the embedded server, add latency, reset
-//! connections (the last two through the proxy).
+//! connections (the last two through the proxy), and MongoDB's `failCommand` fail point
+//! (network errors, not-primary errors, blocked connections) limited to the workers'
+//! connections by their application name, so the checker's own reads are never hit.
 
 use std::time::{Duration, Instant};
+
+use mongodb::Client;
+use mongodb::bson::{Document, doc};
 
 use docwarden_workloads::Process;
 use rand::{Rng, SeedableRng};
@@ -9,6 +14,64 @@ use rand::{Rng, SeedableRng};
 use super::args::Fault;
 use super::context::Ctx;
 use super::proxy::Proxy;
+
+/// The application name of the workers' client; the fail points match only it.
+pub(super) const WORKER_APP: &str = "docwarden-verify-worker";
+
+/// The writes the fail points hit.
+const WRITES: [&str; 3] = ["findAndModify", "update", "insert"];
+
+/// Turns `failCommand` on with `mode` and `data` (plus the workers' application name).
+async fn fail_point(
+    client: &Client,
+    mode: mongodb::bson::Bson,
+    data: Document,
+) -> anyhow::Result<()> {
+    let mut data = data;
+    data.insert("failCommands", WRITES.to_vec());
+    data.insert("appName", WORKER_APP);
+    client
+        .database("admin")
+        .run_command(doc! { "configureFailPoint": "failCommand", "mode": mode, "data": data })
+        .await?;
+    Ok(())
+}
+
+/// One round of every fail-point fault in `ctx`, one after the other (there is one
+/// `failCommand` fail point: each configuration replaces the previous one).
+async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::Result<()> {
+    let window = Duration::from_millis(400);
+    for fault in [
+        Fault::FailpointNetwork,
+        Fault::FailpointNotprimary,
+        Fault::FailpointLatency,
+    ] {
+        if !ctx.has(fault) {
+            continue;
+        }
+        let data = match fault {
+            Fault::FailpointNetwork => doc! { "closeConnection": true },
+            Fault::FailpointNotprimary => {
+                // NotWritablePrimary or ShutdownInProgress: both retryable.
+                let code = if rng.random_bool(0.5) { 10107 } else { 91 };
+                doc! { "errorCode": code }
+            }
+            _ => doc! {
+                "blockConnection": true,
+                "blockTimeMS": rng.random_range(50..200_i32),
+            },
+        };
+        let start = ctx.history.now_us();
+        fail_point(client, doc! { "times": 3 }.into(), data).await?;
+        tokio::time::sleep(window).await;
+        client
+            .database("admin")
+            .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+            .await?;
+        ctx.injected(fault, Process::Server, start, ctx.history.now_us());
+    }
+    Ok(())
+}
 
 /// Injects the server-side faults of `ctx` for the workload's duration.
 pub(super) async fn run(
@@ -28,6 +91,9 @@ pub(super) async fn run(
             let start = ctx.history.now_us();
             server.restart().await?;
             ctx.injected(Fault::Restart, Process::Server, start, ctx.history.now_us());
+        }
+        if ctx.faults.iter().any(|f| f.is_failpoint()) {
+            fail_points(ctx, &session.client, &mut rng).await?;
         }
         if let Some(proxy) = proxy {
             if ctx.has(Fault::Latency) {

@@ -10,41 +10,74 @@ use docwarden::check::{History, count_by_kind};
 use docwarden_workloads::Mode;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::args::{Args, Fault, Module};
+use super::args::{Args, Fault, FaultArg, Module};
 use super::context::{Ctx, Findings, WorkloadResult};
 use super::{guard, locks, nemesis, proxy, queue, report, sequence, summary};
 
 /// Runs `docwarden verify`.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if args.list_faults || args.faults.contains(&FaultArg::List) {
+        list_faults();
+        return Ok(ExitCode::SUCCESS);
+    }
+    let module = args
+        .module
+        .ok_or_else(|| anyhow::anyhow!("which module? locks, queue, sequence, guard or all"))?;
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
-    let mut session = args.conn.open(args.json).await?;
-    let needs_embedded = args.faults.contains(&Fault::Restart);
-    anyhow::ensure!(
-        !needs_embedded || session.embedded(),
-        "the restart fault needs the embedded server (run without --uri / MONGODB_URI)"
-    );
+    let external = args
+        .conn
+        .uri
+        .as_deref()
+        .is_some_and(|u| !u.trim().is_empty());
+    let mut faults: Vec<Fault> = Vec::new();
+    for f in &args.faults {
+        match f {
+            FaultArg::One(f) => faults.push(*f),
+            // Every fault this setting can inject.
+            FaultArg::All => faults.extend(
+                Fault::ALL
+                    .iter()
+                    .filter(|f| !external || !f.needs_embedded()),
+            ),
+            FaultArg::List => {}
+        }
+    }
+    faults.sort();
+    faults.dedup();
+    let mut session = open_session(&args, &faults).await?;
+    if let Some(f) = faults.iter().find(|f| f.needs_embedded()) {
+        anyhow::ensure!(
+            session.embedded(),
+            "the {} fault needs the embedded server (run without --uri / MONGODB_URI)",
+            f.name()
+        );
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
-    let mut args = args;
-    if args.control && args.faults.is_empty() {
+    if args.control && faults.is_empty() {
         // The safeguards exist for paused holders: a control run without pauses would prove
         // little, so it brings them along. (`--faults pause,skew` adds wrong client clocks,
         // which the control trusts; under skew the queue control mostly starves instead.)
-        args.faults = vec![Fault::Pause];
+        faults = vec![Fault::Pause];
     }
-    let modules = args.module.expand();
-    if !args.json {
+    let run = Run {
+        args: &args,
+        faults,
+    };
+    let args = &run;
+    let modules = module.expand();
+    if !args.args.json {
         eprintln!(
             "docwarden verify: {} workload(s) × {} s, {} workers, faults [{}], seed {seed}{}",
             modules.len(),
-            args.duration,
-            args.workers,
+            args.args.duration,
+            args.args.workers,
             args.faults
                 .iter()
                 .map(|f| f.name())
                 .collect::<Vec<_>>()
                 .join(","),
-            if args.control {
+            if args.args.control {
                 ", CONTROL (safeguards off)"
             } else {
                 ""
@@ -53,19 +86,26 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut results = Vec::new();
     for module in modules {
-        results.push(run_module(&args, &mut session, module, seed).await?);
+        results.push(run_module(args, &mut session, module, seed).await?);
     }
     let total: usize = results
         .iter()
         .map(|r| r.violations_by_kind.values().sum::<usize>())
         .sum();
-    if let Some(path) = &args.report {
-        std::fs::write(path, report::html(&results, args.control, seed))?;
-        if !args.json {
+    if let Some(path) = &args.args.report {
+        std::fs::write(path, report::html(&results, args.args.control, seed))?;
+        if !args.args.json {
             eprintln!("docwarden verify: report written to {}", path.display());
         }
     }
-    summary::print(&results, args.json, seed, args.control, &args.faults, total)?;
+    summary::print(
+        &results,
+        args.args.json,
+        seed,
+        args.args.control,
+        &args.faults,
+        total,
+    )?;
     Ok(if total == 0 {
         ExitCode::SUCCESS
     } else {
@@ -73,8 +113,80 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The command line with `--faults` resolved.
+struct Run<'a> {
+    args: &'a Args,
+    faults: Vec<Fault>,
+}
+
+/// Prints `--faults list`.
+fn list_faults() {
+    println!("{:<22} {:<9} what it does", "fault", "server");
+    for f in Fault::ALL {
+        println!(
+            "{:<22} {:<9} {}",
+            f.name(),
+            if f.needs_embedded() {
+                "embedded"
+            } else {
+                "any"
+            },
+            f.describe()
+        );
+    }
+    println!(
+        "{:<22} {:<9} every fault the setting allows (with --uri: those for any server)",
+        "all", ""
+    );
+}
+
+/// Opens the run's server: fail points need test commands, so verify starts its embedded
+/// server itself with them on.
+async fn open_session(args: &Args, faults: &[Fault]) -> anyhow::Result<crate::conn::Session> {
+    let external = args
+        .conn
+        .uri
+        .as_deref()
+        .is_some_and(|u| !u.trim().is_empty());
+    if external || !faults.iter().any(|f| f.is_failpoint()) {
+        return args.conn.open(args.json).await;
+    }
+    if !args.json {
+        eprintln!("docwarden: starting an embedded secantusd-rs with test commands (fail points)…");
+    }
+    let mut options = docwarden_server::ServerOptions::default().test_commands(true);
+    if let Some(dir) = &args.conn.data_dir {
+        options = options.data_dir(dir);
+    }
+    let server = docwarden_server::EmbeddedServer::start(options).await?;
+    let client = docwarden_server::connect(
+        &server.uri(),
+        Duration::from_secs(args.conn.connect_timeout.max(1)),
+    )
+    .await?;
+    Ok(crate::conn::Session {
+        target: docwarden_server::Target::Embedded(server),
+        client,
+    })
+}
+
+/// The workers' URI: `uri` with the application name the fail points match.
+fn worker_uri(uri: &str) -> String {
+    let sep = if uri.contains('?') {
+        "&"
+    } else if uri
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.contains('/'))
+    {
+        "?"
+    } else {
+        "/?"
+    };
+    format!("{uri}{sep}appName={}", nemesis::WORKER_APP)
+}
+
 async fn run_module(
-    args: &Args,
+    args: &Run<'_>,
     session: &mut crate::conn::Session,
     module: Module,
     seed: u64,
@@ -86,19 +198,21 @@ async fn run_module(
     } else {
         None
     };
-    let uri = proxy
-        .as_ref()
-        .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri);
+    let uri = worker_uri(
+        &proxy
+            .as_ref()
+            .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri),
+    );
     let client = docwarden_server::connect(&uri, Duration::from_secs(10)).await?;
     let db_name = format!(
         "docwarden_verify_{}_{:08x}",
         module.name(),
         rand::random::<u32>()
     );
-    let progress = if args.json {
+    let progress = if args.args.json {
         ProgressBar::hidden()
     } else {
-        let bar = ProgressBar::new(args.duration);
+        let bar = ProgressBar::new(args.args.duration);
         bar.set_style(
             ProgressStyle::with_template("{prefix:>9} [{bar:30}] {pos}/{len} s {msg}")?
                 .progress_chars("=> "),
@@ -111,16 +225,18 @@ async fn run_module(
         client: client.clone(),
         history: Arc::new(History::new()),
         faults: args.faults.clone(),
-        mode: Mode::control_if(args.control),
-        workers: args.workers,
-        duration: Duration::from_secs(args.duration),
+        mode: Mode::control_if(args.args.control),
+        workers: args.args.workers,
+        duration: Duration::from_secs(args.args.duration),
         seed,
         injected: Mutex::new(BTreeMap::new()),
         progress: progress.clone(),
+        clocks: Mutex::new(Vec::new()),
     });
     let nemesis = nemesis::run(&ctx, session, proxy.as_ref());
     let workload = dispatch(module, Arc::clone(&ctx));
-    let (findings, nemesis) = tokio::join!(workload, nemesis);
+    let clocks = ctx.clock_nemesis();
+    let (findings, nemesis, ()) = tokio::join!(workload, nemesis, clocks);
     nemesis?;
     let findings = findings?;
     progress.finish_and_clear();

@@ -3,9 +3,14 @@
 //!
 //! Faults: `pause` (a worker sleeps past its lease in the middle of its critical section),
 //! `kill` (a worker task is aborted mid-operation and replaced), `skew` (each worker's clock
-//! is shifted by up to ±30 s), `restart` (the embedded server is restarted on the same data),
-//! `latency` and `reset` (through a TCP proxy in front of the server). `--control` runs the
-//! same workloads with the safeguard disabled, and must report violations.
+//! is shifted by up to ±30 s), `step` (a worker's wall clock steps by ±20 s mid-run), `drift`
+//! (each worker's wall clock walks fast or slow), `restart` (the embedded server is restarted
+//! on the same data), `latency` and `reset` (through a TCP proxy in front of the server), and
+//! `failpoint-network`, `failpoint-notprimary`, `failpoint-latency` (MongoDB's `failCommand`
+//! fail point on the workers' writes, matched by their `appName`). `--faults all` runs every
+//! fault the setting allows, `--faults list` prints them. `--control` runs the same
+//! workloads with the safeguard disabled, and must report violations (under `step`: the
+//! server-time sample projected on the wall clock).
 //!
 //! The workloads themselves are `docwarden_workloads`'; the files here only record them:
 //! [`args`] (the command line), [`context`] (what a workload run gets: history, faults,

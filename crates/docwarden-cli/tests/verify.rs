@@ -116,3 +116,75 @@ fn latency_and_connection_resets_through_the_proxy_break_nothing() -> anyhow::Re
     assert!(w["faults"]["reset"].as_u64().unwrap_or(0) > 0, "{w:#}");
     Ok(())
 }
+
+#[test]
+fn clock_steps_drift_and_fail_points_break_nothing() -> anyhow::Result<()> {
+    // The fail points need the embedded server (verify starts it with test commands).
+    let faults = if std::env::var_os("MONGODB_URI").is_some() {
+        "step,drift"
+    } else {
+        "step,drift,failpoint-network,failpoint-notprimary,failpoint-latency"
+    };
+    let (code, json) = verify(&[
+        "locks",
+        "--duration",
+        "4",
+        "--faults",
+        faults,
+        "--seed",
+        "11",
+    ])?;
+    assert_eq!(json["violations"], 0, "{json:#}");
+    assert_eq!(code, 0);
+    let w = &json["workloads"][0];
+    for fault in faults.split(',') {
+        assert!(
+            w["faults"][fault].as_u64().unwrap_or(0) > 0,
+            "{fault} was not injected: {w:#}"
+        );
+    }
+    if faults.contains("failpoint-network") {
+        // Lost replies are recorded as indeterminate, and the checker accepts them.
+        assert!(w["indeterminate"].as_u64().unwrap_or(0) > 0, "{w:#}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_clock_step_control_projects_on_the_wall_clock_and_fails() -> anyhow::Result<()> {
+    let (code, json) = verify(&[
+        "locks",
+        "--control",
+        "--faults",
+        "step",
+        "--duration",
+        "4",
+        "--seed",
+        "1",
+    ])?;
+    assert_eq!(code, 1, "{json:#}");
+    let w = &json["workloads"][0];
+    assert!(w["faults"]["step"].as_u64().unwrap_or(0) > 0, "{w:#}");
+    assert!(json["violations"].as_u64().unwrap_or(0) > 0, "{json:#}");
+    Ok(())
+}
+
+#[test]
+fn the_faults_are_listed_with_what_they_need() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .args(["verify", "--faults", "list"])
+        .output()?;
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout)?;
+    for fault in [
+        "pause",
+        "step",
+        "drift",
+        "failpoint-network",
+        "failpoint-latency",
+    ] {
+        assert!(text.contains(fault), "{fault} missing from:\n{text}");
+    }
+    assert!(text.contains("embedded"), "{text}");
+    Ok(())
+}

@@ -243,6 +243,9 @@ impl Ctx {
 pub(super) struct WorkloadResult {
     pub(super) workload: &'static str,
     pub(super) operations: u64,
+    /// Operations whose outcome is unknown (a lost reply, a retryable error): recorded as
+    /// indeterminate, and the checkers accept either outcome for them.
+    pub(super) indeterminate: u64,
     pub(super) faults: BTreeMap<&'static str, u64>,
     pub(super) violations_by_kind: BTreeMap<&'static str, usize>,
     /// The first violations found (at most 20).

@@ -246,13 +246,19 @@ async fn run_module(
     let mut violations = findings.violations;
     let violations_by_kind = count_by_kind(&violations).into_iter().collect();
     violations.truncate(20);
+    let events = ctx.history.events();
+    let indeterminate = events
+        .iter()
+        .filter(|e| e.outcome == docwarden::check::OpOutcome::Indeterminate)
+        .count();
     Ok(WorkloadResult {
         workload: module.name(),
         operations: findings.operations,
+        indeterminate: u64::try_from(indeterminate).unwrap_or(u64::MAX),
         faults: ctx.injected_counts(),
         violations_by_kind,
         violations,
-        events: ctx.history.events(),
+        events,
     })
 }
 

@@ -5,6 +5,11 @@
 //! ([`measure`]); latencies go into an HDR histogram. The reference row (`update_one` by
 //! `_id`) is measured first with the same worker count, and every other row's ratio is its
 //! ops/s over the reference's.
+//!
+//! Round trips per operation come from the driver's command monitoring: the bench's
+//! client counts every `CommandStartedEvent`, and each row divides the commands started
+//! while it was measured (setup excluded, background tasks of the workload included) by
+//! the items it completed.
 
 use std::future::Future;
 use std::process::ExitCode;
@@ -13,8 +18,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use mongodb::Database;
 use mongodb::bson::{Document, doc};
+use mongodb::event::EventHandler;
+use mongodb::event::command::CommandEvent;
+use mongodb::options::ClientOptions;
+use mongodb::{Client, Database};
 
 use crate::conn::ConnArgs;
 
@@ -33,6 +41,28 @@ pub(crate) struct Load {
     pub(crate) duration: Duration,
     /// The spinner that shows which workload runs (hidden with `--json`).
     pub(crate) progress: indicatif::ProgressBar,
+    /// Commands the bench's client has started so far (driver command monitoring).
+    pub(crate) commands: Arc<AtomicU64>,
+    /// Also run the rows that time the stages of a guarded update and a sequenced apply.
+    pub(crate) stages: bool,
+}
+
+impl Load {
+    /// Commands started so far; the difference of two readings is the round trips sent
+    /// in between.
+    pub(crate) fn commands_sent(&self) -> u64 {
+        self.commands.load(Ordering::Relaxed)
+    }
+}
+
+/// Round trips per item: `commands` started for `ops` items (NaN without items).
+pub(crate) fn per_op(commands: u64, ops: u64) -> f64 {
+    if ops == 0 {
+        return f64::NAN;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let r = commands as f64 / ops as f64;
+    r
 }
 
 /// One measured workload.
@@ -48,6 +78,8 @@ pub(crate) struct BenchRow {
     pub(crate) p99_us: u64,
     /// ops/s divided by the reference `update_one` ops/s of this run.
     pub(crate) ratio: f64,
+    /// Commands sent to the server per item (driver command monitoring), while measured.
+    pub(crate) round_trips_per_op: f64,
 }
 
 /// Runs `op(worker)` on `load.workers` tasks until `load.duration` has passed. Each call
@@ -62,6 +94,7 @@ where
         .set_message(format!("{name} × {} workers", load.workers));
     let op = Arc::new(op);
     let items = Arc::new(AtomicU64::new(0));
+    let commands_before = load.commands_sent();
     let started = Instant::now();
     let deadline = started + load.duration;
     let mut tasks = Vec::new();
@@ -85,6 +118,7 @@ where
         hist.add(task.await??)?;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let commands = load.commands_sent() - commands_before;
     let ops = items.load(Ordering::Relaxed);
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = ops as f64 / elapsed;
@@ -96,6 +130,7 @@ where
         p50_us: hist.value_at_quantile(0.5),
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
+        round_trips_per_op: per_op(commands, ops),
     })
 }
 
@@ -136,6 +171,9 @@ pub(crate) struct Args {
     /// Also write the markdown table of the same rows to this file.
     #[arg(long)]
     markdown: Option<std::path::PathBuf>,
+    /// Also time the stages of a guarded update and a sequenced apply (extra rows).
+    #[arg(long)]
+    stages: bool,
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -145,6 +183,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--workers must list counts of at least 1"
     );
     let session = args.conn.open(args.json).await?;
+    let commands = Arc::new(AtomicU64::new(0));
+    let client = counting_client(&session.uri(), Duration::from_secs(30), &commands).await?;
     let progress = if args.json {
         indicatif::ProgressBar::hidden()
     } else {
@@ -161,10 +201,10 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             workers,
             duration: Duration::from_secs(args.duration),
             progress: progress.clone(),
+            commands: Arc::clone(&commands),
+            stages: args.stages,
         };
-        let db = session
-            .client
-            .database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
+        let db = client.database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
         let reference = reference(&db, &load).await?;
         let base = reference.ops_per_sec;
         let mut measured = vec![reference];
@@ -189,6 +229,26 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A client to the same server whose every started command increments `commands` (the
+/// session's client has already checked that the server answers).
+async fn counting_client(
+    uri: &str,
+    timeout: Duration,
+    commands: &Arc<AtomicU64>,
+) -> anyhow::Result<Client> {
+    let mut options = ClientOptions::parse(uri).await?;
+    options.server_selection_timeout = Some(timeout);
+    options.connect_timeout = Some(timeout);
+    options.app_name = Some("docwarden bench".into());
+    let counter = Arc::clone(commands);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(_) = event {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }));
+    Ok(Client::with_options(options)?)
+}
+
 /// Every module's workloads, in a fixed order.
 async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
@@ -203,12 +263,19 @@ async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>
 /// The rows as a markdown table.
 pub(crate) fn markdown(rows: &[BenchRow]) -> String {
     let mut out = String::from(
-        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× |\n",
-            r.name, r.workers, r.ops, r.ops_per_sec, r.p50_us, r.p99_us, r.ratio
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} |\n",
+            r.name,
+            r.workers,
+            r.ops,
+            r.ops_per_sec,
+            r.p50_us,
+            r.p99_us,
+            r.ratio,
+            r.round_trips_per_op
         ));
     }
     out

@@ -146,9 +146,23 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
         "reference, guard, locks, queue, sequence, wake-up rows"
     );
     assert_eq!(rows[0]["ratio"], 1.0, "the reference comes first");
+    let reference_rt = rows[0]["round_trips_per_op"].as_f64().unwrap_or_default();
+    assert!(
+        (reference_rt - 1.0).abs() < 0.01,
+        "update_one is one round trip: {}",
+        rows[0]
+    );
+    assert!(
+        table.lines().next().unwrap_or_default().contains("rt/op"),
+        "{table}"
+    );
     for row in &rows {
         for field in ["ops_per_sec", "p50_us", "p99_us", "ratio"] {
             assert!(row[field].is_number(), "{field} missing in {row}");
+        }
+        if row["ops"].as_u64().unwrap_or_default() > 0 {
+            let rt = row["round_trips_per_op"].as_f64().unwrap_or_default();
+            assert!(rt > 0.0, "round trips per op missing in {row}");
         }
         let name = row["name"].as_str().unwrap_or_default();
         let line = table

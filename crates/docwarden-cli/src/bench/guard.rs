@@ -1,11 +1,15 @@
 //! Guarded updates: seed 000's toggles (`docwarden_workloads::on_call`) on random shifts,
 //! each guarded by "at least one doctor on call" (refused and unchanged outcomes included:
 //! every call counts as one operation).
+//!
+//! With `--stages`, a row of the same toggles written unguarded (seed 000's own
+//! `update_one` by `_id` and `$elemMatch`, `Mode::Control` without its read): the floor a
+//! guarded update is compared with.
 
 use docwarden_workloads::Mode;
 use docwarden_workloads::on_call::{self, OnCall, Toggle};
 use mongodb::Database;
-use mongodb::bson::Document;
+use mongodb::bson::{DateTime, Document, doc};
 
 use super::{BenchRow, Load, measure};
 
@@ -14,15 +18,36 @@ const SHIFTS: i64 = 1_000;
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let coll = db.collection::<Document>("bench_guard");
     on_call::setup(&coll, SHIFTS).await?;
+    let mut rows = Vec::new();
+    if load.stages {
+        let c = coll.clone();
+        rows.push(
+            measure("guard stage: unguarded toggle (update_one)", load, move |_| {
+                let c = c.clone();
+                async move {
+                    let t = Toggle::random(&mut rand::rng(), SHIFTS);
+                    c.update_one(
+                        doc! { "_id": t.shift, "doctors": { "$elemMatch": { "name": t.doctor } } },
+                        doc! { "$set": { "doctors.$.on_call": t.on, "doctors.$.updated": DateTime::now() } },
+                    )
+                    .await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+    }
     let workload = OnCall::new(coll)?;
-    let row = measure("guard: on/off call (≥1 on call)", load, move |_| {
-        let workload = workload.clone();
-        async move {
-            let toggle = Toggle::random(&mut rand::rng(), SHIFTS);
-            workload.toggle(&toggle, Mode::Safe).await?;
-            Ok(1)
-        }
-    })
-    .await?;
-    Ok(vec![row])
+    rows.push(
+        measure("guard: on/off call (≥1 on call)", load, move |_| {
+            let workload = workload.clone();
+            async move {
+                let toggle = Toggle::random(&mut rand::rng(), SHIFTS);
+                workload.toggle(&toggle, Mode::Safe).await?;
+                Ok(1)
+            }
+        })
+        .await?,
+    );
+    Ok(rows)
 }

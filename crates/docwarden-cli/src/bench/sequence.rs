@@ -1,13 +1,31 @@
 //! Sequenced set applies of seed 001's set (`docwarden_workloads::enrollment`) over random
 //! students, classes and sequence numbers.
+//!
+//! With `--stages`, rows that time the parts of one apply on the same documents: the key
+//! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
+//! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
+//! insertion (the test-only control; it runs last, as it leaves unsorted documents).
 
+use docwarden::sequence::{SequencedSet, SetOptions};
 use docwarden_workloads::Mode;
-use docwarden_workloads::enrollment::{self, CLASSES, Message};
+use docwarden_workloads::enrollment::{self, CLASSES, FIELD, KEY_FIELD, Message};
 use mongodb::Database;
+use mongodb::bson::{Document, doc};
+use mongodb::options::ReturnDocument;
 
 use super::{BenchRow, Load, measure};
 
 const KEYS: i64 = 1_000;
+
+fn random_message() -> Message {
+    Message {
+        id: 0,
+        student: rand::random_range(0..KEYS),
+        class: CLASSES[rand::random_range(0..CLASSES.len())],
+        enroll: rand::random_bool(0.5),
+        seq: rand::random_range(0..1_000_000_i64),
+    }
+}
 
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let set = enrollment::open_set(db.collection("bench_sequence")).await?;
@@ -16,20 +34,140 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     for student in 0..KEYS {
         set.add(student, CLASSES[0], 0).await?;
     }
-    let row = measure("sequence: add/remove (random seq)", load, move |_| {
-        let set = set.clone();
-        async move {
-            let msg = Message {
-                id: 0,
-                student: rand::random_range(0..KEYS),
-                class: CLASSES[rand::random_range(0..CLASSES.len())],
-                enroll: rand::random_bool(0.5),
-                seq: rand::random_range(0..1_000_000_i64),
-            };
-            enrollment::apply(&set, &msg, Mode::Safe).await?;
-            Ok(1)
-        }
-    })
-    .await?;
-    Ok(vec![row])
+    let mut rows = Vec::new();
+    if load.stages {
+        rows.extend(stages(&set, load).await?);
+    }
+    let applies = set.clone();
+    rows.push(
+        measure("sequence: add/remove (random seq)", load, move |_| {
+            let set = applies.clone();
+            async move {
+                enrollment::apply(&set, &random_message(), Mode::Safe).await?;
+                Ok(1)
+            }
+        })
+        .await?,
+    );
+    if load.stages {
+        let control = SequencedSet::new(
+            set.collection().clone(),
+            SetOptions::default()
+                .key_field(KEY_FIELD)
+                .field(FIELD)
+                .control_without_canonical_order(),
+        )?;
+        rows.push(
+            measure(
+                "sequence stage: without sorted insertion",
+                load,
+                move |_| {
+                    let set = control.clone();
+                    async move {
+                        enrollment::apply(&set, &random_message(), Mode::Safe).await?;
+                        Ok(1)
+                    }
+                },
+            )
+            .await?,
+        );
+    }
+    Ok(rows)
+}
+
+/// The filter an apply sends (see `docwarden::sequence::apply`).
+fn filter(set: &SequencedSet, msg: &Message) -> Document {
+    let entry = format!(
+        "{}.{}",
+        set.state_field(),
+        docwarden::sequence::encode::member_key(msg.class)
+    );
+    doc! { "$and": [
+        { KEY_FIELD: msg.student },
+        { "$or": [
+            { format!("{entry}.seq"): { "$ne": msg.seq } },
+            { format!("{entry}.present"): { "$ne": msg.enroll } },
+        ] },
+    ] }
+}
+
+async fn stages(set: &SequencedSet, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let coll = set.collection().clone();
+    let mut rows = Vec::new();
+    let c = coll.clone();
+    rows.push(
+        measure("sequence stage: update_one by key, $inc", load, move |_| {
+            let c = c.clone();
+            async move {
+                c.update_one(
+                    doc! { KEY_FIELD: rand::random_range(0..KEYS) },
+                    doc! { "$inc": { "bench_n": 1 } },
+                )
+                .await?;
+                Ok(1)
+            }
+        })
+        .await?,
+    );
+    let c = coll.clone();
+    rows.push(
+        measure(
+            "sequence stage: findOneAndUpdate by key, trivial pipeline",
+            load,
+            move |_| {
+                let c = c.clone();
+                async move {
+                    c.find_one_and_update(
+                        doc! { KEY_FIELD: rand::random_range(0..KEYS) },
+                        vec![doc! { "$set": { "bench_n": { "$add": ["$bench_n", 1] } } }],
+                    )
+                    .return_document(ReturnDocument::After)
+                    .projection(doc! { "bench_n": 1 })
+                    .await?;
+                    Ok(1)
+                }
+            },
+        )
+        .await?,
+    );
+    let (c, s) = (coll.clone(), set.clone());
+    rows.push(
+        measure(
+            "sequence stage: full filter, trivial pipeline",
+            load,
+            move |_| {
+                let (c, s) = (c.clone(), s.clone());
+                async move {
+                    let msg = random_message();
+                    c.find_one_and_update(
+                        filter(&s, &msg),
+                        vec![doc! { "$set": { "bench_n": { "$add": ["$bench_n", 1] } } }],
+                    )
+                    .return_document(ReturnDocument::After)
+                    .projection(doc! { "bench_n": 1 })
+                    .await?;
+                    Ok(1)
+                }
+            },
+        )
+        .await?,
+    );
+    let (c, s) = (coll.clone(), set.clone());
+    rows.push(
+        measure(
+            "sequence stage: full pipeline by update_one",
+            load,
+            move |_| {
+                let (c, s) = (c.clone(), s.clone());
+                async move {
+                    let msg = random_message();
+                    c.update_one(filter(&s, &msg), s.pipeline(msg.class, msg.seq, msg.enroll))
+                        .await?;
+                    Ok(1)
+                }
+            },
+        )
+        .await?,
+    );
+    Ok(rows)
 }

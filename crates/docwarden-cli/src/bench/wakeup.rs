@@ -60,6 +60,7 @@ async fn one(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sent: Arc<Mutex<HashMap<ObjectId, Instant>>> = Arc::default();
     let mut hist = Histogram::<u64>::new(3)?;
+    let commands_before = load.commands_sent();
     let started = Instant::now();
     let mut samples = 0_u64;
     while started.elapsed() < load.duration {
@@ -99,6 +100,7 @@ async fn one(
     }
     worker.shutdown().await;
     let elapsed = started.elapsed().as_secs_f64();
+    let commands = load.commands_sent() - commands_before;
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = samples as f64 / elapsed;
     Ok(BenchRow {
@@ -109,5 +111,6 @@ async fn one(
         p50_us: hist.value_at_quantile(0.5),
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
+        round_trips_per_op: super::per_op(commands, samples),
     })
 }

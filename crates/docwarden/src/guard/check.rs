@@ -21,16 +21,20 @@ pub struct InvariantViolation {
     pub invariants: Vec<String>,
 }
 
-/// The aggregation pipeline that lists violators (optionally of one document).
+/// The aggregation pipeline that lists violators (optionally of one document). For one
+/// document the match is `{$and: [{_id}, {$expr}]}`: `_id` first and the `$expr` inside
+/// `$and`, a point lookup (a top-level `$expr` next to `_id` makes some servers scan the
+/// collection).
 pub(crate) fn pipeline(
     invariants: &[Invariant],
     only: Option<&Bson>,
     limit: Option<i64>,
 ) -> Vec<Document> {
-    let mut m = doc! { "$expr": { "$not": [all_of(invariants)] } };
-    if let Some(id) = only {
-        m.insert("_id", id.clone());
-    }
+    let violated = doc! { "$expr": { "$not": [all_of(invariants)] } };
+    let m = match only {
+        Some(id) => doc! { "$and": [{ "_id": id.clone() }, violated] },
+        None => violated,
+    };
     let names: Vec<Bson> = invariants
         .iter()
         .map(|i| {
@@ -96,4 +100,22 @@ async fn collect(
             Ok(InvariantViolation { id, invariants })
         })
         .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::guard::Condition;
+
+    #[test]
+    fn the_check_of_one_document_is_a_point_lookup_by_id() {
+        let inv = Invariant::at_least("on", "doctors", 1, Condition::eq("on_call", true)).unwrap();
+        let p = pipeline(&[inv], Some(&Bson::Int32(7)), Some(1));
+        let m = p[0].get_document("$match").unwrap();
+        assert_eq!(m.keys().collect::<Vec<_>>(), ["$and"], "{m}");
+        let and = m.get_array("$and").unwrap();
+        assert_eq!(and[0], Bson::Document(doc! { "_id": 7 }), "{m}");
+        assert!(and[1].as_document().unwrap().contains_key("$expr"), "{m}");
+    }
 }

@@ -289,17 +289,19 @@ impl SequencedSet {
     }
 
     /// The update pipeline for one operation (public for inspection and other-language
-    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it). Two stages, as
-    /// before issue 11:
+    /// ports; [`SequencedSet::add`] and [`SequencedSet::remove`] run it). **One** `$set`
+    /// stage (issue 14; two stages before), whose fields both bind the decision
+    /// (`$$dw_d`: `applied`, `created` — applied, and the member had no state entry —,
+    /// `duplicate` or `stale`, computed from the document as it was):
     ///
-    /// 1. decide: write `applied`, `created` (applied, and the member had no state entry),
-    ///    `duplicate` or `stale` to the temporary [`OUTCOME_FIELD`]; when `created`, insert
-    ///    the new entry into the state in key order (`$objectToArray`, the entries below,
-    ///    the new one, the entries above, `$arrayToObject`), so the entries' order does not
-    ///    depend on which member came first;
-    /// 2. when applied, write the member's state entry by its path and update the members
-    ///    array, which is kept sorted (an add of a new member inserts it in order the same
-    ///    way, a remove filters); remove the temporary field (`$$REMOVE`).
+    /// - the state sub-document: when `created`, the new entry inserted in key order
+    ///   (`$objectToArray`, the entries below, the new one, the entries above,
+    ///   `$arrayToObject`), so the entries' order does not depend on which member came
+    ///   first; when `applied`, the entry replaced in place (`$mergeObjects`); otherwise
+    ///   unchanged;
+    /// - the members array, kept sorted: when applied, an add of a new member inserts it in
+    ///   order the same way, a remove filters;
+    /// - the temporary [`OUTCOME_FIELD`] of earlier versions is removed (`$$REMOVE`).
     ///
     /// The update's filter is the key plus "not in effect yet"
     /// (`$or: [{<entry>.seq: {$ne: seq}}, {<entry>.present: {$ne: present}}]`), which is how
@@ -340,7 +342,10 @@ impl SequencedSet {
                 "then": { "$cond": [cur_present, ApplyOutcome::Applied.as_str(), ApplyOutcome::Duplicate.as_str()] },
             });
         }
-        let applied = super::applied_expr();
+        // The decision is bound once per field (`$$dw_d`); both fields read the document
+        // as it was before the update, in one stage.
+        let decided = "$$dw_d";
+        let applied = doc! { "$in": [decided, [ApplyOutcome::Applied.as_str(), CREATED]] };
         let new_members = if present {
             let appended = doc! { "$concatArrays": [members_or_empty.clone(), [m.clone()]] };
             let inserted = if self.canonical_order {
@@ -370,36 +375,46 @@ impl SequencedSet {
             "$switch": { "branches": branches, "default": ApplyOutcome::Stale.as_str() },
         };
         let state = format!("${}", self.state_field);
+        let state_or_empty = doc! { "$ifNull": [state.as_str(), {}] };
         let new_entry = doc! { "$literal": { "seq": seq, "present": present } };
-        let key = encode::literal(encode::member_key(member));
-        let mut first = doc! { OUTCOME_FIELD: decision.clone() };
-        if self.canonical_order {
-            // A new entry is inserted in key order (it is always applied: no state, no
-            // floor question left); otherwise the state is left as it is.
-            first.insert(
-                self.state_field.as_str(),
-                doc! { "$cond": [
-                    { "$eq": [decision, CREATED] },
-                    { "$let": {
-                        "vars": { "es": { "$objectToArray": { "$ifNull": [state.as_str(), {}] } } },
-                        "in": { "$arrayToObject": { "$concatArrays": [
-                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$lt": ["$$e.k", key.clone()] } } },
-                            [{ "k": key.clone(), "v": new_entry.clone() }],
-                            { "$filter": { "input": "$$es", "as": "e", "cond": { "$gt": ["$$e.k", key] } } },
-                        ] } },
-                    } },
-                    state.as_str(),
-                ] },
-            );
-        }
-        vec![
-            doc! { "$set": first },
-            doc! { "$set": {
-                entry: { "$cond": [applied.clone(), new_entry, cur.as_str()] },
-                self.field.as_str(): { "$cond": [applied, new_members, members_or_empty] },
-                OUTCOME_FIELD: "$$REMOVE",
+        let member_key = encode::member_key(member);
+        // An applied operation on a member with an entry replaces the entry where it is
+        // (`$mergeObjects` keeps the position of an existing field).
+        let replaced = doc! { "$mergeObjects": [state_or_empty.clone(), { member_key.as_str(): new_entry.clone() }] };
+        let created = if self.canonical_order {
+            // A new entry is inserted in key order: the entries below, the new one, the
+            // entries above.
+            let key = encode::literal(member_key.as_str());
+            doc! { "$let": {
+                "vars": { "es": { "$objectToArray": state_or_empty } },
+                "in": { "$arrayToObject": { "$concatArrays": [
+                    { "$filter": { "input": "$$es", "as": "e", "cond": { "$lt": ["$$e.k", key.clone()] } } },
+                    [{ "k": key.clone(), "v": new_entry }],
+                    { "$filter": { "input": "$$es", "as": "e", "cond": { "$gt": ["$$e.k", key] } } },
+                ] } },
+            } }
+        } else {
+            // Control: appended after the existing entries.
+            replaced.clone()
+        };
+        vec![doc! { "$set": {
+            self.state_field.as_str(): { "$let": {
+                "vars": { "dw_d": decision.clone() },
+                "in": { "$switch": {
+                    "branches": [
+                        { "case": { "$eq": [decided, CREATED] }, "then": created },
+                        { "case": { "$eq": [decided, ApplyOutcome::Applied.as_str()] }, "then": replaced },
+                    ],
+                    "default": state.as_str(),
+                } },
             } },
-        ]
+            self.field.as_str(): { "$let": {
+                "vars": { "dw_d": decision },
+                "in": { "$cond": [applied, new_members, members_or_empty] },
+            } },
+            // Written by earlier versions; removed by any write.
+            OUTCOME_FIELD: "$$REMOVE",
+        } }]
     }
 
     /// The present members of `key`'s set (in no particular order), or `None` when there

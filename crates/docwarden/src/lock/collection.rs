@@ -176,7 +176,9 @@ pub struct LockRecord {
     pub malformed: Option<String>,
 }
 
-fn as_rfc3339<S: serde::Serializer>(
+/// Serializes an optional date as RFC 3339 (milliseconds if it has no such form), for the
+/// JSON listings of lock documents and document locks.
+pub(super) fn as_rfc3339<S: serde::Serializer>(
     d: &Option<DateTime>,
     s: S,
 ) -> std::result::Result<S::Ok, S::Error> {

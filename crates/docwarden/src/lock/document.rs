@@ -110,7 +110,7 @@ pub struct DocumentLockRecord {
     /// The lock id (a string as is, any other type as extended JSON).
     pub lock_id: String,
     /// The lock time (server time); `None` if the stored value is not a date.
-    #[serde(serialize_with = "as_rfc3339")]
+    #[serde(serialize_with = "super::collection::as_rfc3339")]
     pub locked_at: Option<DateTime>,
     /// Whether the lock has certainly expired (the next `lock` takes it over). A lock whose
     /// lock time is not a date counts as expired.
@@ -118,19 +118,6 @@ pub struct DocumentLockRecord {
     /// What is wrong with a lock docwarden did not write, for example
     /// `"lock_time is missing"`; `None` for a well-formed lock.
     pub malformed: Option<String>,
-}
-
-fn as_rfc3339<S: serde::Serializer>(
-    d: &Option<DateTime>,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => s.serialize_str(
-            &d.try_to_rfc3339_string()
-                .unwrap_or_else(|_| d.timestamp_millis().to_string()),
-        ),
-        None => s.serialize_none(),
-    }
 }
 
 /// Document locks on one collection.

@@ -1,56 +1,81 @@
-//! `docwarden locks list` and `docwarden locks release` against the shared test server.
+//! `docwarden locks list`, `locks release` and `locks documents` against the shared test
+//! server, including hand-edited lock documents (issue 11, finding 8): they are listed with
+//! the reason instead of failing, and a lock whose expiry is not a date counts as expired.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
+use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner};
 use docwarden_testkit::TestDb;
+use mongodb::bson::{Document, doc};
 
 fn docwarden() -> Command {
     Command::new(env!("CARGO_BIN_EXE_docwarden"))
 }
 
+/// `docwarden <args> --uri … --db <the test's db> --collection <collection>`.
+fn run(t: &TestDb, collection: &str, args: &[&str]) -> anyhow::Result<Output> {
+    Ok(docwarden()
+        .args(args)
+        .args([
+            "--uri",
+            t.uri(),
+            "--db",
+            t.db.name(),
+            "--collection",
+            collection,
+        ])
+        .output()?)
+}
+
+/// [`run`] that must succeed and print JSON.
+fn json(t: &TestDb, collection: &str, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+    let out = run(t, collection, args)?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// [`run`] that must succeed; its standard output.
+fn text(t: &TestDb, collection: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = run(t, collection, args)?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+async fn open_locks(t: &TestDb) -> anyhow::Result<LockCollection> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?)
+}
+
 #[tokio::test]
 async fn list_and_release_by_owner() -> anyhow::Result<()> {
     let t = TestDb::new("cli_locks").await?;
-    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
-    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let locks = open_locks(&t).await?;
     let (a, b) = (Owner::random(), Owner::random());
     for r in ["r1", "r2"] {
         locks.try_acquire(&a, r, Duration::from_secs(60)).await?;
     }
     locks.try_acquire(&b, "r3", Duration::from_secs(60)).await?;
-    let db = t.db.name().to_owned();
-    let common = ["--uri", t.uri(), "--db", &db, "--collection", "locks"];
 
-    let out = docwarden()
-        .args(["locks", "list", "--json"])
-        .args(common)
-        .output()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let all: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let all = json(&t, "locks", &["locks", "list", "--json"])?;
     assert_eq!(all.as_array().map(Vec::len), Some(3));
 
-    let out = docwarden()
-        .args(["locks", "list", "--json", "--owner", a.id()])
-        .args(common)
-        .output()?;
-    let mine: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let mine = json(&t, "locks", &["locks", "list", "--json", "--owner", a.id()])?;
     assert_eq!(mine.as_array().map(Vec::len), Some(2));
     assert_eq!(mine[0]["owner"], a.id());
     assert!(mine[0]["token"].as_i64().is_some());
 
-    let out = docwarden()
-        .args(["locks", "release", "--owner", a.id()])
-        .args(common)
-        .output()?;
-    let stdout = String::from_utf8(out.stdout)?;
-    assert!(out.status.success());
+    let stdout = text(&t, "locks", &["locks", "release", "--owner", a.id()])?;
     assert!(stdout.contains("released 2 lease(s)"), "{stdout}");
     let left = locks
         .list(&docwarden::lock::LockListFilter::default())
@@ -75,5 +100,85 @@ fn an_empty_owner_is_refused_before_connecting() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8(out.stderr)?;
     assert!(stderr.contains("owner"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn list_reports_malformed_lock_documents() -> anyhow::Result<()> {
+    let t = TestDb::new("cli_locks_malformed").await?;
+    let locks = open_locks(&t).await?;
+    let owner = Owner::random();
+    for r in ["bad", "good"] {
+        locks
+            .try_acquire(&owner, r, Duration::from_secs(60))
+            .await?
+            .context("acquire")?;
+    }
+    t.db.collection::<Document>("locks")
+        .update_one(
+            doc! { "_id": "bad" },
+            doc! { "$set": { "expires_at": "2099-01-01" } },
+        )
+        .await?;
+
+    let all = json(&t, "locks", &["locks", "list", "--json"])
+        .context("list failed on a hand-edited lock")?;
+    let rows = all.as_array().context("an array")?;
+    assert_eq!(rows.len(), 2, "{all}");
+    let bad = rows
+        .iter()
+        .find(|r| r["resource"] == "bad")
+        .context("bad listed")?;
+    assert_eq!(bad["malformed"], "expires_at is a string", "{bad}");
+    assert_eq!(bad["expires_at"], serde_json::Value::Null, "{bad}");
+    assert_eq!(bad["expired"], true, "{bad}");
+    let good = rows
+        .iter()
+        .find(|r| r["resource"] == "good")
+        .context("good listed")?;
+    assert_eq!(good["malformed"], serde_json::Value::Null, "{good}");
+    assert_eq!(good["expired"], false, "{good}");
+
+    let stdout = text(&t, "locks", &["locks", "list"])?;
+    assert!(
+        stdout.contains("expired (malformed: expires_at is a string)"),
+        "{stdout}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn documents_lists_document_locks_with_malformed_ones() -> anyhow::Result<()> {
+    let t = TestDb::new("cli_doclocks_malformed").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    coll.insert_many([
+        doc! { "_id": "held", "lock_id": "a", "lock_time": mongodb::bson::DateTime::now() },
+        doc! { "_id": "stuck", "lock_id": "b" },
+        doc! { "_id": "free", "lock_id": null, "lock_time": null },
+    ])
+    .await?;
+    let all = json(&t, "dummies", &["locks", "documents", "--json"])?;
+    let rows = all.as_array().context("an array")?;
+    assert_eq!(rows.len(), 2, "{all}");
+    assert_eq!(rows[0]["id"], "held");
+    assert_eq!(rows[0]["expired"], false);
+    assert_eq!(rows[0]["malformed"], serde_json::Value::Null);
+    assert_eq!(rows[1]["id"], "stuck");
+    assert_eq!(rows[1]["expired"], true);
+    assert_eq!(rows[1]["malformed"], "lock_time is missing");
+    let stdout = text(&t, "dummies", &["locks", "documents"])?;
+    assert!(
+        stdout.contains("expired (malformed: lock_time is missing)"),
+        "{stdout}"
+    );
+    // The entity collection is only read: no index was created on it.
+    let indexes = coll.list_index_names().await?;
+    assert_eq!(indexes, vec!["_id_".to_owned()]);
+    let zero = run(
+        &t,
+        "dummies",
+        &["locks", "documents", "--max-duration-secs", "0"],
+    )?;
+    assert_eq!(zero.status.code(), Some(2));
     Ok(())
 }

@@ -18,13 +18,37 @@ use std::time::Duration;
 use anyhow::Context;
 use docwarden::Error;
 use docwarden::check::{Event, Violation, lease};
+use docwarden::clock::TimeSource;
 use docwarden::lock::{
-    DocumentLocks, Fence, FenceOptions, FenceOutcome, Lease, LockCollection, Owner,
+    DocumentLocks, Fence, FenceOptions, FenceOutcome, Lease, LockCollection, LockOptions, Owner,
 };
-use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
+use mongodb::options::WriteConcern;
+use mongodb::{Collection, Database};
 
 use crate::{Mode, RunConfig, RunReport, run_tasks};
+
+/// Seed 004's lock collection `name` in `db`: majority write concern (a failover must not
+/// roll back an acquire or a token) and a short blocking-acquire backoff (1–20 ms) for
+/// contended runs.
+///
+/// # Errors
+/// As [`LockCollection::open`].
+pub async fn open_locks(
+    db: &Database,
+    name: &str,
+    time: TimeSource,
+) -> docwarden::Result<LockCollection> {
+    LockCollection::open(
+        db,
+        name,
+        time,
+        LockOptions::default()
+            .backoff(Duration::from_millis(1), Duration::from_millis(20))
+            .write_concern(WriteConcern::majority()),
+    )
+    .await
+}
 
 /// The operations of the workload, as the history names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,15 +20,7 @@ use mongodb::options::WriteConcern;
 const LOCKS: &str = "locks";
 
 async fn open_with(t: &TestDb, time: TimeSource) -> anyhow::Result<LockCollection> {
-    Ok(LockCollection::open(
-        &t.db,
-        LOCKS,
-        time,
-        LockOptions::default()
-            .backoff(Duration::from_millis(1), Duration::from_millis(20))
-            .write_concern(WriteConcern::majority()),
-    )
-    .await?)
+    Ok(counters::open_locks(&t.db, LOCKS, time).await?)
 }
 
 async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {

@@ -9,25 +9,16 @@ use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, FenceOutcome, LockCollection, LockListFilter, LockOptions,
-    Owner,
+    DocumentLockOptions, DocumentLocks, FenceOutcome, LockCollection, LockListFilter, Owner,
 };
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::WriteConcern;
 
 const LOCKS: &str = "locks";
 
 async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {
-    Ok(LockCollection::open(
-        &t.db,
-        LOCKS,
-        TimeSource::server(t.client.clone(), ClockOptions::default())?,
-        LockOptions::default()
-            .backoff(Duration::from_millis(5), Duration::from_millis(50))
-            .write_concern(WriteConcern::majority()),
-    )
-    .await?)
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(docwarden_workloads::counters::open_locks(&t.db, LOCKS, time).await?)
 }
 
 /// Hand edits of a held lock's `expires_at` that no docwarden version writes.

@@ -9,21 +9,15 @@ use std::time::Duration;
 use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{AcquirePause, LockCollection, LockOptions, Owner};
+use docwarden::lock::{AcquirePause, LockCollection, Owner};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Document, doc};
-use mongodb::options::WriteConcern;
 
 const LOCKS: &str = "locks";
 
 async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {
-    Ok(LockCollection::open(
-        &t.db,
-        LOCKS,
-        TimeSource::server(t.client.clone(), ClockOptions::default())?,
-        LockOptions::default().write_concern(WriteConcern::majority()),
-    )
-    .await?)
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(docwarden_workloads::counters::open_locks(&t.db, LOCKS, time).await?)
 }
 
 /// How the old lease ended before the same owner acquired again.

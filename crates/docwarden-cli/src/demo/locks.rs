@@ -9,8 +9,7 @@ use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::format::document::{LOCK_ID, LOCK_TIME};
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, Fence, FenceOptions, FenceOutcome, LockCollection,
-    LockOptions, Owner,
+    DocumentLockOptions, DocumentLocks, Fence, FenceOptions, FenceOutcome, Owner,
 };
 use docwarden_workloads::counters::{self, Counters, Increment};
 use docwarden_workloads::{Mode, RunConfig, run_tasks};
@@ -194,13 +193,7 @@ async fn lock_collection(db: &Database, time: TimeSource) -> anyhow::Result<Scen
     crate::demo::narrate!(
         "== lock-collection (seed 004): leases in workitem.lock, tokens in workitem.lock.tokens"
     );
-    let locks = LockCollection::open(
-        db,
-        "workitem.lock",
-        time,
-        LockOptions::default().backoff(Duration::from_millis(1), Duration::from_millis(20)),
-    )
-    .await?;
+    let locks = counters::open_locks(db, "workitem.lock", time).await?;
     let workitems = Counters::new(db.collection::<Document>("workitem"));
     workitems.setup(4).await?;
 

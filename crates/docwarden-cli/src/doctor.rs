@@ -1,4 +1,6 @@
-//! `docwarden doctor`: what the server is, how far its clock is, what it supports.
+//! `docwarden doctor`: what the server is, how far its clock is, what it supports, and
+//! what in the deployment weakens docwarden's guarantees (the warnings; see
+//! `docs/deployment.md`).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -37,7 +39,26 @@ pub(crate) struct Report {
     pub(crate) clock_offset_ms: i64,
     pub(crate) clock_bound_ms: i64,
     pub(crate) capabilities: Capabilities,
+    /// The write concern writes get when a handle sets none: the URI's, else the server's
+    /// default (`getDefaultRWConcern`), as `w` (`"unknown"` when neither says).
+    effective_write_concern: String,
+    /// Where [`Report::effective_write_concern`] comes from: `uri`, `server` or `implicit`.
+    write_concern_source: String,
+    /// What in this deployment weakens a guarantee, with what to do about it.
+    pub(crate) warnings: Vec<Warning>,
 }
+
+/// One thing `doctor` warns about.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct Warning {
+    /// A stable name scripts can match (`write-concern-w1`, `retry-writes-off`, …).
+    pub(crate) code: &'static str,
+    /// What happens and what to do.
+    pub(crate) message: String,
+}
+
+/// Above this clock bound (ms), lease deadlines lose that much of every lease.
+const LARGE_CLOCK_BOUND_MS: i64 = 1_000;
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let session = args.conn.open(args.json).await?;
@@ -80,6 +101,9 @@ pub(crate) async fn gather(
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let sample: ClockSample = time.refresh().await?;
     let capabilities = capabilities::probe(client).await?;
+    let replicated = topology != "standalone";
+    let (w, source) = effective_write_concern(client).await;
+    let warnings = warnings(uri, replicated, &w, sample.bound_ms);
     Ok(Report {
         uri: mask_uri(uri),
         embedded,
@@ -92,7 +116,98 @@ pub(crate) async fn gather(
         clock_offset_ms: sample.offset_ms,
         clock_bound_ms: sample.bound_ms,
         capabilities,
+        effective_write_concern: w,
+        write_concern_source: source.to_owned(),
+        warnings,
     })
+}
+
+/// The `w` writes get without a per-handle write concern, and where it comes from.
+async fn effective_write_concern(client: &mongodb::Client) -> (String, &'static str) {
+    if let Some(w) = client.write_concern().and_then(|wc| wc.w.as_ref()) {
+        return (w_name(w), "uri");
+    }
+    // MongoDB 4.4+: the cluster-wide default; since 5.0 an implicit `majority` (or `w: 1`
+    // with arbiters), reported with `defaultWriteConcernSource: "implicit"`.
+    let reply = client
+        .database("admin")
+        .run_command(doc! { "getDefaultRWConcern": 1 })
+        .await;
+    let Ok(reply) = reply else {
+        return ("unknown".to_owned(), "server");
+    };
+    let source = match reply.get_str("defaultWriteConcernSource") {
+        Ok("implicit") => "implicit",
+        _ => "server",
+    };
+    let w = reply
+        .get_document("defaultWriteConcern")
+        .ok()
+        .and_then(|wc| wc.get("w"))
+        .map_or_else(
+            || "unknown".to_owned(),
+            |w| match w {
+                mongodb::bson::Bson::String(s) => s.clone(),
+                other => other.to_string(),
+            },
+        );
+    (w, source)
+}
+
+fn w_name(w: &mongodb::options::Acknowledgment) -> String {
+    use mongodb::options::Acknowledgment;
+    match w {
+        Acknowledgment::Nodes(n) => n.to_string(),
+        Acknowledgment::Majority => "majority".to_owned(),
+        Acknowledgment::Custom(tag) => tag.clone(),
+        _ => "unknown".to_owned(),
+    }
+}
+
+/// What weakens a guarantee here (see `docs/deployment.md`, "What doctor warns about").
+fn warnings(uri: &str, replicated: bool, w: &str, clock_bound_ms: i64) -> Vec<Warning> {
+    let mut out = Vec::new();
+    if replicated && (w == "0" || w == "1") {
+        out.push(Warning {
+            code: "write-concern-w1",
+            message: format!(
+                "writes default to w: {w} on a replicated deployment: a failover can roll back \
+                 an acknowledged lock acquisition, claim, completion or fenced write, and a \
+                 fencing token can be handed out twice. Set w=majority in the URI or \
+                 `write_concern(WriteConcern::majority())` on the lock, queue and sequence \
+                 handles."
+            ),
+        });
+    }
+    let query = uri.split_once('?').map_or("", |(_, q)| q).to_ascii_lowercase();
+    if query.split('&').any(|kv| kv == "retrywrites=false") {
+        out.push(Warning {
+            code: "retry-writes-off",
+            message: "retryWrites=false: a write whose reply is lost in a failover is not \
+                      retried by the driver; docwarden reads the outcome back where it can, \
+                      but more operations end indeterminate. Remove retryWrites=false."
+                .to_owned(),
+        });
+    }
+    if !replicated {
+        out.push(Warning {
+            code: "standalone",
+            message: "a standalone server has no change streams (workers wake by polling, \
+                      enqueue-to-start is poll_min, not milliseconds) and no majority commit; \
+                      run a replica set (one member is enough) in production."
+                .to_owned(),
+        });
+    }
+    if clock_bound_ms > LARGE_CLOCK_BOUND_MS {
+        out.push(Warning {
+            code: "clock-bound-large",
+            message: format!(
+                "the server clock is known only within ±{clock_bound_ms} ms (a slow round \
+                 trip): every lease loses that much validity; check the network path."
+            ),
+        });
+    }
+    out
 }
 
 fn print_human(r: &Report) {
@@ -119,8 +234,46 @@ fn print_human(r: &Report) {
         "clock offset    {:+} ms ± {} ms (server minus this machine)",
         r.clock_offset_ms, r.clock_bound_ms
     );
+    println!(
+        "write concern   w: {} ({})",
+        r.effective_write_concern, r.write_concern_source
+    );
     println!("capabilities:");
     for (name, support) in r.capabilities.rows() {
         println!("  {name:<22} {support}");
+    }
+    if r.warnings.is_empty() {
+        println!("warnings        none");
+    } else {
+        println!("warnings:");
+        for w in &r.warnings {
+            println!("  {:<18} {}", w.code, w.message);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::warnings;
+
+    fn codes(uri: &str, replicated: bool, w: &str, bound: i64) -> Vec<&'static str> {
+        warnings(uri, replicated, w, bound)
+            .into_iter()
+            .map(|w| w.code)
+            .collect()
+    }
+
+    #[test]
+    fn w1_on_a_replica_set_is_a_warning_and_majority_is_not() {
+        assert_eq!(codes("mongodb://h/?w=1", true, "1", 5), ["write-concern-w1"]);
+        assert!(codes("mongodb://h/", true, "majority", 5).is_empty());
+    }
+
+    #[test]
+    fn retry_writes_off_standalone_and_a_wide_clock_bound_are_warnings() {
+        assert_eq!(
+            codes("mongodb://h/?retryWrites=false", false, "1", 2_000),
+            ["retry-writes-off", "standalone", "clock-bound-large"]
+        );
     }
 }

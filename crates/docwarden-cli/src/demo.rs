@@ -41,6 +41,10 @@ pub(crate) struct Args {
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+    /// Serve the dashboard (`docwarden ui`, read-only) on the demo's database while the
+    /// scenarios run, print its URL, and keep it up until Enter is pressed at the end.
+    #[arg(long)]
+    ui: bool,
 }
 
 /// The seed scenarios.
@@ -93,9 +97,35 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let db = session
         .client
         .database(&format!("docwarden_demo_{:08x}", rand::random::<u32>()));
+    let dashboard = if args.ui {
+        let running = crate::ui::start(
+            session.client.clone(),
+            db.clone(),
+            crate::ui::UiConfig::read_only_local(),
+        )
+        .await?;
+        // On stderr under --json, so stdout stays one JSON document.
+        if args.json {
+            eprintln!("dashboard: {}", running.url);
+        } else {
+            println!("dashboard: {} (watch the scenarios live)", running.url);
+        }
+        Some(running)
+    } else {
+        None
+    };
     let mut reports = Vec::new();
     for scenario in scenarios {
         reports.extend(run_one(scenario, &session, &db).await?);
+    }
+    if let Some(running) = dashboard {
+        eprintln!(
+            "dashboard still up at {}: press Enter to stop it and drop the demo database",
+            running.url
+        );
+        // Returns at once when standard input is closed (scripts, tests).
+        let _ = tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await;
+        drop(running);
     }
     db.drop().await?;
     let violations: u64 = reports.iter().map(|r| r.violations).sum();

@@ -11,6 +11,7 @@ mod doctor;
 mod locks;
 mod output;
 mod queue;
+mod ui;
 mod verify;
 
 /// Concurrency control for MongoDB documents: check a deployment, run the seed scenarios,
@@ -36,6 +37,8 @@ enum Command {
     Verify(verify::Args),
     /// Operate a job queue: stats, list, retry dead jobs, cancel, purge finished jobs.
     Queue(queue::Args),
+    /// Serve a web dashboard of the queues and locks (actions need the printed token).
+    Ui(ui::Args),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -46,6 +49,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Locks(args) => locks::run(args).await,
         Command::Verify(args) => verify::run(args).await,
         Command::Queue(args) => queue::run(args).await,
+        Command::Ui(args) => ui::run(args).await,
     }
 }
 

@@ -61,7 +61,8 @@ enum QueueCommand {
     },
 }
 
-fn parse_age(s: &str) -> anyhow::Result<Duration> {
+/// Parses an age like `30s`, `15m`, `12h`, `7d` (also used by the dashboard's purge).
+pub(crate) fn parse_age(s: &str) -> anyhow::Result<Duration> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);

@@ -1,0 +1,507 @@
+//! What the dashboard shows, read from the database: the queues and lock collections of
+//! one database, their counts, jobs, leases and a per-minute history of finished jobs.
+//!
+//! Every read goes through the library's handles ([`JobQueue`], [`LockCollection`]) and
+//! names stored fields only through `docwarden::queue::format` / `docwarden::lock::format`.
+//! Nothing here writes: handles are built with `new` (no index creation, no options
+//! document), so opening the dashboard on a database changes nothing in it.
+
+use std::collections::BTreeSet;
+
+use docwarden::clock::TimeSource;
+use docwarden::lock::{LockCollection, LockListFilter, LockOptions, LockRecord};
+use docwarden::queue::format::{field, meta};
+use docwarden::queue::{Job, JobListFilter, JobQueue, JobState, QueueOptions, QueueStats};
+use futures::TryStreamExt;
+use mongodb::Database;
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+
+/// Suffix of a lock collection's fencing-token counter collection (`docs/locks.md`,
+/// "The fencing-token counter"). The library names it inside `LockCollection::new` and
+/// does not export the suffix yet.
+const LOCK_TOKENS_SUFFIX: &str = ".tokens";
+
+/// Minutes of history the queue page charts.
+pub(crate) const HISTORY_MINUTES: i64 = 15;
+
+/// At most this many finished jobs are read for the chart (the newest).
+const HISTORY_CAP: i64 = 20_000;
+
+/// The queues and lock collections the dashboard shows.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Catalog {
+    /// Queue collections: named with `--queue`, or found by their `<name>.meta`.
+    pub(crate) queues: Vec<String>,
+    /// Lock collections: named with `--locks`, or found by their `<name>.tokens`.
+    pub(crate) locks: Vec<String>,
+}
+
+/// Finds docwarden's collections in `db`: a queue `q` is recognised by `q.meta`, a lock
+/// collection `l` by `l.tokens`; the names given explicitly are always included.
+pub(crate) async fn discover(
+    db: &Database,
+    queues: &[String],
+    locks: &[String],
+) -> anyhow::Result<Catalog> {
+    let names: BTreeSet<String> = db.list_collection_names().await?.into_iter().collect();
+    let mut q: BTreeSet<String> = queues.iter().cloned().collect();
+    let mut l: BTreeSet<String> = locks.iter().cloned().collect();
+    for name in &names {
+        if let Some(base) = name.strip_suffix(meta::COLLECTION_SUFFIX)
+            && names.contains(base)
+        {
+            q.insert(base.to_owned());
+        }
+        if let Some(base) = name.strip_suffix(LOCK_TOKENS_SUFFIX) {
+            // The counter exists from the first acquire; the lock collection may have
+            // been dropped or not created yet: still list it (it shows no leases).
+            l.insert(base.to_owned());
+        }
+    }
+    Ok(Catalog {
+        queues: q.into_iter().collect(),
+        locks: l.into_iter().collect(),
+    })
+}
+
+/// A read-only handle on queue `name`.
+pub(crate) fn queue(db: &Database, time: &TimeSource, name: &str) -> anyhow::Result<JobQueue> {
+    Ok(JobQueue::new(
+        db.collection(name),
+        time.clone(),
+        QueueOptions::default(),
+    )?)
+}
+
+/// A read-only handle on lock collection `name`.
+pub(crate) fn locks(
+    db: &Database,
+    time: &TimeSource,
+    name: &str,
+) -> anyhow::Result<LockCollection> {
+    Ok(LockCollection::new(
+        db.collection(name),
+        time.clone(),
+        LockOptions::default(),
+    )?)
+}
+
+/// One state's count, for display.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct StateCount {
+    pub(crate) state: String,
+    pub(crate) count: u64,
+    /// Not one of docwarden's states (a hand edit).
+    pub(crate) foreign: bool,
+}
+
+/// Every docwarden state (zeros included) and then any foreign state found.
+pub(crate) fn state_counts(stats: &QueueStats) -> Vec<StateCount> {
+    let mut out: Vec<StateCount> = JobState::ALL
+        .iter()
+        .map(|s| StateCount {
+            state: s.as_str().to_owned(),
+            count: stats.by_state.get(s.as_str()).copied().unwrap_or(0),
+            foreign: false,
+        })
+        .collect();
+    for (state, n) in &stats.by_state {
+        if JobState::parse(state).is_none() {
+            out.push(StateCount {
+                state: state.clone(),
+                count: *n,
+                foreign: true,
+            });
+        }
+    }
+    out
+}
+
+/// One minute of the chart.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub(crate) struct Minute {
+    /// Minutes before now (0 = the current minute).
+    pub(crate) ago: i64,
+    /// Jobs that succeeded in that minute.
+    pub(crate) succeeded: u64,
+    /// Jobs that went dead or were cancelled in that minute.
+    pub(crate) failed: u64,
+    /// Mean time from enqueue to finish of the jobs finished in that minute, ms.
+    pub(crate) mean_latency_ms: Option<i64>,
+}
+
+/// Finished jobs per minute over the last [`HISTORY_MINUTES`] minutes (by `finished_at`),
+/// oldest minute first, and the mean enqueue-to-finish latency per minute.
+pub(crate) async fn history(queue: &JobQueue, now_ms: i64) -> anyhow::Result<Vec<Minute>> {
+    let start_ms = now_ms - HISTORY_MINUTES * 60_000;
+    let finished: Vec<Bson> = [JobState::Succeeded, JobState::Dead, JobState::Cancelled]
+        .iter()
+        .map(|s| Bson::String(s.as_str().to_owned()))
+        .collect();
+    let docs: Vec<Document> = queue
+        .collection()
+        .find(doc! {
+            field::STATE: { "$in": finished },
+            field::FINISHED_AT: { "$gte": DateTime::from_millis(start_ms) },
+        })
+        .projection(doc! { field::STATE: 1, field::CREATED_AT: 1, field::FINISHED_AT: 1 })
+        .sort(doc! { field::FINISHED_AT: -1 })
+        .limit(HISTORY_CAP)
+        .await?
+        .try_collect()
+        .await?;
+    let n = usize::try_from(HISTORY_MINUTES).unwrap_or(15);
+    let mut minutes: Vec<Minute> = (0..n)
+        .map(|i| Minute {
+            ago: HISTORY_MINUTES - 1 - i64::try_from(i).unwrap_or(0),
+            ..Minute::default()
+        })
+        .collect();
+    let mut latency_sum = vec![0_i64; n];
+    let mut latency_n = vec![0_i64; n];
+    for d in &docs {
+        let Ok(finished_at) = d.get_datetime(field::FINISHED_AT) else {
+            continue;
+        };
+        let ago = (now_ms - finished_at.timestamp_millis()).max(0) / 60_000;
+        let Ok(slot) = usize::try_from(HISTORY_MINUTES - 1 - ago) else {
+            continue;
+        };
+        let Some(m) = minutes.get_mut(slot) else {
+            continue;
+        };
+        if d.get_str(field::STATE) == Ok(JobState::Succeeded.as_str()) {
+            m.succeeded += 1;
+        } else {
+            m.failed += 1;
+        }
+        if let Ok(created) = d.get_datetime(field::CREATED_AT) {
+            latency_sum[slot] += finished_at.timestamp_millis() - created.timestamp_millis();
+            latency_n[slot] += 1;
+        }
+    }
+    for (i, m) in minutes.iter_mut().enumerate() {
+        if latency_n[i] > 0 {
+            m.mean_latency_ms = Some(latency_sum[i] / latency_n[i]);
+        }
+    }
+    Ok(minutes)
+}
+
+/// Filters of the job list (all optional).
+#[derive(Debug, Default, Clone, serde::Deserialize, serde::Serialize)]
+pub(crate) struct JobQuery {
+    /// Only this queue.
+    #[serde(default)]
+    pub(crate) queue: Option<String>,
+    /// Only this state.
+    #[serde(default)]
+    pub(crate) in_state: Option<String>,
+    /// A dedupe key, or a job id.
+    #[serde(default)]
+    pub(crate) key: Option<String>,
+    /// Text the last error contains (case-insensitive).
+    #[serde(default)]
+    pub(crate) error: Option<String>,
+    /// At most this many (default 100).
+    #[serde(default)]
+    pub(crate) limit: Option<i64>,
+}
+
+impl JobQuery {
+    fn clean(v: &Option<String>) -> Option<&str> {
+        v.as_deref().map(str::trim).filter(|s| !s.is_empty())
+    }
+}
+
+/// One job as a row of the list.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct JobRow {
+    pub(crate) queue: String,
+    pub(crate) id: String,
+    pub(crate) state: String,
+    pub(crate) attempts: String,
+    pub(crate) priority: String,
+    pub(crate) key: String,
+    pub(crate) updated: String,
+    pub(crate) error: String,
+    updated_ms: i64,
+}
+
+/// A stored value as text for a table cell.
+pub(crate) fn text(b: Option<&Bson>) -> String {
+    match b {
+        None | Some(Bson::Null) => String::new(),
+        Some(Bson::String(s)) => s.clone(),
+        Some(Bson::ObjectId(o)) => o.to_hex(),
+        Some(Bson::DateTime(t)) => date(*t),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// RFC 3339, or the milliseconds if the date has no such form.
+pub(crate) fn date(t: DateTime) -> String {
+    t.try_to_rfc3339_string()
+        .unwrap_or_else(|_| t.timestamp_millis().to_string())
+}
+
+fn row(queue: &str, d: &Document) -> JobRow {
+    JobRow {
+        queue: queue.to_owned(),
+        id: text(d.get(field::ID)),
+        state: text(d.get(field::STATE)),
+        attempts: format!(
+            "{}/{}",
+            text(d.get(field::ATTEMPTS)),
+            text(d.get(field::MAX_ATTEMPTS))
+        ),
+        priority: text(d.get(field::PRIORITY)),
+        key: text(d.get(field::DEDUPE_KEY)),
+        updated: text(d.get(field::UPDATED_AT)),
+        error: shorten(&text(d.get(field::LAST_ERROR)), 160),
+        updated_ms: d
+            .get_datetime(field::UPDATED_AT)
+            .map(|t| t.timestamp_millis())
+            .unwrap_or(i64::MIN),
+    }
+}
+
+/// At most `n` characters of `s`, with an ellipsis when cut.
+fn shorten(s: &str, n: usize) -> String {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}
+
+/// Escapes every regular-expression metacharacter, so `$regex` matches `s` literally.
+pub(crate) fn regex_literal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\^$.|?*+()[]{}/-".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The jobs matching `q` in `queues` (or only `q.queue`), newest change first.
+///
+/// A state-only filter goes through [`JobQueue::list`]; the library's filter has no dedupe
+/// key or error text yet, so those are one `find` on the queue's collection with the
+/// format's field names (an indexed equality for the key; the error text is a scan).
+pub(crate) async fn jobs(
+    db: &Database,
+    time: &TimeSource,
+    queues: &[String],
+    q: &JobQuery,
+) -> anyhow::Result<Vec<JobRow>> {
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let state = match JobQuery::clean(&q.in_state) {
+        Some(s) => Some(
+            JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))?,
+        ),
+        None => None,
+    };
+    let key = JobQuery::clean(&q.key);
+    let error = JobQuery::clean(&q.error);
+    let mut rows = Vec::new();
+    for name in queues {
+        if let Some(only) = JobQuery::clean(&q.queue)
+            && only != name
+        {
+            continue;
+        }
+        let handle = queue(db, time, name)?;
+        let docs = if key.is_none() && error.is_none() {
+            let mut f = JobListFilter::default().limit(limit);
+            if let Some(s) = state {
+                f = f.state(s);
+            }
+            handle.list(&f).await?
+        } else {
+            let mut filter = Document::new();
+            if let Some(k) = key {
+                match ObjectId::parse_str(k) {
+                    Ok(id) => filter.insert(field::ID, id),
+                    Err(_) => filter.insert(field::DEDUPE_KEY, k),
+                };
+            }
+            if let Some(s) = state {
+                filter.insert(field::STATE, s.as_str());
+            }
+            if let Some(e) = error {
+                filter.insert(
+                    field::LAST_ERROR,
+                    doc! { "$regex": regex_literal(e), "$options": "i" },
+                );
+            }
+            handle
+                .collection()
+                .find(filter)
+                .sort(doc! { field::UPDATED_AT: -1 })
+                .limit(limit)
+                .await?
+                .try_collect()
+                .await?
+        };
+        rows.extend(docs.iter().map(|d| row(name, d)));
+    }
+    rows.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms));
+    rows.truncate(usize::try_from(limit).unwrap_or(100));
+    Ok(rows)
+}
+
+/// One job, for its page.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct JobView {
+    pub(crate) queue: String,
+    pub(crate) id: String,
+    pub(crate) state: String,
+    pub(crate) priority: String,
+    pub(crate) attempts: String,
+    pub(crate) max_attempts: String,
+    pub(crate) run_at: String,
+    pub(crate) created_at: String,
+    pub(crate) updated_at: String,
+    pub(crate) finished_at: String,
+    pub(crate) key: String,
+    pub(crate) payload: String,
+    pub(crate) result: Option<String>,
+    pub(crate) last_error: Option<String>,
+    pub(crate) lease: Option<LeaseView>,
+    /// Why the stored document does not parse as a job (a hand edit).
+    pub(crate) malformed: Option<String>,
+    /// The whole stored document, as relaxed extended JSON.
+    pub(crate) raw: String,
+    pub(crate) can_cancel: bool,
+    pub(crate) can_retry: bool,
+}
+
+/// A job's lease.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct LeaseView {
+    pub(crate) owner: String,
+    pub(crate) token: String,
+    pub(crate) until: String,
+    /// Milliseconds until it expires by the server's clock (negative: expired).
+    pub(crate) remaining_ms: Option<i64>,
+}
+
+/// A BSON value as pretty relaxed extended JSON.
+pub(crate) fn json(b: &Bson) -> String {
+    serde_json::to_string_pretty(&b.clone().into_relaxed_extjson())
+        .unwrap_or_else(|_| b.to_string())
+}
+
+/// The job `id` of `queue_name`, raw and parsed; `None` if there is no such job.
+pub(crate) async fn job(
+    handle: &JobQueue,
+    queue_name: &str,
+    id: ObjectId,
+    now_ms: i64,
+) -> anyhow::Result<Option<JobView>> {
+    let Some(d) = handle.collection().find_one(doc! { field::ID: id }).await? else {
+        return Ok(None);
+    };
+    let parsed = Job::from_document(&d);
+    let state = text(d.get(field::STATE));
+    let lease = d.get_document(field::LEASE).ok().map(|l| LeaseView {
+        owner: text(l.get(field::lease::OWNER)),
+        token: text(l.get(field::lease::TOKEN)),
+        until: text(l.get(field::lease::UNTIL)),
+        remaining_ms: l
+            .get_datetime(field::lease::UNTIL)
+            .ok()
+            .map(|t| t.timestamp_millis() - now_ms),
+    });
+    let parsed_state = JobState::parse(&state);
+    Ok(Some(JobView {
+        queue: queue_name.to_owned(),
+        id: id.to_hex(),
+        priority: text(d.get(field::PRIORITY)),
+        attempts: text(d.get(field::ATTEMPTS)),
+        max_attempts: text(d.get(field::MAX_ATTEMPTS)),
+        run_at: text(d.get(field::RUN_AT)),
+        created_at: text(d.get(field::CREATED_AT)),
+        updated_at: text(d.get(field::UPDATED_AT)),
+        finished_at: text(d.get(field::FINISHED_AT)),
+        key: text(d.get(field::DEDUPE_KEY)),
+        payload: d.get(field::PAYLOAD).map(json).unwrap_or_default(),
+        result: d
+            .get(field::RESULT)
+            .filter(|b| **b != Bson::Null)
+            .map(json),
+        last_error: d
+            .get(field::LAST_ERROR)
+            .filter(|b| **b != Bson::Null)
+            .map(|b| text(Some(b))),
+        lease,
+        malformed: parsed.err().map(|e| e.to_string()),
+        raw: json(&Bson::Document(d.clone())),
+        can_cancel: parsed_state.is_some_and(|s| !s.is_finished()),
+        can_retry: parsed_state == Some(JobState::Dead),
+        state,
+    }))
+}
+
+/// A lease of a lock collection, for display.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct LockView {
+    pub(crate) collection: String,
+    pub(crate) resource: String,
+    pub(crate) owner: String,
+    pub(crate) token: String,
+    pub(crate) acquired_at: String,
+    pub(crate) expires_at: String,
+    /// Milliseconds until it expires by the server's clock (negative: expired).
+    pub(crate) remaining_ms: Option<i64>,
+    pub(crate) expired: bool,
+    pub(crate) malformed: Option<String>,
+}
+
+/// A lock record as a view.
+pub(crate) fn lock_view(collection: &str, r: &LockRecord, now_ms: i64) -> LockView {
+    LockView {
+        collection: collection.to_owned(),
+        resource: r.resource.clone(),
+        owner: r.owner.clone(),
+        token: r.token.map_or_else(
+            || docwarden::lock::format::collection::PENDING.to_owned(),
+            |t| t.to_string(),
+        ),
+        acquired_at: r.acquired_at.map(date).unwrap_or_default(),
+        expires_at: r.expires_at.map(date).unwrap_or_default(),
+        remaining_ms: r.expires_at.map(|t| t.timestamp_millis() - now_ms),
+        expired: r.expired,
+        malformed: r.malformed.clone(),
+    }
+}
+
+/// Every held lease of `collection`.
+pub(crate) async fn lock_list(
+    db: &Database,
+    time: &TimeSource,
+    collection: &str,
+    now_ms: i64,
+) -> anyhow::Result<Vec<LockView>> {
+    let handle = locks(db, time, collection)?;
+    Ok(handle
+        .list(&LockListFilter::default())
+        .await?
+        .iter()
+        .map(|r| lock_view(collection, r, now_ms))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regex_metacharacters_are_escaped() {
+        assert_eq!(regex_literal("a.b*(c)"), "a\\.b\\*\\(c\\)");
+        assert_eq!(regex_literal("<script>"), "<script>");
+    }
+}

@@ -1,0 +1,142 @@
+//! `GET /metrics`: Prometheus text from the `metrics` facade and its Prometheus exporter.
+//!
+//! At each scrape the gauges are read from the database (jobs by queue and state, the
+//! oldest due job's wait, expired leases, held locks and their holders), then everything
+//! the process's recorder holds is rendered: those gauges, the dashboard's own counters,
+//! and any series the library records in the same process (for example when `docwarden
+//! demo --ui` runs workers next to the dashboard). Histograms whose name ends in
+//! `_seconds` are rendered as Prometheus histograms with [`BUCKETS`].
+//!
+//! **Limits:** a series is never removed: a queue that disappears keeps its last gauges
+//! until the process restarts. The recorder is process-global: the first caller installs
+//! it; a process that installed another recorder gets no `/metrics` (an error says so).
+
+use std::collections::BTreeSet;
+use std::sync::OnceLock;
+
+use docwarden::clock::TimeSource;
+use docwarden::lock::LockListFilter;
+use docwarden::queue::format::field;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use mongodb::Database;
+
+/// Histogram buckets (seconds) for every `*_seconds` histogram: claim-to-start waits and
+/// run durations of jobs, lock hand-off waits, scrape times.
+pub(crate) const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+
+/// The process's Prometheus recorder, installed on first use.
+///
+/// # Errors
+/// Another `metrics` recorder was installed first.
+pub(crate) fn handle() -> anyhow::Result<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), &BUCKETS)
+                .and_then(PrometheusBuilder::install_recorder)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))
+}
+
+/// Describes every series `/metrics` can show, so each gets its `# HELP` line.
+pub(crate) fn describe() {
+    metrics::describe_gauge!("docwarden_jobs", "Jobs by queue and state, read at scrape time.");
+    metrics::describe_gauge!(
+        "docwarden_queue_oldest_due_seconds",
+        "How long the oldest due job (ready or retrying) has waited, read at scrape time."
+    );
+    metrics::describe_gauge!(
+        "docwarden_queue_expired_leases",
+        "Running jobs whose lease certainly expired (the next claim sweeps them)."
+    );
+    metrics::describe_gauge!(
+        "docwarden_locks",
+        "Leases in a lock collection by status (held, expired), read at scrape time."
+    );
+    metrics::describe_gauge!(
+        "docwarden_lock_holders",
+        "Distinct owners holding an unexpired lease in a lock collection."
+    );
+    metrics::describe_counter!(
+        "docwarden_ui_requests_total",
+        "Pages and endpoints served by the dashboard."
+    );
+    metrics::describe_counter!(
+        "docwarden_ui_actions_total",
+        "Actions posted to the dashboard, by action and outcome (done, refused_*)."
+    );
+    metrics::describe_counter!(
+        "docwarden_ui_live_fallbacks_total",
+        "Times the live updates fell back from a change stream to polling."
+    );
+    metrics::describe_gauge!("docwarden_ui_live_listeners", "Open live-update connections.");
+    metrics::describe_histogram!(
+        "docwarden_ui_scrape_seconds",
+        metrics::Unit::Seconds,
+        "Time to read the gauges from the database for one scrape."
+    );
+}
+
+/// Reads the gauges from the database and renders the recorder.
+pub(crate) async fn scrape(
+    db: &Database,
+    time: &TimeSource,
+    catalog: &super::data::Catalog,
+    listeners: usize,
+) -> anyhow::Result<String> {
+    let handle = handle()?;
+    let started = std::time::Instant::now();
+    for q in &catalog.queues {
+        let stats = super::data::queue(db, time, q)?.stats().await?;
+        for s in super::data::state_counts(&stats) {
+            metrics::gauge!("docwarden_jobs", "queue" => q.clone(), field::STATE => s.state)
+                .set(count(s.count));
+        }
+        metrics::gauge!("docwarden_queue_oldest_due_seconds", "queue" => q.clone())
+            .set(stats.oldest_due_ms.map_or(0.0, |ms| ms_to_secs(ms)));
+        metrics::gauge!("docwarden_queue_expired_leases", "queue" => q.clone())
+            .set(count(stats.expired_running));
+    }
+    for l in &catalog.locks {
+        let records = super::data::locks(db, time, l)?
+            .list(&LockListFilter::default())
+            .await?;
+        let held = records.iter().filter(|r| !r.expired).count();
+        let holders: BTreeSet<&str> = records
+            .iter()
+            .filter(|r| !r.expired)
+            .map(|r| r.owner.as_str())
+            .collect();
+        metrics::gauge!("docwarden_locks", "collection" => l.clone(), "status" => "held")
+            .set(count_usize(held));
+        metrics::gauge!("docwarden_locks", "collection" => l.clone(), "status" => "expired")
+            .set(count_usize(records.len() - held));
+        metrics::gauge!("docwarden_lock_holders", "collection" => l.clone())
+            .set(count_usize(holders.len()));
+    }
+    metrics::gauge!("docwarden_ui_live_listeners").set(count_usize(listeners));
+    metrics::histogram!("docwarden_ui_scrape_seconds").record(started.elapsed().as_secs_f64());
+    handle.run_upkeep();
+    Ok(handle.render())
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn count(n: u64) -> f64 {
+    // Exact below 2^53 jobs.
+    n as f64
+}
+
+fn count_usize(n: usize) -> f64 {
+    count(u64::try_from(n).unwrap_or(u64::MAX))
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn ms_to_secs(ms: i64) -> f64 {
+    ms as f64 / 1000.0
+}

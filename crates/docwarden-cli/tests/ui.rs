@@ -1,0 +1,541 @@
+//! `docwarden ui` end to end (issue 17): the binary serves the dashboard on port 0 against
+//! the shared test server, with jobs and a lease created through the library. The tests
+//! read the pages over HTTP and in headless Chromium, post actions with and without the
+//! token, and parse `/metrics`.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden::queue::format::field;
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions};
+use docwarden_testkit::TestDb;
+use mongodb::bson::{Bson, doc, oid::ObjectId};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const EVIL: &str = "<script>alert(1)</script>";
+const EVIL_ESCAPED: &str = "&lt;script&gt;alert(1)&lt;";
+
+/// What the fixture put in the database.
+struct Fixture {
+    queue: JobQueue,
+    dead: ObjectId,
+    running: ObjectId,
+    owner: Owner,
+    token: i64,
+}
+
+/// A queue `jobs` with three ready jobs, one running, one succeeded and one dead whose
+/// payload and last error are HTML; a lock collection `locks` with a lease on
+/// `invoice-42`.
+async fn fixture(t: &TestDb) -> anyhow::Result<Fixture> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let queue = JobQueue::open(&t.db, "jobs", time.clone(), QueueOptions::default()).await?;
+    for i in 0..3 {
+        queue
+            .enqueue(
+                doc! { "n": i },
+                &EnqueueOptions::default().dedupe_key(format!("order-{i}")),
+            )
+            .await?;
+    }
+    let dead = queue
+        .enqueue(
+            doc! { "html": EVIL },
+            &EnqueueOptions::default()
+                .priority(10)
+                .max_attempts(1)
+                .dedupe_key("evil"),
+        )
+        .await?
+        .created()
+        .context("evil job not created")?;
+    let job = queue.claim("worker-a").await?.context("nothing to claim")?;
+    anyhow::ensure!(job.id() == dead, "claimed {} instead of the evil job", job.id());
+    queue.fail(&job, EVIL).await?;
+    let running = queue
+        .enqueue(doc! { "n": "runs" }, &EnqueueOptions::default().priority(5))
+        .await?
+        .created()
+        .context("not created")?;
+    queue.claim("worker-b").await?.context("nothing to claim")?;
+    queue
+        .enqueue(doc! { "n": "done" }, &EnqueueOptions::default().priority(4))
+        .await?;
+    let done = queue.claim("worker-c").await?.context("nothing to claim")?;
+    queue.complete(&done, doc! { "country": "NZ" }).await?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let owner = Owner::random();
+    let lease = locks
+        .acquire(
+            &owner,
+            "invoice-42",
+            Duration::from_secs(300),
+            Duration::from_secs(2),
+        )
+        .await?
+        .context("lock not acquired")?;
+    Ok(Fixture {
+        queue,
+        dead,
+        running,
+        owner,
+        token: lease.token.get(),
+    })
+}
+
+/// A running `docwarden ui`, killed on drop.
+struct Ui {
+    _child: tokio::process::Child,
+    url: String,
+    token: Option<String>,
+}
+
+async fn start_ui(t: &TestDb, extra: &[&str]) -> anyhow::Result<Ui> {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .args([
+            "ui",
+            "--uri",
+            t.uri(),
+            "--db",
+            t.db.name(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let mut url = None;
+    let mut token = None;
+    let read = async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(u) = line.strip_prefix("docwarden ui: ") {
+                url = Some(u.trim_end_matches('/').to_owned());
+            } else if let Some(tk) = line.strip_prefix("action token: ") {
+                token = Some(tk.to_owned());
+                break;
+            } else if line.starts_with("read-only") {
+                break;
+            }
+        }
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .context("docwarden ui printed no URL within 60 s")??;
+    Ok(Ui {
+        _child: child,
+        url: url.context("no URL line")?,
+        token,
+    })
+}
+
+fn client() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(30))
+        .build()?)
+}
+
+async fn page(ui: &Ui, path: &str) -> anyhow::Result<String> {
+    let resp = client()?.get(format!("{}{path}", ui.url)).send().await?;
+    let status = resp.status();
+    let body = resp.text().await?;
+    anyhow::ensure!(status.is_success(), "GET {path}: {status}: {body}");
+    Ok(body)
+}
+
+async fn state_of(f: &Fixture, id: ObjectId) -> anyhow::Result<String> {
+    let d = f
+        .queue
+        .collection()
+        .find_one(doc! { field::ID: id })
+        .await?
+        .context("job gone")?;
+    Ok(d.get_str(field::STATE)?.to_owned())
+}
+
+#[tokio::test]
+async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> anyhow::Result<()>
+{
+    let t = TestDb::new("ui_pages").await?;
+    let f = fixture(&t).await?;
+    let ui = start_ui(&t, &[]).await?;
+
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("data-queue=\"jobs\""), "{home}");
+    // Counts by state: 3 ready, 1 running, 1 succeeded, 1 dead.
+    for (state, n) in [("ready", 3), ("running", 1), ("succeeded", 1), ("dead", 1)] {
+        assert!(
+            home.contains(&format!("data-state=\"{state}\">{n}</a>")),
+            "{state} should count {n}: {home}"
+        );
+    }
+    assert!(home.contains("oldest due job waiting"), "{home}");
+
+    let dead_list = page(&ui, "/jobs?queue=jobs&in_state=dead").await?;
+    assert!(dead_list.contains(&f.dead.to_hex()), "{dead_list}");
+    assert!(!dead_list.contains(&f.running.to_hex()), "{dead_list}");
+    assert!(dead_list.contains(EVIL_ESCAPED), "{dead_list}");
+    assert!(!dead_list.contains(EVIL), "unescaped error in the list: {dead_list}");
+    let by_error = page(&ui, "/jobs?error=ALERT(1)").await?;
+    assert_eq!(by_error.matches("class=\"job\"").count(), 1, "{by_error}");
+    let by_key = page(&ui, "/jobs?key=order-1").await?;
+    assert_eq!(by_key.matches("class=\"job\"").count(), 1, "{by_key}");
+    let all = page(&ui, "/jobs").await?;
+    assert_eq!(all.matches("class=\"job\"").count(), 6, "{all}");
+
+    let job = page(&ui, &format!("/jobs/jobs/{}", f.dead.to_hex())).await?;
+    assert!(job.contains(EVIL_ESCAPED), "{job}");
+    assert!(!job.contains(EVIL), "a database value was not escaped: {job}");
+    assert!(job.contains("Retry this dead job"), "{job}");
+    let running = page(&ui, &format!("/jobs/jobs/{}", f.running.to_hex())).await?;
+    assert!(running.contains("worker-b"), "lease holder missing: {running}");
+    assert!(running.contains("data-remaining-ms"), "{running}");
+
+    let locks = page(&ui, "/locks").await?;
+    assert!(locks.contains("invoice-42"), "{locks}");
+    assert!(locks.contains(f.owner.id()), "{locks}");
+    assert!(
+        locks.contains(&format!("<td class=\"token\">{}</td>", f.token)),
+        "{locks}"
+    );
+
+    // Every HTML page forbids inline scripts, whatever escaping does.
+    let resp = client()?.get(format!("{}/", ui.url)).send().await?;
+    let csp = resp
+        .headers()
+        .get("content-security-policy")
+        .context("no CSP")?
+        .to_str()?;
+    assert!(csp.contains("script-src 'self'"), "{csp}");
+    // A foreign Host (DNS rebinding) is refused.
+    let rebind = client()?
+        .get(format!("{}/", ui.url))
+        .header("host", "rebind.example")
+        .send()
+        .await?;
+    assert_eq!(rebind.status().as_u16(), 421);
+    // Live updates answer as server-sent events.
+    let events = client()?.get(format!("{}/events", ui.url)).send().await?;
+    assert!(
+        events
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v.to_str().unwrap_or("").starts_with("text/event-stream"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn actions_need_the_token_and_change_nothing_without_it() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_actions").await?;
+    let f = fixture(&t).await?;
+    let ui = start_ui(&t, &[]).await?;
+    let token = ui.token.clone().context("no token printed")?;
+    let http = client()?;
+    let retry = format!("{}/actions/retry", ui.url);
+    let dead = f.dead.to_hex();
+
+    // No token: 401, the dead job stays dead.
+    let r = http
+        .post(&retry)
+        .form(&[("queue", "jobs"), ("id", dead.as_str())])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(state_of(&f, f.dead).await?, JobState::Dead.as_str());
+    // A wrong token: 403.
+    let r = http
+        .post(&retry)
+        .form(&[("queue", "jobs"), ("id", dead.as_str()), ("token", "0123")])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 403);
+    // The right token from another site (a CSRF attempt): 403.
+    let r = http
+        .post(&retry)
+        .header("origin", "http://evil.example")
+        .form(&[
+            ("queue", "jobs"),
+            ("id", dead.as_str()),
+            ("token", token.as_str()),
+        ])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 403);
+    let r = http
+        .post(&retry)
+        .header("sec-fetch-site", "cross-site")
+        .form(&[
+            ("queue", "jobs"),
+            ("id", dead.as_str()),
+            ("token", token.as_str()),
+        ])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 403);
+    // A GET never acts.
+    let r = http.get(&retry).send().await?;
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(state_of(&f, f.dead).await?, JobState::Dead.as_str());
+    let cancel = format!("{}/actions/cancel", ui.url);
+    let running = f.running.to_hex();
+    let r = http
+        .post(&cancel)
+        .form(&[("queue", "jobs"), ("id", running.as_str())])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(state_of(&f, f.running).await?, JobState::Running.as_str());
+
+    // With the token (form field): the dead job is ready again.
+    let r = http
+        .post(&retry)
+        .form(&[
+            ("queue", "jobs"),
+            ("id", dead.as_str()),
+            ("token", token.as_str()),
+        ])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(state_of(&f, f.dead).await?, JobState::Ready.as_str());
+    // With the token in the header, from the same origin: the running job is cancelled.
+    let r = http
+        .post(&cancel)
+        .header("x-docwarden-token", token.as_str())
+        .header("origin", ui.url.as_str())
+        .form(&[("queue", "jobs"), ("id", running.as_str())])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(
+        state_of(&f, f.running).await?,
+        JobState::Cancelled.as_str()
+    );
+    let notice = r
+        .headers()
+        .get("location")
+        .context("no redirect")?
+        .to_str()?
+        .to_owned();
+    let after = page(&ui, &notice).await?;
+    assert!(after.contains("cancelled (was running)"), "{after}");
+
+    // Read-only: even the token does not act.
+    let ro = start_ui(&t, &["--read-only"]).await?;
+    assert!(ro.token.is_none());
+    let r = http
+        .post(format!("{}/actions/retry", ro.url))
+        .form(&[("queue", "jobs"), ("token", token.as_str())])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 403);
+    Ok(())
+}
+
+/// `name{labels} value` → (name, labels, value); `None` for a line that is not a sample.
+fn sample(line: &str) -> Option<(String, Vec<(String, String)>, f64)> {
+    let (series, value) = line.rsplit_once(' ')?;
+    let value: f64 = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    let (name, labels) = match series.split_once('{') {
+        Some((n, rest)) => (n, rest.strip_suffix('}')?),
+        None => (series, ""),
+    };
+    let valid_name = name.chars().enumerate().all(|(i, c)| {
+        c.is_ascii_alphabetic() || c == '_' || c == ':' || (i > 0 && c.is_ascii_digit())
+    });
+    if name.is_empty() || !valid_name {
+        return None;
+    }
+    let mut pairs = Vec::new();
+    for pair in labels.split(',').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=')?;
+        let v = v.strip_prefix('"')?.strip_suffix('"')?;
+        pairs.push((k.to_owned(), v.to_owned()));
+    }
+    Some((name.to_owned(), pairs, value))
+}
+
+#[tokio::test]
+async fn metrics_are_prometheus_text_and_match_the_database() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_metrics").await?;
+    let f = fixture(&t).await?;
+    let ui = start_ui(&t, &["--read-only"]).await?;
+    // A page view first, so the dashboard's own counter has a sample.
+    page(&ui, "/").await?;
+    let text = page(&ui, "/metrics").await?;
+    let mut jobs: Vec<(String, f64)> = Vec::new();
+    let mut lock_holders = None;
+    let mut names = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, labels, value) =
+            sample(line).with_context(|| format!("not Prometheus text: `{line}`"))?;
+        let label = |k: &str| labels.iter().find(|(l, _)| l == k).map(|(_, v)| v.clone());
+        if name == "docwarden_jobs" && label("queue").as_deref() == Some("jobs") {
+            jobs.push((label(field::STATE).context("no state label")?, value));
+        }
+        if name == "docwarden_lock_holders" && label("collection").as_deref() == Some("locks") {
+            lock_holders = Some(value);
+        }
+        names.insert(name);
+    }
+    for state in JobState::ALL {
+        let stored = f
+            .queue
+            .collection()
+            .count_documents(doc! { field::STATE: state.as_str() })
+            .await?;
+        let shown = jobs
+            .iter()
+            .find(|(s, _)| s == state.as_str())
+            .map(|(_, v)| *v)
+            .with_context(|| format!("no docwarden_jobs series for {state}:\n{text}"))?;
+        assert_eq!(shown, stored as f64, "{state}:\n{text}");
+    }
+    assert_eq!(lock_holders, Some(1.0), "{text}");
+    for expected in [
+        "docwarden_queue_oldest_due_seconds",
+        "docwarden_queue_expired_leases",
+        "docwarden_locks",
+        "docwarden_ui_requests_total",
+        "docwarden_ui_scrape_seconds_bucket",
+    ] {
+        assert!(names.contains(expected), "no {expected}:\n{text}");
+    }
+    assert!(text.contains("# TYPE docwarden_jobs gauge"), "{text}");
+    Ok(())
+}
+
+#[test]
+fn the_metrics_line_parser_rejects_what_is_not_a_sample() {
+    assert!(sample("docwarden_jobs{queue=\"q\",state=\"ready\"} 3").is_some());
+    assert!(sample("up 1").is_some());
+    assert!(sample("2bad 1").is_none());
+    assert!(sample("docwarden_jobs{queue=q} 1").is_none());
+    assert!(sample("docwarden_jobs 1x").is_none());
+}
+
+fn chromium() -> Option<&'static str> {
+    ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|b| {
+            std::process::Command::new(b)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+}
+
+/// Runs headless Chromium with `args` and the URL; its standard output.
+async fn headless(browser: &str, profile: &std::path::Path, args: &[&str], url: &str) -> anyhow::Result<String> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(browser)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--hide-scrollbars",
+            ])
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .args(args)
+            .arg(url)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .context("chromium took more than 90 s")??;
+    anyhow::ensure!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Loads the queue, job and locks pages in headless Chromium and checks what it rendered
+/// (after the page's script ran: countdowns filled, no injected script). Screenshots go to
+/// `$DOCWARDEN_UI_SCREENSHOTS` (the repository's `docs/` when refreshing them), else to a
+/// temporary directory.
+#[tokio::test]
+async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> {
+    let test = "chromium_renders_the_queue_job_and_locks_pages";
+    let Some(browser) = chromium() else {
+        docwarden_testkit::skip(test, "no chromium on PATH (apt-get install chromium)");
+        return Ok(());
+    };
+    let t = TestDb::new("ui_chromium").await?;
+    let f = fixture(&t).await?;
+    // Some history for the charts: a few more finished jobs.
+    for i in 0..4 {
+        f.queue
+            .enqueue(doc! { "n": format!("extra-{i}") }, &EnqueueOptions::default().priority(3))
+            .await?;
+        let j = f.queue.claim("worker-d").await?.context("nothing to claim")?;
+        f.queue.complete(&j, Bson::Int64(i)).await?;
+    }
+    let ui = start_ui(&t, &[]).await?;
+    let profile = tempfile::tempdir()?;
+    let temp_shots = tempfile::tempdir()?;
+    let shots = std::env::var_os("DOCWARDEN_UI_SCREENSHOTS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| temp_shots.path().to_owned());
+
+    let pages = [
+        ("ui-queues.png", format!("{}/", ui.url)),
+        ("ui-job.png", format!("{}/jobs/jobs/{}", ui.url, f.dead.to_hex())),
+        ("ui-locks.png", format!("{}/locks", ui.url)),
+    ];
+    let queues = headless(browser, profile.path(), &["--dump-dom"], &pages[0].1).await?;
+    assert!(queues.contains("data-queue=\"jobs\""), "{queues}");
+    assert!(queues.contains("data-state=\"dead\">1</a>"), "{queues}");
+    // The token from the URL fragment is not needed to render; forms stay token-less.
+    let job = headless(browser, profile.path(), &["--dump-dom"], &pages[1].1).await?;
+    assert!(job.contains(EVIL_ESCAPED), "{job}");
+    assert!(!job.contains(EVIL), "an injected script is in the DOM: {job}");
+    let locks = headless(browser, profile.path(), &["--dump-dom"], &pages[2].1).await?;
+    assert!(locks.contains("invoice-42"), "{locks}");
+    assert!(locks.contains(f.owner.id()), "{locks}");
+    // The countdown was filled in by the page's script: "299 s" or so, not empty.
+    assert!(
+        locks.contains(" s</span>") || locks.contains(" min "),
+        "the countdown did not run: {locks}"
+    );
+    for (file, url) in &pages {
+        let path = shots.join(file);
+        headless(
+            browser,
+            profile.path(),
+            &[
+                &format!("--screenshot={}", path.display()),
+                "--window-size=1400,900",
+            ],
+            url,
+        )
+        .await?;
+        let png = std::fs::read(&path).with_context(|| format!("no {}", path.display()))?;
+        assert!(png.starts_with(b"\x89PNG"), "{} is not a PNG", path.display());
+        assert!(png.len() > 10_000, "{} is nearly empty", path.display());
+    }
+    Ok(())
+}

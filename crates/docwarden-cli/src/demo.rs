@@ -124,7 +124,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             running.url
         );
         // Returns at once when standard input is closed (scripts, tests).
-        let _ = tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await;
+        let _ =
+            tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await;
         drop(running);
     }
     db.drop().await?;

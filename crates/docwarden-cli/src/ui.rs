@@ -264,7 +264,10 @@ async fn protect(State(state): State<Shared>, req: Request, next: Next) -> Respo
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     resp
 }
@@ -330,7 +333,10 @@ impl AppState {
     async fn queue_named(&self, name: &str) -> Result<docwarden::queue::JobQueue, UiError> {
         let catalog = self.catalogue.get(&self.db).await?;
         if !catalog.queues.iter().any(|q| q == name) {
-            return Err(not_found(format!("no queue `{name}` in {}", self.db.name())));
+            return Err(not_found(format!(
+                "no queue `{name}` in {}",
+                self.db.name()
+            )));
         }
         Ok(data::queue(&self.db, &self.time, name)?)
     }
@@ -382,9 +388,8 @@ fn chart(minutes: &[data::Minute]) -> Chart {
         .max()
         .unwrap_or(0)
         .max(1);
-    let scale = |v: u64, max: u64| -> i64 {
-        i64::try_from(v.saturating_mul(60) / max).unwrap_or(CHART_H)
-    };
+    let scale =
+        |v: u64, max: u64| -> i64 { i64::try_from(v.saturating_mul(60) / max).unwrap_or(CHART_H) };
     let bars = minutes
         .iter()
         .enumerate()
@@ -589,14 +594,13 @@ async fn report_file(State(s): State<Shared>, Path(name): Path<String>) -> Page 
 async fn events(State(s): State<Shared>) -> impl IntoResponse {
     let hello = Event::default().event("hello").data(s.live.mode().as_str());
     let rx = s.live.subscribe();
+    // A lagging listener missed some notifications: one "change" covers them all.
     let changes = futures::stream::unfold(rx, |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(()) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                    return Some((Event::default().event("change").data("changed"), rx));
-                }
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+        match rx.recv().await {
+            Ok(()) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                Some((Event::default().event("change").data("changed"), rx))
             }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
         }
     });
     let stream = futures::StreamExt::map(
@@ -668,7 +672,12 @@ fn query_value(s: &str) -> String {
 }
 
 /// The checks every action passes first; the refusal as a response.
-fn authorize(s: &AppState, action: &str, headers: &HeaderMap, form: &ActionForm) -> Option<Response> {
+fn authorize(
+    s: &AppState,
+    action: &str,
+    headers: &HeaderMap,
+    form: &ActionForm,
+) -> Option<Response> {
     match guard::check_action(s.token.as_deref(), headers, form.token.as_deref()) {
         Ok(()) => None,
         Err(refusal) => {
@@ -736,7 +745,10 @@ async fn action_cancel(
     }
     let q = s.queue_named(&form.queue).await?;
     let Some(id) = parse_job_id(form.id.as_deref())? else {
-        return Err(UiError(StatusCode::BAD_REQUEST, "cancel needs a job id".to_owned()));
+        return Err(UiError(
+            StatusCode::BAD_REQUEST,
+            "cancel needs a job id".to_owned(),
+        ));
     };
     let text = match q.cancel(id).await? {
         CancelOutcome::Cancelled { was } => format!("cancelled (was {was})"),
@@ -792,16 +804,26 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
     )
     .await?;
-    println!("docwarden ui: {}", running.url);
+    // The first line is the URL (scripts and tests read it). Written once, and a closed
+    // standard output (`docwarden ui | head -1`) does not stop the server.
+    let mut banner = format!("docwarden ui: {}\n", running.url);
     match &running.token {
-        Some(token) => {
-            println!("action token: {token}");
-            println!(
-                "open {}#token={token} to act from the browser (the token stays in the tab)",
-                running.url
-            );
+        Some(token) => banner.push_str(&format!(
+            "action token: {token}\nopen {}#token={token} to act from the browser (the token stays in the tab)\n",
+            running.url
+        )),
+        None => banner.push_str("read-only: actions are disabled\n"),
+    }
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        if out
+            .write_all(banner.as_bytes())
+            .and_then(|()| out.flush())
+            .is_err()
+        {
+            eprint!("{banner}");
         }
-        None => println!("read-only: actions are disabled"),
     }
     if !args.listen.ip().is_loopback() {
         eprintln!(
@@ -825,7 +847,10 @@ mod tests {
             status => 500, message => "<script>alert(1)</script>",
             page => "error", db => "d", read_only => true, live => "polling", version => "0",
         })?;
-        assert!(html.contains("&lt;script&gt;alert(1)&lt;&#x2f;script&gt;"), "{html}");
+        assert!(
+            html.contains("&lt;script&gt;alert(1)&lt;&#x2f;script&gt;"),
+            "{html}"
+        );
         assert!(!html.contains("<script>alert"), "{html}");
         Ok(())
     }

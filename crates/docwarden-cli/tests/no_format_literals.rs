@@ -60,7 +60,13 @@ fn no_stored_field_or_state_literal_in_the_cli_the_workloads_or_the_checkers() -
     rust_files(&crates.join("docwarden-workloads/src"), &mut files)?;
     assert!(files.len() > 10, "scanned only {} files", files.len());
     // The dashboard (issue 17) reads every stored field through the format module too.
-    for module in ["ui.rs", "ui/data.rs", "ui/metrics.rs", "ui/live.rs", "ui/guard.rs"] {
+    for module in [
+        "ui.rs",
+        "ui/data.rs",
+        "ui/metrics.rs",
+        "ui/live.rs",
+        "ui/guard.rs",
+    ] {
         let path = crates.join("docwarden-cli/src").join(module);
         assert!(files.contains(&path), "{} is not scanned", path.display());
     }

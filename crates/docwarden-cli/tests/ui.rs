@@ -53,7 +53,11 @@ async fn fixture(t: &TestDb) -> anyhow::Result<Fixture> {
         .created()
         .context("evil job not created")?;
     let job = queue.claim("worker-a").await?.context("nothing to claim")?;
-    anyhow::ensure!(job.id() == dead, "claimed {} instead of the evil job", job.id());
+    anyhow::ensure!(
+        job.id() == dead,
+        "claimed {} instead of the evil job",
+        job.id()
+    );
     queue.fail(&job, EVIL).await?;
     let running = queue
         .enqueue(doc! { "n": "runs" }, &EnqueueOptions::default().priority(5))
@@ -130,6 +134,8 @@ async fn start_ui(t: &TestDb, extra: &[&str]) -> anyhow::Result<Ui> {
     tokio::time::timeout(Duration::from_secs(60), read)
         .await
         .context("docwarden ui printed no URL within 60 s")??;
+    // Keep reading, so the rest of the output never meets a closed pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok(Ui {
         _child: child,
         url: url.context("no URL line")?,
@@ -163,8 +169,7 @@ async fn state_of(f: &Fixture, id: ObjectId) -> anyhow::Result<String> {
 }
 
 #[tokio::test]
-async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> anyhow::Result<()>
-{
+async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> anyhow::Result<()> {
     let t = TestDb::new("ui_pages").await?;
     let f = fixture(&t).await?;
     let ui = start_ui(&t, &[]).await?;
@@ -184,7 +189,10 @@ async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> 
     assert!(dead_list.contains(&f.dead.to_hex()), "{dead_list}");
     assert!(!dead_list.contains(&f.running.to_hex()), "{dead_list}");
     assert!(dead_list.contains(EVIL_ESCAPED), "{dead_list}");
-    assert!(!dead_list.contains(EVIL), "unescaped error in the list: {dead_list}");
+    assert!(
+        !dead_list.contains(EVIL),
+        "unescaped error in the list: {dead_list}"
+    );
     let by_error = page(&ui, "/jobs?error=ALERT(1)").await?;
     assert_eq!(by_error.matches("class=\"job\"").count(), 1, "{by_error}");
     let by_key = page(&ui, "/jobs?key=order-1").await?;
@@ -194,10 +202,16 @@ async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> 
 
     let job = page(&ui, &format!("/jobs/jobs/{}", f.dead.to_hex())).await?;
     assert!(job.contains(EVIL_ESCAPED), "{job}");
-    assert!(!job.contains(EVIL), "a database value was not escaped: {job}");
+    assert!(
+        !job.contains(EVIL),
+        "a database value was not escaped: {job}"
+    );
     assert!(job.contains("Retry this dead job"), "{job}");
     let running = page(&ui, &format!("/jobs/jobs/{}", f.running.to_hex())).await?;
-    assert!(running.contains("worker-b"), "lease holder missing: {running}");
+    assert!(
+        running.contains("worker-b"),
+        "lease holder missing: {running}"
+    );
     assert!(running.contains("data-remaining-ms"), "{running}");
 
     let locks = page(&ui, "/locks").await?;
@@ -317,10 +331,7 @@ async fn actions_need_the_token_and_change_nothing_without_it() -> anyhow::Resul
         .send()
         .await?;
     assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
-    assert_eq!(
-        state_of(&f, f.running).await?,
-        JobState::Cancelled.as_str()
-    );
+    assert_eq!(state_of(&f, f.running).await?, JobState::Cancelled.as_str());
     let notice = r
         .headers()
         .get("location")
@@ -342,8 +353,11 @@ async fn actions_need_the_token_and_change_nothing_without_it() -> anyhow::Resul
     Ok(())
 }
 
+/// A Prometheus sample: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
 /// `name{labels} value` → (name, labels, value); `None` for a line that is not a sample.
-fn sample(line: &str) -> Option<(String, Vec<(String, String)>, f64)> {
+fn sample(line: &str) -> Option<Sample> {
     let (series, value) = line.rsplit_once(' ')?;
     let value: f64 = match value {
         "+Inf" => f64::INFINITY,
@@ -445,7 +459,12 @@ fn chromium() -> Option<&'static str> {
 }
 
 /// Runs headless Chromium with `args` and the URL; its standard output.
-async fn headless(browser: &str, profile: &std::path::Path, args: &[&str], url: &str) -> anyhow::Result<String> {
+async fn headless(
+    browser: &str,
+    profile: &std::path::Path,
+    args: &[&str],
+    url: &str,
+) -> anyhow::Result<String> {
     let out = tokio::time::timeout(
         Duration::from_secs(90),
         tokio::process::Command::new(browser)
@@ -489,9 +508,16 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
     // Some history for the charts: a few more finished jobs.
     for i in 0..4 {
         f.queue
-            .enqueue(doc! { "n": format!("extra-{i}") }, &EnqueueOptions::default().priority(3))
+            .enqueue(
+                doc! { "n": format!("extra-{i}") },
+                &EnqueueOptions::default().priority(3),
+            )
             .await?;
-        let j = f.queue.claim("worker-d").await?.context("nothing to claim")?;
+        let j = f
+            .queue
+            .claim("worker-d")
+            .await?
+            .context("nothing to claim")?;
         f.queue.complete(&j, Bson::Int64(i)).await?;
     }
     let ui = start_ui(&t, &[]).await?;
@@ -503,7 +529,10 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
 
     let pages = [
         ("ui-queues.png", format!("{}/", ui.url)),
-        ("ui-job.png", format!("{}/jobs/jobs/{}", ui.url, f.dead.to_hex())),
+        (
+            "ui-job.png",
+            format!("{}/jobs/jobs/{}", ui.url, f.dead.to_hex()),
+        ),
         ("ui-locks.png", format!("{}/locks", ui.url)),
     ];
     let queues = headless(browser, profile.path(), &["--dump-dom"], &pages[0].1).await?;
@@ -512,7 +541,10 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
     // The token from the URL fragment is not needed to render; forms stay token-less.
     let job = headless(browser, profile.path(), &["--dump-dom"], &pages[1].1).await?;
     assert!(job.contains(EVIL_ESCAPED), "{job}");
-    assert!(!job.contains(EVIL), "an injected script is in the DOM: {job}");
+    assert!(
+        !job.contains(EVIL),
+        "an injected script is in the DOM: {job}"
+    );
     let locks = headless(browser, profile.path(), &["--dump-dom"], &pages[2].1).await?;
     assert!(locks.contains("invoice-42"), "{locks}");
     assert!(locks.contains(f.owner.id()), "{locks}");
@@ -534,7 +566,11 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
         )
         .await?;
         let png = std::fs::read(&path).with_context(|| format!("no {}", path.display()))?;
-        assert!(png.starts_with(b"\x89PNG"), "{} is not a PNG", path.display());
+        assert!(
+            png.starts_with(b"\x89PNG"),
+            "{} is not a PNG",
+            path.display()
+        );
         assert!(png.len() > 10_000, "{} is nearly empty", path.display());
     }
     Ok(())

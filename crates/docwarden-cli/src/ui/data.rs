@@ -299,9 +299,7 @@ pub(crate) async fn jobs(
 ) -> anyhow::Result<Vec<JobRow>> {
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let state = match JobQuery::clean(&q.in_state) {
-        Some(s) => Some(
-            JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))?,
-        ),
+        Some(s) => Some(JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))?),
         None => None,
     };
     let key = JobQuery::clean(&q.key);
@@ -348,7 +346,7 @@ pub(crate) async fn jobs(
         };
         rows.extend(docs.iter().map(|d| row(name, d)));
     }
-    rows.sort_by(|a, b| b.updated_ms.cmp(&a.updated_ms));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.updated_ms));
     rows.truncate(usize::try_from(limit).unwrap_or(100));
     Ok(rows)
 }
@@ -371,6 +369,9 @@ pub(crate) struct JobView {
     pub(crate) result: Option<String>,
     pub(crate) last_error: Option<String>,
     pub(crate) lease: Option<LeaseView>,
+    /// Whether the lease is the current claim (the job is running); otherwise it is the
+    /// last claim's, kept for the record.
+    pub(crate) lease_held: bool,
     /// Why the stored document does not parse as a job (a hand edit).
     pub(crate) malformed: Option<String>,
     /// The whole stored document, as relaxed extended JSON.
@@ -429,15 +430,13 @@ pub(crate) async fn job(
         finished_at: text(d.get(field::FINISHED_AT)),
         key: text(d.get(field::DEDUPE_KEY)),
         payload: d.get(field::PAYLOAD).map(json).unwrap_or_default(),
-        result: d
-            .get(field::RESULT)
-            .filter(|b| **b != Bson::Null)
-            .map(json),
+        result: d.get(field::RESULT).filter(|b| **b != Bson::Null).map(json),
         last_error: d
             .get(field::LAST_ERROR)
             .filter(|b| **b != Bson::Null)
             .map(|b| text(Some(b))),
         lease,
+        lease_held: parsed_state == Some(JobState::Running),
         malformed: parsed.err().map(|e| e.to_string()),
         raw: json(&Bson::Document(d.clone())),
         can_cancel: parsed_state.is_some_and(|s| !s.is_finished()),

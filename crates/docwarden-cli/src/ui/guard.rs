@@ -164,7 +164,11 @@ mod tests {
             Ok(())
         );
         assert_eq!(
-            check_action(Some(t), &headers(&[("sec-fetch-site", "cross-site")]), Some(t)),
+            check_action(
+                Some(t),
+                &headers(&[("sec-fetch-site", "cross-site")]),
+                Some(t)
+            ),
             Err(Refusal::CrossSite)
         );
         assert_eq!(

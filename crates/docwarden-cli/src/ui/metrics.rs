@@ -46,7 +46,10 @@ pub(crate) fn handle() -> anyhow::Result<&'static PrometheusHandle> {
 
 /// Describes every series `/metrics` can show, so each gets its `# HELP` line.
 pub(crate) fn describe() {
-    metrics::describe_gauge!("docwarden_jobs", "Jobs by queue and state, read at scrape time.");
+    metrics::describe_gauge!(
+        "docwarden_jobs",
+        "Jobs by queue and state, read at scrape time."
+    );
     metrics::describe_gauge!(
         "docwarden_queue_oldest_due_seconds",
         "How long the oldest due job (ready or retrying) has waited, read at scrape time."
@@ -75,7 +78,10 @@ pub(crate) fn describe() {
         "docwarden_ui_live_fallbacks_total",
         "Times the live updates fell back from a change stream to polling."
     );
-    metrics::describe_gauge!("docwarden_ui_live_listeners", "Open live-update connections.");
+    metrics::describe_gauge!(
+        "docwarden_ui_live_listeners",
+        "Open live-update connections."
+    );
     metrics::describe_histogram!(
         "docwarden_ui_scrape_seconds",
         metrics::Unit::Seconds,
@@ -99,7 +105,7 @@ pub(crate) async fn scrape(
                 .set(count(s.count));
         }
         metrics::gauge!("docwarden_queue_oldest_due_seconds", "queue" => q.clone())
-            .set(stats.oldest_due_ms.map_or(0.0, |ms| ms_to_secs(ms)));
+            .set(stats.oldest_due_ms.map_or(0.0, ms_to_secs));
         metrics::gauge!("docwarden_queue_expired_leases", "queue" => q.clone())
             .set(count(stats.expired_running));
     }

@@ -69,6 +69,9 @@ pub(crate) struct Args {
     /// A directory of `docwarden verify` HTML reports to list and serve.
     #[arg(long)]
     reports: Option<PathBuf>,
+    /// Test-only: poll for changes instead of opening a change stream.
+    #[arg(long, hide = true)]
+    poll_only: bool,
 }
 
 /// How the dashboard is served (what [`start`] needs besides the connection).
@@ -84,6 +87,8 @@ pub(crate) struct UiConfig {
     pub(crate) locks: Vec<String>,
     /// Verify reports directory.
     pub(crate) reports: Option<PathBuf>,
+    /// Poll for changes instead of watching a change stream (tests of the fallback).
+    pub(crate) poll_only: bool,
 }
 
 impl UiConfig {
@@ -95,6 +100,7 @@ impl UiConfig {
             queues: Vec::new(),
             locks: Vec::new(),
             reports: None,
+            poll_only: false,
         }
     }
 }
@@ -188,7 +194,20 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
     };
     let cancel = CancellationToken::new();
     let live = live::Live::new();
-    live.spawn(db.clone(), time.clone(), catalogue.clone(), cancel.clone());
+    live.spawn(
+        db.clone(),
+        time.clone(),
+        catalogue.clone(),
+        cfg.poll_only,
+        cancel.clone(),
+    );
+    // The first page shows how live updates run: wait (briefly) for the watcher to pick.
+    for _ in 0..50 {
+        if live.mode() != live::Mode::Starting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let token = (!cfg.read_only).then(guard::new_token);
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
@@ -801,6 +820,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             queues: args.queues,
             locks: args.locks,
             reports: args.reports,
+            poll_only: args.poll_only,
         },
     )
     .await?;

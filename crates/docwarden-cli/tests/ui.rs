@@ -172,7 +172,11 @@ async fn state_of(f: &Fixture, id: ObjectId) -> anyhow::Result<String> {
 async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> anyhow::Result<()> {
     let t = TestDb::new("ui_pages").await?;
     let f = fixture(&t).await?;
-    let ui = start_ui(&t, &[]).await?;
+    let reports = tempfile::tempdir()?;
+    std::fs::write(reports.path().join("run-1.html"), "<h1>verify run one</h1>")?;
+    std::fs::write(reports.path().join("notes.txt"), "not a report")?;
+    let dir = reports.path().display().to_string();
+    let ui = start_ui(&t, &["--reports", dir.as_str()]).await?;
 
     let home = page(&ui, "/").await?;
     assert!(home.contains("data-queue=\"jobs\""), "{home}");
@@ -221,6 +225,31 @@ async fn the_pages_show_queues_jobs_and_locks_with_database_values_escaped() -> 
         locks.contains(&format!("<td class=\"token\">{}</td>", f.token)),
         "{locks}"
     );
+
+    // Verify reports: the .html files are listed and served in a sandbox; nothing else is.
+    let list = page(&ui, "/reports").await?;
+    assert!(list.contains("run-1.html"), "{list}");
+    assert!(!list.contains("notes.txt"), "{list}");
+    let report = client()?
+        .get(format!("{}/reports/run-1.html", ui.url))
+        .send()
+        .await?;
+    let csp = report
+        .headers()
+        .get("content-security-policy")
+        .context("no CSP on a report")?
+        .to_str()?
+        .to_owned();
+    assert!(csp.starts_with("sandbox"), "{csp}");
+    assert!(report.text().await?.contains("verify run one"));
+    for path in [
+        "/reports/notes.txt",
+        "/reports/..%2Fnotes.txt",
+        "/reports/%2Fetc%2Fpasswd",
+    ] {
+        let r = client()?.get(format!("{}{path}", ui.url)).send().await?;
+        assert_eq!(r.status().as_u16(), 404, "{path}");
+    }
 
     // Every HTML page forbids inline scripts, whatever escaping does.
     let resp = client()?.get(format!("{}/", ui.url)).send().await?;
@@ -340,6 +369,43 @@ async fn actions_need_the_token_and_change_nothing_without_it() -> anyhow::Resul
         .to_owned();
     let after = page(&ui, &notice).await?;
     assert!(after.contains("cancelled (was running)"), "{after}");
+
+    // Purge: refused without the token, then deletes the finished jobs (the succeeded and
+    // the cancelled one) older than a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let purge = format!("{}/actions/purge", ui.url);
+    let finished = doc! { field::STATE: { "$in": [JobState::Succeeded.as_str(), JobState::Cancelled.as_str()] } };
+    assert_eq!(
+        f.queue
+            .collection()
+            .count_documents(finished.clone())
+            .await?,
+        2
+    );
+    let r = http
+        .post(&purge)
+        .form(&[("queue", "jobs"), ("older_than", "1s")])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(
+        f.queue
+            .collection()
+            .count_documents(finished.clone())
+            .await?,
+        2
+    );
+    let r = http
+        .post(&purge)
+        .form(&[
+            ("queue", "jobs"),
+            ("older_than", "1s"),
+            ("token", token.as_str()),
+        ])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(f.queue.collection().count_documents(finished).await?, 0);
 
     // Read-only: even the token does not act.
     let ro = start_ui(&t, &["--read-only"]).await?;
@@ -572,6 +638,71 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
             path.display()
         );
         assert!(png.len() > 10_000, "{} is nearly empty", path.display());
+    }
+    Ok(())
+}
+
+/// Reads the event stream until an event `name` arrives; its data.
+async fn next_event(
+    resp: &mut reqwest::Response,
+    buf: &mut String,
+    name: &str,
+) -> anyhow::Result<String> {
+    let needle = format!("event: {name}\n");
+    let read = async {
+        loop {
+            if let Some(i) = buf.find(&needle) {
+                let rest = &buf[i + needle.len()..];
+                if let Some(end) = rest.find("\n\n") {
+                    let data = rest[..end].strip_prefix("data: ").unwrap_or("").to_owned();
+                    buf.drain(..i + needle.len() + end + 2);
+                    return anyhow::Ok(data);
+                }
+            }
+            let chunk = resp.chunk().await?.context("the event stream ended")?;
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .with_context(|| format!("no `{name}` event within 20 s (got: {buf:?})"))?
+}
+
+/// A page listening on `/events` hears of a job enqueued after it connected: through the
+/// change stream, and through the polling fallback (`--poll-only`).
+#[tokio::test]
+async fn live_updates_arrive_by_change_stream_and_by_polling() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_live").await?;
+    let f = fixture(&t).await?;
+    for (extra, mode) in [
+        (&[][..], "change stream"),
+        (&["--poll-only"][..], "polling"),
+    ] {
+        let mut args = vec!["--read-only"];
+        args.extend_from_slice(extra);
+        let ui = start_ui(&t, &args).await?;
+        let home = page(&ui, "/").await?;
+        assert!(
+            home.contains(&format!("<span id=\"live-mode\">{mode}</span>")),
+            "{home}"
+        );
+        let mut events = reqwest::Client::new()
+            .get(format!("{}/events", ui.url))
+            .send()
+            .await?;
+        let mut buf = String::new();
+        assert_eq!(next_event(&mut events, &mut buf, "hello").await?, mode);
+        if mode == "polling" {
+            // The poller's first look is its baseline.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+        }
+        f.queue
+            .enqueue(
+                doc! { "n": format!("live {mode}") },
+                &EnqueueOptions::default(),
+            )
+            .await?;
+        next_event(&mut events, &mut buf, "change").await?;
     }
     Ok(())
 }

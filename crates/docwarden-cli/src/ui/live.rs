@@ -98,6 +98,7 @@ impl Live {
         db: Database,
         time: TimeSource,
         catalog: super::Catalogue,
+        poll_only: bool,
         cancel: CancellationToken,
     ) {
         let this = Arc::clone(self);
@@ -119,15 +120,27 @@ impl Live {
         tokio::spawn(async move {
             tokio::select! {
                 () = cancel.cancelled() => {}
-                () = this.watch(db, time, catalog) => {}
+                () = this.watch(db, time, catalog, poll_only) => {}
             }
         });
     }
 
     #[tracing::instrument(skip_all)]
-    async fn watch(&self, db: Database, time: TimeSource, catalog: super::Catalogue) {
-        match db.watch().await {
-            Ok(mut stream) => {
+    async fn watch(
+        &self,
+        db: Database,
+        time: TimeSource,
+        catalog: super::Catalogue,
+        poll_only: bool,
+    ) {
+        let stream = if poll_only {
+            None
+        } else {
+            Some(db.watch().await)
+        };
+        match stream {
+            None => {}
+            Some(Ok(mut stream)) => {
                 self.set_mode(Mode::ChangeStream);
                 loop {
                     match stream.try_next().await {
@@ -140,18 +153,17 @@ impl Live {
                     }
                 }
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::info!(error = %e, "no change stream on this deployment; polling");
             }
         }
-        metrics::counter!("docwarden_ui_live_fallbacks_total").increment(1);
+        if !poll_only {
+            metrics::counter!("docwarden_ui_live_fallbacks_total").increment(1);
+        }
         self.set_mode(Mode::Polling);
         let mut last = String::new();
         loop {
             tokio::time::sleep(POLL_EVERY).await;
-            if self.listeners() == 0 {
-                continue;
-            }
             match fingerprint(&db, &time, &catalog).await {
                 Ok(f) if f != last => {
                     if !last.is_empty() {

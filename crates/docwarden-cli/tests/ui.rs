@@ -706,3 +706,32 @@ async fn live_updates_arrive_by_change_stream_and_by_polling() -> anyhow::Result
     }
     Ok(())
 }
+
+/// `docwarden demo --ui` prints the dashboard's URL before the scenarios' narration (and,
+/// with standard input closed, does not wait at the end).
+#[tokio::test]
+async fn demo_with_ui_prints_the_dashboard_url() -> anyhow::Result<()> {
+    let uri = docwarden_testkit::shared_uri().await?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_docwarden"))
+            .args(["demo", "server", "--ui", "--uri", uri.as_str()])
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .context("demo --ui took more than 120 s")??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = stdout.lines().next().unwrap_or("");
+    assert!(
+        first.starts_with("dashboard: http://127.0.0.1:"),
+        "{stdout}"
+    );
+    Ok(())
+}

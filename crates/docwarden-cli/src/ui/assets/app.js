@@ -45,6 +45,12 @@
     if (pending) return;
     pending = setTimeout(function () {
       pending = null;
+      // Someone is typing in a form of the live area: refresh once they are done.
+      var active = document.activeElement;
+      var live = document.getElementById("live");
+      if (active && live && live.contains(active) && active.tagName === "INPUT") {
+        return setTimeout(refresh, 2000);
+      }
       fetch(location.href, { credentials: "same-origin" })
         .then(function (r) { return r.ok ? r.text() : null; })
         .then(function (html) {

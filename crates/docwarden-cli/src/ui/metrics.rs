@@ -44,8 +44,71 @@ pub(crate) fn handle() -> anyhow::Result<&'static PrometheusHandle> {
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))
 }
 
+/// The series the library is to record inside a worker process (issue 17, item 3), by the
+/// `metrics` facade: `(name, kind, help)`. The dashboard describes them, so they come with
+/// their `# HELP` line, and renders them whenever they are recorded in its process (for
+/// example by `docwarden demo --ui`'s workers). Labels: `queue` (the queue collection) or
+/// `collection` (the lock collection), plus `outcome` where the help names one.
+pub(crate) const WORKER_SERIES: [(&str, Kind, &str); 8] = [
+    (
+        "docwarden_queue_claims_total",
+        Kind::Counter,
+        "Jobs claimed (a batch claim counts each job).",
+    ),
+    (
+        "docwarden_queue_completions_total",
+        Kind::Counter,
+        "Jobs completed by their claim (succeeded).",
+    ),
+    (
+        "docwarden_queue_failures_total",
+        Kind::Counter,
+        "Failed attempts, by outcome (retrying, dead).",
+    ),
+    (
+        "docwarden_queue_lease_losses_total",
+        Kind::Counter,
+        "Fenced job transitions refused because the claim was lost.",
+    ),
+    (
+        "docwarden_queue_claim_to_start_seconds",
+        Kind::Histogram,
+        "From a claim's reply to its handler starting.",
+    ),
+    (
+        "docwarden_queue_run_seconds",
+        Kind::Histogram,
+        "Handler run time, by outcome (succeeded, failed, lease_lost, released).",
+    ),
+    (
+        "docwarden_lock_acquisitions_total",
+        Kind::Counter,
+        "Lock acquire attempts, by outcome (acquired, busy).",
+    ),
+    (
+        "docwarden_lock_handoff_wait_seconds",
+        Kind::Histogram,
+        "From an acquire call to holding the lease (the wait for the previous holder).",
+    ),
+];
+
+/// A metric's kind, for [`WORKER_SERIES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Only goes up.
+    Counter,
+    /// A distribution (seconds).
+    Histogram,
+}
+
 /// Describes every series `/metrics` can show, so each gets its `# HELP` line.
 pub(crate) fn describe() {
+    for (name, kind, help) in WORKER_SERIES {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+        }
+    }
     metrics::describe_gauge!(
         "docwarden_jobs",
         "Jobs by queue and state, read at scrape time."
@@ -145,4 +208,41 @@ fn count_usize(n: usize) -> f64 {
 #[allow(clippy::cast_precision_loss)]
 fn ms_to_secs(ms: i64) -> f64 {
     ms as f64 / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker-side series recorded in the dashboard's process shows on `/metrics`, a
+    /// `*_seconds` one as a histogram with buckets, with the dashboard's help text.
+    #[test]
+    fn worker_series_recorded_in_process_are_rendered() -> anyhow::Result<()> {
+        let handle = handle()?;
+        describe();
+        metrics::histogram!("docwarden_queue_run_seconds", "queue" => "jobs", "outcome" => "succeeded")
+            .record(0.02);
+        metrics::counter!("docwarden_queue_claims_total", "queue" => "jobs").increment(3);
+        handle.run_upkeep();
+        let text = handle.render();
+        assert!(
+            text.contains("# TYPE docwarden_queue_run_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "docwarden_queue_run_seconds_bucket{queue=\"jobs\",outcome=\"succeeded\",le=\"0.025\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("docwarden_queue_claims_total{queue=\"jobs\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP docwarden_queue_claims_total Jobs claimed"),
+            "{text}"
+        );
+        Ok(())
+    }
 }

@@ -179,7 +179,10 @@ fn warnings(uri: &str, replicated: bool, w: &str, clock_bound_ms: i64) -> Vec<Wa
             ),
         });
     }
-    let query = uri.split_once('?').map_or("", |(_, q)| q).to_ascii_lowercase();
+    let query = uri
+        .split_once('?')
+        .map_or("", |(_, q)| q)
+        .to_ascii_lowercase();
     if query.split('&').any(|kv| kv == "retrywrites=false") {
         out.push(Warning {
             code: "retry-writes-off",
@@ -265,7 +268,10 @@ mod tests {
 
     #[test]
     fn w1_on_a_replica_set_is_a_warning_and_majority_is_not() {
-        assert_eq!(codes("mongodb://h/?w=1", true, "1", 5), ["write-concern-w1"]);
+        assert_eq!(
+            codes("mongodb://h/?w=1", true, "1", 5),
+            ["write-concern-w1"]
+        );
         assert!(codes("mongodb://h/", true, "majority", 5).is_empty());
     }
 

@@ -5,6 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/prereqs.sh
+# Headless Chromium renders the dashboard (tests/ui.rs) and the verify report; without it
+# those tests skip and say so.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "[docwarden setup] chromium is missing: installing Debian's chromium (apt-get, ~1 minute)…" >&2
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; }; then
+    echo "[docwarden setup] could not install chromium: the browser tests will report themselves skipped" >&2
+  fi
+fi
 step() { echo "[docwarden test] $*" >&2; }
 # Tests that cannot run in this setting record themselves here (see docwarden_testkit::skip).
 export DOCWARDEN_SKIP_LOG="${DOCWARDEN_SKIP_LOG:-$(mktemp -t docwarden-skipped.XXXXXX)}"

@@ -36,6 +36,9 @@ enum Command {
     Verify(verify::Args),
     /// Operate a job queue: stats, list, retry dead jobs, cancel, purge finished jobs.
     Queue(queue::Args),
+    /// One worker process of `docwarden verify` (started by verify itself).
+    #[command(name = verify::WORKER_SUBCOMMAND, hide = true)]
+    VerifyWorker(verify::WorkerArgs),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -46,6 +49,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Locks(args) => locks::run(args).await,
         Command::Verify(args) => verify::run(args).await,
         Command::Queue(args) => queue::run(args).await,
+        Command::VerifyWorker(args) => verify::run_worker(args).await,
     }
 }
 

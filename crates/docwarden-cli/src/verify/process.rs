@@ -8,7 +8,10 @@
 //!
 //! An operation announced but never completed by a process that died is recorded as
 //! indeterminate, ending when the supervisor saw the process's output close (Jepsen's
-//! `:info`). Limits: the processes share a time base through `CLOCK_MONOTONIC`, which is
+//! `:info`). A control run records it as failed instead — what a client that takes "no
+//! reply" for "not applied" believes — and the checkers must then find the operations
+//! that landed all the same (the control of `sigkill`: a crash breaks no guarantee of
+//! docwarden by itself, but it does break a history that forgets it cannot know). Limits: the processes share a time base through `CLOCK_MONOTONIC`, which is
 //! system-wide on Linux (and on macOS), so the run stays on one machine; a worker process
 //! exits when its stdin closes, so it does not outlive a verify that died.
 
@@ -208,7 +211,11 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
 #[derive(Debug, Clone, Copy, Default)]
 struct Activity {
     invokes: u64,
+    /// Invokes of the module's critical operation (see [`critical_op`]).
+    critical: u64,
     completions: u64,
+    /// A moving average of its operations' latency, in microseconds.
+    latency_us: u64,
 }
 
 /// One running worker process.
@@ -273,7 +280,19 @@ fn spawn(
     let stdout = child.stdout.take().context("a worker's stdout")?;
     let stdin = child.stdin.take().context("a worker's stdin")?;
     let (tx, activity) = watch::channel(Activity::default());
-    let reader = tokio::spawn(read(Arc::clone(&ctx.history), process, stdout, tx));
+    let in_flight = if ctx.mode == Mode::Control {
+        OpOutcome::Failed
+    } else {
+        OpOutcome::Indeterminate
+    };
+    let reader = tokio::spawn(read(
+        Arc::clone(&ctx.history),
+        process,
+        stdout,
+        tx,
+        in_flight,
+        critical_op(module),
+    ));
     Ok(Running {
         process,
         slot,
@@ -285,13 +304,26 @@ fn spawn(
     })
 }
 
+/// The operation whose interruption matters most: the fenced write that commits a lease
+/// holder's work. `sigkill` aims at it three times in four.
+fn critical_op(module: Module) -> Option<&'static str> {
+    match module {
+        Module::Queue => Some(docwarden_workloads::jobs::Op::Complete.as_str()),
+        Module::Locks => Some(docwarden_workloads::counters::Op::Write.as_str()),
+        Module::Sequence | Module::Guard | Module::All => None,
+    }
+}
+
 /// Reads a worker's history into `history` until its stdout closes; then records each
-/// operation still in flight as indeterminate. Returns the faults the worker injected.
+/// operation still in flight with the outcome `in_flight` (indeterminate; failed in a
+/// control run). Returns the faults the worker injected.
 async fn read(
     history: Arc<History>,
     process: Process,
     stdout: ChildStdout,
     activity: watch::Sender<Activity>,
+    in_flight: OpOutcome,
+    critical: Option<&'static str>,
 ) -> Vec<Fault> {
     let mut lines = BufReader::new(stdout).lines();
     let mut open: BTreeMap<u64, Event> = BTreeMap::new();
@@ -307,12 +339,19 @@ async fn read(
         };
         match serde_json::from_str::<Entry>(&line) {
             Ok(Entry::Invoke { id, event }) => {
+                let is_critical = critical.is_some_and(|op| op == event.op);
                 open.insert(id, event);
-                activity.send_modify(|a| a.invokes += 1);
+                activity.send_modify(|a| {
+                    a.invokes += 1;
+                    a.critical += u64::from(is_critical);
+                });
             }
             Ok(Entry::Complete { id, event }) => {
-                if let Some(id) = id {
-                    open.remove(&id);
+                if let Some(id) = id
+                    && open.remove(&id).is_some()
+                {
+                    let took = event.end_us.saturating_sub(event.start_us);
+                    activity.send_modify(|a| a.latency_us = (a.latency_us * 7 + took) / 8);
                 }
                 if event.op == FAULT_OP
                     && let Some(f) = Fault::ALL.iter().find(|f| f.name() == event.key)
@@ -329,7 +368,7 @@ async fn read(
     let end = history.now_us();
     for event in open.into_values() {
         let mut event = event
-            .outcome(OpOutcome::Indeterminate)
+            .outcome(in_flight)
             .detail(format!("{} died mid-operation", process.label()));
         event.end_us = end;
         history.push(event);
@@ -405,7 +444,7 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
     let mut stops: Vec<(Process, JoinHandle<Stopped>)> = Vec::new();
     // The supervisor's own random stream (victims, pause lengths).
     let mut rng = rand::rngs::StdRng::seed_from_u64(ctx.seed.rotate_left(23));
-    let kill_every = (ctx.duration / 6).max(Duration::from_millis(500));
+    let kill_every = (ctx.duration / 12).max(Duration::from_millis(400));
     let stop_every = (ctx.duration / 6).max(Duration::from_millis(700));
     let mut next_kill = started + kill_every;
     let mut next_stop = started + stop_every / 2;
@@ -452,10 +491,19 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
             }
             let i = free[rng.random_range(0..free.len())];
             let victim = &mut running[i];
-            // Mid-operation: right after it announces one (plus up to 3 ms, for the request
-            // to be on its way).
-            next(&mut victim.activity, |a| a.invokes, Duration::from_secs(1)).await;
-            tokio::time::sleep(Duration::from_micros(rng.random_range(0..3000))).await;
+            // Mid-operation: after it announces one, within its usual latency (when the
+            // request has likely reached the server, and its reply not yet).
+            let aim: fn(&Activity) -> u64 = if rng.random_bool(0.75) {
+                |a| a.critical
+            } else {
+                |a| a.invokes
+            };
+            next(&mut victim.activity, aim, Duration::from_secs(1)).await;
+            let latency = victim.activity.borrow().latency_us.max(200);
+            tokio::time::sleep(Duration::from_micros(
+                rng.random_range(latency / 4..=latency * 3 / 4),
+            ))
+            .await;
             let at = ctx.history.now_us();
             if fault == Fault::Sigkill {
                 signal(victim.pid, Signal::SIGKILL);

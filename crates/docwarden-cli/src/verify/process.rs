@@ -211,11 +211,13 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
 #[derive(Debug, Clone, Copy, Default)]
 struct Activity {
     invokes: u64,
-    /// Invokes of the module's critical operation (see [`critical_op`]).
-    critical: u64,
+    /// Invokes of the module's commit (see [`Aim`]).
+    commits: u64,
+    /// Completions of the module's entry into its critical section (see [`Aim`]).
+    entries: u64,
     completions: u64,
-    /// A moving average of its operations' latency, in microseconds.
-    latency_us: u64,
+    /// A moving average of its commits' latency, in microseconds.
+    commit_us: u64,
 }
 
 /// One running worker process.
@@ -291,7 +293,7 @@ fn spawn(
         stdout,
         tx,
         in_flight,
-        critical_op(module),
+        Aim::of(module),
     ));
     Ok(Running {
         process,
@@ -304,13 +306,33 @@ fn spawn(
     })
 }
 
-/// The operation whose interruption matters most: the fenced write that commits a lease
-/// holder's work. `sigkill` aims at it three times in four.
-fn critical_op(module: Module) -> Option<&'static str> {
-    match module {
-        Module::Queue => Some(docwarden_workloads::jobs::Op::Complete.as_str()),
-        Module::Locks => Some(docwarden_workloads::counters::Op::Write.as_str()),
-        Module::Sequence | Module::Guard | Module::All => None,
+/// Where the process faults aim, three times in four, in the lease workloads: `sigstop`
+/// right after a worker enters its critical section (a claim, a registered token), so that
+/// it wakes up past its lease still believing it holds it; `sigkill` during the fenced
+/// write that commits its work.
+#[derive(Debug, Clone, Copy)]
+struct Aim {
+    entry: Option<&'static str>,
+    commit: Option<&'static str>,
+}
+
+impl Aim {
+    fn of(module: Module) -> Self {
+        use docwarden_workloads::{counters, jobs};
+        match module {
+            Module::Queue => Aim {
+                entry: Some(jobs::Op::Claim.as_str()),
+                commit: Some(jobs::Op::Complete.as_str()),
+            },
+            Module::Locks => Aim {
+                entry: Some(counters::Op::Touch.as_str()),
+                commit: Some(counters::Op::Write.as_str()),
+            },
+            Module::Sequence | Module::Guard | Module::All => Aim {
+                entry: None,
+                commit: None,
+            },
+        }
     }
 }
 
@@ -323,7 +345,7 @@ async fn read(
     stdout: ChildStdout,
     activity: watch::Sender<Activity>,
     in_flight: OpOutcome,
-    critical: Option<&'static str>,
+    aim: Aim,
 ) -> Vec<Fault> {
     let mut lines = BufReader::new(stdout).lines();
     let mut open: BTreeMap<u64, Event> = BTreeMap::new();
@@ -339,27 +361,33 @@ async fn read(
         };
         match serde_json::from_str::<Entry>(&line) {
             Ok(Entry::Invoke { id, event }) => {
-                let is_critical = critical.is_some_and(|op| op == event.op);
+                let commit = aim.commit.is_some_and(|op| op == event.op);
                 open.insert(id, event);
                 activity.send_modify(|a| {
                     a.invokes += 1;
-                    a.critical += u64::from(is_critical);
+                    a.commits += u64::from(commit);
                 });
             }
             Ok(Entry::Complete { id, event }) => {
                 if let Some(id) = id
                     && open.remove(&id).is_some()
+                    && aim.commit.is_some_and(|op| op == event.op)
                 {
                     let took = event.end_us.saturating_sub(event.start_us);
-                    activity.send_modify(|a| a.latency_us = (a.latency_us * 7 + took) / 8);
+                    activity.send_modify(|a| a.commit_us = (a.commit_us * 7 + took) / 8);
                 }
                 if event.op == FAULT_OP
                     && let Some(f) = Fault::ALL.iter().find(|f| f.name() == event.key)
                 {
                     faults.push(*f);
                 }
+                let entry =
+                    aim.entry.is_some_and(|op| op == event.op) && event.outcome == OpOutcome::Ok;
                 history.push(event);
-                activity.send_modify(|a| a.completions += 1);
+                activity.send_modify(|a| {
+                    a.completions += 1;
+                    a.entries += u64::from(entry);
+                });
             }
             // A line cut short by SIGKILL, or a stray print.
             Err(e) => tracing::debug!(process = process.id(), %e, line, "not a history entry"),
@@ -367,6 +395,11 @@ async fn read(
     }
     let end = history.now_us();
     for event in open.into_values() {
+        tracing::debug!(
+            process = process.id(),
+            op = event.op,
+            "in flight when the process died"
+        );
         let mut event = event
             .outcome(in_flight)
             .detail(format!("{} died mid-operation", process.label()));
@@ -403,16 +436,17 @@ fn signal(pid: Pid, signal: Signal) {
     }
 }
 
-/// `sigstop`: right after `victim` completes an operation (inside its critical section,
-/// for the lease workloads), stops it for `how_long`, then continues it.
+/// `sigstop`: right after `victim` completes an operation (`aim`: one that enters its
+/// critical section), stops it for `how_long`, then continues it.
 async fn stop(
     pid: Pid,
     process: Process,
     mut activity: watch::Receiver<Activity>,
+    aim: fn(&Activity) -> u64,
     history: Arc<History>,
     how_long: Duration,
 ) -> Stopped {
-    next(&mut activity, |a| a.completions, Duration::from_secs(1)).await;
+    next(&mut activity, aim, Duration::from_secs(1)).await;
     let start_us = history.now_us();
     signal(pid, Signal::SIGSTOP);
     tokio::time::sleep(how_long).await;
@@ -440,6 +474,7 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
         running.push(spawn(ctx, module, Process::worker(slot), slot, deadline)?);
     }
     let mut next_worker = ctx.workers;
+    let aims = Aim::of(module);
     let mut gone: Vec<Running> = Vec::new();
     let mut stops: Vec<(Process, JoinHandle<Stopped>)> = Vec::new();
     // The supervisor's own random stream (victims, pause lengths).
@@ -465,10 +500,16 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
             if !free.is_empty() {
                 let victim = &running[free[rng.random_range(0..free.len())]];
                 let how_long = ctx.lease + Duration::from_millis(rng.random_range(500..1500));
+                let aim: fn(&Activity) -> u64 = if aims.entry.is_some() && rng.random_bool(0.75) {
+                    |a| a.entries
+                } else {
+                    |a| a.completions
+                };
                 let handle = tokio::spawn(stop(
                     victim.pid,
                     victim.process,
                     victim.activity.clone(),
+                    aim,
                     Arc::clone(&ctx.history),
                     how_long,
                 ));
@@ -491,19 +532,18 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
             }
             let i = free[rng.random_range(0..free.len())];
             let victim = &mut running[i];
-            // Mid-operation: after it announces one, within its usual latency (when the
-            // request has likely reached the server, and its reply not yet).
-            let aim: fn(&Activity) -> u64 = if rng.random_bool(0.75) {
-                |a| a.critical
+            // Mid-operation: after it announces one, within the first half of a commit's
+            // usual latency (the request on its way or at the server, no reply yet).
+            let aim: fn(&Activity) -> u64 = if aims.commit.is_some() && rng.random_bool(0.75) {
+                |a| a.commits
             } else {
                 |a| a.invokes
             };
             next(&mut victim.activity, aim, Duration::from_secs(1)).await;
-            let latency = victim.activity.borrow().latency_us.max(200);
-            tokio::time::sleep(Duration::from_micros(
-                rng.random_range(latency / 4..=latency * 3 / 4),
-            ))
-            .await;
+            // Sub-millisecond, which tokio's timer cannot do: a short blocking sleep of the
+            // supervisor (at most half a commit's latency, a few times a run).
+            let latency = victim.activity.borrow().commit_us.min(20_000);
+            std::thread::sleep(Duration::from_micros(rng.random_range(0..=latency / 2)));
             let at = ctx.history.now_us();
             if fault == Fault::Sigkill {
                 signal(victim.pid, Signal::SIGKILL);

@@ -293,12 +293,12 @@ mod tests {
         let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
         let sink = std::sync::Arc::clone(&lines);
         let h = History::streaming(Instant::now(), move |entry| {
-            sink.lock().unwrap().push(entry.clone());
+            sink.lock().expect("sink").push(entry.clone());
         });
         h.record(4, "write", "r", async { 1 }, |_, e| e.token(9))
             .await;
         h.push(Event::new(4, "claim", "j", 1, 1));
-        let entries: Vec<Entry> = lines.lock().unwrap().clone();
+        let entries: Vec<Entry> = lines.lock().expect("lines").clone();
         assert_eq!(entries.len(), 3);
         assert!(matches!(&entries[0], Entry::Invoke { id: 0, event } if event.op == "write"));
         assert!(

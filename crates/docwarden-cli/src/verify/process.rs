@@ -124,7 +124,11 @@ fn emit(entry: &Entry) {
 pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let origin = origin_instant(args.origin_us)?;
     let history = Arc::new(History::streaming(origin, emit));
-    let client = docwarden_server::connect(&args.uri, Duration::from_secs(10)).await?;
+    let client = connect(
+        &args.uri,
+        Instant::now() + Duration::from_millis(args.duration_ms),
+    )
+    .await?;
     let faults = args
         .faults
         .iter()
@@ -193,6 +197,21 @@ pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(1))
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Connects to `uri`, retrying until `deadline` (a replacement may start while the server
+/// restarts or the proxy resets every connection).
+async fn connect(uri: &str, deadline: Instant) -> anyhow::Result<mongodb::Client> {
+    loop {
+        match docwarden_server::connect(uri, Duration::from_secs(10)).await {
+            Ok(client) => return Ok(client),
+            Err(e) if Instant::now() >= deadline => return Err(e.into()),
+            Err(e) => {
+                tracing::debug!(%e, "worker process not connected yet: retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 

@@ -39,6 +39,9 @@ enum Command {
     Queue(queue::Args),
     /// Serve a web dashboard of the queues and locks (actions need the printed token).
     Ui(ui::Args),
+    /// One worker process of `docwarden verify` (started by verify itself).
+    #[command(name = verify::WORKER_SUBCOMMAND, hide = true)]
+    VerifyWorker(verify::WorkerArgs),
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -50,6 +53,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Verify(args) => verify::run(args).await,
         Command::Queue(args) => queue::run(args).await,
         Command::Ui(args) => ui::run(args).await,
+        Command::VerifyWorker(args) => verify::run_worker(args).await,
     }
 }
 

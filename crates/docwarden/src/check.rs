@@ -16,7 +16,7 @@ pub mod lease;
 pub mod queue;
 pub mod state;
 
-pub use history::{Event, History, OpOutcome};
+pub use history::{Entry, Event, History, OpOutcome};
 
 /// One broken guarantee found by a checker.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]

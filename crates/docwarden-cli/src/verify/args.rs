@@ -37,6 +37,19 @@ pub(crate) struct Args {
     /// Write a self-contained HTML report with a timeline to this file.
     #[arg(long)]
     pub(super) report: Option<PathBuf>,
+    /// Run each worker as its own OS process (the `docwarden` binary in a hidden worker
+    /// mode, needed by `sigstop` and `sigkill`), or as a task of this process.
+    #[arg(long, value_enum, default_value_t = WorkersAs::Processes)]
+    pub(super) workers_as: WorkersAs,
+}
+
+/// How workers run: `--workers-as`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum WorkersAs {
+    /// Each worker is a child process streaming its history back.
+    Processes,
+    /// Each worker is a tokio task of the verify process.
+    Tasks,
 }
 
 /// A module to verify.
@@ -109,6 +122,8 @@ impl std::str::FromStr for FaultArg {
 pub(super) enum Fault {
     Pause,
     Kill,
+    Sigstop,
+    Sigkill,
     Skew,
     Step,
     Drift,
@@ -122,9 +137,11 @@ pub(super) enum Fault {
 
 impl Fault {
     /// Every fault, in the order of `--faults list`.
-    pub(super) const ALL: [Fault; 11] = [
+    pub(super) const ALL: [Fault; 13] = [
         Fault::Pause,
         Fault::Kill,
+        Fault::Sigstop,
+        Fault::Sigkill,
         Fault::Skew,
         Fault::Step,
         Fault::Drift,
@@ -141,6 +158,8 @@ impl Fault {
         match self {
             Fault::Pause => "pause",
             Fault::Kill => "kill",
+            Fault::Sigstop => "sigstop",
+            Fault::Sigkill => "sigkill",
             Fault::Skew => "skew",
             Fault::Step => "step",
             Fault::Drift => "drift",
@@ -158,6 +177,12 @@ impl Fault {
         match self {
             Fault::Pause => "a worker sleeps past its lease inside its critical section",
             Fault::Kill => "a worker task is aborted mid-operation and replaced",
+            Fault::Sigstop => {
+                "a worker process is SIGSTOPped past its lease, then SIGCONTed (processes)"
+            }
+            Fault::Sigkill => {
+                "a worker process is SIGKILLed mid-operation and replaced (processes)"
+            }
             Fault::Skew => "each worker's wall clock is shifted by up to ±30 s",
             Fault::Step => "a worker's wall clock steps by ±20 s mid-run (monotonic runs on)",
             Fault::Drift => "each worker's wall clock walks 2-10 % fast or slow",
@@ -185,6 +210,11 @@ impl Fault {
                 | Fault::FailpointNotprimary
                 | Fault::FailpointLatency
         )
+    }
+
+    /// Whether the fault needs workers as OS processes (`--workers-as processes`).
+    pub(super) fn needs_processes(self) -> bool {
+        matches!(self, Fault::Sigstop | Fault::Sigkill)
     }
 
     /// Whether the fault is a `failCommand` fail point (the server needs test commands).

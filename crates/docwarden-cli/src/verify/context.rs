@@ -1,6 +1,7 @@
 //! What a workload run gets: where to write, the history to record into, the faults to
 //! inject in the workers (pause, kill, skew), their clocks, and the supervisor that runs
-//! and replaces workers.
+//! and replaces workers — as tasks of this process, or as child processes (see
+//! [`super::process`]), which the supervisor can also `SIGSTOP` and `SIGKILL`.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -15,7 +16,8 @@ use indicatif::ProgressBar;
 use mongodb::{Client, Database};
 use rand::{Rng, SeedableRng};
 
-use super::args::Fault;
+use super::args::{Fault, Module, WorkersAs};
+use super::process;
 
 /// The history's name of an injected fault (its key is the fault's name).
 pub(super) const FAULT_OP: &str = "fault";
@@ -36,6 +38,24 @@ pub(super) struct Ctx {
     pub(super) progress: ProgressBar,
     /// The workers' wall clocks (with their drift in ms per 100 ms), for the clock nemesis.
     pub(super) clocks: Mutex<Vec<(Process, LocalClock, i64)>>,
+    /// Whether workers run as tasks or as child processes.
+    pub(super) workers_as: WorkersAs,
+    /// The workers' URI (child processes connect to it themselves).
+    pub(super) uri: String,
+    /// How long a `sigstop` must last to outlive the workload's lease.
+    pub(super) lease: Duration,
+    /// In a worker process: the process it runs and the worker slot it fills. `None` in
+    /// the verify process itself.
+    pub(super) slot: Option<Slot>,
+}
+
+/// What a worker process runs: one process, in one worker slot.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Slot {
+    /// The slot, `0..workers` (a replacement inherits its victim's slot).
+    pub(super) index: usize,
+    /// The process (a replacement gets a new one).
+    pub(super) process: Process,
 }
 
 /// A worker body: given its process, runs until the deadline.
@@ -48,12 +68,7 @@ impl Ctx {
 
     /// Counts an injected fault and records it in the history (for the timeline).
     pub(super) fn injected(&self, fault: Fault, process: Process, start_us: u64, end_us: u64) {
-        *self
-            .injected
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(fault.name())
-            .or_default() += 1;
+        self.count_injected(fault);
         self.history.push(Event::new(
             process.id(),
             FAULT_OP,
@@ -61,6 +76,16 @@ impl Ctx {
             start_us,
             end_us,
         ));
+    }
+
+    /// Counts an injected fault without recording it (a worker process recorded it).
+    pub(super) fn count_injected(&self, fault: Fault) {
+        *self
+            .injected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(fault.name())
+            .or_default() += 1;
     }
 
     /// The faults injected so far, by name.
@@ -125,9 +150,22 @@ impl Ctx {
             return;
         }
         let deadline = Instant::now() + self.duration;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.rotate_left(41));
-        let step_every = (self.duration / 8).max(Duration::from_millis(300));
-        let mut next_step = Instant::now() + step_every / 2;
+        // In a worker process, the nemesis steps only that process's clock: its own random
+        // stream, and steps as rare per process as one among `workers` in a single process.
+        let (seed, every) = match self.slot {
+            None => (self.seed.rotate_left(41), self.duration / 8),
+            Some(slot) => {
+                let id = slot.process.id();
+                let workers = u32::try_from(self.workers).unwrap_or(u32::MAX);
+                (
+                    self.seed.rotate_left(41) ^ (u64::from(id) << 20),
+                    self.duration / 8 * workers,
+                )
+            }
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let step_every = every.max(Duration::from_millis(300));
+        let mut next_step = Instant::now() + step_every.mul_f64(rng.random_range(0.2..1.0));
         while Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(100)).await;
             let clocks = self
@@ -175,11 +213,26 @@ impl Ctx {
 
     /// Runs `body` on `self.workers` worker processes until the deadline. Under `kill`,
     /// every few seconds one worker is aborted mid-operation and replaced by a new process.
+    ///
+    /// With `--workers-as processes`, `body` is not used: each worker is a child process
+    /// running the module's own `worker` (see [`super::process`]), and the supervisor also
+    /// injects `sigstop` and `sigkill`.
     pub(super) async fn supervise<F, Fut>(&self, workload: &'static str, body: F)
     where
         F: Fn(Process) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
+        if self.workers_as == WorkersAs::Processes {
+            let module = Module::All
+                .expand()
+                .into_iter()
+                .find(|m| m.name() == workload);
+            match module {
+                Some(module) => process::supervise(self, module).await,
+                None => tracing::error!(workload, "no module of this name: no workers ran"),
+            }
+            return;
+        }
         let worker: WorkerFn = Arc::new(move |process| {
             let run = body(process);
             Box::pin(async move {

@@ -13,15 +13,16 @@ use mongodb::bson::Document;
 use super::context::{Ctx, Findings};
 
 const SHIFTS: i64 = 10;
+const SHIFTS_COLLECTION: &str = "shifts";
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
-    let coll = ctx.db.collection::<Document>("shifts");
+    let coll = ctx.db.collection::<Document>(SHIFTS_COLLECTION);
     on_call::setup(&coll, SHIFTS).await?;
     let workload = OnCall::new(coll)?;
-    let (c, w) = (Arc::clone(&ctx), workload.clone());
+    let c = Arc::clone(&ctx);
     ctx.supervise("guard", move |process| {
-        let (ctx, workload) = (Arc::clone(&c), w.clone());
-        async move { worker(&ctx, &workload, process).await }
+        let ctx = Arc::clone(&c);
+        async move { worker(&ctx, process).await }
     })
     .await;
     // The final read of every shift.
@@ -43,8 +44,10 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     })
 }
 
-async fn worker(ctx: &Ctx, workload: &OnCall, process: Process) -> anyhow::Result<()> {
+/// Toggles random shifts until the deadline, each followed by a check.
+pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
+    let workload = OnCall::new(ctx.db.collection::<Document>(SHIFTS_COLLECTION))?;
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {
         let toggle = Toggle::random(&mut rng, SHIFTS);

@@ -10,7 +10,7 @@
 //! counter equals its acknowledged increments (give or take uncertain ones).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
@@ -23,44 +23,43 @@ use rand::Rng;
 use super::context::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
-const TTL: Duration = Duration::from_secs(1);
-
-#[derive(Default)]
-struct Tally {
-    acked: BTreeMap<String, i64>,
-    uncertain: BTreeMap<String, i64>,
-}
-
-impl Tally {
-    fn add(this: &Mutex<Tally>, acked: bool, key: &str, n: i64) {
-        let mut t = this.lock().unwrap_or_else(|p| p.into_inner());
-        let map = if acked {
-            &mut t.acked
-        } else {
-            &mut t.uncertain
-        };
-        *map.entry(key.to_owned()).or_default() += n;
-    }
-}
+/// The lease of each acquire.
+pub(super) const TTL: Duration = Duration::from_secs(1);
+const COUNTERS: &str = "counters";
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
-    let counters = Counters::new(ctx.db.collection::<Document>("counters"));
+    let counters = Counters::new(ctx.db.collection::<Document>(COUNTERS));
     counters.setup(RESOURCES).await?;
-    let tally = Arc::new(Mutex::new(Tally::default()));
-    let (c, t, k) = (Arc::clone(&ctx), Arc::clone(&tally), counters.clone());
+    let c = Arc::clone(&ctx);
     ctx.supervise("locks", move |process| {
-        let (ctx, tally, counters) = (Arc::clone(&c), Arc::clone(&t), k.clone());
-        async move { worker(&ctx, &counters, &tally, process).await }
+        let ctx = Arc::clone(&c);
+        async move { worker(&ctx, process).await }
     })
     .await;
 
     let finals = counters.finals().await?;
     let events = ctx.history.events();
-    let t = tally.lock().unwrap_or_else(|p| p.into_inner());
+    let (acked, uncertain) = tally(&events);
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
-        violations: counters::check(&events, &t.acked, &t.uncertain, &finals),
+        violations: counters::check(&events, &acked, &uncertain, &finals),
     })
+}
+
+/// The increments per counter from the history: acknowledged (an applied write) and
+/// uncertain (an indeterminate one: an error that may have landed, a worker killed or
+/// aborted mid-write).
+fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>) {
+    let (mut acked, mut uncertain) = (BTreeMap::new(), BTreeMap::new());
+    for e in events.iter().filter(|e| e.op == Op::Write.as_str()) {
+        let map = match e.outcome {
+            OpOutcome::Ok => &mut acked,
+            OpOutcome::Indeterminate => &mut uncertain,
+            OpOutcome::Failed => continue,
+        };
+        *map.entry(e.key.clone()).or_default() += 1;
+    }
+    (acked, uncertain)
 }
 
 fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
@@ -71,13 +70,9 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
     }
 }
 
-async fn worker(
-    ctx: &Ctx,
-    counters: &Counters,
-    tally: &Mutex<Tally>,
-    process: Process,
-) -> anyhow::Result<()> {
+pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
+    let counters = Counters::new(ctx.db.collection::<Document>(COUNTERS));
     let mut rng = ctx.rng(process);
     let locks = LockCollection::open(
         &ctx.db,
@@ -135,25 +130,15 @@ async fn worker(
         };
         ctx.maybe_pause(&mut rng, process, 0.05, TTL + Duration::from_millis(700))
             .await;
-        Tally::add(tally, false, &key, 1);
-        let written = h
-            .record(
-                p,
-                Op::Write.as_str(),
-                &key,
-                counters.write(&fence, &lease, &key, value + 1),
-                |r, e| classify(r, e.token(lease.token.into()).value(value + 1)),
-            )
-            .await;
-        match written {
-            Ok(FenceOutcome::Applied) => {
-                Tally::add(tally, false, &key, -1);
-                Tally::add(tally, true, &key, 1);
-            }
-            Ok(_) => Tally::add(tally, false, &key, -1),
-            Err(ref e) if !e.is_retryable() => Tally::add(tally, false, &key, -1),
-            Err(_) => {} // may or may not have landed: stays uncertain
-        }
+        h.record(
+            p,
+            Op::Write.as_str(),
+            &key,
+            counters.write(&fence, &lease, &key, value + 1),
+            |r, e| classify(r, e.token(lease.token.into()).value(value + 1)),
+        )
+        .await
+        .ok();
         h.record(
             p,
             Op::Release.as_str(),

@@ -10,7 +10,7 @@ use docwarden::check::{History, count_by_kind};
 use docwarden_workloads::Mode;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::args::{Args, Fault, FaultArg, Module};
+use super::args::{Args, Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, Findings, WorkloadResult};
 use super::{guard, locks, nemesis, proxy, queue, report, sequence, summary};
 
@@ -35,16 +35,23 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         match f {
             FaultArg::One(f) => faults.push(*f),
             // Every fault this setting can inject.
-            FaultArg::All => faults.extend(
-                Fault::ALL
-                    .iter()
-                    .filter(|f| !external || !f.needs_embedded()),
-            ),
+            FaultArg::All => faults.extend(Fault::ALL.iter().filter(|f| {
+                (!external || !f.needs_embedded())
+                    && (args.workers_as == WorkersAs::Processes || !f.needs_processes())
+            })),
             FaultArg::List => {}
         }
     }
     faults.sort();
     faults.dedup();
+    if let Some(f) = faults.iter().find(|f| f.needs_processes())
+        && args.workers_as != WorkersAs::Processes
+    {
+        anyhow::bail!(
+            "the {} fault needs worker processes (--workers-as processes)",
+            f.name()
+        );
+    }
     let mut session = open_session(&args, &faults).await?;
     if let Some(f) = faults.iter().find(|f| f.needs_embedded()) {
         anyhow::ensure!(
@@ -232,6 +239,10 @@ async fn run_module(
         injected: Mutex::new(BTreeMap::new()),
         progress: progress.clone(),
         clocks: Mutex::new(Vec::new()),
+        workers_as: args.args.workers_as,
+        uri,
+        lease: lease(module),
+        slot: None,
     });
     let nemesis = nemesis::run(&ctx, session, proxy.as_ref());
     let workload = dispatch(module, Arc::clone(&ctx));
@@ -260,6 +271,15 @@ async fn run_module(
         violations,
         events,
     })
+}
+
+/// The lease a `sigstop` must outlive (the workloads without leases get short stops).
+fn lease(module: Module) -> Duration {
+    match module {
+        Module::Queue => docwarden_workloads::jobs::LEASE,
+        Module::Locks => locks::TTL,
+        Module::Sequence | Module::Guard | Module::All => Duration::from_millis(300),
+    }
 }
 
 /// One recorder per module.

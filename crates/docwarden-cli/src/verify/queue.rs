@@ -67,7 +67,21 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     {
         *effects.entry(e.key.clone()).or_default() += 1;
     }
-    let observed = jobs::observe(&queue, &effects).await?;
+    let mut observed = jobs::observe(&queue, &effects).await?;
+    // A completion whose outcome is unknown (an error that may have landed, a worker killed
+    // mid-call) may be the job's one effect: if no other completion is known and the job
+    // is succeeded, it landed.
+    for e in events
+        .iter()
+        .filter(|e| e.op == Op::Complete.as_str() && e.outcome == OpOutcome::Indeterminate)
+    {
+        if let Some(job) = observed.get_mut(&e.key)
+            && job.effects == 0
+            && job.state.as_deref() == Some(docwarden::format::job::JobState::Succeeded.as_str())
+        {
+            job.effects = 1;
+        }
+    }
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
         violations: jobs::check(&observed),
@@ -123,7 +137,7 @@ async fn complete(
 }
 
 /// One claim → (pause?) → complete loop until the run's deadline.
-async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
+pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let queue = JobQueue::new(
         ctx.db.collection(COLLECTION),

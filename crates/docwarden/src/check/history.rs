@@ -1,11 +1,22 @@
 //! Recording what a run did: one [`Event`] per operation, on a monotonic clock.
+//!
+//! A history can also stream itself (see [`History::streaming`]): every operation recorded
+//! with [`History::record`] is announced as an [`Entry::Invoke`] when it starts and
+//! reported as an [`Entry::Complete`] when it ends, so that a reader in another process
+//! learns of an operation even if the recording process dies before it completes (the
+//! reader then records it as [`OpOutcome::Indeterminate`], Jepsen's `:info`). An operation
+//! whose future is dropped before it completes (an aborted task) is recorded as
+//! indeterminate too. Limits: times are microseconds on one machine's monotonic clock;
+//! histories of several processes share a time base only if they share an origin (see
+//! [`History::starting_at`]).
 
 use std::future::Future;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// How an operation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OpOutcome {
     /// It took effect (or returned what it read).
@@ -17,7 +28,7 @@ pub enum OpOutcome {
 }
 
 /// One recorded operation.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Event {
     /// The simulated process (worker) that made it.
     pub process: u32,
@@ -77,11 +88,45 @@ impl Event {
     }
 }
 
+/// One line of a streamed history (see [`History::streaming`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Entry {
+    /// An operation started; its [`Entry::Complete`] carries the same `id`.
+    Invoke {
+        /// Identifies the operation within its history.
+        id: u64,
+        /// The event as known at the start (outcome, end and details not yet known).
+        event: Event,
+    },
+    /// An event: an operation that completed (`id` of its invoke), or one pushed whole.
+    Complete {
+        /// The id of the operation's [`Entry::Invoke`], if it was announced.
+        id: Option<u64>,
+        /// The event.
+        event: Event,
+    },
+}
+
+/// Where a streaming history sends its entries.
+type Sink = Box<dyn Fn(&Entry) + Send + Sync>;
+
 /// A thread-safe recorder of events for one run.
-#[derive(Debug)]
 pub struct History {
     started: Instant,
     events: Mutex<Vec<Event>>,
+    next_id: AtomicU64,
+    sink: Option<Sink>,
+}
+
+impl std::fmt::Debug for History {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("History")
+            .field("started", &self.started)
+            .field("events", &self.len())
+            .field("streaming", &self.sink.is_some())
+            .finish()
+    }
 }
 
 impl Default for History {
@@ -90,13 +135,55 @@ impl Default for History {
     }
 }
 
+/// An operation in flight: recorded as indeterminate if dropped before it completes.
+struct InFlight<'a> {
+    history: &'a History,
+    id: u64,
+    event: Option<Event>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            let mut event = event
+                .outcome(OpOutcome::Indeterminate)
+                .detail("abandoned mid-operation");
+            event.end_us = self.history.now_us();
+            self.history.complete(Some(self.id), event);
+        }
+    }
+}
+
 impl History {
     /// An empty history whose clock starts now.
     pub fn new() -> Self {
+        Self::starting_at(Instant::now())
+    }
+
+    /// An empty history whose clock started at `origin` (a history in another process of
+    /// the same run passes the run's origin, so that their times compare).
+    pub fn starting_at(origin: Instant) -> Self {
         Self {
-            started: Instant::now(),
+            started: origin,
             events: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
+            sink: None,
         }
+    }
+
+    /// An empty history whose clock started at `origin` and which, besides recording,
+    /// hands every [`Entry`] to `sink` as it happens: invokes when [`History::record`]
+    /// starts an operation, completions when it ends or when an event is pushed.
+    pub fn streaming(origin: Instant, sink: impl Fn(&Entry) + Send + Sync + 'static) -> Self {
+        Self {
+            sink: Some(Box::new(sink)),
+            ..Self::starting_at(origin)
+        }
+    }
+
+    /// When the history's clock started.
+    pub fn origin(&self) -> Instant {
+        self.started
     }
 
     /// Microseconds since the run started.
@@ -106,6 +193,16 @@ impl History {
 
     /// Adds an event.
     pub fn push(&self, event: Event) {
+        self.complete(None, event);
+    }
+
+    fn complete(&self, id: Option<u64>, event: Event) {
+        if let Some(sink) = &self.sink {
+            sink(&Entry::Complete {
+                id,
+                event: event.clone(),
+            });
+        }
         self.events
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -114,6 +211,7 @@ impl History {
 
     /// Runs `fut`, records it as `op` on `key` by `process`, and returns its output. The
     /// `classify` closure turns the output into the event's outcome, token, value and detail.
+    /// If `fut` is dropped before it completes, the operation is recorded as indeterminate.
     pub async fn record<T, F>(
         &self,
         process: u32,
@@ -126,9 +224,23 @@ impl History {
         F: Future<Output = T>,
     {
         let start = self.now_us();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let invoked = Event::new(process, op, key, start, start);
+        if let Some(sink) = &self.sink {
+            sink(&Entry::Invoke {
+                id,
+                event: invoked.clone(),
+            });
+        }
+        let mut in_flight = InFlight {
+            history: self,
+            id,
+            event: Some(invoked),
+        };
         let out = fut.await;
+        in_flight.event = None;
         let event = classify(&out, Event::new(process, op, key, start, self.now_us()));
-        self.push(event);
+        self.complete(Some(id), event);
         out
     }
 
@@ -174,5 +286,36 @@ mod tests {
         assert_eq!(events[0].value, Some(7));
         assert_eq!(events[0].token, Some(3));
         assert!(events[0].end_us >= events[0].start_us);
+    }
+
+    #[tokio::test]
+    async fn streams_invokes_and_completions() {
+        let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&lines);
+        let h = History::streaming(Instant::now(), move |entry| {
+            sink.lock().expect("sink").push(entry.clone());
+        });
+        h.record(4, "write", "r", async { 1 }, |_, e| e.token(9))
+            .await;
+        h.push(Event::new(4, "claim", "j", 1, 1));
+        let entries: Vec<Entry> = lines.lock().expect("lines").clone();
+        assert_eq!(entries.len(), 3);
+        assert!(matches!(&entries[0], Entry::Invoke { id: 0, event } if event.op == "write"));
+        assert!(
+            matches!(&entries[1], Entry::Complete { id: Some(0), event } if event.token == Some(9))
+        );
+        assert!(matches!(&entries[2], Entry::Complete { id: None, event } if event.op == "claim"));
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_operation_is_indeterminate() {
+        let h = History::new();
+        let pending = h.record(1, "write", "r", std::future::pending::<()>(), |_, e| e);
+        let timed_out = tokio::time::timeout(std::time::Duration::from_millis(10), pending).await;
+        assert!(timed_out.is_err());
+        let events = h.events();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].outcome, OpOutcome::Indeterminate);
+        assert_eq!(events[0].op, "write");
     }
 }

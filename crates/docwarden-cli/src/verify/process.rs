@@ -1,0 +1,617 @@
+//! Workers as OS processes: `verify` starts each worker as a child process (its own
+//! binary, in the hidden `verify-worker` mode), which runs one module's `worker` and
+//! streams its history back as JSON lines on stdout ([`docwarden::check::Entry`]: an
+//! `invoke` when an operation starts, the event when it ends). The supervisor merges every
+//! process's history into the run's, and its nemesis can `SIGSTOP` a process past its lease
+//! and `SIGCONT` it (a real pause: GC, swap, VM migration), `SIGKILL` it mid-operation and
+//! start a replacement with a new process id, or ask it to abort its worker task (`kill`).
+//!
+//! An operation announced but never completed by a process that died is recorded as
+//! indeterminate, ending when the supervisor saw the process's output close (Jepsen's
+//! `:info`). A control run records it as failed instead — what a client that takes "no
+//! reply" for "not applied" believes — and the checkers must then find the operations
+//! that landed all the same (the control of `sigkill`: a crash breaks no guarantee of
+//! docwarden by itself, but it does break a history that forgets it cannot know). Limits: the processes share a time base through `CLOCK_MONOTONIC`, which is
+//! system-wide on Linux (and on macOS), so the run stays on one machine; a worker process
+//! exits when its stdin closes, so it does not outlive a verify that died.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use docwarden::check::{Entry, Event, History, OpOutcome};
+use docwarden_workloads::{Mode, Process};
+use indicatif::ProgressBar;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::args::{Fault, FaultArg, Module, WorkersAs};
+use super::context::{Ctx, FAULT_OP, Slot};
+use super::{guard, locks, queue, sequence};
+
+/// The hidden subcommand that runs one worker process.
+pub(crate) const SUBCOMMAND: &str = "verify-worker";
+
+/// The line on a worker's stdin that asks it to abort its worker task (the `kill` fault).
+const ABORT: &str = "abort";
+
+/// How long the supervisor waits for a worker process to finish after the deadline before
+/// it kills it.
+const GRACE: Duration = Duration::from_secs(30);
+
+/// Arguments of the hidden `docwarden verify-worker`: one worker of one module, as a
+/// process started by `docwarden verify` (not meant to be run by hand).
+#[derive(Debug, clap::Args)]
+pub(crate) struct WorkerArgs {
+    /// The module whose worker to run.
+    #[arg(long, value_enum)]
+    module: Module,
+    /// The process id in the history.
+    #[arg(long)]
+    process: u32,
+    /// The worker slot the process fills.
+    #[arg(long)]
+    slot: usize,
+    /// The workers' URI.
+    #[arg(long)]
+    uri: String,
+    /// The workload's database.
+    #[arg(long)]
+    db: String,
+    /// The run's seed.
+    #[arg(long)]
+    seed: u64,
+    /// The run's faults.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<FaultArg>,
+    /// A control run.
+    #[arg(long)]
+    control: bool,
+    /// Workers per workload.
+    #[arg(long)]
+    workers: usize,
+    /// Milliseconds left until the run's deadline.
+    #[arg(long)]
+    duration_ms: u64,
+    /// The run's origin, in microseconds of `CLOCK_MONOTONIC`.
+    #[arg(long)]
+    origin_us: u64,
+}
+
+/// Microseconds of `CLOCK_MONOTONIC` now (the clock behind [`Instant`] on Linux).
+fn monotonic_us() -> anyhow::Result<u64> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    Ok(u64::try_from(Duration::from(now).as_micros()).unwrap_or(u64::MAX))
+}
+
+/// The origin of `history` in microseconds of `CLOCK_MONOTONIC`.
+fn origin_us(history: &History) -> anyhow::Result<u64> {
+    let since = u64::try_from(history.origin().elapsed().as_micros()).unwrap_or(u64::MAX);
+    Ok(monotonic_us()?.saturating_sub(since))
+}
+
+/// The [`Instant`] of an origin in microseconds of `CLOCK_MONOTONIC`.
+fn origin_instant(origin_us: u64) -> anyhow::Result<Instant> {
+    let ago = Duration::from_micros(monotonic_us()?.saturating_sub(origin_us));
+    Instant::now()
+        .checked_sub(ago)
+        .context("the run's origin is before this machine's monotonic clock began")
+}
+
+/// Writes one entry as a line on stdout, flushed.
+fn emit(entry: &Entry) {
+    let line = match serde_json::to_string(entry) {
+        Ok(line) => line,
+        Err(e) => {
+            tracing::warn!(%e, "history entry not serialized");
+            return;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    // A closed stdout means the supervisor is gone; stdin's end stops this process.
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+/// Runs one worker process: `docwarden verify-worker`.
+pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    let origin = origin_instant(args.origin_us)?;
+    let history = Arc::new(History::streaming(origin, emit));
+    let client = connect(
+        &args.uri,
+        Instant::now() + Duration::from_millis(args.duration_ms),
+    )
+    .await?;
+    let faults = args
+        .faults
+        .iter()
+        .filter_map(|f| match f {
+            FaultArg::One(f) => Some(*f),
+            FaultArg::All | FaultArg::List => None,
+        })
+        .collect();
+    let process = Process::from_id(args.process);
+    let ctx = Arc::new(Ctx {
+        db: client.database(&args.db),
+        client,
+        history,
+        faults,
+        mode: Mode::control_if(args.control),
+        workers: args.workers,
+        duration: Duration::from_millis(args.duration_ms),
+        seed: args.seed,
+        injected: std::sync::Mutex::new(BTreeMap::new()),
+        progress: ProgressBar::hidden(),
+        clocks: std::sync::Mutex::new(Vec::new()),
+        workers_as: WorkersAs::Processes,
+        uri: args.uri,
+        lease: Duration::ZERO,
+        slot: Some(Slot {
+            index: args.slot,
+            process,
+        }),
+    });
+    let module = args.module;
+    let mut work = {
+        let ctx = Arc::clone(&ctx);
+        tokio::spawn(async move {
+            let (result, ()) = tokio::join!(worker(module, &ctx, process), ctx.clock_nemesis());
+            result
+        })
+    };
+    // The control channel: `abort`, or the end of stdin (the supervisor is gone). A thread,
+    // not tokio's stdin, whose blocking read would hold up the runtime's shutdown.
+    let (abort_tx, abort_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match std::io::stdin().read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) if line.trim() == ABORT => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = abort_tx.send(());
+    });
+    let result = tokio::select! {
+        result = &mut work => result,
+        _ = abort_rx => {
+            // Dropping the worker's futures records what was in flight as indeterminate.
+            work.abort();
+            let _ = (&mut work).await;
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    match result {
+        Ok(Ok(())) => Ok(ExitCode::SUCCESS),
+        Ok(Err(e)) => {
+            tracing::warn!(process = process.id(), %e, workload = module.name(), "worker stopped");
+            Ok(ExitCode::from(1))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Connects to `uri`, retrying until `deadline` (a replacement may start while the server
+/// restarts or the proxy resets every connection).
+async fn connect(uri: &str, deadline: Instant) -> anyhow::Result<mongodb::Client> {
+    loop {
+        match docwarden_server::connect(uri, Duration::from_secs(10)).await {
+            Ok(client) => return Ok(client),
+            Err(e) if Instant::now() >= deadline => return Err(e.into()),
+            Err(e) => {
+                tracing::debug!(%e, "worker process not connected yet: retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The module's worker body (what a worker task runs too).
+async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<()> {
+    match module {
+        Module::Locks => locks::worker(ctx, process).await,
+        Module::Queue => queue::worker(ctx, process).await,
+        Module::Sequence => sequence::worker(ctx, process).await,
+        Module::Guard => guard::worker(ctx, process).await,
+        Module::All => anyhow::bail!("a worker process runs one module"),
+    }
+}
+
+/// What a worker process has reported so far (the nemesis times its signals on it).
+#[derive(Debug, Clone, Copy, Default)]
+struct Activity {
+    invokes: u64,
+    /// Invokes of the module's commit (see [`Aim`]).
+    commits: u64,
+    /// Completions of the module's entry into its critical section (see [`Aim`]).
+    entries: u64,
+    completions: u64,
+    /// A moving average of its commits' latency, in microseconds.
+    commit_us: u64,
+}
+
+/// One running worker process.
+struct Running {
+    process: Process,
+    slot: usize,
+    pid: Pid,
+    child: Child,
+    /// Held open: the process exits when its stdin closes.
+    stdin: ChildStdin,
+    activity: watch::Receiver<Activity>,
+    reader: JoinHandle<Vec<Fault>>,
+}
+
+/// A `sigstop` window: who, from when to when.
+struct Stopped {
+    process: Process,
+    start_us: u64,
+    end_us: u64,
+}
+
+/// Starts the worker process `process` in `slot`, running until `deadline`.
+fn spawn(
+    ctx: &Ctx,
+    module: Module,
+    process: Process,
+    slot: usize,
+    deadline: Instant,
+) -> anyhow::Result<Running> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut command = Command::new(std::env::current_exe()?);
+    command
+        .arg(SUBCOMMAND)
+        .args(["--module", module.name()])
+        .args(["--process", &process.id().to_string()])
+        .args(["--slot", &slot.to_string()])
+        .args(["--uri", &ctx.uri])
+        .args(["--db", ctx.db.name()])
+        .args(["--seed", &ctx.seed.to_string()])
+        .args(["--workers", &ctx.workers.to_string()])
+        .args(["--duration-ms", &left.as_millis().to_string()])
+        .args(["--origin-us", &origin_us(&ctx.history)?.to_string()]);
+    if !ctx.faults.is_empty() {
+        let faults: Vec<&str> = ctx.faults.iter().map(|f| f.name()).collect();
+        command.args(["--faults", &faults.join(",")]);
+    }
+    if ctx.mode == Mode::Control {
+        command.arg("--control");
+    }
+    command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let mut child = command
+        .spawn()
+        .context("starting a worker process (docwarden verify-worker)")?;
+    let pid = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .context("a worker process without a pid")?;
+    let stdout = child.stdout.take().context("a worker's stdout")?;
+    let stdin = child.stdin.take().context("a worker's stdin")?;
+    let (tx, activity) = watch::channel(Activity::default());
+    let in_flight = if ctx.mode == Mode::Control {
+        OpOutcome::Failed
+    } else {
+        OpOutcome::Indeterminate
+    };
+    let reader = tokio::spawn(read(
+        Arc::clone(&ctx.history),
+        process,
+        stdout,
+        tx,
+        in_flight,
+        Aim::of(module),
+    ));
+    Ok(Running {
+        process,
+        slot,
+        pid: Pid::from_raw(pid),
+        child,
+        stdin,
+        activity,
+        reader,
+    })
+}
+
+/// Where the process faults aim, three times in four, in the lease workloads: `sigstop`
+/// right after a worker enters its critical section (a claim, a registered token), so that
+/// it wakes up past its lease still believing it holds it; `sigkill` during the fenced
+/// write that commits its work.
+#[derive(Debug, Clone, Copy)]
+struct Aim {
+    entry: Option<&'static str>,
+    commit: Option<&'static str>,
+}
+
+impl Aim {
+    fn of(module: Module) -> Self {
+        use docwarden_workloads::{counters, jobs};
+        match module {
+            Module::Queue => Aim {
+                entry: Some(jobs::Op::Claim.as_str()),
+                commit: Some(jobs::Op::Complete.as_str()),
+            },
+            Module::Locks => Aim {
+                entry: Some(counters::Op::Touch.as_str()),
+                commit: Some(counters::Op::Write.as_str()),
+            },
+            Module::Sequence | Module::Guard | Module::All => Aim {
+                entry: None,
+                commit: None,
+            },
+        }
+    }
+}
+
+/// Reads a worker's history into `history` until its stdout closes; then records each
+/// operation still in flight with the outcome `in_flight` (indeterminate; failed in a
+/// control run). Returns the faults the worker injected.
+async fn read(
+    history: Arc<History>,
+    process: Process,
+    stdout: ChildStdout,
+    activity: watch::Sender<Activity>,
+    in_flight: OpOutcome,
+    aim: Aim,
+) -> Vec<Fault> {
+    let mut lines = BufReader::new(stdout).lines();
+    let mut open: BTreeMap<u64, Event> = BTreeMap::new();
+    let mut faults = Vec::new();
+    loop {
+        let line = match lines.next_line().await {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(process = process.id(), %e, "worker output unreadable");
+                break;
+            }
+        };
+        match serde_json::from_str::<Entry>(&line) {
+            Ok(Entry::Invoke { id, event }) => {
+                let commit = aim.commit.is_some_and(|op| op == event.op);
+                open.insert(id, event);
+                activity.send_modify(|a| {
+                    a.invokes += 1;
+                    a.commits += u64::from(commit);
+                });
+            }
+            Ok(Entry::Complete { id, event }) => {
+                if let Some(id) = id
+                    && open.remove(&id).is_some()
+                    && aim.commit.is_some_and(|op| op == event.op)
+                {
+                    let took = event.end_us.saturating_sub(event.start_us);
+                    activity.send_modify(|a| a.commit_us = (a.commit_us * 7 + took) / 8);
+                }
+                if event.op == FAULT_OP
+                    && let Some(f) = Fault::ALL.iter().find(|f| f.name() == event.key)
+                {
+                    faults.push(*f);
+                }
+                let entry =
+                    aim.entry.is_some_and(|op| op == event.op) && event.outcome == OpOutcome::Ok;
+                history.push(event);
+                activity.send_modify(|a| {
+                    a.completions += 1;
+                    a.entries += u64::from(entry);
+                });
+            }
+            // A line cut short by SIGKILL, or a stray print.
+            Err(e) => tracing::debug!(process = process.id(), %e, line, "not a history entry"),
+        }
+    }
+    let end = history.now_us();
+    for event in open.into_values() {
+        tracing::debug!(
+            process = process.id(),
+            op = event.op,
+            "in flight when the process died"
+        );
+        let mut event = event
+            .outcome(in_flight)
+            .detail(format!("{} died mid-operation", process.label()));
+        event.end_us = end;
+        history.push(event);
+    }
+    faults
+}
+
+/// Waits (at most `within`) until `what` of `activity` grows: the process just started
+/// (invokes) or finished (completions) an operation. False if it did not.
+async fn next(
+    activity: &mut watch::Receiver<Activity>,
+    what: fn(&Activity) -> u64,
+    within: Duration,
+) -> bool {
+    let before = what(&activity.borrow_and_update());
+    tokio::time::timeout(within, async {
+        while activity.changed().await.is_ok() {
+            if what(&activity.borrow_and_update()) > before {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// Sends `signal` to `pid`; a process already gone is not an error.
+fn signal(pid: Pid, signal: Signal) {
+    if let Err(e) = kill(pid, signal) {
+        tracing::debug!(%pid, ?signal, %e, "signal not delivered");
+    }
+}
+
+/// `sigstop`: right after `victim` completes an operation (`aim`: one that enters its
+/// critical section), stops it for `how_long`, then continues it.
+async fn stop(
+    pid: Pid,
+    process: Process,
+    mut activity: watch::Receiver<Activity>,
+    aim: fn(&Activity) -> u64,
+    history: Arc<History>,
+    how_long: Duration,
+) -> Stopped {
+    next(&mut activity, aim, Duration::from_secs(1)).await;
+    let start_us = history.now_us();
+    signal(pid, Signal::SIGSTOP);
+    tokio::time::sleep(how_long).await;
+    signal(pid, Signal::SIGCONT);
+    Stopped {
+        process,
+        start_us,
+        end_us: history.now_us(),
+    }
+}
+
+/// Runs `ctx.workers` worker processes of `module` until the deadline, with the process
+/// faults: `sigstop`, `sigkill` and `kill` (the worker aborts its own task).
+pub(super) async fn supervise(ctx: &Ctx, module: Module) {
+    if let Err(e) = run(ctx, module).await {
+        tracing::error!(%e, workload = module.name(), "worker processes failed");
+    }
+}
+
+async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let deadline = started + ctx.duration;
+    let mut running = Vec::with_capacity(ctx.workers);
+    for slot in 0..ctx.workers {
+        running.push(spawn(ctx, module, Process::worker(slot), slot, deadline)?);
+    }
+    let mut next_worker = ctx.workers;
+    let aims = Aim::of(module);
+    let mut gone: Vec<Running> = Vec::new();
+    let mut stops: Vec<(Process, JoinHandle<Stopped>)> = Vec::new();
+    // The supervisor's own random stream (victims, pause lengths).
+    let mut rng = rand::rngs::StdRng::seed_from_u64(ctx.seed.rotate_left(23));
+    let kill_every = (ctx.duration / 12).max(Duration::from_millis(400));
+    let stop_every = (ctx.duration / 6).max(Duration::from_millis(700));
+    let mut next_kill = started + kill_every;
+    let mut next_stop = started + stop_every / 2;
+    while Instant::now() < deadline {
+        let step =
+            Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now()));
+        tokio::time::sleep(step).await;
+        ctx.progress
+            .set_position(started.elapsed().as_secs().min(ctx.duration.as_secs()));
+        let stopped = |p: Process, stops: &[(Process, JoinHandle<Stopped>)]| {
+            stops.iter().any(|(s, h)| *s == p && !h.is_finished())
+        };
+        if ctx.has(Fault::Sigstop) && Instant::now() >= next_stop {
+            next_stop += stop_every;
+            let free: Vec<usize> = (0..running.len())
+                .filter(|i| !stopped(running[*i].process, &stops))
+                .collect();
+            if !free.is_empty() {
+                let victim = &running[free[rng.random_range(0..free.len())]];
+                let how_long = ctx.lease + Duration::from_millis(rng.random_range(500..1500));
+                let aim: fn(&Activity) -> u64 = if aims.entry.is_some() && rng.random_bool(0.75) {
+                    |a| a.entries
+                } else {
+                    |a| a.completions
+                };
+                let handle = tokio::spawn(stop(
+                    victim.pid,
+                    victim.process,
+                    victim.activity.clone(),
+                    aim,
+                    Arc::clone(&ctx.history),
+                    how_long,
+                ));
+                stops.push((victim.process, handle));
+            }
+        }
+        if Instant::now() < next_kill {
+            continue;
+        }
+        next_kill += kill_every;
+        for fault in [Fault::Sigkill, Fault::Kill] {
+            if !ctx.has(fault) {
+                continue;
+            }
+            let free: Vec<usize> = (0..running.len())
+                .filter(|i| !stopped(running[*i].process, &stops))
+                .collect();
+            if free.is_empty() {
+                continue;
+            }
+            let i = free[rng.random_range(0..free.len())];
+            let victim = &mut running[i];
+            // Mid-operation: after it announces one, within the first half of a commit's
+            // usual latency (the request on its way or at the server, no reply yet).
+            let aim: fn(&Activity) -> u64 = if aims.commit.is_some() && rng.random_bool(0.75) {
+                |a| a.commits
+            } else {
+                |a| a.invokes
+            };
+            next(&mut victim.activity, aim, Duration::from_secs(1)).await;
+            // Sub-millisecond, which tokio's timer cannot do: a short blocking sleep of the
+            // supervisor (at most half a commit's latency, a few times a run).
+            let latency = victim.activity.borrow().commit_us.min(20_000);
+            std::thread::sleep(Duration::from_micros(rng.random_range(0..=latency / 2)));
+            let at = ctx.history.now_us();
+            if fault == Fault::Sigkill {
+                signal(victim.pid, Signal::SIGKILL);
+            } else {
+                let line = format!("{ABORT}\n");
+                if let Err(e) = victim.stdin.write_all(line.as_bytes()).await {
+                    tracing::debug!(%e, "worker already gone");
+                }
+            }
+            ctx.injected(fault, victim.process, at, at);
+            let replacement = spawn(
+                ctx,
+                module,
+                Process::worker(next_worker),
+                victim.slot,
+                deadline,
+            )?;
+            next_worker += 1;
+            gone.push(std::mem::replace(victim, replacement));
+        }
+    }
+    for (_, handle) in stops {
+        let window = handle.await?;
+        ctx.injected(
+            Fault::Sigstop,
+            window.process,
+            window.start_us,
+            window.end_us,
+        );
+    }
+    for mut worker in gone.into_iter().chain(running) {
+        let status = match tokio::time::timeout(GRACE, worker.child.wait()).await {
+            Ok(status) => status?,
+            Err(_) => {
+                tracing::warn!(
+                    process = worker.process.id(),
+                    "worker process still running: killed"
+                );
+                worker.child.kill().await?;
+                worker.child.wait().await?
+            }
+        };
+        if !status.success() && status.code().is_some() {
+            tracing::warn!(process = worker.process.id(), %status, workload = module.name(), "worker process failed");
+        }
+        drop(worker.stdin);
+        for fault in worker.reader.await? {
+            ctx.count_injected(fault);
+        }
+    }
+    Ok(())
+}

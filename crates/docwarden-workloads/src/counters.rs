@@ -494,3 +494,47 @@ pub async fn crash_and_delete(
         .context("the next owner acquires")?;
     Ok((lc, deleted, ld))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use docwarden::check::OpOutcome;
+
+    fn ev(op: Op, key: &str, token: i64, outcome: OpOutcome) -> Event {
+        Event::new(1, op.as_str(), key, 0, 1)
+            .token(token)
+            .outcome(outcome)
+    }
+
+    /// A write accepted is acknowledged; refused or abandoned is nothing; a lost reply or
+    /// a lease whose write never recorded an outcome (its process killed) is uncertain.
+    #[test]
+    fn tally_counts_acknowledged_and_uncertain_increments_from_the_history() {
+        let events = vec![
+            ev(Op::Touch, "c0", 1, OpOutcome::Ok),
+            ev(Op::Write, "c0", 1, OpOutcome::Ok),
+            ev(Op::Touch, "c0", 2, OpOutcome::Ok),
+            ev(Op::Write, "c0", 2, OpOutcome::Failed),
+            ev(Op::Touch, "c0", 3, OpOutcome::Ok),
+            ev(Op::Abandon, "c0", 3, OpOutcome::Failed),
+            ev(Op::Touch, "c1", 1, OpOutcome::Ok),
+            ev(Op::Write, "c1", 1, OpOutcome::Indeterminate),
+            ev(Op::Touch, "c1", 2, OpOutcome::Ok),
+            // Touch refused: never counted.
+            ev(Op::Touch, "c1", 3, OpOutcome::Failed),
+        ];
+        let (acked, uncertain) = tally(&events);
+        assert_eq!(acked, BTreeMap::from([("c0".to_owned(), 1)]));
+        assert_eq!(uncertain, BTreeMap::from([("c1".to_owned(), 2)]));
+        let finals = BTreeMap::from([("c0".to_owned(), 1), ("c1".to_owned(), 2)]);
+        assert!(check(&events, &finals).is_empty());
+        let lost = BTreeMap::from([("c0".to_owned(), 0), ("c1".to_owned(), 0)]);
+        assert_eq!(
+            check(&events, &lost)
+                .iter()
+                .map(|v| v.kind)
+                .collect::<Vec<_>>(),
+            vec!["lost-update"]
+        );
+    }
+}

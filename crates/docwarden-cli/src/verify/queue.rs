@@ -34,8 +34,10 @@ const BATCH: usize = 20;
 const MAX_BACKLOG: u64 = 16;
 /// Every this many jobs, one is poison.
 const POISON_EVERY: i64 = 10;
-/// The chance that a handler is paused past the lease under `pause`.
+/// The chance that a handler is paused past the lease under `pause` (besides one of each
+/// worker's first [`FIRST_PAUSE_WITHIN`] handlers, so that short runs pause too).
 const PAUSE_P: f64 = 0.03;
+const FIRST_PAUSE_WITHIN: u32 = 8;
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let producer_clock =
@@ -92,7 +94,8 @@ async fn produce(ctx: &Ctx, queue: &JobQueue, until: Instant) {
 /// Under `pause`: the random stream deciding which handlers pause, and where to report
 /// each pause window (start, end in µs).
 struct PausePlan {
-    rng: Mutex<StdRng>,
+    /// The random stream, and how many handlers are left before the first pause.
+    rng: Mutex<(StdRng, u32)>,
     windows: mpsc::UnboundedSender<(u64, u64)>,
 }
 
@@ -118,8 +121,11 @@ impl Handler {
         }
         let (work, pause) = match &self.pause {
             Some(plan) => {
-                let mut rng = plan.rng.lock().unwrap_or_else(|e| e.into_inner());
-                (rng.random_range(2..15), rng.random_bool(PAUSE_P))
+                let mut guard = plan.rng.lock().unwrap_or_else(|e| e.into_inner());
+                let (rng, first) = &mut *guard;
+                let forced = *first == 1;
+                *first = first.saturating_sub(1);
+                (rng.random_range(2..15), forced || rng.random_bool(PAUSE_P))
             }
             None => (2, false),
         };
@@ -198,9 +204,13 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
         coll: ctx.db.collection(COLLECTION),
         mode: ctx.mode,
         process,
-        pause: ctx.has(Fault::Pause).then(|| PausePlan {
-            rng: Mutex::new(ctx.rng(process)),
-            windows,
+        pause: ctx.has(Fault::Pause).then(|| {
+            let mut rng = ctx.rng(process);
+            let first = rng.random_range(1..=FIRST_PAUSE_WITHIN);
+            PausePlan {
+                rng: Mutex::new((rng, first)),
+                windows,
+            }
         }),
     });
     let worker = Worker::spawn(

@@ -9,12 +9,14 @@
 //! control run writes the effect by `_id` alone (fencing off), so the paused holder's late
 //! write lands under a lost lease. Checked ([`docwarden::check::queue::check_runtime`]):
 //! every job finished once, its effects in claim order and none written after a newer
-//! claim took the job, dead jobs without effect, no completion reported that did not land.
+//! claim took the job, dead jobs without effect, no completion reported that did not land;
+//! and no worker that stopped (shut down or killed in its task) left its change-stream
+//! listener running.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use docwarden::check::{History, OpOutcome};
+use docwarden::check::{History, OpOutcome, Violation};
 use docwarden::lock::FenceOutcome;
 use docwarden::queue::{ClaimedJob, HandlerResult, JobQueue, Worker, WorkerOptions};
 use docwarden_workloads::jobs::{self, Op, Producer};
@@ -39,7 +41,40 @@ const POISON_EVERY: i64 = 10;
 const PAUSE_P: f64 = 0.03;
 const FIRST_PAUSE_WITHIN: u32 = 8;
 
+/// The change-stream listeners of the workers run in this process
+/// ([`Worker::listener_probe`]): once a worker has stopped — shut down, or killed with its
+/// task — its listener must not run on (a killed worker leaks nothing).
+static LISTENERS: Mutex<Vec<(Process, Weak<()>)>> = Mutex::new(Vec::new());
+
+/// Listeners still running 2 s after their workers stopped, as violations.
+async fn leaked_listeners() -> Vec<Violation> {
+    let alive = || -> Vec<Process> {
+        LISTENERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, probe)| probe.upgrade().is_some())
+            .map(|(p, _)| *p)
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(2);
+    while !alive().is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    alive()
+        .into_iter()
+        .map(|p| {
+            Violation::new(
+                "leaked-listener",
+                p.label(),
+                "the worker stopped, but its change-stream listener still runs",
+            )
+        })
+        .collect()
+}
+
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
+    LISTENERS.lock().unwrap_or_else(|e| e.into_inner()).clear();
     let producer_clock =
         docwarden::clock::TimeSource::server(ctx.client.clone(), Default::default())?;
     let queue =
@@ -58,13 +93,16 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     })
     .await;
     producer.await?;
+    let leaked = leaked_listeners().await;
     drain(&ctx, &queue).await?;
 
     let events = ctx.history.events();
     let observed = jobs::observe(&queue).await?;
+    let mut violations = jobs::check(&observed, &events);
+    violations.extend(leaked);
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
-        violations: jobs::check(&observed, &events),
+        violations,
     })
 }
 
@@ -221,6 +259,10 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
             async move { handler.run(job).await }
         },
     )?;
+    LISTENERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((process, worker.listener_probe()));
     let until = tokio::time::Instant::from_std(deadline);
     loop {
         tokio::select! {

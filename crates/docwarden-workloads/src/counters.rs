@@ -9,7 +9,8 @@
 //! fenced steps is the fence with its token check off
 //! ([`FenceOptions::unsafe_without_token_check`]); the lock collection's own control is
 //! [`docwarden::lock::LockOptions::unsafe_ignore_expiry`], chosen by the caller. The final
-//! read is [`Counters::total`] / [`Counters::finals`], judged by [`check`].
+//! read is [`Counters::total`] / [`Counters::finals`], judged by [`check`] with the
+//! increments counted from the history by [`tally`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -59,6 +60,11 @@ pub enum Op {
     Touch,
     /// The fenced write of `n + 1`.
     Write,
+    /// The holder confirmed its lease certainly valid (`Watchdog::valid_until`) before
+    /// writing; `value` is the validity left, in ms.
+    Hold,
+    /// The holder gave up before writing: its lease was no longer certainly valid.
+    Abandon,
     /// The lease released.
     Release,
 }
@@ -71,6 +77,8 @@ impl Op {
             Op::Acquire => "acquire",
             Op::Touch => "touch",
             Op::Write => "write",
+            Op::Hold => lease::HOLD_OP,
+            Op::Abandon => "abandon",
             Op::Release => "release",
         }
     }
@@ -215,18 +223,49 @@ impl Counters {
     }
 }
 
-/// The checker of a recorded run: fencing tokens strictly increase per resource, no stale
-/// write was accepted, and each final counter equals its acknowledged increments (give or
-/// take the uncertain ones).
+/// The increments of a recorded run, per counter: acknowledged (a write accepted) and
+/// uncertain (a lease that touched its counter and then neither had its write accepted or
+/// refused nor gave up: the write's reply was lost, or its process was killed with the
+/// write in flight).
 #[must_use]
-pub fn check(
-    events: &[Event],
-    acknowledged: &BTreeMap<String, i64>,
-    uncertain: &BTreeMap<String, i64>,
-    finals: &BTreeMap<String, i64>,
-) -> Vec<Violation> {
+pub fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>) {
+    use docwarden::check::OpOutcome;
+    let mut acked: BTreeMap<String, i64> = BTreeMap::new();
+    let mut uncertain: BTreeMap<String, i64> = BTreeMap::new();
+    // (key, token) of every lease that touched its counter, and how its write ended.
+    let mut leases: BTreeMap<(&str, i64), Option<OpOutcome>> = BTreeMap::new();
+    for e in events {
+        let Some(token) = e.token else { continue };
+        if e.op == Op::Touch.as_str() && e.outcome == OpOutcome::Ok {
+            leases.entry((e.key.as_str(), token)).or_insert(None);
+        } else if e.op == Op::Write.as_str() {
+            leases.insert((e.key.as_str(), token), Some(e.outcome));
+        } else if e.op == Op::Abandon.as_str() {
+            leases.insert((e.key.as_str(), token), Some(OpOutcome::Failed));
+        }
+    }
+    for ((key, _), outcome) in leases {
+        match outcome {
+            Some(OpOutcome::Ok) => *acked.entry(key.to_owned()).or_default() += 1,
+            Some(OpOutcome::Failed) => {}
+            Some(OpOutcome::Indeterminate) | None => {
+                *uncertain.entry(key.to_owned()).or_default() += 1;
+            }
+        }
+    }
+    (acked, uncertain)
+}
+
+/// The checker of a recorded run: fencing tokens strictly increase per resource, no stale
+/// write was accepted, no holder's validity claim overlapped a newer holder, and each
+/// final counter equals its acknowledged increments (give or take the uncertain ones,
+/// [`tally`]).
+#[must_use]
+pub fn check(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation> {
+    let (acknowledged, uncertain) = tally(events);
     let mut violations = lease::check_tokens(events);
-    violations.extend(lease::check_counters(acknowledged, uncertain, finals));
+    violations.extend(lease::check_validity(events));
+    violations.extend(lease::check_counters(&acknowledged, &uncertain, finals));
     violations
 }
 
@@ -454,4 +493,48 @@ pub async fn crash_and_delete(
         .await?
         .context("the next owner acquires")?;
     Ok((lc, deleted, ld))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use docwarden::check::OpOutcome;
+
+    fn ev(op: Op, key: &str, token: i64, outcome: OpOutcome) -> Event {
+        Event::new(1, op.as_str(), key, 0, 1)
+            .token(token)
+            .outcome(outcome)
+    }
+
+    /// A write accepted is acknowledged; refused or abandoned is nothing; a lost reply or
+    /// a lease whose write never recorded an outcome (its process killed) is uncertain.
+    #[test]
+    fn tally_counts_acknowledged_and_uncertain_increments_from_the_history() {
+        let events = vec![
+            ev(Op::Touch, "c0", 1, OpOutcome::Ok),
+            ev(Op::Write, "c0", 1, OpOutcome::Ok),
+            ev(Op::Touch, "c0", 2, OpOutcome::Ok),
+            ev(Op::Write, "c0", 2, OpOutcome::Failed),
+            ev(Op::Touch, "c0", 3, OpOutcome::Ok),
+            ev(Op::Abandon, "c0", 3, OpOutcome::Failed),
+            ev(Op::Touch, "c1", 1, OpOutcome::Ok),
+            ev(Op::Write, "c1", 1, OpOutcome::Indeterminate),
+            ev(Op::Touch, "c1", 2, OpOutcome::Ok),
+            // Touch refused: never counted.
+            ev(Op::Touch, "c1", 3, OpOutcome::Failed),
+        ];
+        let (acked, uncertain) = tally(&events);
+        assert_eq!(acked, BTreeMap::from([("c0".to_owned(), 1)]));
+        assert_eq!(uncertain, BTreeMap::from([("c1".to_owned(), 2)]));
+        let finals = BTreeMap::from([("c0".to_owned(), 1), ("c1".to_owned(), 2)]);
+        assert!(check(&events, &finals).is_empty());
+        let lost = BTreeMap::from([("c0".to_owned(), 0), ("c1".to_owned(), 0)]);
+        assert_eq!(
+            check(&events, &lost)
+                .iter()
+                .map(|v| v.kind)
+                .collect::<Vec<_>>(),
+            vec!["lost-update"]
+        );
+    }
 }

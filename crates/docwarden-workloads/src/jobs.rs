@@ -1,18 +1,23 @@
 //! Seed 002, jobs (`docwarden::queue`): producers enqueue numbered jobs `{ n }` while
 //! workers claim them under leases and commit their effect.
 //!
-//! The effect of a job is its completion fenced by the claim ([`Mode::Safe`]); the control
-//! completes by `_id` alone ([`Mode::Control`]), which double-commits a job whose lease was
-//! taken over. A handler's side effect for [`docwarden::queue::Worker`] is
-//! [`fenced_effect`]. The final read is [`observe`]; [`check`] is
-//! [`docwarden::check::queue::check_jobs`].
-
+//! Two shapes of the effect:
+//! - the **runtime** shape, run by [`docwarden::queue::Worker`] (`verify queue`): the
+//!   handler appends an effect record `{token, attempt}` of its claim to the job document
+//!   ([`effect`]), fenced by the claim in [`Mode::Safe`] and by `_id` alone in
+//!   [`Mode::Control`] (a paused holder then writes under a lost lease); the worker
+//!   completes the job with the claim's token as its result. Some jobs are poison
+//!   ([`Producer::enqueue_mixed`]): their handler fails without an effect until they are
+//!   dead. The final read is [`observe`], judged by [`check`]
+//!   ([`docwarden::check::queue::check_runtime`]);
+//! - the **completion** shape (`bench`): the effect of a job is its completion, fenced by
+//!   the claim ([`complete`]). [`fenced_effect`] is the tests' counting handler.
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use docwarden::check::Violation;
-use docwarden::check::queue::{JobObservation, check_jobs};
-use docwarden::lock::{Fence, FenceOptions};
+use docwarden::check::queue::{EFFECT_OP, EffectRecord, HANDLE_OP, JobRecord, REPORT_OP};
+use docwarden::check::{Event, Violation};
+use docwarden::lock::{Fence, FenceOptions, FenceOutcome};
 use docwarden::queue::format::field;
 use docwarden::queue::{
     ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions,
@@ -31,10 +36,12 @@ pub const LEASE: Duration = Duration::from_secs(2);
 pub enum Op {
     /// A batch of jobs enqueued.
     Enqueue,
-    /// A job claimed (or a failed claim).
-    Claim,
-    /// A job's effect committed: its completion.
-    Complete,
+    /// A handler started on a claimed job.
+    Handle,
+    /// A handler's effect write.
+    Effect,
+    /// A worker's counts at its graceful shutdown.
+    Report,
 }
 
 impl Op {
@@ -43,8 +50,9 @@ impl Op {
     pub const fn as_str(self) -> &'static str {
         match self {
             Op::Enqueue => "enqueue",
-            Op::Claim => "claim",
-            Op::Complete => "complete",
+            Op::Handle => HANDLE_OP,
+            Op::Effect => EFFECT_OP,
+            Op::Report => REPORT_OP,
         }
     }
 }
@@ -55,6 +63,20 @@ pub fn short_lease_options() -> QueueOptions {
     QueueOptions::default()
         .lease_ttl(LEASE)
         .reap_interval(Duration::from_millis(500))
+}
+
+/// Attempts of a regular job in the runtime run: enough that no job dies of lost leases.
+pub const RUNTIME_ATTEMPTS: u32 = 50;
+/// Attempts of a poison job: it fails every one and is dead after these.
+pub const POISON_ATTEMPTS: u32 = 2;
+
+/// The queue options of the runtime run: [`short_lease_options`] with
+/// [`RUNTIME_ATTEMPTS`] and retries after 20–200 ms (so poison jobs die within the run).
+#[must_use]
+pub fn runtime_options() -> QueueOptions {
+    short_lease_options()
+        .max_attempts(RUNTIME_ATTEMPTS)
+        .retry_delays(Duration::from_millis(20), Duration::from_millis(200))
 }
 
 /// The producer: enqueues jobs `{ n }` with increasing `n`, in chunks of at most 1,000.
@@ -88,6 +110,34 @@ impl Producer {
             self.next = first + i64::try_from(chunk).unwrap_or(i64::MAX);
             left -= chunk;
         }
+        Ok(())
+    }
+
+    /// Enqueues `count` jobs `{ n, poison }` where every `poison_every`-th `n` is poison
+    /// (its handler fails on purpose; [`POISON_ATTEMPTS`] attempts).
+    ///
+    /// # Errors
+    /// The enqueue's error (`n` then does not advance).
+    pub async fn enqueue_mixed(
+        &mut self,
+        queue: &JobQueue,
+        count: usize,
+        poison_every: i64,
+    ) -> docwarden::Result<()> {
+        let first = self.next;
+        let last = first + i64::try_from(count).unwrap_or(i64::MAX);
+        queue
+            .enqueue_many((first + 1..=last).map(|n| {
+                let poison = poison_every > 0 && n % poison_every == 0;
+                let options = if poison {
+                    EnqueueOptions::default().max_attempts(POISON_ATTEMPTS)
+                } else {
+                    EnqueueOptions::default()
+                };
+                (doc! { "n": n, "poison": poison }, options)
+            }))
+            .await?;
+        self.next = last;
         Ok(())
     }
 
@@ -188,38 +238,111 @@ pub async fn fenced_effect(coll: Collection<Document>, job: ClaimedJob) -> Handl
     }
 }
 
-/// The final read: every job's stored state, with `effects` committed effects counted by
-/// the caller (job id in hex → completions that applied).
+/// Whether `job` is poison ([`Producer::enqueue_mixed`]): its handler must fail.
+#[must_use]
+pub fn is_poison(job: &ClaimedJob) -> bool {
+    matches!(job.payload(), Bson::Document(d) if d.get_bool("poison").unwrap_or(false))
+}
+
+/// The runtime handler's effect: appends `{token, attempt}` of `job`'s claim to the job
+/// document's `effects`. Safe: fenced by the claim (applies only while the job runs under
+/// this claim; [`FenceOutcome::Lost`] otherwise). Control: by `_id` alone, whoever holds
+/// the job now.
+///
+/// # Errors
+/// A database error (the outcome is then unknown if it is retryable).
+pub async fn effect(
+    coll: &Collection<Document>,
+    job: &ClaimedJob,
+    mode: Mode,
+) -> docwarden::Result<FenceOutcome> {
+    let record = doc! {
+        "$push": { "effects": { "token": job.lease.token.as_str(), "attempt": job.job.attempts } },
+    };
+    match mode {
+        Mode::Safe => {
+            Fence::new(coll.clone(), FenceOptions::default())?
+                .apply(job, doc! { "_id": job.id() }, record)
+                .await
+        }
+        Mode::Control => {
+            let r = coll.update_one(doc! { "_id": job.id() }, record).await?;
+            Ok(if r.matched_count == 1 {
+                FenceOutcome::Applied
+            } else {
+                FenceOutcome::NotFound
+            })
+        }
+    }
+}
+
+/// What the runtime handler returns once its effect applied: the claim's token and
+/// attempt, stored with the completion (the checker reads who completed the job).
+#[must_use]
+pub fn completion_result(job: &ClaimedJob) -> Bson {
+    Bson::Document(doc! { "token": job.lease.token.as_str(), "attempt": job.job.attempts })
+}
+
+/// A history event naming the claim of `job` by `process`: op `handle`, the claim's
+/// token in `detail`, its attempt in `token`.
+#[must_use]
+pub fn handle_event(process: u32, job: &ClaimedJob, at_us: u64) -> Event {
+    Event::new(
+        process,
+        Op::Handle.as_str(),
+        &job.id().to_hex(),
+        at_us,
+        at_us,
+    )
+    .token(job.job.attempts)
+    .detail(job.lease.token.as_str())
+}
+
+/// The final read of the runtime run: every job's state, its effect records in the
+/// order they were applied, and the claim that completed it.
 ///
 /// # Errors
 /// A database error.
-pub async fn observe(
-    queue: &JobQueue,
-    effects: &BTreeMap<String, u64>,
-) -> anyhow::Result<BTreeMap<String, JobObservation>> {
-    let mut jobs: BTreeMap<String, JobObservation> = BTreeMap::new();
+pub async fn observe(queue: &JobQueue) -> anyhow::Result<BTreeMap<String, JobRecord>> {
+    let mut jobs = BTreeMap::new();
     let mut cursor = queue.collection().find(doc! {}).await?;
     while let Some(d) = cursor.try_next().await? {
         let id = d
             .get_object_id("_id")
             .map(|o| o.to_hex())
             .unwrap_or_default();
+        let effects = d
+            .get_array("effects")
+            .map(|a| {
+                a.iter()
+                    .filter_map(Bson::as_document)
+                    .map(|e| EffectRecord {
+                        token: e.get_str("token").unwrap_or_default().to_owned(),
+                        attempt: e.get_i64("attempt").unwrap_or_default(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let completed_by = d
+            .get_document(field::RESULT)
+            .ok()
+            .and_then(|r| r.get_str("token").ok())
+            .map(str::to_owned);
         jobs.insert(
             id,
-            JobObservation {
-                effects: 0,
+            JobRecord {
                 state: d.get_str(field::STATE).ok().map(str::to_owned),
+                effects,
+                completed_by,
             },
         );
-    }
-    for (id, n) in effects {
-        jobs.entry(id.clone()).or_default().effects += n;
     }
     Ok(jobs)
 }
 
-/// The checker: every job's effect exactly once, none lost, none stuck.
+/// The checker of the runtime run: every job finished once, its effects in claim order
+/// and never written under a lost lease, dead jobs without effect, no phantom completion.
 #[must_use]
-pub fn check(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
-    check_jobs(jobs)
+pub fn check(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Vec<Violation> {
+    docwarden::check::queue::check_runtime(jobs, events)
 }

@@ -1,35 +1,48 @@
-//! Records seeds 003/004's counters under leases (`docwarden_workloads::counters`):
-//! read-modify-write of counters under leases, every write fenced.
+//! Records seeds 003/004's counters under leases (`docwarden_workloads::counters`), each
+//! lease kept by the real [`docwarden::lock::Watchdog`]: read-modify-writes of counters,
+//! every write fenced.
 //!
-//! Each worker repeatedly acquires one of four resources with a 1 s lease, registers its
-//! token on the counter document (a fenced touch, so no older holder can write after this
-//! point), reads the counter, possibly pauses past its lease, and writes `n + 1` fenced by
-//! its token. The control run trusts client clocks and its fence checks no token.
+//! Each worker repeatedly acquires one of four resources with a 1 s lease and starts a
+//! watchdog on it, registers its token on the counter document (a fenced touch, so no
+//! older holder can write after this point), reads the counter, and writes `n + 1` fenced
+//! by its token only if the watchdog says the lease is still certainly valid
+//! (`valid_until`, `is_lost`; it records that claim, or gives up). Under `pause` the
+//! holder (and its watchdog) stops between that check and the write, past its lease: the
+//! window only fencing closes. The control run trusts client clocks and its fence checks
+//! no token.
 //!
-//! Checked: tokens strictly increase per resource, no stale write accepted, and every
-//! counter equals its acknowledged increments (give or take uncertain ones).
+//! Checked: tokens strictly increase per resource, no stale write accepted, no validity
+//! claim overlapped a newer holder, and every counter equals its acknowledged increments
+//! (give or take uncertain ones), all from the history and the final read.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
-use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner};
+use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner, WatchdogOptions};
 use docwarden_workloads::Process;
 use docwarden_workloads::counters::{self, Counters, Op};
-use mongodb::bson::Document;
 use rand::Rng;
 
+use super::args::Fault;
 use super::context::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
-/// The lease of each acquire.
 pub(super) const TTL: Duration = Duration::from_secs(1);
+const LOCKS: &str = "verify_locks";
 const COUNTERS: &str = "counters";
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
-    let counters = Counters::new(ctx.db.collection::<Document>(COUNTERS));
+    let counters = Counters::new(ctx.db.collection(COUNTERS));
     counters.setup(RESOURCES).await?;
+    // The preflight checks and the indexes, once; the workers open handles with `new`.
+    LockCollection::open(
+        &ctx.db,
+        LOCKS,
+        docwarden::clock::TimeSource::server(ctx.client.clone(), Default::default())?,
+        LockOptions::default(),
+    )
+    .await?;
     let c = Arc::clone(&ctx);
     ctx.supervise("locks", move |process| {
         let ctx = Arc::clone(&c);
@@ -39,27 +52,10 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
 
     let finals = counters.finals().await?;
     let events = ctx.history.events();
-    let (acked, uncertain) = tally(&events);
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
-        violations: counters::check(&events, &acked, &uncertain, &finals),
+        violations: counters::check(&events, &finals),
     })
-}
-
-/// The increments per counter from the history: acknowledged (an applied write) and
-/// uncertain (an indeterminate one: an error that may have landed, a worker killed or
-/// aborted mid-write).
-fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>) {
-    let (mut acked, mut uncertain) = (BTreeMap::new(), BTreeMap::new());
-    for e in events.iter().filter(|e| e.op == Op::Write.as_str()) {
-        let map = match e.outcome {
-            OpOutcome::Ok => &mut acked,
-            OpOutcome::Indeterminate => &mut uncertain,
-            OpOutcome::Failed => continue,
-        };
-        *map.entry(e.key.clone()).or_default() += 1;
-    }
-    (acked, uncertain)
 }
 
 fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
@@ -70,17 +66,17 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
     }
 }
 
+/// One worker process: acquire, watch, touch, read, check validity, (pause), write,
+/// release, until the run's deadline.
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
-    let counters = Counters::new(ctx.db.collection::<Document>(COUNTERS));
     let mut rng = ctx.rng(process);
-    let locks = LockCollection::open(
-        &ctx.db,
-        "verify_locks",
+    let locks = LockCollection::new(
+        ctx.db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
-    )
-    .await?;
+    )?;
+    let counters = Counters::new(ctx.db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
     let owner = Owner::random();
     let (h, p) = (&ctx.history, process.id());
@@ -110,6 +106,8 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 continue;
             }
         };
+        let token = lease.token.get();
+        let watchdog = locks.watch(lease.clone(), TTL, WatchdogOptions::default())?;
         // The fenced touch registers our token before we read.
         let touched = h
             .record(
@@ -117,35 +115,65 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 Op::Touch.as_str(),
                 &key,
                 counters.touch(&fence, &lease, &key, &owner),
-                |r, e| classify(r, e.token(lease.token.into())),
+                |r, e| classify(r, e.token(token)),
             )
             .await;
         let read = match touched {
-            Ok(FenceOutcome::Applied) => counters.read(&key).await.ok(),
+            Ok(FenceOutcome::Applied) => Some(counters.read(&key).await),
             _ => None,
         };
-        let Some(value) = read else {
-            let _ = locks.release(&lease).await;
-            continue;
-        };
-        ctx.maybe_pause(&mut rng, process, 0.05, TTL + Duration::from_millis(700))
-            .await;
-        h.record(
-            p,
-            Op::Write.as_str(),
-            &key,
-            counters.write(&fence, &lease, &key, value + 1),
-            |r, e| classify(r, e.token(lease.token.into()).value(value + 1)),
-        )
-        .await
-        .ok();
-        h.record(
-            p,
-            Op::Release.as_str(),
-            &key,
-            locks.release(&lease),
-            |r, e| e.token(lease.token.into()).outcome(Ctx::outcome_of(r)),
-        )
+        if let Some(Err(e)) = &read {
+            let at = h.now_us();
+            h.push(
+                Event::new(p, Op::Abandon.as_str(), &key, at, at)
+                    .token(token)
+                    .outcome(OpOutcome::Failed)
+                    .detail(format!("the read failed: {e}")),
+            );
+        }
+        if let Some(Ok(value)) = read {
+            // Write only while the watchdog says the lease is certainly valid.
+            let at = h.now_us();
+            let left = watchdog
+                .valid_until()
+                .filter(|_| !watchdog.is_lost())
+                .map(|until| until.saturating_duration_since(Instant::now()))
+                .filter(|left| !left.is_zero());
+            if let Some(left) = left {
+                h.push(
+                    Event::new(p, Op::Hold.as_str(), &key, at, at)
+                        .token(token)
+                        .value(i64::try_from(left.as_millis()).unwrap_or(i64::MAX)),
+                );
+                if ctx.has(Fault::Pause) && rng.random_bool(0.05) {
+                    // The holder stops between its check and its write, and its watchdog
+                    // with it (as in a stopped process): the lease lapses.
+                    watchdog.stop();
+                    let start = h.now_us();
+                    tokio::time::sleep(TTL + Duration::from_millis(700)).await;
+                    ctx.injected(Fault::Pause, process, start, h.now_us());
+                }
+                h.record(
+                    p,
+                    Op::Write.as_str(),
+                    &key,
+                    counters.write(&fence, &lease, &key, value + 1),
+                    |r, e| classify(r, e.token(token).value(value + 1)),
+                )
+                .await
+                .ok();
+            } else {
+                h.push(
+                    Event::new(p, Op::Abandon.as_str(), &key, at, at)
+                        .token(token)
+                        .outcome(OpOutcome::Failed)
+                        .detail("the lease was not certainly valid"),
+                );
+            }
+        }
+        h.record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
+            e.token(token).outcome(Ctx::outcome_of(r))
+        })
         .await
         .ok();
     }

@@ -340,8 +340,8 @@ impl Aim {
         use docwarden_workloads::{counters, jobs};
         match module {
             Module::Queue => Aim {
-                entry: Some(jobs::Op::Claim.as_str()),
-                commit: Some(jobs::Op::Complete.as_str()),
+                entry: Some(jobs::Op::Handle.as_str()),
+                commit: Some(jobs::Op::Effect.as_str()),
             },
             Module::Locks => Aim {
                 entry: Some(counters::Op::Touch.as_str()),

@@ -1,41 +1,86 @@
-//! Records seed 002 (`docwarden_workloads::jobs`): a producer enqueues jobs while workers
-//! claim them with 2 s leases, sometimes pause past the lease, and commit their effect.
+//! Records seed 002 (`docwarden_workloads::jobs`) run by the real worker runtime: a
+//! producer enqueues jobs (every tenth poison) while each worker process runs
+//! [`docwarden::queue::Worker`] — batch claims, heartbeats, settle after lost replies,
+//! graceful shutdown at the run's deadline — with a handler whose effect is an effect
+//! record of its claim, fenced by the claim.
 //!
-//! The committed effect of a job is its fenced completion. The control run claims with
-//! client clocks and completes unfenced (by `_id` only), which double-commits jobs whose
-//! lease was taken over. Checked: every enqueued job completed exactly once, none lost,
-//! none left running after the drain.
+//! Under `pause` a handler sometimes blocks its job's task (handler and heartbeats, as a
+//! stopped process would) past the lease, between its work and its effect write. The
+//! control run writes the effect by `_id` alone (fencing off), so the paused holder's late
+//! write lands under a lost lease. Checked ([`docwarden::check::queue::check_runtime`]):
+//! every job finished once, its effects in claim order and none written after a newer
+//! claim took the job, dead jobs without effect, no completion reported that did not land;
+//! and no worker that stopped (shut down or killed in its task) left its change-stream
+//! listener running.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use docwarden::check::{Event, OpOutcome};
-use docwarden::queue::JobQueue;
-use docwarden::validate::random_id;
+use docwarden::check::{History, OpOutcome, Violation};
+use docwarden::lock::FenceOutcome;
+use docwarden::queue::{ClaimedJob, HandlerResult, JobQueue, Worker, WorkerOptions};
 use docwarden_workloads::jobs::{self, Op, Producer};
 use docwarden_workloads::{Mode, Process};
+use mongodb::Collection;
+use mongodb::bson::Document;
 use rand::Rng;
+use rand::rngs::StdRng;
+use tokio::sync::mpsc;
 
+use super::args::Fault;
 use super::context::{Ctx, Findings};
 
 const COLLECTION: &str = "verify_jobs";
 /// Jobs per enqueued batch, and the backlog above which the producer waits.
 const BATCH: usize = 20;
 const MAX_BACKLOG: u64 = 16;
+/// Every this many jobs, one is poison.
+const POISON_EVERY: i64 = 10;
+/// The chance that a handler is paused past the lease under `pause` (besides one of each
+/// worker's first [`FIRST_PAUSE_WITHIN`] handlers, so that short runs pause too).
+const PAUSE_P: f64 = 0.03;
+const FIRST_PAUSE_WITHIN: u32 = 8;
+
+/// The change-stream listeners of the workers run in this process
+/// ([`Worker::listener_probe`]): once a worker has stopped — shut down, or killed with its
+/// task — its listener must not run on (a killed worker leaks nothing).
+static LISTENERS: Mutex<Vec<(Process, Weak<()>)>> = Mutex::new(Vec::new());
+
+/// Listeners still running 2 s after their workers stopped, as violations.
+async fn leaked_listeners() -> Vec<Violation> {
+    let alive = || -> Vec<Process> {
+        LISTENERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, probe)| probe.upgrade().is_some())
+            .map(|(p, _)| *p)
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(2);
+    while !alive().is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    alive()
+        .into_iter()
+        .map(|p| {
+            Violation::new(
+                "leaked-listener",
+                p.label(),
+                "the worker stopped, but its change-stream listener still runs",
+            )
+        })
+        .collect()
+}
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
+    LISTENERS.lock().unwrap_or_else(|e| e.into_inner()).clear();
     let producer_clock =
         docwarden::clock::TimeSource::server(ctx.client.clone(), Default::default())?;
-    let queue = JobQueue::open(
-        &ctx.db,
-        COLLECTION,
-        producer_clock,
-        jobs::short_lease_options(),
-    )
-    .await?;
-    // Jobs are produced during the first 60 % of the run; workers go on until everything
-    // is finished (or a drain limit of the run + 4 leases).
+    let queue =
+        JobQueue::open(&ctx.db, COLLECTION, producer_clock, jobs::runtime_options()).await?;
+    // Jobs are produced during the first 60 % of the run; workers go on until the
+    // deadline, then the drain finishes what is left.
     let produce_until = Instant::now() + ctx.duration.mul_f64(0.6);
     let producer = {
         let (queue, ctx) = (queue.clone(), Arc::clone(&ctx));
@@ -48,43 +93,16 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     })
     .await;
     producer.await?;
-    // Drain: the workers have stopped; finish what is left with fresh, fault-free workers.
-    let drainers: Vec<_> = (0..ctx.workers)
-        .map(|_| {
-            let (ctx, queue) = (Arc::clone(&ctx), queue.clone());
-            tokio::spawn(async move { drain(&ctx, &queue).await })
-        })
-        .collect();
-    for d in drainers {
-        d.await??;
-    }
+    let leaked = leaked_listeners().await;
+    drain(&ctx, &queue).await?;
 
     let events = ctx.history.events();
-    let mut effects: BTreeMap<String, u64> = BTreeMap::new();
-    for e in events
-        .iter()
-        .filter(|e| e.op == Op::Complete.as_str() && e.outcome == OpOutcome::Ok)
-    {
-        *effects.entry(e.key.clone()).or_default() += 1;
-    }
-    let mut observed = jobs::observe(&queue, &effects).await?;
-    // A completion whose outcome is unknown (an error that may have landed, a worker killed
-    // mid-call) may be the job's one effect: if no other completion is known and the job
-    // is succeeded, it landed.
-    for e in events
-        .iter()
-        .filter(|e| e.op == Op::Complete.as_str() && e.outcome == OpOutcome::Indeterminate)
-    {
-        if let Some(job) = observed.get_mut(&e.key)
-            && job.effects == 0
-            && job.state.as_deref() == Some(docwarden::format::job::JobState::Succeeded.as_str())
-        {
-            job.effects = 1;
-        }
-    }
+    let observed = jobs::observe(&queue).await?;
+    let mut violations = jobs::check(&observed, &events);
+    violations.extend(leaked);
     Ok(Findings {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
-        violations: jobs::check(&observed),
+        violations,
     })
 }
 
@@ -102,7 +120,7 @@ async fn produce(ctx: &Ctx, queue: &JobQueue, until: Instant) {
                 Process::Producer.id(),
                 Op::Enqueue.as_str(),
                 "batch",
-                producer.enqueue(queue, BATCH),
+                producer.enqueue_mixed(queue, BATCH, POISON_EVERY),
                 |r, e| e.outcome(Ctx::outcome_of(r)),
             )
             .await
@@ -111,100 +129,188 @@ async fn produce(ctx: &Ctx, queue: &JobQueue, until: Instant) {
     }
 }
 
-/// Records one completion of `job` by `process`.
-async fn complete(
-    ctx: &Ctx,
-    queue: &JobQueue,
-    job: &docwarden::queue::ClaimedJob,
-    process: Process,
-    mode: Mode,
-) {
-    let token = job.lease.token.clone();
-    ctx.history
-        .record(
-            process.id(),
-            Op::Complete.as_str(),
-            &job.id().to_hex(),
-            jobs::complete(queue, job, token.as_str(), mode),
-            |r, e| match r {
-                Ok(true) => e.detail(token.to_string()),
-                Ok(false) => e.outcome(OpOutcome::Failed).detail("lease lost"),
-                Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
-            },
-        )
-        .await
-        .ok();
+/// Under `pause`: the random stream deciding which handlers pause, and where to report
+/// each pause window (start, end in µs).
+struct PausePlan {
+    /// The random stream, and how many handlers are left before the first pause.
+    rng: Mutex<(StdRng, u32)>,
+    windows: mpsc::UnboundedSender<(u64, u64)>,
 }
 
-/// One claim → (pause?) → complete loop until the run's deadline.
+/// What a handler needs: where to record, where to write, and the pause plan.
+struct Handler {
+    history: Arc<History>,
+    coll: Collection<Document>,
+    mode: Mode,
+    process: Process,
+    pause: Option<PausePlan>,
+}
+
+impl Handler {
+    /// Runs one claimed job: records the claim, fails poison jobs, does the work, maybe
+    /// pauses, writes the effect record, and returns the claim as the job's result.
+    async fn run(&self, job: ClaimedJob) -> HandlerResult {
+        let p = self.process.id();
+        let id = job.id().to_hex();
+        self.history
+            .push(jobs::handle_event(p, &job, self.history.now_us()));
+        if jobs::is_poison(&job) {
+            return Err("poison job: fails on purpose".into());
+        }
+        let (work, pause) = match &self.pause {
+            Some(plan) => {
+                let mut guard = plan.rng.lock().unwrap_or_else(|e| e.into_inner());
+                let (rng, first) = &mut *guard;
+                let forced = *first == 1;
+                *first = first.saturating_sub(1);
+                (rng.random_range(2..15), forced || rng.random_bool(PAUSE_P))
+            }
+            None => (2, false),
+        };
+        tokio::time::sleep(Duration::from_millis(work)).await;
+        if pause && let Some(plan) = &self.pause {
+            let start = self.history.now_us();
+            block_task(jobs::LEASE + Duration::from_millis(1500));
+            let _ = plan.windows.send((start, self.history.now_us()));
+        }
+        let token = job.lease.token.to_string();
+        let outcome = self
+            .history
+            .record(
+                p,
+                Op::Effect.as_str(),
+                &id,
+                jobs::effect(&self.coll, &job, self.mode),
+                |r, e| {
+                    let e = e.token(job.job.attempts);
+                    match r {
+                        Ok(FenceOutcome::Applied) => e.detail(token.clone()),
+                        Ok(other) => e
+                            .outcome(OpOutcome::Failed)
+                            .detail(format!("{token} {other:?}")),
+                        Err(err) => e
+                            .outcome(Ctx::outcome_of(r))
+                            .detail(format!("{token} {err}")),
+                    }
+                },
+            )
+            .await?;
+        if outcome.is_applied() {
+            Ok(jobs::completion_result(&job))
+        } else {
+            Err(format!("the effect was refused: {outcome:?}").into())
+        }
+    }
+}
+
+/// Blocks the calling task for `how_long` without yielding: the handler and the
+/// heartbeats polled with it stop, as in a stopped process. On a multi-threaded runtime
+/// the other tasks move to other threads; on a current-thread runtime the whole process
+/// stops.
+fn block_task(how_long: Duration) {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+            tokio::task::block_in_place(|| std::thread::sleep(how_long));
+        }
+        _ => std::thread::sleep(how_long),
+    }
+}
+
+/// The options of every worker: 4 handlers, batch claims of up to 2, quick polls, and a
+/// shutdown that waits out a paused handler.
+fn worker_options(name: String) -> WorkerOptions {
+    WorkerOptions::default()
+        .name(name)
+        .concurrency(4)
+        .batch_size(2)
+        .poll(Duration::from_millis(10), Duration::from_millis(200))
+        .shutdown_deadline(jobs::LEASE * 3)
+}
+
+/// One worker process: runs a [`Worker`] until the run's deadline, then shuts it down
+/// gracefully and records its counts.
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let queue = JobQueue::new(
         ctx.db.collection(COLLECTION),
         ctx.clock(process)?,
-        jobs::short_lease_options(),
+        jobs::runtime_options(),
     )?;
-    let owner = format!("verify-{}-{}", process.id(), random_id());
-    let mut rng = ctx.rng(process);
-    while Instant::now() < deadline {
-        let claimed = match queue.claim(&owner).await {
-            Ok(Some(job)) => job,
-            Ok(None) => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
+    let (windows, mut paused) = mpsc::unbounded_channel();
+    let handler = Arc::new(Handler {
+        history: Arc::clone(&ctx.history),
+        coll: ctx.db.collection(COLLECTION),
+        mode: ctx.mode,
+        process,
+        pause: ctx.has(Fault::Pause).then(|| {
+            let mut rng = ctx.rng(process);
+            let first = rng.random_range(1..=FIRST_PAUSE_WITHIN);
+            PausePlan {
+                rng: Mutex::new((rng, first)),
+                windows,
             }
-            Err(e) => {
-                let at = ctx.history.now_us();
-                let detail = e.to_string();
-                ctx.history.push(
-                    Event::new(process.id(), Op::Claim.as_str(), "-", at, at)
-                        .outcome(Ctx::outcome_of::<()>(&Err(e)))
-                        .detail(detail),
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        let at = ctx.history.now_us();
-        ctx.history.push(
-            Event::new(
-                process.id(),
-                Op::Claim.as_str(),
-                &claimed.id().to_hex(),
-                at,
-                at,
-            )
-            .detail(claimed.lease.token.to_string()),
-        );
-        // The handler's work, sometimes paused past the lease.
-        tokio::time::sleep(Duration::from_millis(rng.random_range(2..15))).await;
-        ctx.maybe_pause(
-            &mut rng,
-            process,
-            0.03,
-            jobs::LEASE + Duration::from_millis(1500),
-        )
-        .await;
-        complete(ctx, &queue, &claimed, process, ctx.mode).await;
+        }),
+    });
+    let worker = Worker::spawn(
+        queue,
+        worker_options(format!("verify-{}", process.id())),
+        move |job| {
+            let handler = Arc::clone(&handler);
+            async move { handler.run(job).await }
+        },
+    )?;
+    LISTENERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((process, worker.listener_probe()));
+    let until = tokio::time::Instant::from_std(deadline);
+    loop {
+        tokio::select! {
+            Some((start, end)) = paused.recv() => ctx.injected(Fault::Pause, process, start, end),
+            () = tokio::time::sleep_until(until) => break,
+        }
     }
+    let report = worker.shutdown().await;
+    while let Ok((start, end)) = paused.try_recv() {
+        ctx.injected(Fault::Pause, process, start, end);
+    }
+    record_report(&ctx.history, process, report.succeeded);
     Ok(())
 }
 
-/// Completes every job still unfinished, with fault-free claims (fenced in safe runs).
+fn record_report(history: &History, process: Process, succeeded: u64) {
+    let at = history.now_us();
+    history.push(
+        docwarden::check::Event::new(process.id(), Op::Report.as_str(), "-", at, at)
+            .value(i64::try_from(succeeded).unwrap_or(i64::MAX))
+            .detail(format!("{succeeded} completed")),
+    );
+}
+
+/// Finishes every job still unfinished with a fault-free, fenced worker, until none is
+/// left or a limit of 4 leases + 20 s.
 async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
     let limit = Instant::now() + jobs::LEASE * 4 + Duration::from_secs(20);
-    let owner = format!("verify-drain-{}", random_id());
-    while Instant::now() < limit {
-        match queue.claim(&owner).await {
-            Ok(Some(job)) => complete(ctx, queue, &job, Process::Drain, Mode::Safe).await,
-            Ok(None) | Err(_) => {
-                if jobs::unfinished(queue).await? == 0 {
-                    return Ok(());
-                }
-                // Leases of paused or killed workers expire within one lease.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+    let handler = Arc::new(Handler {
+        history: Arc::clone(&ctx.history),
+        coll: queue.collection().clone(),
+        mode: Mode::Safe,
+        process: Process::Drain,
+        pause: None,
+    });
+    let worker = Worker::spawn(
+        queue.clone(),
+        worker_options("verify-drain".to_owned()),
+        move |job| {
+            let handler = Arc::clone(&handler);
+            async move { handler.run(job).await }
+        },
+    )?;
+    while Instant::now() < limit && jobs::unfinished(queue).await? > 0 {
+        // Leases of paused or killed workers expire within one lease.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let report = worker.shutdown().await;
+    record_report(&ctx.history, Process::Drain, report.succeeded);
     Ok(())
 }

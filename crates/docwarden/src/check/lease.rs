@@ -14,8 +14,15 @@
 //!    acknowledged increments (every read-modify-write under the lock counted once), and in
 //!    the set workload every acknowledged add is in the final read.
 //!
+//! 4. **Validity claims hold** ([`check_validity`]): when a holder confirms that its lease
+//!    is certainly valid until some instant (the [`crate::lock::Watchdog`]'s
+//!    `valid_until`), no newer holder acquires the resource before that instant (or before
+//!    the holder releases). This is the property of the clock and of the watchdog, which
+//!    fencing cannot show: a wrong claim is caught even when every write was fenced.
+//!
 //! Events used: `acquire` (Ok, token), `touch` and `write` (Ok = accepted, Failed =
-//! refused; token).
+//! refused; token), `hold` (token; `value` = milliseconds of certain validity left at the
+//! instant of the event) and `release` (token).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -78,6 +85,63 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
                     w.process,
                     o.token.unwrap_or_default(),
                     o.process
+                ),
+            ));
+        }
+    }
+    violations
+}
+
+/// The history's name of a validity claim: at this instant the holder of lease `token`
+/// on `key` held it, by its own account, for `value` more milliseconds at least.
+pub const HOLD_OP: &str = "hold";
+
+/// Checks property 4: every validity claim ([`HOLD_OP`]) of a lease with token `t` ends
+/// at the claimed instant or at the holder's release, whichever is first; no acquire of
+/// the same resource with a higher token may have completed before that end
+/// (`overlapping-leases`).
+pub fn check_validity(events: &[Event]) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for hold in events.iter().filter(|e| e.op == HOLD_OP) {
+        let (Some(token), Some(left_ms)) = (hold.token, hold.value) else {
+            continue;
+        };
+        let claimed = hold
+            .start_us
+            .saturating_add(u64::try_from(left_ms).unwrap_or(0).saturating_mul(1000));
+        let released = events
+            .iter()
+            .filter(|e| {
+                e.op == "release"
+                    && e.key == hold.key
+                    && e.token == Some(token)
+                    && e.start_us >= hold.start_us
+            })
+            .map(|e| e.start_us)
+            .min()
+            .unwrap_or(u64::MAX);
+        let end = claimed.min(released);
+        if let Some(newer) = events
+            .iter()
+            .filter(|e| {
+                e.op == "acquire"
+                    && e.outcome == OpOutcome::Ok
+                    && e.key == hold.key
+                    && e.token.is_some_and(|u| u > token)
+                    && e.end_us < end
+            })
+            .min_by_key(|e| e.end_us)
+        {
+            violations.push(Violation::new(
+                "overlapping-leases",
+                hold.key.clone(),
+                format!(
+                    "process {} held token {token} certainly valid from {} µs until {end} µs, but process {} acquired token {} by {} µs",
+                    hold.process,
+                    hold.start_us,
+                    newer.process,
+                    newer.token.unwrap_or_default(),
+                    newer.end_us
                 ),
             ));
         }
@@ -220,5 +284,36 @@ mod tests {
         let read: BTreeSet<String> = ["x"].iter().map(|s| s.to_string()).collect();
         assert!(check_set(&acked, &acked).is_empty());
         assert_eq!(check_set(&acked, &read).len(), 1);
+    }
+
+    #[test]
+    fn planted_overlapping_claim_is_found() {
+        let hold = |p: u32, at: u64, token: i64, left_ms: i64| {
+            Event::new(p, HOLD_OP, "r", at, at)
+                .token(token)
+                .value(left_ms)
+        };
+        let release =
+            |p: u32, at: u64, token: i64| Event::new(p, "release", "r", at, at + 5).token(token);
+        // A claims 1 ms from 100 µs; B acquires after 1,100 µs: fine. A releases at 300 µs,
+        // C acquires by 400 µs although A had claimed 5 ms: fine, A released first.
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            hold(1, 100, 1, 1),
+            acquire(2, "r", 1_000, 1_200, 2),
+            hold(2, 1_300, 2, 5),
+            release(2, 1_400, 2),
+            acquire(3, "r", 1_410, 1_500, 3),
+        ];
+        assert!(check_validity(&h).is_empty());
+        // A claims 5 ms from 100 µs; B's acquire completed at 1,200 µs with A unreleased.
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            hold(1, 100, 1, 5),
+            acquire(2, "r", 1_000, 1_200, 2),
+        ];
+        let v = check_validity(&h);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, "overlapping-leases");
     }
 }

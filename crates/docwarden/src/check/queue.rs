@@ -1,12 +1,22 @@
-//! The queue checker: every enqueued job's effect exactly once, none lost, none stuck.
+//! The queue checkers: every enqueued job's effect exactly once, none lost, none stuck
+//! ([`check_jobs`], for workloads whose effect is the completion itself), and the checker
+//! of the real worker runtime ([`check_runtime`]), whose handler writes an effect record
+//! fenced by its claim before the worker completes the job.
 //!
-//! Input is what a final read found: for each enqueued job, how many times its effect was
-//! committed (the workload's handler writes one effect document per execution, fenced by
-//! the claim) and the job's final state.
-
+//! Input is what a final read found for each enqueued job (its state, the effect records
+//! in the order the database applied them, the claim that completed it) and, for
+//! [`check_runtime`], the history: when each claim's handler began ([`HANDLE_OP`]) and
+//! each effect write ([`EFFECT_OP`]), so that a write made under a lease that was already
+//! taken over is seen even when it happened to land before the newer claim's own effect.
+//!
+//! **Limits:** a job run more than once (its lease lost after the effect, before the
+//! completion) legitimately carries several effects: the queue is at-least-once, so only
+//! their order, their claims and the finished state are judged, not their number. Claims
+//! are ordered by the start of their handlers on the run's monotonic clock; a claim whose
+//! handler never started (a worker killed between claim and handler) is not seen.
 use std::collections::BTreeMap;
 
-use super::Violation;
+use super::{Event, OpOutcome, Violation};
 use crate::format::job::JobState;
 
 /// What the final read found about one job.
@@ -74,6 +84,198 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
     violations
 }
 
+/// The history's name of a handler starting on a claimed job: `key` is the job id (hex),
+/// `detail` the claim's token, `token` the claim's attempt number.
+pub const HANDLE_OP: &str = "handle";
+/// The history's name of a handler's effect write: `key` is the job id, `detail` starts
+/// with the claim's token, `token` is the attempt. Ok: applied; Failed: refused (fenced
+/// off); Indeterminate: unknown (the final read decides).
+pub const EFFECT_OP: &str = "effect";
+/// The history's name of a worker's final counts at its graceful shutdown: `value` is
+/// the number of completions the worker believes it wrote.
+pub const REPORT_OP: &str = "worker-report";
+
+/// One effect record stored on a job: the claim that wrote it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectRecord {
+    /// The claim's token.
+    pub token: String,
+    /// The claim's attempt number (informative: a released claim gives its attempt back).
+    pub attempt: i64,
+}
+
+/// What the final read found about one job run by the worker runtime.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobRecord {
+    /// The job's final state as stored, or `None` if the job document is gone.
+    pub state: Option<String>,
+    /// The effect records, in the order the database applied them.
+    pub effects: Vec<EffectRecord>,
+    /// The token of the claim whose completion is stored (`succeeded` jobs).
+    pub completed_by: Option<String>,
+}
+
+/// The claim token an [`EFFECT_OP`] or [`HANDLE_OP`] event carries (first word of its
+/// detail).
+fn event_token(e: &Event) -> &str {
+    e.detail.split_whitespace().next().unwrap_or("")
+}
+
+/// Checks the jobs of a run of the worker runtime:
+/// - **finished once**: after the drain every job is finished; a `succeeded` job carries
+///   the effect of the claim that completed it, and that effect is its last one (an
+///   effect applied after it is `effect-after-finish`); a `dead` or `cancelled` job has no
+///   effect (`state-mismatch`); an unfinished job is `lost-job` (`stuck-job` if running);
+/// - **fenced order**: the effects of a job were applied in the order of its claims,
+///   each claim's at most once (`stale-effect`, `duplicate-effect`); and no effect that
+///   landed was written after a newer claim had taken the job (`stale-effect`: a write
+///   under a lost lease), which the final read alone cannot see when the stale write
+///   happened to land first;
+/// - **no phantom completion**: the completions the workers reported ([`REPORT_OP`]) are
+///   at most the `succeeded` jobs (`phantom-completion`: a worker took a completion that
+///   did not land for its own).
+///
+/// An indeterminate effect (its reply lost) counts exactly when the final read shows it.
+pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Vec<Violation> {
+    // Claims per job, ordered by the start of their handlers.
+    let mut claims: BTreeMap<&str, Vec<(&str, u64)>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.op == HANDLE_OP) {
+        claims
+            .entry(e.key.as_str())
+            .or_default()
+            .push((event_token(e), e.start_us));
+    }
+    for list in claims.values_mut() {
+        list.sort_by_key(|(_, at)| *at);
+    }
+    let mut effect_starts: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e.op == EFFECT_OP && e.outcome != OpOutcome::Failed)
+    {
+        let at = effect_starts
+            .entry((e.key.as_str(), event_token(e)))
+            .or_insert(e.start_us);
+        *at = (*at).max(e.start_us);
+    }
+    let mut violations = Vec::new();
+    let mut succeeded = 0_u64;
+    for (id, job) in jobs {
+        let order = claims.get(id.as_str());
+        let index = |token: &str| order.and_then(|c| c.iter().position(|(t, _)| *t == token));
+        let mut seen: Vec<&str> = Vec::new();
+        let mut last: Option<(usize, &str)> = None;
+        for effect in &job.effects {
+            let token = effect.token.as_str();
+            if seen.contains(&token) {
+                violations.push(Violation::new(
+                    "duplicate-effect",
+                    id.clone(),
+                    format!("the effect of claim {token} was applied twice"),
+                ));
+                continue;
+            }
+            seen.push(token);
+            let Some(i) = index(token) else { continue };
+            if let Some((j, before)) = last
+                && j > i
+            {
+                violations.push(Violation::new(
+                    "stale-effect",
+                    id.clone(),
+                    format!(
+                        "the effect of claim {token} (attempt {}) was applied after the effect of the later claim {before}",
+                        effect.attempt
+                    ),
+                ));
+            }
+            last = Some((i, token));
+            // A write that began after a newer claim took the job was made under a lost
+            // lease: it must have been refused.
+            if let (Some(list), Some(began)) = (order, effect_starts.get(&(id.as_str(), token)))
+                && let Some((newer, taken)) = list[i + 1..].iter().find(|(_, at)| at < began)
+            {
+                violations.push(Violation::new(
+                    "stale-effect",
+                    id.clone(),
+                    format!(
+                        "claim {token} wrote its effect at {began} µs, after claim {newer} had taken the job at {taken} µs (a write under a lost lease)"
+                    ),
+                ));
+            }
+        }
+        let state = job.state.as_deref().unwrap_or("missing");
+        match JobState::parse(state) {
+            Some(JobState::Running) => violations.push(Violation::new(
+                "stuck-job",
+                id.clone(),
+                "still running after the run drained",
+            )),
+            Some(JobState::Dead | JobState::Cancelled) if !job.effects.is_empty() => {
+                violations.push(Violation::new(
+                    "state-mismatch",
+                    id.clone(),
+                    format!("{state} but {} effect(s) were applied", job.effects.len()),
+                ));
+            }
+            Some(JobState::Dead | JobState::Cancelled) => {}
+            Some(JobState::Succeeded) => {
+                succeeded += 1;
+                let by = job.completed_by.as_deref().unwrap_or("");
+                match job.effects.last() {
+                    None => violations.push(Violation::new(
+                        "lost-job",
+                        id.clone(),
+                        "marked succeeded but no effect was applied",
+                    )),
+                    Some(_) if !job.effects.iter().any(|e| e.token == by) => {
+                        violations.push(Violation::new(
+                            "state-mismatch",
+                            id.clone(),
+                            format!("completed by claim {by}, which applied no effect"),
+                        ));
+                    }
+                    Some(last) if last.token != by => violations.push(Violation::new(
+                        "effect-after-finish",
+                        id.clone(),
+                        format!(
+                            "completed by claim {by}, but claim {} applied an effect after it",
+                            last.token
+                        ),
+                    )),
+                    Some(_) => {}
+                }
+            }
+            _ if job.effects.is_empty() => violations.push(Violation::new(
+                "lost-job",
+                id.clone(),
+                format!("never finished (state {state})"),
+            )),
+            _ => violations.push(Violation::new(
+                "state-mismatch",
+                id.clone(),
+                format!("its effect was applied but the job is {state}, not succeeded"),
+            )),
+        }
+    }
+    let reported: u64 = events
+        .iter()
+        .filter(|e| e.op == REPORT_OP)
+        .filter_map(|e| e.value)
+        .map(|v| u64::try_from(v).unwrap_or(0))
+        .sum();
+    if reported > succeeded {
+        violations.push(Violation::new(
+            "phantom-completion",
+            "workers",
+            format!(
+                "the workers reported {reported} completions, the database holds {succeeded} succeeded jobs"
+            ),
+        ));
+    }
+    violations
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +334,126 @@ mod tests {
         assert_eq!(
             check_jobs(&gone).iter().map(|v| v.kind).collect::<Vec<_>>(),
             vec!["state-mismatch"]
+        );
+    }
+
+    fn handle(p: u32, job: &str, token: &str, at: u64) -> Event {
+        Event::new(p, HANDLE_OP, job, at, at).detail(token)
+    }
+    fn effect(p: u32, job: &str, token: &str, s: u64, e: u64, outcome: OpOutcome) -> Event {
+        Event::new(p, EFFECT_OP, job, s, e)
+            .detail(token)
+            .outcome(outcome)
+    }
+    fn record(state: JobState, effects: &[&str], by: Option<&str>) -> JobRecord {
+        JobRecord {
+            state: Some(state.as_str().to_owned()),
+            effects: effects
+                .iter()
+                .zip(1..)
+                .map(|(t, attempt)| EffectRecord {
+                    token: (*t).to_owned(),
+                    attempt,
+                })
+                .collect(),
+            completed_by: by.map(str::to_owned),
+        }
+    }
+    fn kinds(v: &[Violation]) -> Vec<&'static str> {
+        v.iter().map(|v| v.kind).collect()
+    }
+
+    #[test]
+    fn runtime_clean_runs_pass_including_re_executions_and_lost_replies() {
+        let jobs = BTreeMap::from([
+            (
+                "a".to_owned(),
+                record(JobState::Succeeded, &["t1"], Some("t1")),
+            ),
+            // Lease lost after the effect, run again: at-least-once, in claim order.
+            (
+                "b".to_owned(),
+                record(JobState::Succeeded, &["t2", "t3"], Some("t3")),
+            ),
+            // The effect's reply was lost but it landed: the final read decides.
+            (
+                "c".to_owned(),
+                record(JobState::Succeeded, &["t4"], Some("t4")),
+            ),
+            ("d".to_owned(), record(JobState::Dead, &[], None)),
+        ]);
+        let events = vec![
+            handle(1, "a", "t1", 10),
+            effect(1, "a", "t1", 11, 12, OpOutcome::Ok),
+            handle(1, "b", "t2", 10),
+            effect(1, "b", "t2", 11, 12, OpOutcome::Ok),
+            handle(2, "b", "t3", 50),
+            effect(2, "b", "t3", 51, 52, OpOutcome::Ok),
+            // The paused first holder's late write was fenced off.
+            effect(1, "b", "t2", 60, 61, OpOutcome::Failed),
+            handle(1, "c", "t4", 10),
+            effect(1, "c", "t4", 11, 90, OpOutcome::Indeterminate),
+            Event::new(1, REPORT_OP, "-", 100, 100).value(3),
+        ];
+        assert_eq!(kinds(&check_runtime(&jobs, &events)), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn runtime_planted_violations_are_found() {
+        // A stale write that landed after the newer claim's effect.
+        let jobs = BTreeMap::from([(
+            "b".to_owned(),
+            record(JobState::Succeeded, &["t3", "t2"], Some("t3")),
+        )]);
+        let events = vec![
+            handle(1, "b", "t2", 10),
+            handle(2, "b", "t3", 50),
+            effect(2, "b", "t3", 51, 52, OpOutcome::Ok),
+            effect(1, "b", "t2", 60, 61, OpOutcome::Ok),
+        ];
+        assert_eq!(
+            kinds(&check_runtime(&jobs, &events)),
+            vec!["stale-effect", "stale-effect", "effect-after-finish"]
+        );
+        // A stale write that landed before the newer claim's effect: only the history
+        // shows that it began after the newer claim.
+        let jobs = BTreeMap::from([(
+            "b".to_owned(),
+            record(JobState::Succeeded, &["t2", "t3"], Some("t3")),
+        )]);
+        let events = vec![
+            handle(1, "b", "t2", 10),
+            handle(2, "b", "t3", 50),
+            effect(1, "b", "t2", 55, 56, OpOutcome::Ok),
+            effect(2, "b", "t3", 57, 58, OpOutcome::Ok),
+        ];
+        assert_eq!(kinds(&check_runtime(&jobs, &events)), vec!["stale-effect"]);
+        // Dead with an effect, unfinished, completed without its effect, twice applied,
+        // and more completions reported than the database holds.
+        let jobs = BTreeMap::from([
+            ("d".to_owned(), record(JobState::Dead, &["t1"], None)),
+            ("r".to_owned(), record(JobState::Retrying, &[], None)),
+            ("s".to_owned(), record(JobState::Running, &[], None)),
+            (
+                "w".to_owned(),
+                record(JobState::Succeeded, &["t5"], Some("t6")),
+            ),
+            (
+                "x".to_owned(),
+                record(JobState::Succeeded, &["t7", "t7"], Some("t7")),
+            ),
+        ]);
+        let events = vec![Event::new(1, REPORT_OP, "-", 1, 1).value(5)];
+        assert_eq!(
+            kinds(&check_runtime(&jobs, &events)),
+            vec![
+                "state-mismatch",
+                "lost-job",
+                "stuck-job",
+                "state-mismatch",
+                "duplicate-effect",
+                "phantom-completion"
+            ]
         );
     }
 }

@@ -1,0 +1,68 @@
+//! `docwarden verify queue` and `verify locks` over the real runtime (`Worker`,
+//! `Watchdog`): under pauses and kills the checkers find nothing, and the control (fencing
+//! off) writes under lost leases, which the checkers find.
+
+use std::process::Command;
+
+fn verify(args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
+    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .arg("verify")
+        .args(args)
+        .arg("--json")
+        .output()?;
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok((out.status.code().unwrap_or(-1), json))
+}
+
+fn count(w: &serde_json::Value, field: &str, key: &str) -> u64 {
+    w[field][key].as_u64().unwrap_or(0)
+}
+
+/// Runs `module` safe under pause and kill (0 violations, both injected), then its control
+/// under pause (exit 1, at least one `kind`).
+fn safe_and_control(module: &str, kind: &str) -> anyhow::Result<()> {
+    let (code, json) = verify(&[
+        module,
+        "--duration",
+        "6",
+        "--workers",
+        "4",
+        "--faults",
+        "pause,kill",
+        "--seed",
+        "5",
+    ])?;
+    let w = &json["workloads"][0];
+    assert_eq!(json["violations"], 0, "{json:#}");
+    assert_eq!(code, 0);
+    assert!(count(w, "faults", "pause") > 0, "{w:#}");
+    assert!(count(w, "faults", "kill") > 0, "{w:#}");
+
+    let (code, json) = verify(&[
+        module,
+        "--control",
+        "--duration",
+        "6",
+        "--workers",
+        "4",
+        "--seed",
+        "5",
+    ])?;
+    let w = &json["workloads"][0];
+    assert_eq!(code, 1, "{json:#}");
+    assert!(count(w, "violations_by_kind", kind) > 0, "{w:#}");
+    Ok(())
+}
+
+#[test]
+fn the_queue_workload_runs_the_worker_and_its_control_writes_under_a_lost_lease()
+-> anyhow::Result<()> {
+    safe_and_control("queue", "stale-effect")
+}
+
+#[test]
+fn the_lock_workload_runs_the_watchdog_and_its_control_accepts_stale_writes() -> anyhow::Result<()>
+{
+    safe_and_control("locks", "stale-write-accepted")
+}

@@ -1,5 +1,13 @@
-//! A small TCP proxy in front of the server: adds latency to every chunk and can reset
-//! every open connection at once. Only ever listens on and connects to 127.0.0.1.
+//! A small TCP proxy in front of the server: adds latency to every chunk, can reset every
+//! open connection at once, and can partition the clients from the server. Only ever
+//! listens on and connects to 127.0.0.1.
+//!
+//! A partition is a blackhole, as a dropped link or a firewall rule makes it: nothing is
+//! forwarded and nothing is closed, so clients see no error, only silence (their requests
+//! and new connections hang). When it heals, what was held is delivered, as TCP would
+//! after retransmitting, connection by connection in random order over up to 1 s: a
+//! request sent during the partition lands after it, long after its sender's lease
+//! expired and possibly after another client took the lease over.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +24,8 @@ pub(crate) struct Proxy {
     addr: SocketAddr,
     latency_ms: Arc<AtomicU64>,
     reset: watch::Sender<u64>,
+    /// `true` while partitioned.
+    partition: watch::Sender<bool>,
     cancel: CancellationToken,
 }
 
@@ -30,8 +40,10 @@ impl Proxy {
         let addr = listener.local_addr()?;
         let latency_ms = Arc::new(AtomicU64::new(0));
         let (reset, _) = watch::channel(0_u64);
+        let (partition, _) = watch::channel(false);
         let cancel = CancellationToken::new();
         let (lat, rst, stop) = (Arc::clone(&latency_ms), reset.clone(), cancel.clone());
+        let part = partition.clone();
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -40,15 +52,18 @@ impl Proxy {
                 };
                 let Ok((client, _)) = accepted else { continue };
                 let (lat, mut reset_rx, stop) = (Arc::clone(&lat), rst.subscribe(), stop.clone());
+                let (part_a, part_b) = (part.subscribe(), part.subscribe());
                 tokio::spawn(async move {
+                    // A connection opened during a partition reaches the server after it.
+                    healed(part_a.clone()).await;
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::select! {
-                        _ = pump(cr, sw, Arc::clone(&lat)) => {}
-                        _ = pump(sr, cw, lat) => {}
+                        _ = pump(cr, sw, Arc::clone(&lat), part_a) => {}
+                        _ = pump(sr, cw, lat, part_b) => {}
                         _ = reset_rx.changed() => {}
                         _ = stop.cancelled() => {}
                     }
@@ -60,6 +75,7 @@ impl Proxy {
             addr,
             latency_ms,
             reset,
+            partition,
             cancel,
         })
     }
@@ -79,6 +95,12 @@ impl Proxy {
     pub(crate) fn reset_all(&self) {
         self.reset.send_modify(|n| *n += 1);
     }
+
+    /// Starts (`true`) or heals (`false`) a full partition: while it lasts nothing is
+    /// forwarded either way and new connections wait; nothing is closed.
+    pub(crate) fn set_partitioned(&self, on: bool) {
+        self.partition.send_replace(on);
+    }
 }
 
 impl Drop for Proxy {
@@ -87,10 +109,24 @@ impl Drop for Proxy {
     }
 }
 
+/// Returns once the proxy is not partitioned (at once if it is not). After a partition,
+/// each direction of each connection comes back after its own random delay of up to 1 s
+/// (links heal one by one), so what one client sent during the partition may land after
+/// another client's later requests.
+async fn healed(mut partition: watch::Receiver<bool>) {
+    if !*partition.borrow() {
+        return;
+    }
+    // An error means the proxy is gone: nothing to wait for.
+    let _ = partition.wait_for(|on| !on).await;
+    tokio::time::sleep(Duration::from_millis(rand::random_range(0..1000))).await;
+}
+
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     latency_ms: Arc<AtomicU64>,
+    partition: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0_u8; 64 * 1024];
     loop {
@@ -98,6 +134,8 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        // Held, not dropped, during a partition: TCP delivers it after the heal.
+        healed(partition.clone()).await;
         let delay = latency_ms.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;

@@ -177,7 +177,9 @@ impl Fault {
             Fault::Restart => "the server is restarted on the same data",
             Fault::Crash => "the server is SIGKILLed and restarted on the same data",
             Fault::Stepdown => "replSetStepDown: the server is not primary for 1-2 s",
-            Fault::Latency => "the TCP proxy delays every packet by 5-40 ms for a while",
+            Fault::Latency => {
+                "the TCP proxy delays every chunk by 5-40 ms, 1 in 100 by 2.5 s, for a while"
+            }
             Fault::Reset => "the TCP proxy resets every connection",
             Fault::Partition => "the TCP proxy blackholes all traffic for 3 s (1.5 leases)",
             Fault::FailpointNetwork => {
@@ -186,7 +188,9 @@ impl Fault {
             Fault::FailpointNotprimary => {
                 "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
             }
-            Fault::FailpointLatency => "failCommand blockConnection: commands block 50-200 ms",
+            Fault::FailpointLatency => {
+                "failCommand blockConnection: writes block 50-200 ms, or 2.5 s past a lease"
+            }
         }
     }
 

@@ -60,9 +60,15 @@ async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::
                 let code = if rng.random_bool(0.5) { 10107 } else { 91 };
                 doc! { "errorCode": code }
             }
+            // Mostly short blocks; one round in three stalls the writes past a lease (the
+            // command then runs, long after it was sent).
             _ => doc! {
                 "blockConnection": true,
-                "blockTimeMS": rng.random_range(50..200_i32),
+                "blockTimeMS": if rng.random_bool(1.0 / 3.0) {
+                    2500
+                } else {
+                    rng.random_range(50..200_i32)
+                },
             },
         };
         let start = ctx.history.now_us();

@@ -1,4 +1,5 @@
-//! A small TCP proxy in front of the server: adds latency to every chunk, can reset every
+//! A small TCP proxy in front of the server: adds latency to every chunk (and, as a lost
+//! segment's retransmission does, holds one chunk in a hundred for 2.5 s), can reset every
 //! open connection at once, and can partition the clients from the server. Only ever
 //! listens on and connects to 127.0.0.1.
 //!
@@ -18,6 +19,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+/// Under latency, how long a chunk waits when its segment was "lost" and retransmitted:
+/// longer than the locks' (1 s) and the queue's (2 s) leases.
+pub(crate) const SPIKE: Duration = Duration::from_millis(2500);
+/// Under latency, one chunk in this many waits [`SPIKE`].
+const SPIKE_ONE_IN: u32 = 100;
 
 /// A running proxy; stops when dropped.
 pub(crate) struct Proxy {
@@ -136,7 +143,11 @@ async fn pump(
         };
         // Held, not dropped, during a partition: TCP delivers it after the heal.
         healed(partition.clone()).await;
-        let delay = latency_ms.load(Ordering::Relaxed);
+        let mut delay = latency_ms.load(Ordering::Relaxed);
+        // Under latency, one chunk in SPIKE_ONE_IN waits for a retransmission instead.
+        if delay > 0 && rand::random_range(0..SPIKE_ONE_IN) == 0 {
+            delay = u64::try_from(SPIKE.as_millis()).unwrap_or(u64::MAX);
+        }
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }

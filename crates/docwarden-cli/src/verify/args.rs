@@ -181,7 +181,9 @@ impl Fault {
                 "the TCP proxy delays every chunk by 5-40 ms, 1 in 100 by 2.5 s, for a while"
             }
             Fault::Reset => "the TCP proxy resets every connection",
-            Fault::Partition => "the TCP proxy blackholes all traffic for 3 s (1.5 leases)",
+            Fault::Partition => {
+                "the TCP proxy blackholes every open connection for 3 s (1.5 queue leases)"
+            }
             Fault::FailpointNetwork => {
                 "failCommand closeConnection on findAndModify/update/insert (indeterminate)"
             }

@@ -189,8 +189,10 @@ async fn open_session(args: &Args, faults: &[Fault]) -> anyhow::Result<crate::co
     })
 }
 
-/// The workers' URI: `uri` with the application name the fail points match.
-fn worker_uri(uri: &str) -> String {
+/// The workers' URI: `uri` with the application name the fail points match, and under
+/// `crash` with `journal=true` (writes acknowledged only once journaled: the client's half
+/// of durability; the server's half is `--sync-on-commit`, see `open_session`).
+fn worker_uri(uri: &str, journal: bool) -> String {
     let sep = if uri.contains('?') {
         "&"
     } else if uri
@@ -201,7 +203,11 @@ fn worker_uri(uri: &str) -> String {
     } else {
         "/?"
     };
-    format!("{uri}{sep}appName={}", nemesis::WORKER_APP)
+    format!(
+        "{uri}{sep}appName={}{}",
+        nemesis::WORKER_APP,
+        if journal { "&journal=true" } else { "" }
+    )
 }
 
 async fn run_module(
@@ -221,6 +227,7 @@ async fn run_module(
         &proxy
             .as_ref()
             .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri),
+        args.faults.contains(&Fault::Crash),
     );
     let client = docwarden_server::connect(&uri, Duration::from_secs(10)).await?;
     let db_name = format!(

@@ -178,7 +178,7 @@ impl Fault {
             Fault::Crash => "the server is SIGKILLed and restarted on the same data",
             Fault::Stepdown => "replSetStepDown: the server is not primary for 1-2 s",
             Fault::Latency => {
-                "the TCP proxy delays every chunk by 5-40 ms, 1 in 100 by 2.5 s, for a while"
+                "the TCP proxy delays every chunk by 5-40 ms, 1 in 50 by 2.5 s, for 0.8 s"
             }
             Fault::Reset => "the TCP proxy resets every connection",
             Fault::Partition => {
@@ -191,7 +191,7 @@ impl Fault {
                 "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
             }
             Fault::FailpointLatency => {
-                "failCommand blockConnection: writes block 50-200 ms, or 2.5 s past a lease"
+                "failCommand blockConnection: writes block 50-200 ms; every other round 2.5 s"
             }
         }
     }

@@ -42,8 +42,14 @@ async fn fail_point(
 }
 
 /// One round of every fail-point fault in `ctx`, one after the other (there is one
-/// `failCommand` fail point: each configuration replaces the previous one).
-async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::Result<()> {
+/// `failCommand` fail point: each configuration replaces the previous one). `round` counts
+/// the rounds from 0: every other one, the first included, stalls writes past a lease.
+async fn fail_points(
+    ctx: &Ctx,
+    client: &Client,
+    rng: &mut impl Rng,
+    round: usize,
+) -> anyhow::Result<()> {
     let window = Duration::from_millis(400);
     for fault in [
         Fault::FailpointNetwork,
@@ -60,11 +66,11 @@ async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::
                 let code = if rng.random_bool(0.5) { 10107 } else { 91 };
                 doc! { "errorCode": code }
             }
-            // Mostly short blocks; one round in three stalls the writes past a lease (the
-            // command then runs, long after it was sent).
+            // Short blocks, and every other round a stall past a lease (the command then
+            // runs, long after it was sent).
             _ => doc! {
                 "blockConnection": true,
-                "blockTimeMS": if rng.random_bool(1.0 / 3.0) {
+                "blockTimeMS": if round % 2 == 0 {
                     2500
                 } else {
                     rng.random_range(50..200_i32)
@@ -148,6 +154,7 @@ pub(super) async fn run(
     let mut rng = rand::rngs::StdRng::seed_from_u64(ctx.seed.rotate_left(29));
     let period = (ctx.duration / 4).max(Duration::from_secs(1));
     tokio::time::sleep(period / 2).await;
+    let mut round = 0;
     while Instant::now() + Duration::from_secs(1) < deadline {
         if ctx.has(Fault::Restart)
             && let Some(server) = session.target.embedded()
@@ -167,7 +174,7 @@ pub(super) async fn run(
             step_down(ctx, &session.client).await?;
         }
         if ctx.faults.iter().any(|f| f.is_failpoint()) {
-            fail_points(ctx, &session.client, &mut rng).await?;
+            fail_points(ctx, &session.client, &mut rng, round).await?;
         }
         if let Some(proxy) = proxy {
             if ctx.has(Fault::Latency) {
@@ -195,6 +202,7 @@ pub(super) async fn run(
                 );
             }
         }
+        round += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         tokio::time::sleep(period.min(left)).await;
     }

@@ -1,5 +1,5 @@
 //! A small TCP proxy in front of the server: adds latency to every chunk (and, as a lost
-//! segment's retransmission does, holds one chunk in a hundred for 2.5 s), can reset every
+//! segment's retransmission does, holds one chunk in fifty for 2.5 s), can reset every
 //! open connection at once, and can partition the clients from the server. Only ever
 //! listens on and connects to 127.0.0.1.
 //!
@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 /// longer than the locks' (1 s) and the queue's (2 s) leases.
 pub(crate) const SPIKE: Duration = Duration::from_millis(2500);
 /// Under latency, one chunk in this many waits [`SPIKE`].
-const SPIKE_ONE_IN: u32 = 100;
+const SPIKE_ONE_IN: u32 = 50;
 
 /// After a partition, connections resume within this long of the heal, each at its own
 /// moment.

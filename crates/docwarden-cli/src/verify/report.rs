@@ -316,9 +316,15 @@ fn timeline(events: &[Event], highlighted: &BTreeSet<usize>) -> String {
             // Operation ticks: at most a few per pixel column are visible anyway.
             outcome if ticks_left > 0 => {
                 ticks_left -= 1;
+                // A failed or indeterminate operation says why when hovered.
+                let title = if outcome == OpOutcome::Ok {
+                    String::new()
+                } else {
+                    format!("<title>{}</title>", esc(&describe(e)))
+                };
                 let _ = write!(
                     svg,
-                    "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"1.5\" height=\"4\" fill=\"{}\"/>",
+                    "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"1.5\" height=\"4\" fill=\"{}\">{title}</rect>",
                     x(e.start_us),
                     y + 11.0,
                     outcome_color(outcome)

@@ -162,15 +162,11 @@ fn fail_points_break_nothing_and_their_controls_fail() -> anyhow::Result<()> {
         "failpoint-latency",
     ];
     safe("locks", &all, "5")?;
-    // Writes blocked 2.5 s by the fail point run after the lease: unfenced, they land.
-    control("locks", &["failpoint-latency"], "5")?;
-    // Lost replies and retryable errors: the message is redelivered and, unsequenced,
-    // applied again out of order.
-    control(
-        "sequence",
-        &["failpoint-network", "failpoint-notprimary"],
-        "4",
-    )?;
+    // Lost replies, retryable errors and stalls: the message is redelivered and, without
+    // sequence numbers, applied again out of order. (In locks, the writes stalled 2.5 s by
+    // `failpoint-latency` land after their lease; they bite there only now and then: see
+    // docs/verify.md.)
+    control("sequence", &all, "4")?;
     Ok(())
 }
 

@@ -32,7 +32,9 @@ async fn fail_point(
     data: Document,
 ) -> anyhow::Result<()> {
     let mut data = data;
-    data.insert("failCommands", WRITES.to_vec());
+    if !data.contains_key("failCommands") {
+        data.insert("failCommands", WRITES.to_vec());
+    }
     data.insert("appName", WORKER_APP);
     client
         .database("admin")
@@ -66,18 +68,22 @@ async fn fail_points(
                 let code = if rng.random_bool(0.5) { 10107 } else { 91 };
                 doc! { "errorCode": code }
             }
-            // Short blocks, and every other round a stall past a lease (the command then
-            // runs, long after it was sent).
+            // Every other round a stall past a lease of the `update`s (the fenced writes,
+            // which then run long after they were sent); short blocks of every write
+            // otherwise.
+            _ if round % 2 == 0 => doc! {
+                "blockConnection": true,
+                "blockTimeMS": 2500,
+                "failCommands": ["update"],
+            },
             _ => doc! {
                 "blockConnection": true,
-                "blockTimeMS": if round % 2 == 0 {
-                    2500
-                } else {
-                    rng.random_range(50..200_i32)
-                },
+                "blockTimeMS": rng.random_range(50..200_i32),
             },
         };
         let start = ctx.history.now_us();
+        // Three hits per window: a stall of every worker at once would leave nobody to
+        // take the stalled leases over.
         fail_point(client, doc! { "times": 3 }.into(), data).await?;
         tokio::time::sleep(window).await;
         client

@@ -71,7 +71,7 @@ async fn fail_points(
             // Every other round a stall past a lease of the `update`s (the fenced writes,
             // which then run long after they were sent); short blocks of every write
             // otherwise.
-            _ if round % 2 == 0 => doc! {
+            _ if round.is_multiple_of(2) => doc! {
                 "blockConnection": true,
                 "blockTimeMS": 2500,
                 "failCommands": ["update"],

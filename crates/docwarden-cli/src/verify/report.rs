@@ -492,7 +492,12 @@ fn counterexample_html(n: usize, v: &Violation, ops: &[usize], events: &[Event])
             esc(&f.key)
         );
     }
-    for &i in ops {
+    // Labels: operations too close to label one by one share one label ("acquire t4,
+    // touch t4").
+    let mut labels: BTreeMap<usize, Vec<(f64, String)>> = BTreeMap::new();
+    let mut sorted = ops.to_vec();
+    sorted.sort_by_key(|&i| events[i].start_us);
+    for &i in &sorted {
         let e = &events[i];
         let Some(&lane) = lane_of.get(&e.process) else {
             continue;
@@ -502,16 +507,35 @@ fn counterexample_html(n: usize, v: &Violation, ops: &[usize], events: &[Event])
         let (x0, x1) = (x(e.start_us), x(e.end_us));
         let _ = write!(
             out,
-            "<rect x=\"{x0:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{}\" stroke=\"#d00\" stroke-width=\"2\"><title>{}</title></rect><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            "<rect x=\"{x0:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{}\" stroke=\"#d00\" stroke-width=\"2\"><title>{}</title></rect>",
             y + 3.0,
             (x1 - x0).max(3.0),
             row - 7.0,
             outcome_color(e.outcome),
             esc(&describe(e)),
-            x0 + 4.0,
-            y + 13.0,
-            esc(&short(e))
         );
+        let group = labels.entry(lane).or_default();
+        match group.last_mut() {
+            #[allow(clippy::cast_precision_loss)]
+            Some((at, text)) if x0 < *at + 6.0 * text.chars().count() as f64 + 8.0 => {
+                text.push_str(", ");
+                text.push_str(&short(e));
+            }
+            _ => group.push((x0, short(e))),
+        }
+    }
+    for (lane, group) in labels {
+        #[allow(clippy::cast_precision_loss)]
+        let y = TOP + row * lane as f64;
+        for (at, text) in group {
+            let _ = write!(
+                out,
+                "<text x=\"{:.1}\" y=\"{:.1}\" font-weight=\"bold\">{}</text>",
+                at + 4.0,
+                y + 13.0,
+                esc(&text)
+            );
+        }
     }
     let _ = write!(
         out,

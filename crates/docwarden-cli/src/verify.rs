@@ -10,12 +10,15 @@
 //! mid-operation and replaced), `skew` (each worker's clock
 //! is shifted by up to ±30 s), `step` (a worker's wall clock steps by ±20 s mid-run), `drift`
 //! (each worker's wall clock walks fast or slow), `restart` (the embedded server is restarted
-//! on the same data), `latency` and `reset` (through a TCP proxy in front of the server), and
+//! on the same data), `crash` (SIGKILL and restart on the same data, durable), `stepdown`
+//! (`replSetStepDown`), `latency`, `reset` and `partition` (through a TCP proxy in front of
+//! the server), and
 //! `failpoint-network`, `failpoint-notprimary`, `failpoint-latency` (MongoDB's `failCommand`
 //! fail point on the workers' writes, matched by their `appName`). `--faults all` runs every
 //! fault the setting allows, `--faults list` prints them. `--control` runs the same
-//! workloads with the safeguard disabled, and must report violations (under `step`: the
-//! server-time sample projected on the wall clock).
+//! workloads with the safeguard disabled, and must report violations (under `step` and
+//! `drift`: the server-time sample projected on the wall clock; under `crash`: a server
+//! without `--sync-on-commit`). `docs/verify.md` lists every fault and its control.
 //!
 //! The workloads themselves are `docwarden_workloads`'; the files here only record them:
 //! [`args`] (the command line), [`context`] (what a workload run gets: history, faults,

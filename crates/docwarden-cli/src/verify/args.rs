@@ -110,7 +110,11 @@ impl std::str::FromStr for FaultArg {
                 .ok_or_else(|| {
                     format!(
                         "unknown fault `{name}` (faults: {}, all, list)",
-                        Fault::ALL.map(Fault::name).join(", ")
+                        Fault::ALL
+                            .iter()
+                            .map(|f| f.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     )
                 }),
         }
@@ -128,8 +132,11 @@ pub(super) enum Fault {
     Step,
     Drift,
     Restart,
+    Crash,
+    Stepdown,
     Latency,
     Reset,
+    Partition,
     FailpointNetwork,
     FailpointNotprimary,
     FailpointLatency,
@@ -137,7 +144,7 @@ pub(super) enum Fault {
 
 impl Fault {
     /// Every fault, in the order of `--faults list`.
-    pub(super) const ALL: [Fault; 13] = [
+    pub(super) const ALL: &[Fault] = &[
         Fault::Pause,
         Fault::Kill,
         Fault::Sigstop,
@@ -146,8 +153,11 @@ impl Fault {
         Fault::Step,
         Fault::Drift,
         Fault::Restart,
+        Fault::Crash,
+        Fault::Stepdown,
         Fault::Latency,
         Fault::Reset,
+        Fault::Partition,
         Fault::FailpointNetwork,
         Fault::FailpointNotprimary,
         Fault::FailpointLatency,
@@ -164,8 +174,11 @@ impl Fault {
             Fault::Step => "step",
             Fault::Drift => "drift",
             Fault::Restart => "restart",
+            Fault::Crash => "crash",
+            Fault::Stepdown => "stepdown",
             Fault::Latency => "latency",
             Fault::Reset => "reset",
+            Fault::Partition => "partition",
             Fault::FailpointNetwork => "failpoint-network",
             Fault::FailpointNotprimary => "failpoint-notprimary",
             Fault::FailpointLatency => "failpoint-latency",
@@ -185,17 +198,26 @@ impl Fault {
             }
             Fault::Skew => "each worker's wall clock is shifted by up to ±30 s",
             Fault::Step => "a worker's wall clock steps by ±20 s mid-run (monotonic runs on)",
-            Fault::Drift => "each worker's wall clock walks 2-10 % fast or slow",
+            Fault::Drift => "each worker's wall clock runs 20-50 % fast or slow",
             Fault::Restart => "the server is restarted on the same data",
-            Fault::Latency => "the TCP proxy delays every packet by 5-40 ms for a while",
+            Fault::Crash => "the server is SIGKILLed and restarted on the same data",
+            Fault::Stepdown => "replSetStepDown: the server is not primary for 1-2 s",
+            Fault::Latency => {
+                "the TCP proxy delays every chunk by 5-40 ms, 1 in 50 by 2.5 s, for 0.8 s"
+            }
             Fault::Reset => "the TCP proxy resets every connection",
+            Fault::Partition => {
+                "the TCP proxy blackholes every open connection for 3 s (1.5 queue leases)"
+            }
             Fault::FailpointNetwork => {
                 "failCommand closeConnection on findAndModify/update/insert (indeterminate)"
             }
             Fault::FailpointNotprimary => {
                 "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
             }
-            Fault::FailpointLatency => "failCommand blockConnection: commands block 50-200 ms",
+            Fault::FailpointLatency => {
+                "failCommand blockConnection: writes block 50-200 ms; every other round 2.5 s"
+            }
         }
     }
 
@@ -204,8 +226,11 @@ impl Fault {
         matches!(
             self,
             Fault::Restart
+                | Fault::Crash
+                | Fault::Stepdown
                 | Fault::Latency
                 | Fault::Reset
+                | Fault::Partition
                 | Fault::FailpointNetwork
                 | Fault::FailpointNotprimary
                 | Fault::FailpointLatency
@@ -215,6 +240,41 @@ impl Fault {
     /// Whether the fault needs workers as OS processes (`--workers-as processes`).
     pub(super) fn needs_processes(self) -> bool {
         matches!(self, Fault::Sigstop | Fault::Sigkill)
+    }
+
+    /// The safeguard `--control` turns off under this fault (for `--faults list`). Every
+    /// control run also runs the workloads' own controls (`Mode::Control`: no fencing,
+    /// client clocks, read-then-write, unsequenced applies).
+    pub(super) fn control(self) -> &'static str {
+        match self {
+            Fault::Pause | Fault::Kill | Fault::Sigstop | Fault::Partition | Fault::Latency => {
+                "fencing: a holder that outlived its lease still writes"
+            }
+            Fault::Sigkill => {
+                "indeterminate outcomes: a killed process's in-flight writes counted as failed"
+            }
+            Fault::Skew => "server time: leases computed on the worker's own wall clock",
+            Fault::Step | Fault::Drift => {
+                "monotonic projection: the server sample is projected on the wall clock"
+            }
+            Fault::Restart | Fault::Reset | Fault::Stepdown => {
+                "idempotent retries: unfenced, unsequenced writes retried after errors"
+            }
+            Fault::Crash => "durability: the server runs without --sync-on-commit",
+            Fault::FailpointNetwork | Fault::FailpointNotprimary | Fault::FailpointLatency => {
+                "idempotent retries: unsequenced applies redelivered after a lost reply"
+            }
+        }
+    }
+
+    /// Whether the fault needs the verify-started server (a restart with other flags).
+    pub(super) fn needs_own_server(self) -> bool {
+        self.is_failpoint() || self == Fault::Crash
+    }
+
+    /// Whether the fault goes through the TCP proxy.
+    pub(super) fn needs_proxy(self) -> bool {
+        matches!(self, Fault::Latency | Fault::Reset | Fault::Partition)
     }
 
     /// Whether the fault is a `failCommand` fail point (the server needs test commands).

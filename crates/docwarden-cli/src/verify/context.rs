@@ -119,7 +119,9 @@ impl Ctx {
         let clock_faults = self.has(Fault::Step) || self.has(Fault::Drift);
         if clock_faults {
             let drift = if self.has(Fault::Drift) {
-                let ms = rng.random_range(2..=10_i64);
+                // 20-50 ms per 100 ms: a badly broken clock (a VM's lost ticks), so that
+                // over a short run the wall clock strays further than a lease.
+                let ms = rng.random_range(20..=50_i64);
                 self.injected(Fault::Drift, process, 0, 0);
                 if rng.random_bool(0.5) { ms } else { -ms }
             } else {

@@ -1,7 +1,11 @@
-//! Server-side faults on a schedule: restart the embedded server, add latency, reset
-//! connections (the last two through the proxy), and MongoDB's `failCommand` fail point
-//! (network errors, not-primary errors, blocked connections) limited to the workers'
-//! connections by their application name, so the checker's own reads are never hit.
+//! Server-side faults on a schedule: restart the embedded server, crash it (SIGKILL and
+//! restart on the same data), step it down (`replSetStepDown`), add latency, reset
+//! connections and partition the workers from it (the last three through the proxy), and
+//! MongoDB's `failCommand` fail point (network errors, not-primary errors, blocked
+//! connections) limited to the workers' connections by their application name, so the
+//! checker's own reads are never hit.
+//!
+//! Every fault is recorded as a window on the server's lane (`Ctx::injected`).
 
 use std::time::{Duration, Instant};
 
@@ -28,7 +32,9 @@ async fn fail_point(
     data: Document,
 ) -> anyhow::Result<()> {
     let mut data = data;
-    data.insert("failCommands", WRITES.to_vec());
+    if !data.contains_key("failCommands") {
+        data.insert("failCommands", WRITES.to_vec());
+    }
     data.insert("appName", WORKER_APP);
     client
         .database("admin")
@@ -38,8 +44,14 @@ async fn fail_point(
 }
 
 /// One round of every fail-point fault in `ctx`, one after the other (there is one
-/// `failCommand` fail point: each configuration replaces the previous one).
-async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::Result<()> {
+/// `failCommand` fail point: each configuration replaces the previous one). `round` counts
+/// the rounds from 0: every other one, the first included, stalls writes past a lease.
+async fn fail_points(
+    ctx: &Ctx,
+    client: &Client,
+    rng: &mut impl Rng,
+    round: usize,
+) -> anyhow::Result<()> {
     let window = Duration::from_millis(400);
     for fault in [
         Fault::FailpointNetwork,
@@ -56,12 +68,22 @@ async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::
                 let code = if rng.random_bool(0.5) { 10107 } else { 91 };
                 doc! { "errorCode": code }
             }
+            // Every other round a stall past a lease of the `update`s (the fenced writes,
+            // which then run long after they were sent); short blocks of every write
+            // otherwise.
+            _ if round.is_multiple_of(2) => doc! {
+                "blockConnection": true,
+                "blockTimeMS": 2500,
+                "failCommands": ["update"],
+            },
             _ => doc! {
                 "blockConnection": true,
                 "blockTimeMS": rng.random_range(50..200_i32),
             },
         };
         let start = ctx.history.now_us();
+        // Three hits per window: a stall of every worker at once would leave nobody to
+        // take the stalled leases over.
         fail_point(client, doc! { "times": 3 }.into(), data).await?;
         tokio::time::sleep(window).await;
         client
@@ -70,6 +92,60 @@ async fn fail_points(ctx: &Ctx, client: &Client, rng: &mut impl Rng) -> anyhow::
             .await?;
         ctx.injected(fault, Process::Server, start, ctx.history.now_us());
     }
+    Ok(())
+}
+
+/// How long a partition lasts: 1.5 leases of the queue (2 s), 3 of the locks' (1 s).
+pub(super) const PARTITION: Duration = Duration::from_secs(3);
+
+/// Seconds the server stays stepped down (MongoDB's `replSetStepDown` takes at least 1).
+const STEPDOWN_SECS: i64 = 2;
+
+/// `replSetStepDown` on the server, then waits until it is writable primary again.
+/// Records the window from the command to the return of primary.
+async fn step_down(ctx: &Ctx, client: &Client) -> anyhow::Result<()> {
+    let admin = client.database("admin");
+    let start = ctx.history.now_us();
+    // `force`: a one-node replica set has no electable secondary to catch up.
+    let reply = admin
+        .run_command(doc! {
+            "replSetStepDown": STEPDOWN_SECS,
+            "secondaryCatchUpPeriodSecs": 0,
+            "force": true,
+        })
+        .await;
+    // MongoDB closes the connection of the command before 4.2; an error reply is not a
+    // failure of the fault as long as the server stops being primary.
+    if let Err(e) = &reply {
+        tracing::debug!(%e, "replSetStepDown answered with an error");
+    }
+    let asked = Instant::now();
+    let mut saw_secondary = false;
+    loop {
+        let primary = admin
+            .run_command(doc! { "hello": 1 })
+            .await
+            .ok()
+            .and_then(|h| h.get_bool("isWritablePrimary").ok())
+            .unwrap_or(false);
+        saw_secondary |= !primary;
+        let waited = asked.elapsed();
+        // Primary again; or primary all along for a second (the stepdown took no effect:
+        // recorded, not fatal); or a server that never comes back within 10 s.
+        if (primary && (saw_secondary || waited > Duration::from_secs(1)))
+            || waited > Duration::from_secs(10)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::debug!(?reply, saw_secondary, "stepdown window over");
+    ctx.injected(
+        Fault::Stepdown,
+        Process::Server,
+        start,
+        ctx.history.now_us(),
+    );
     Ok(())
 }
 
@@ -84,6 +160,7 @@ pub(super) async fn run(
     let mut rng = rand::rngs::StdRng::seed_from_u64(ctx.seed.rotate_left(29));
     let period = (ctx.duration / 4).max(Duration::from_secs(1));
     tokio::time::sleep(period / 2).await;
+    let mut round = 0;
     while Instant::now() + Duration::from_secs(1) < deadline {
         if ctx.has(Fault::Restart)
             && let Some(server) = session.target.embedded()
@@ -92,8 +169,18 @@ pub(super) async fn run(
             server.restart().await?;
             ctx.injected(Fault::Restart, Process::Server, start, ctx.history.now_us());
         }
+        if ctx.has(Fault::Crash)
+            && let Some(server) = session.target.embedded()
+        {
+            let start = ctx.history.now_us();
+            server.crash_and_restart().await?;
+            ctx.injected(Fault::Crash, Process::Server, start, ctx.history.now_us());
+        }
+        if ctx.has(Fault::Stepdown) {
+            step_down(ctx, &session.client).await?;
+        }
         if ctx.faults.iter().any(|f| f.is_failpoint()) {
-            fail_points(ctx, &session.client, &mut rng).await?;
+            fail_points(ctx, &session.client, &mut rng, round).await?;
         }
         if let Some(proxy) = proxy {
             if ctx.has(Fault::Latency) {
@@ -108,7 +195,20 @@ pub(super) async fn run(
                 proxy.reset_all();
                 ctx.injected(Fault::Reset, Process::Server, at, at);
             }
+            if ctx.has(Fault::Partition) {
+                let start = ctx.history.now_us();
+                proxy.set_partitioned(true);
+                tokio::time::sleep(PARTITION).await;
+                proxy.set_partitioned(false);
+                ctx.injected(
+                    Fault::Partition,
+                    Process::Server,
+                    start,
+                    ctx.history.now_us(),
+                );
+            }
         }
+        round += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         tokio::time::sleep(period.min(left)).await;
     }

@@ -131,14 +131,16 @@ fn list_faults() {
     println!("{:<22} {:<9} what it does", "fault", "server");
     for f in Fault::ALL {
         println!(
-            "{:<22} {:<9} {}",
+            "{:<22} {:<9} {}\n{:<32} --control: {}",
             f.name(),
             if f.needs_embedded() {
                 "embedded"
             } else {
                 "any"
             },
-            f.describe()
+            f.describe(),
+            "",
+            f.control()
         );
     }
     println!(
@@ -147,21 +149,38 @@ fn list_faults() {
     );
 }
 
-/// Opens the run's server: fail points need test commands, so verify starts its embedded
-/// server itself with them on.
+/// Opens the run's server. Fail points need test commands, and a crash needs a server that
+/// is durable (`--sync-on-commit`), except in a control run where durability is the
+/// safeguard turned off: for those faults verify starts its embedded server itself.
 async fn open_session(args: &Args, faults: &[Fault]) -> anyhow::Result<crate::conn::Session> {
     let external = args
         .conn
         .uri
         .as_deref()
         .is_some_and(|u| !u.trim().is_empty());
-    if external || !faults.iter().any(|f| f.is_failpoint()) {
+    if external || !faults.iter().any(|f| f.needs_own_server()) {
         return args.conn.open(args.json).await;
     }
+    let crash = faults.contains(&Fault::Crash);
+    let durable = !(crash && args.control);
     if !args.json {
-        eprintln!("docwarden: starting an embedded secantusd-rs with test commands (fail points)…");
+        eprintln!(
+            "docwarden: starting an embedded secantusd-rs{}{}…",
+            if faults.iter().any(|f| f.is_failpoint()) {
+                " with test commands (fail points)"
+            } else {
+                ""
+            },
+            if durable {
+                ", durable (--sync-on-commit)"
+            } else {
+                ", NOT durable (control: no --sync-on-commit)"
+            }
+        );
     }
-    let mut options = docwarden_server::ServerOptions::default().test_commands(true);
+    let mut options = docwarden_server::ServerOptions::default()
+        .test_commands(faults.iter().any(|f| f.is_failpoint()))
+        .durable(durable);
     if let Some(dir) = &args.conn.data_dir {
         options = options.data_dir(dir);
     }
@@ -177,8 +196,10 @@ async fn open_session(args: &Args, faults: &[Fault]) -> anyhow::Result<crate::co
     })
 }
 
-/// The workers' URI: `uri` with the application name the fail points match.
-fn worker_uri(uri: &str) -> String {
+/// The workers' URI: `uri` with the application name the fail points match, and under
+/// `crash` with `journal=true` (writes acknowledged only once journaled: the client's half
+/// of durability; the server's half is `--sync-on-commit`, see `open_session`).
+fn worker_uri(uri: &str, journal: bool) -> String {
     let sep = if uri.contains('?') {
         "&"
     } else if uri
@@ -189,7 +210,11 @@ fn worker_uri(uri: &str) -> String {
     } else {
         "/?"
     };
-    format!("{uri}{sep}appName={}", nemesis::WORKER_APP)
+    format!(
+        "{uri}{sep}appName={}{}",
+        nemesis::WORKER_APP,
+        if journal { "&journal=true" } else { "" }
+    )
 }
 
 async fn run_module(
@@ -199,7 +224,7 @@ async fn run_module(
     seed: u64,
 ) -> anyhow::Result<WorkloadResult> {
     let direct_uri = session.uri();
-    let proxy = if args.faults.contains(&Fault::Latency) || args.faults.contains(&Fault::Reset) {
+    let proxy = if args.faults.iter().any(|f| f.needs_proxy()) {
         let addr = upstream_addr(&direct_uri)?;
         Some(proxy::Proxy::start(addr).await?)
     } else {
@@ -209,6 +234,7 @@ async fn run_module(
         &proxy
             .as_ref()
             .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri),
+        args.faults.contains(&Fault::Crash),
     );
     let client = docwarden_server::connect(&uri, Duration::from_secs(10)).await?;
     let db_name = format!(
@@ -298,6 +324,8 @@ fn upstream_addr(uri: &str) -> anyhow::Result<std::net::SocketAddr> {
     let host = rest.split(['/', '?']).next().unwrap_or(rest);
     let host = host.rsplit('@').next().unwrap_or(host);
     host.parse().map_err(|_| {
-        anyhow::anyhow!("latency/reset faults need a single 127.0.0.1:PORT server, not {host}")
+        anyhow::anyhow!(
+            "latency/reset/partition faults need a single 127.0.0.1:PORT server, not {host}"
+        )
     })
 }

@@ -109,13 +109,19 @@ pub fn check_validity(events: &[Event]) -> Vec<Violation> {
         let claimed = hold
             .start_us
             .saturating_add(u64::try_from(left_ms).unwrap_or(0).saturating_mul(1000));
+        // A release by this lease ends the claim; so may one whose outcome is unknown and
+        // whose token was never recorded (its process was killed while it was in flight:
+        // it may have landed, and a checker must accept either outcome).
         let released = events
             .iter()
             .filter(|e| {
                 e.op == "release"
                     && e.key == hold.key
-                    && e.token == Some(token)
                     && e.start_us >= hold.start_us
+                    && (e.token == Some(token)
+                        || (e.token.is_none()
+                            && e.process == hold.process
+                            && e.outcome == OpOutcome::Indeterminate))
             })
             .map(|e| e.start_us)
             .min()
@@ -315,5 +321,30 @@ mod tests {
         let v = check_validity(&h);
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].kind, "overlapping-leases");
+    }
+
+    #[test]
+    fn a_release_cut_short_by_a_kill_may_have_ended_the_claim() {
+        // A claims 5 ms from 100 µs, starts its release at 300 µs and is killed before the
+        // reply: the release is recorded without its token, indeterminate. It landed, and
+        // B acquired by 500 µs — no violation. Another process's unknown release does not
+        // end A's claim.
+        let hold = Event::new(1, HOLD_OP, "r", 100, 100).token(1).value(5);
+        let killed_release =
+            |p: u32| Event::new(p, "release", "r", 300, 400).outcome(OpOutcome::Indeterminate);
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            hold.clone(),
+            killed_release(1),
+            acquire(2, "r", 410, 500, 2),
+        ];
+        assert!(check_validity(&h).is_empty(), "{:?}", check_validity(&h));
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            hold,
+            killed_release(3),
+            acquire(2, "r", 410, 500, 2),
+        ];
+        assert_eq!(check_validity(&h).len(), 1);
     }
 }

@@ -58,7 +58,7 @@ fn sigstop_and_sigkill_break_nothing_in_any_workload() -> anyhow::Result<()> {
 #[test]
 fn the_sigstop_control_double_commits_and_writes_stale() -> anyhow::Result<()> {
     for (module, kind) in [
-        ("queue", "duplicate-effect"),
+        ("queue", "stale-effect"),
         ("locks", "stale-write-accepted"),
     ] {
         let (code, json) = verify(&[
@@ -84,7 +84,11 @@ fn the_sigstop_control_double_commits_and_writes_stale() -> anyhow::Result<()> {
 
 #[test]
 fn the_sigkill_control_finds_the_killed_writes_that_landed() -> anyhow::Result<()> {
-    for module in ["queue", "locks"] {
+    // The locks workload: the control takes a killed process's in-flight operations for
+    // failed, and the checker finds releases and writes that landed anyway. (The queue's
+    // checker judges every job by its final document, not by the workers' outcomes, so
+    // this control has nothing to mislead there.)
+    for module in ["locks"] {
         let (code, json) = verify(&[
             module,
             "--control",

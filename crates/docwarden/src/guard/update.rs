@@ -12,18 +12,6 @@
 //! applied; otherwise one aggregation on the same `_id` tells the other outcomes apart,
 //! and if that read finds the change would now pass (the document changed in between),
 //! the update is tried again.
-//!
-//! **Operator form (issue 14).** Setting fields of a member (non-null key) and setting a
-//! field are written without a pipeline: the invariants over the document after the change
-//! go into the filter, `{$and: [{_id}, {array: {$elemMatch: {key: {$eq: k}}}}, {$expr:
-//! every invariant holds after the change}]}` (`_id` first, `$expr` inside `$and`: a point
-//! write by `_id` on both servers, no `hint`), and the update is `$set` through
-//! `arrayFilters: [{"dwm.<key>": {$eq: k}}]`. The server checks the filter atomically with
-//! the write (MongoDB re-evaluates it on a write conflict), so the guarantee is the same.
-//! It is cheaper for the server than evaluating a `$map`/`$mergeObjects` pipeline, and a
-//! matched but unmodified document is [`GuardOutcome::NoChange`] without the read. A
-//! refusal (nothing matched: rejected, no member, no document) still costs the one read
-//! that names the failing invariant.
 
 use std::time::Duration;
 
@@ -309,68 +297,6 @@ impl Change {
         vec![doc! { "$set": { &self.field: guarded } }]
     }
 
-    /// "Every invariant holds on the document after the change", as one expression over
-    /// the current document (only the changed field is rebound when the invariants allow).
-    fn holds_after(&self, invariants: &[Invariant]) -> Bson {
-        const VALUE_VAR: &str = "dw_value";
-        let narrow: Option<Vec<Bson>> = invariants
-            .iter()
-            .map(|i| rebase_field(i.expr(), &self.field, VALUE_VAR))
-            .collect();
-        match narrow {
-            Some(checks) => Bson::Document(doc! { "$let": {
-                "vars": { VALUE_VAR: self.new_value() },
-                "in": { "$and": checks },
-            }}),
-            None => {
-                let checks: Vec<Bson> = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
-                self.over_new(Bson::Document(doc! { "$and": checks }))
-            }
-        }
-    }
-
-    /// The same change as an operator update (no pipeline), with its array filters, for
-    /// the changes whose operator has exactly the pipeline's semantics: setting fields of a
-    /// member with a non-null key (`$set` through `arrayFilters`, which like the pipeline's
-    /// `$map` changes every element carrying the key and appends new fields) and setting a
-    /// field. `None` for the others (`$inc`/`$push` refuse a null field the pipeline
-    /// treats as 0 / empty, and a null key matches missing fields in a query but not in
-    /// an expression).
-    fn operator_update(&self) -> Option<(Document, Vec<Document>)> {
-        match &self.kind {
-            Kind::SetMember {
-                key_field,
-                key,
-                fields,
-            } if !matches!(key, Bson::Null | Bson::Undefined) => {
-                let mut set = Document::new();
-                for (k, v) in fields {
-                    set.insert(format!("{}.$[dwm].{k}", self.field), v.clone());
-                }
-                Some((
-                    doc! { "$set": set },
-                    vec![doc! { format!("dwm.{key_field}"): { "$eq": key.clone() } }],
-                ))
-            }
-            Kind::Set { value } => Some((doc! { "$set": { &self.field: value.clone() } }, vec![])),
-            _ => None,
-        }
-    }
-
-    /// The filter of the operator form: `{$and: [{_id}, {array: {$elemMatch}}?, {$expr:
-    /// every invariant holds after the change}]}` — `_id` first and the `$expr` inside
-    /// `$and`, a point write by `_id` on both servers.
-    fn operator_filter(&self, target: &Bson, invariants: &[Invariant]) -> Document {
-        let mut parts = vec![Bson::Document(doc! { "_id": target.clone() })];
-        if let Some(q) = self.member_query() {
-            parts.push(Bson::Document(doc! { &self.field: q }));
-        }
-        parts.push(Bson::Document(
-            doc! { "$expr": self.holds_after(invariants) },
-        ));
-        doc! { "$and": parts }
-    }
-
     /// The aggregation that explains why the filter did not match.
     pub(crate) fn diagnose(&self, target: &Bson, invariants: &[Invariant]) -> Vec<Document> {
         let checks: Vec<Bson> = invariants
@@ -482,36 +408,13 @@ impl Guarded {
         invariants: &[Invariant],
     ) -> Result<GuardOutcome> {
         let target = target.into();
-        let operator = change.operator_update().map(|(update, array_filters)| {
-            (
-                change.operator_filter(&target, invariants),
-                update,
-                array_filters,
-            )
-        });
         let filter = change.filter(&target);
         let pipeline = change.pipeline(invariants);
         for attempt in 0..self.opts.max_attempts {
-            let res = match &operator {
-                // The invariants in the filter, an operator update: a matched document
-                // that was not modified already had the values (NoChange, no read).
-                Some((filter, update, array_filters)) => {
-                    let mut call = self.coll.update_one(filter.clone(), update.clone());
-                    if !array_filters.is_empty() {
-                        call = call.array_filters(array_filters.clone());
-                    }
-                    let res = call.await?;
-                    if res.matched_count > 0 && res.modified_count == 0 {
-                        return Ok(GuardOutcome::NoChange);
-                    }
-                    res
-                }
-                None => {
-                    self.coll
-                        .update_one(filter.clone(), pipeline.clone())
-                        .await?
-                }
-            };
+            let res = self
+                .coll
+                .update_one(filter.clone(), pipeline.clone())
+                .await?;
             if res.modified_count > 0 {
                 return Ok(GuardOutcome::Applied);
             }
@@ -597,24 +500,6 @@ mod tests {
             f.get_document("doctors").unwrap(),
             &doc! { "$elemMatch": { "name": { "$eq": "Bob" } } }
         );
-        // The operator form: `_id` first, `$elemMatch`, the invariants in `$expr` inside
-        // `$and`, and `$set` through an array filter on the key.
-        let f = c.operator_filter(&Bson::Int32(1), std::slice::from_ref(&inv));
-        let parts = f.get_array("$and").unwrap();
-        assert_eq!(parts[0], Bson::Document(doc! { "_id": 1 }));
-        assert_eq!(
-            parts[1],
-            Bson::Document(doc! { "doctors": { "$elemMatch": { "name": { "$eq": "Bob" } } } })
-        );
-        assert!(parts[2].as_document().unwrap().contains_key("$expr"));
-        assert_eq!(f.keys().count(), 1, "nothing at the top next to `$and`");
-        let (update, array_filters) = c.operator_update().unwrap();
-        assert_eq!(update, doc! { "$set": { "doctors.$[dwm].on_call": false } });
-        assert_eq!(array_filters, vec![doc! { "dwm.name": { "$eq": "Bob" } }]);
-        // A null key, `$inc` and `$push` keep the pipeline form.
-        let null_key = Change::set_member("doctors", "name", Bson::Null, doc! { "a": 1 }).unwrap();
-        assert!(null_key.operator_update().is_none());
-        assert!(Change::inc("n", 1).unwrap().operator_update().is_none());
         let p = c.pipeline(&[inv]);
         assert_eq!(p.len(), 1);
         let text = format!("{}", p[0]);

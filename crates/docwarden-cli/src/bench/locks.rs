@@ -1,6 +1,7 @@
 //! Lock workloads: acquire + release pairs on random resources of a lock collection (each
 //! resource acquired once before the row is measured), and seed 003's locked increments of
-//! document locks (`docwarden_workloads::counters`).
+//! document locks (`docwarden_workloads::counters`). With `--stages`, the acquire's and the
+//! release's writes as raw commands on lock-shaped documents.
 
 use std::time::Duration;
 
@@ -8,7 +9,8 @@ use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
 use docwarden_workloads::counters::{self, Increment};
 use mongodb::Database;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::ReturnDocument;
 
 use super::{BenchRow, Load, measure};
 
@@ -52,6 +54,11 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     })
     .await?;
 
+    let mut rows = vec![lease_row];
+    if load.stages {
+        rows.extend(stages(db, load).await?);
+    }
+
     let coll = db.collection::<Document>("bench_doclocks");
     coll.insert_many((0..RESOURCES).map(|i| doc! { "_id": i, "n": 0_i64 }))
         .await?;
@@ -66,5 +73,89 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         }
     })
     .await?;
-    Ok(vec![lease_row, doc_row])
+    rows.push(doc_row);
+    Ok(rows)
+}
+
+/// The two writes of a fast-path acquire + release as raw commands on lock-shaped
+/// documents (`docs/locks.md`): the acquire's `findOneAndUpdate` (filter `{$and: [{_id},
+/// {$or}]}`, the one-stage pipeline, upsert, post-image) on locks left free, and the
+/// release's `updateOne` (filter `{_id, owner, token, pending absent}`). Their costs
+/// against `update_one` say where the time of the acquire+release row goes.
+async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let coll = db.collection::<Document>("bench_lock_stages");
+    coll.insert_many((0..RESOURCES).map(|i| {
+        doc! {
+            "_id": format!("r-{i}"), "owner": "o", "token": 1_i64,
+            "ceiling": i64::MAX, "acquisition": "n",
+            "acquired_at": DateTime::now(), "expires_at": DateTime::now(),
+        }
+    }))
+    .await?;
+    let fast = doc! { "$and": [
+        { "$eq": [{ "$type": "$token" }, "long"] },
+        { "$eq": [{ "$type": "$ceiling" }, "long"] },
+        { "$lt": ["$token", "$ceiling"] },
+    ] };
+    let c = coll.clone();
+    let acquire = measure(
+        "lock stage: the acquire's findOneAndUpdate (pipeline, upsert)",
+        load,
+        move |_| {
+            let (c, fast) = (c.clone(), fast.clone());
+            async move {
+                let id = format!("r-{}", rand::random_range(0..RESOURCES));
+                let now = DateTime::now();
+                // `owner` stays "o" and the expiry in the past: every call matches.
+                c.find_one_and_update(
+                    doc! { "$and": [{ "_id": id }, { "$or": [
+                        { "owner": Bson::Null },
+                        { "expires_at": { "$lt": now } },
+                        { "expires_at": { "$not": { "$type": "date" } } },
+                    ] }] },
+                    vec![doc! { "$set": {
+                        "owner": { "$literal": "o" },
+                        "acquisition": { "$literal": "n" },
+                        "acquired_at": { "$literal": now },
+                        "expires_at": { "$literal": DateTime::from_millis(0) },
+                        "token": { "$cond": [fast.clone(), { "$add": ["$token", 1_i64] }, "$token"] },
+                        "pending": { "$cond": [fast, "$$REMOVE", "n"] },
+                    } }],
+                )
+                .upsert(true)
+                .return_document(ReturnDocument::After)
+                .await?;
+                Ok(1)
+            }
+        },
+    )
+    .await?;
+    let c = db.collection::<Document>("bench_lock_stages_release");
+    c.insert_many((0..RESOURCES).map(|i| {
+        doc! {
+            "_id": format!("r-{i}"), "owner": "o", "token": 1_i64,
+            "ceiling": i64::MAX, "acquisition": "n",
+            "acquired_at": DateTime::now(), "expires_at": DateTime::now(),
+        }
+    }))
+    .await?;
+    let release = measure(
+        "lock stage: the release's updateOne",
+        load,
+        move |_| {
+            let c = c.clone();
+            async move {
+                let id = format!("r-{}", rand::random_range(0..RESOURCES));
+                // Matches (owner "o", token 1): the write a release makes, kept held.
+                c.update_one(
+                    doc! { "_id": id, "owner": "o", "token": 1_i64, "pending": { "$exists": false } },
+                    doc! { "$set": { "owner": "o" }, "$unset": { "pending": "" }, "$currentDate": { "expires_at": true } },
+                )
+                .await?;
+                Ok(1)
+            }
+        },
+    )
+    .await?;
+    Ok(vec![acquire, release])
 }

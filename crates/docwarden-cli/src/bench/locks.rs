@@ -6,6 +6,9 @@
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::format::collection::{
+    ACQUIRED_AT, ACQUISITION, CEILING, EXPIRES_AT, OWNER, PENDING, TOKEN,
+};
 use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
 use docwarden_workloads::counters::{self, Increment};
 use mongodb::Database;
@@ -86,16 +89,16 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let coll = db.collection::<Document>("bench_lock_stages");
     coll.insert_many((0..RESOURCES).map(|i| {
         doc! {
-            "_id": format!("r-{i}"), "owner": "o", "token": 1_i64,
-            "ceiling": i64::MAX, "acquisition": "n",
-            "acquired_at": DateTime::now(), "expires_at": DateTime::now(),
+            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
+            CEILING: i64::MAX, ACQUISITION: "n",
+            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
         }
     }))
     .await?;
     let fast = doc! { "$and": [
-        { "$eq": [{ "$type": "$token" }, "long"] },
-        { "$eq": [{ "$type": "$ceiling" }, "long"] },
-        { "$lt": ["$token", "$ceiling"] },
+        { "$eq": [{ "$type": format!("${TOKEN}") }, "long"] },
+        { "$eq": [{ "$type": format!("${CEILING}") }, "long"] },
+        { "$lt": [format!("${TOKEN}"), format!("${CEILING}")] },
     ] };
     let c = coll.clone();
     let acquire = measure(
@@ -109,17 +112,17 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
                 // `owner` stays "o" and the expiry in the past: every call matches.
                 c.find_one_and_update(
                     doc! { "$and": [{ "_id": id }, { "$or": [
-                        { "owner": Bson::Null },
-                        { "expires_at": { "$lt": now } },
-                        { "expires_at": { "$not": { "$type": "date" } } },
+                        { OWNER: Bson::Null },
+                        { EXPIRES_AT: { "$lt": now } },
+                        { EXPIRES_AT: { "$not": { "$type": "date" } } },
                     ] }] },
                     vec![doc! { "$set": {
-                        "owner": { "$literal": "o" },
-                        "acquisition": { "$literal": "n" },
-                        "acquired_at": { "$literal": now },
-                        "expires_at": { "$literal": DateTime::from_millis(0) },
-                        "token": { "$cond": [fast.clone(), { "$add": ["$token", 1_i64] }, "$token"] },
-                        "pending": { "$cond": [fast, "$$REMOVE", "n"] },
+                        OWNER: { "$literal": "o" },
+                        ACQUISITION: { "$literal": "n" },
+                        ACQUIRED_AT: { "$literal": now },
+                        EXPIRES_AT: { "$literal": DateTime::from_millis(0) },
+                        TOKEN: { "$cond": [fast.clone(), { "$add": [format!("${TOKEN}"), 1_i64] }, format!("${TOKEN}")] },
+                        PENDING: { "$cond": [fast, "$$REMOVE", "n"] },
                     } }],
                 )
                 .upsert(true)
@@ -133,9 +136,9 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let c = db.collection::<Document>("bench_lock_stages_release");
     c.insert_many((0..RESOURCES).map(|i| {
         doc! {
-            "_id": format!("r-{i}"), "owner": "o", "token": 1_i64,
-            "ceiling": i64::MAX, "acquisition": "n",
-            "acquired_at": DateTime::now(), "expires_at": DateTime::now(),
+            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
+            CEILING: i64::MAX, ACQUISITION: "n",
+            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
         }
     }))
     .await?;
@@ -148,8 +151,8 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
                 let id = format!("r-{}", rand::random_range(0..RESOURCES));
                 // Matches (owner "o", token 1): the write a release makes, kept held.
                 c.update_one(
-                    doc! { "_id": id, "owner": "o", "token": 1_i64, "pending": { "$exists": false } },
-                    doc! { "$set": { "owner": "o" }, "$unset": { "pending": "" }, "$currentDate": { "expires_at": true } },
+                    doc! { "_id": id, OWNER: "o", TOKEN: 1_i64, PENDING: { "$exists": false } },
+                    doc! { "$set": { OWNER: "o" }, "$unset": { PENDING: "" }, "$currentDate": { EXPIRES_AT: true } },
                 )
                 .await?;
                 Ok(1)

@@ -7,8 +7,11 @@
 //! `(resource, owner, token)` of a committed acquisition (a stale lease of the same owner
 //! id cannot touch a newer acquisition, even before its token is committed), and fencing
 //! tokens strictly increase per resource across
-//! release, expiry, garbage collection of the lock document and crashes (they come from a
-//! counter collection no TTL index touches). [`DocumentLocks`] hands out a random lock id
+//! release, expiry, garbage collection of the lock document and crashes (each lock document
+//! hands out tokens from a block reserved in a counter collection no TTL index touches, so
+//! an uncontended acquire is one write and a release one write; see
+//! `lock/collection.rs` and `docs/locks.md` for the argument and its one assumption: the
+//! counter collection is never deleted or rolled back). [`DocumentLocks`] hands out a random lock id
 //! per acquisition and fences the releasing write by it.
 //!
 //! **Fencing, one shape for every holder:** [`Fence::apply`]`(&holder, filter, update)`

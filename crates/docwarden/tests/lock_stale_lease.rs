@@ -2,6 +2,9 @@
 //! acquisition (owner and `pending` written, the previous token still in the document)
 //! and its token commit, the old lease must not renew or release the newer acquisition.
 //! The interleaving is real: the newer acquire is docwarden's own, paused after step 1.
+//! Only the slow path (a new token block) has such a window, so the paused runs reserve
+//! blocks of one token (every acquire takes the slow path); the default fast path, where
+//! the token is taken in the acquiring write itself, is checked without a pause.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,15 +12,62 @@ use std::time::Duration;
 use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{AcquirePause, LockCollection, Owner};
+use docwarden::lock::{AcquirePause, LockCollection, LockOptions, Owner};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Document, doc};
+use mongodb::options::WriteConcern;
 
 const LOCKS: &str = "locks";
 
 async fn open(t: &TestDb) -> anyhow::Result<LockCollection> {
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     Ok(docwarden_workloads::counters::open_locks(&t.db, LOCKS, time).await?)
+}
+
+/// The same lock collection with blocks of one token: every acquire takes the slow path.
+async fn open_slow(t: &TestDb) -> anyhow::Result<LockCollection> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    Ok(LockCollection::open(
+        &t.db,
+        LOCKS,
+        time,
+        LockOptions::default()
+            .write_concern(WriteConcern::majority())
+            .token_block(1),
+    )
+    .await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_lease_of_the_same_owner_cannot_touch_a_fast_path_acquisition() -> anyhow::Result<()>
+{
+    let t = TestDb::new("lock_stale_same_owner_fast").await?;
+    let locks = open(&t).await?;
+    let owner = Owner::random();
+    let old = locks
+        .try_acquire(&owner, "r", Duration::from_secs(30))
+        .await?
+        .context("first acquisition")?;
+    locks.release(&old).await?;
+    let newer = locks
+        .try_acquire(&owner, "r", Duration::from_secs(30))
+        .await?
+        .context("second acquisition")?;
+    assert_eq!(
+        newer.token.get(),
+        old.token.get() + 1,
+        "taken from the block"
+    );
+    let mut stale = old.clone();
+    let renew = locks.renew(&mut stale, Duration::from_secs(600)).await;
+    assert!(matches!(renew, Err(Error::LeaseLost { .. })), "{renew:?}");
+    let release = locks.release(&old).await;
+    assert!(
+        matches!(release, Err(Error::LeaseLost { .. })),
+        "{release:?}"
+    );
+    locks.release(&newer).await?;
+    Ok(())
 }
 
 /// How the old lease ended before the same owner acquired again.
@@ -31,7 +81,7 @@ enum Ended {
 async fn a_stale_lease_of_the_same_owner_cannot_renew_or_release_a_newer_acquisition()
 -> anyhow::Result<()> {
     let t = TestDb::new("lock_stale_same_owner").await?;
-    let locks = open(&t).await?;
+    let locks = open_slow(&t).await?;
     let lock_docs = t.db.collection::<Document>(LOCKS);
     let owner = Owner::random();
     let mut violations = Vec::new();

@@ -1,13 +1,19 @@
-//! Lock workloads: acquire + release pairs on random resources of a lock collection, and
-//! seed 003's locked increments of document locks (`docwarden_workloads::counters`).
+//! Lock workloads: acquire + release pairs on random resources of a lock collection (each
+//! resource acquired once before the row is measured), and seed 003's locked increments of
+//! document locks (`docwarden_workloads::counters`). With `--stages`, the acquire's and the
+//! release's writes as raw commands on lock-shaped documents.
 
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::format::collection::{
+    ACQUIRED_AT, ACQUISITION, CEILING, EXPIRES_AT, OWNER, PENDING, TOKEN,
+};
 use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
 use docwarden_workloads::counters::{self, Increment};
 use mongodb::Database;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::ReturnDocument;
 
 use super::{BenchRow, Load, measure};
 
@@ -18,6 +24,20 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     let locks =
         LockCollection::open(db, "bench_locks", time.clone(), LockOptions::default()).await?;
     let owners: Vec<Owner> = (0..load.workers).map(|_| Owner::random()).collect();
+    // Acquire and release every resource once first, as the reference's documents exist
+    // before it is measured: the row measures steady-state acquires (one write each), not
+    // the first acquire of a resource (three writes: it reserves the resource's token
+    // block; see `docs/locks.md`).
+    if let Some(owner) = owners.first() {
+        for r in 0..RESOURCES {
+            if let Some(lease) = locks
+                .try_acquire(owner, &format!("r-{r}"), Duration::from_secs(30))
+                .await?
+            {
+                locks.release(&lease).await?;
+            }
+        }
+    }
     let lease_row = measure("lock acquire+release", load, move |worker| {
         let locks = locks.clone();
         let owner = owners[worker % owners.len()].clone();
@@ -37,6 +57,11 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     })
     .await?;
 
+    let mut rows = vec![lease_row];
+    if load.stages {
+        rows.extend(stages(db, load).await?);
+    }
+
     let coll = db.collection::<Document>("bench_doclocks");
     coll.insert_many((0..RESOURCES).map(|i| doc! { "_id": i, "n": 0_i64 }))
         .await?;
@@ -51,5 +76,89 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         }
     })
     .await?;
-    Ok(vec![lease_row, doc_row])
+    rows.push(doc_row);
+    Ok(rows)
+}
+
+/// The two writes of a fast-path acquire + release as raw commands on lock-shaped
+/// documents (`docs/locks.md`): the acquire's `findOneAndUpdate` (filter `{$and: [{_id},
+/// {$or}]}`, the one-stage pipeline, upsert, post-image) on locks left free, and the
+/// release's `updateOne` (filter `{_id, owner, token, pending absent}`). Their costs
+/// against `update_one` say where the time of the acquire+release row goes.
+async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+    let coll = db.collection::<Document>("bench_lock_stages");
+    coll.insert_many((0..RESOURCES).map(|i| {
+        doc! {
+            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
+            CEILING: i64::MAX, ACQUISITION: "n",
+            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
+        }
+    }))
+    .await?;
+    let fast = doc! { "$and": [
+        { "$eq": [{ "$type": format!("${TOKEN}") }, "long"] },
+        { "$eq": [{ "$type": format!("${CEILING}") }, "long"] },
+        { "$lt": [format!("${TOKEN}"), format!("${CEILING}")] },
+    ] };
+    let c = coll.clone();
+    let acquire = measure(
+        "lock stage: the acquire's findOneAndUpdate (pipeline, upsert)",
+        load,
+        move |_| {
+            let (c, fast) = (c.clone(), fast.clone());
+            async move {
+                let id = format!("r-{}", rand::random_range(0..RESOURCES));
+                let now = DateTime::now();
+                // `owner` stays "o" and the expiry in the past: every call matches.
+                c.find_one_and_update(
+                    doc! { "$and": [{ "_id": id }, { "$or": [
+                        { OWNER: Bson::Null },
+                        { EXPIRES_AT: { "$lt": now } },
+                        { EXPIRES_AT: { "$not": { "$type": "date" } } },
+                    ] }] },
+                    vec![doc! { "$set": {
+                        OWNER: { "$literal": "o" },
+                        ACQUISITION: { "$literal": "n" },
+                        ACQUIRED_AT: { "$literal": now },
+                        EXPIRES_AT: { "$literal": DateTime::from_millis(0) },
+                        TOKEN: { "$cond": [fast.clone(), { "$add": [format!("${TOKEN}"), 1_i64] }, format!("${TOKEN}")] },
+                        PENDING: { "$cond": [fast, "$$REMOVE", "n"] },
+                    } }],
+                )
+                .upsert(true)
+                .return_document(ReturnDocument::After)
+                .await?;
+                Ok(1)
+            }
+        },
+    )
+    .await?;
+    let c = db.collection::<Document>("bench_lock_stages_release");
+    c.insert_many((0..RESOURCES).map(|i| {
+        doc! {
+            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
+            CEILING: i64::MAX, ACQUISITION: "n",
+            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
+        }
+    }))
+    .await?;
+    let release = measure(
+        "lock stage: the release's updateOne",
+        load,
+        move |_| {
+            let c = c.clone();
+            async move {
+                let id = format!("r-{}", rand::random_range(0..RESOURCES));
+                // Matches (owner "o", token 1): the write a release makes, kept held.
+                c.update_one(
+                    doc! { "_id": id, OWNER: "o", TOKEN: 1_i64, PENDING: { "$exists": false } },
+                    doc! { "$set": { OWNER: "o" }, "$unset": { PENDING: "" }, "$currentDate": { EXPIRES_AT: true } },
+                )
+                .await?;
+                Ok(1)
+            }
+        },
+    )
+    .await?;
+    Ok(vec![acquire, release])
 }

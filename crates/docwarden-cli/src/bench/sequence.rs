@@ -1,6 +1,10 @@
 //! Sequenced set applies of seed 001's set (`docwarden_workloads::enrollment`) over random
 //! students, classes and sequence numbers.
 //!
+//! A second row applies the same messages to a set keyed by `_id` without a members index
+//! (`SetOptions::default()`): the point write by `_id`, next to the seed's shape (a unique
+//! `student_id` key and a multikey members index).
+//!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
@@ -47,6 +51,30 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
                 Ok(1)
             }
         })
+        .await?,
+    );
+    // The same applies on a set keyed by `_id` with no members index: the point write by
+    // `_id` the server routes directly, without a second unique index to maintain.
+    let by_id = SequencedSet::new(
+        db.collection("bench_sequence_by_id"),
+        SetOptions::default().field(FIELD),
+    )?;
+    by_id.ensure_indexes().await?;
+    for student in 0..KEYS {
+        by_id.add(student, CLASSES[0], 0).await?;
+    }
+    rows.push(
+        measure(
+            "sequence: add/remove keyed by _id (random seq)",
+            load,
+            move |_| {
+                let set = by_id.clone();
+                async move {
+                    enrollment::apply(&set, &random_message(), Mode::Safe).await?;
+                    Ok(1)
+                }
+            },
+        )
         .await?,
     );
     if load.stages {

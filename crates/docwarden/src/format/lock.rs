@@ -8,7 +8,12 @@ pub mod collection {
     pub const OWNER: &str = "owner";
     /// The fencing token of the acquisition (set once committed).
     pub const TOKEN: &str = "token";
-    /// The random nonce of an acquisition whose token is not committed yet.
+    /// The top of the block of tokens reserved in the counter for this document: an
+    /// acquire takes `token + 1` in its own write while `token < ceiling`.
+    pub const CEILING: &str = "ceiling";
+    /// The random nonce of the current (or last) acquisition, written by every acquire.
+    pub const ACQUISITION: &str = "acquisition";
+    /// The acquisition's nonce while its token is not committed yet (slow path only).
     pub const PENDING: &str = "pending";
     /// Server time the lease was acquired.
     pub const ACQUIRED_AT: &str = "acquired_at";
@@ -16,7 +21,15 @@ pub mod collection {
     pub const EXPIRES_AT: &str = "expires_at";
 
     /// Every field docwarden writes in a lock document, `_id` excepted.
-    pub const ALL: [&str; 5] = [OWNER, TOKEN, PENDING, ACQUIRED_AT, EXPIRES_AT];
+    pub const ALL: [&str; 7] = [
+        OWNER,
+        TOKEN,
+        CEILING,
+        ACQUISITION,
+        PENDING,
+        ACQUIRED_AT,
+        EXPIRES_AT,
+    ];
 }
 
 /// Default fields of a document lock ([`crate::lock::DocumentLockOptions`]).

@@ -1,21 +1,34 @@
 //! The lock collection (seed 004's shape): one document per resource in `<name>`, and a
 //! fencing-token counter per resource in `<name>.tokens` that no TTL index touches.
 //!
-//! An acquire is three single-document operations:
-//! 1. the **acquire** itself, one atomic `findOneAndUpdate` upsert on `{_id: resource}` with
-//!    the filter `owner == null OR expires_at < cutoff` (the cut-off comes from the
-//!    estimated server clock minus its bound and the skew margin). A held lock makes the
-//!    upsert hit the `_id` index: duplicate key → `Ok(None)`. It writes a random `pending`
-//!    nonce.
-//! 2. the **token**: `$inc` on the counter document (never deleted), raised to at least the
-//!    lock document's previous token + 1.
-//! 3. the **commit**: the token is written into the lock document, compare-and-set on
-//!    `(owner, pending nonce)`. If the lease was taken over in between, the acquire
-//!    reports `Ok(None)` and its token is never used.
+//! **One write per acquire, one per release.** The lock document carries the current
+//! `token` and a `ceiling`: the top of a block of tokens reserved for this resource in the
+//! counter collection. An acquire is one atomic `findOneAndUpdate` upsert on
+//! `{$and: [{_id: resource}, {$or: [owner == null, expires_at < cutoff, expires_at not a
+//! date]}]}` whose pipeline takes the lock and, while `token < ceiling`, sets `token + 1`
+//! in the same write (the fast path). A held lock makes the upsert hit the `_id` index:
+//! duplicate key → `Ok(None)`. Release is one `updateOne`.
 //!
-//! Because the token is drawn *while the lock is held* and from a counter that survives the
-//! lock document, every lease handed out carries a token strictly greater than every token
-//! handed out before it on that resource, even after the lock document was deleted.
+//! **The slow path** (a new or deleted lock document, an exhausted block, a hand-edited
+//! token) is the three steps of issue 11: the same write stores a random `pending` nonce
+//! instead of a token; then one `$inc` on the counter reserves the next block
+//! (`counter = max(counter, previous token) + block`), raised above the lock document's
+//! previous token; then the block's first token and its ceiling are committed into the lock
+//! document, compare-and-set on `(owner, pending nonce)`. If the lease was taken over in
+//! between, the acquire reports `Ok(None)` and its block is never used.
+//!
+//! **Why tokens still strictly increase** (across release, expiry, crashes and deletion of
+//! the lock document): every token handed out is at most its document's `ceiling`, and a
+//! ceiling is only ever written after the counter was raised to it, so every token handed out
+//! is ≤ the counter at that moment; the counter never decreases. While the lock document
+//! exists, its token is the last one handed out and the fast path hands out `token + 1`.
+//! Once it is deleted, the next acquire takes the slow path and starts above the counter,
+//! hence above every token handed out before. The assumption is the counter's: the
+//! `<name>.tokens` collection is never deleted, edited down or rolled back (majority write
+//! concern on a replica set). If it is lost *and* the lock document is deleted, tokens
+//! restart from the block size and a fence may refuse a new holder's writes or accept an
+//! old one's. No clock is involved in token order: a server clock that steps back changes
+//! expiry decisions (see `docs/locks.md`), never tokens.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +49,10 @@ use crate::validate;
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
 
+/// Tokens reserved per counter write (see the module docs): the first token of a resource
+/// is 1, the first after a deletion of its lock document is above the previous block.
+const TOKEN_BLOCK: i64 = 1_000_000;
+
 /// Options of a [`LockCollection`], validated once by [`LockCollection::new`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -50,6 +67,8 @@ pub struct LockOptions {
     /// Write concern for the lock and token collections; `None` (the default) inherits the
     /// database's. Use majority where a failover must not roll back an acquire or a token.
     pub write_concern: Option<WriteConcern>,
+    /// Tokens reserved per counter write ([`TOKEN_BLOCK`]; test-only setter).
+    token_block: i64,
     /// Test controls only: one safeguard switched off (see the `unsafe_*` setters).
     unsafe_control: UnsafeControl,
 }
@@ -61,7 +80,8 @@ enum UnsafeControl {
     None,
     /// Every lock counts as expired: the acquire filter takes over held leases.
     IgnoreExpiry,
-    /// The token is the lock document's previous token + 1, without the counter collection.
+    /// The slow path takes the lock document's previous token + 1 (and reserves a block
+    /// above it) without the counter collection.
     TokenInLockDocument,
 }
 
@@ -72,6 +92,7 @@ impl Default for LockOptions {
             backoff_base: Duration::from_millis(5),
             backoff_max: Duration::from_millis(250),
             write_concern: None,
+            token_block: TOKEN_BLOCK,
             unsafe_control: UnsafeControl::None,
         }
     }
@@ -105,9 +126,19 @@ impl LockOptions {
         self
     }
 
-    /// Test controls only, **unsafe**: the fencing token is the lock document's previous
-    /// token + 1 instead of coming from the counter collection, so deleting the lock
-    /// document (what the TTL index does) resets it. Shows what the counter prevents.
+    /// Tokens reserved in the counter per slow-path acquire (default 1,000,000). With `1`
+    /// every acquire takes the three-step slow path; tests use it to pause an acquire
+    /// between its steps. Tokens stay strictly increasing with any block size ≥ 1.
+    #[doc(hidden)]
+    pub fn token_block(mut self, block: i64) -> Self {
+        self.token_block = block;
+        self
+    }
+
+    /// Test controls only, **unsafe**: the slow path takes the lock document's previous
+    /// token + 1 instead of reserving a block from the counter collection, so deleting the
+    /// lock document (what the TTL index does) resets the tokens. Shows what the counter
+    /// prevents.
     #[doc(hidden)]
     pub fn unsafe_token_in_lock_document(mut self) -> Self {
         self.unsafe_control = UnsafeControl::TokenInLockDocument;
@@ -120,6 +151,9 @@ impl LockOptions {
             return Err(Error::invalid("gc_after", "must be at least one second"));
         }
         Backoff::new(self.backoff_base, self.backoff_max)?;
+        if self.token_block < 1 {
+            return Err(Error::invalid("token_block", "must be at least 1"));
+        }
         Ok(())
     }
 }
@@ -191,9 +225,11 @@ pub(super) fn as_rfc3339<S: serde::Serializer>(
     }
 }
 
-/// Test-only: pauses every acquire of a [`LockCollection`] made with
-/// [`LockCollection::with_acquire_pause`] right after its step 1 (the acquire upsert),
-/// before it draws its token, so tests can interleave other operations in that window.
+/// Test-only: pauses every slow-path acquire of a [`LockCollection`] made with
+/// [`LockCollection::with_acquire_pause`] right after its step 1 (the acquire upsert that
+/// wrote the `pending` nonce), before it reserves its token block, so tests can interleave
+/// other operations in that window. A fast-path acquire (one write) has no such window
+/// and does not pause; `LockOptions::token_block(1)` makes every acquire a slow one.
 #[doc(hidden)]
 #[derive(Debug, Default)]
 pub struct AcquirePause {
@@ -386,45 +422,74 @@ impl LockCollection {
         let acquired_at = now.estimate();
         let expires_at = now.plus_ms(ttl_ms);
 
-        // Step 1: the acquire, one atomic upsert.
+        // The acquire, one atomic upsert: with a token left in the document's block it is
+        // the whole acquire (the fast path); otherwise it writes a `pending` nonce.
         let filter = match self.options.unsafe_control {
             UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
             _ => acquire_filter(resource, cutoff),
         };
-        let before = match self
+        let update = acquire_pipeline(owner.id(), &nonce, acquired_at, expires_at);
+        let after = match self
             .locks
-            .find_one_and_update(
-                filter,
-                doc! { "$set": {
-                    "owner": owner.id(),
-                    "pending": &nonce,
-                    "acquired_at": acquired_at,
-                    "expires_at": expires_at,
-                } },
-            )
+            .find_one_and_update(filter, update)
             .upsert(true)
-            .return_document(ReturnDocument::Before)
+            .return_document(ReturnDocument::After)
             .await
         {
-            Ok(before) => before,
+            Ok(Some(after)) => after,
+            // An upsert that raced another one may be answered without a document although
+            // it applied (the embedded server does so when the document appeared between its
+            // match and its write): read it back, and recognise this acquisition by its
+            // nonce, which every acquire writes.
+            Ok(None) => match self.locks.find_one(doc! { "_id": resource }).await? {
+                Some(d)
+                    if d.get_str("acquisition").ok() == Some(nonce.as_str())
+                        && d.get_str("owner").ok() == Some(owner.id()) =>
+                {
+                    d
+                }
+                _ => {
+                    tracing::debug!(resource, "acquire answered no document and lost the race");
+                    return Ok(None);
+                }
+            },
             Err(e) if error::is_duplicate_key(&e) => {
                 tracing::trace!(resource, "held");
                 return Ok(None);
             }
             Err(e) => return Err(e.into()),
         };
-        let previous = before
-            .as_ref()
-            .and_then(|d| d.get_i64("token").ok())
-            .unwrap_or(0);
-        if let Some(before) = &before
-            && !matches!(before.get("owner"), None | Some(Bson::Null))
-            && !matches!(before.get("expires_at"), Some(Bson::DateTime(_)))
-        {
+        let lease = |token: i64| Lease {
+            resource: resource.to_owned(),
+            owner: owner.id().to_owned(),
+            token: FencingToken::new(token),
+            acquired_at,
+            expires_at,
+        };
+        if after.get_str("pending").ok() != Some(nonce.as_str()) {
+            // The fast path: the token was taken from the block in the same write.
+            let token = after.get_i64("token").map_err(|e| Error::Malformed {
+                id: resource.to_owned(),
+                reason: format!("lock document after the acquire: {e}"),
+            })?;
+            tracing::debug!(resource, token, "acquired");
+            return Ok(Some(lease(token)));
+        }
+        // The slow path. `previous` is the token the document kept (0 for a new document or
+        // a hand-edited token): the new block starts above it.
+        let previous = match after.get("token") {
+            Some(Bson::Int64(t)) => *t,
+            None => 0,
+            Some(other) => {
+                tracing::warn!(resource, token = %describe(Some(other)), "took over a lock whose token was not an int64 (edited by hand?)");
+                0
+            }
+        };
+        if !matches!(after.get("expires_at"), Some(Bson::DateTime(_))) {
+            // Unreachable: the pipeline just wrote a date.
             tracing::warn!(
                 resource,
-                expires_at = %describe(before.get("expires_at")),
-                "took over a lock whose expires_at was not a date (edited by hand?)"
+                "lock document without a date expiry after the acquire"
             );
         }
         if let Some(pause) = &self.pause {
@@ -432,17 +497,10 @@ impl LockCollection {
             pause.resume.notified().await;
         }
 
-        // Steps 2 and 3: draw the token while holding the lock, then commit it.
-        match self.commit_token(owner, resource, &nonce, previous).await {
+        match self.commit_block(owner, resource, &nonce, previous).await {
             Ok(Some(token)) => {
-                tracing::debug!(resource, token, "acquired");
-                Ok(Some(Lease {
-                    resource: resource.to_owned(),
-                    owner: owner.id().to_owned(),
-                    token: FencingToken::new(token),
-                    acquired_at,
-                    expires_at,
-                }))
+                tracing::debug!(resource, token, "acquired (new token block)");
+                Ok(Some(lease(token)))
             }
             Ok(None) => {
                 tracing::warn!(
@@ -465,50 +523,80 @@ impl LockCollection {
         }
     }
 
-    async fn commit_token(
+    /// Slow path, step 2: raises the counter by one block (above `previous`) and returns
+    /// its new value, the block's ceiling.
+    ///
+    /// Two first reservations of a resource race to insert its counter document: MongoDB
+    /// may answer one of them with a duplicate key error, and the embedded server with no
+    /// document. Either way the counter document exists afterwards, and the reservation is
+    /// made again as an update (a reservation that did apply before its answer was lost
+    /// only skips a block, which keeps tokens increasing).
+    async fn reserve(&self, resource: &str, previous: i64, block: i64) -> Result<i64> {
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let answer = self
+                .tokens
+                .find_one_and_update(doc! { "_id": resource }, reserve_pipeline(previous, block))
+                .upsert(true)
+                .return_document(ReturnDocument::After)
+                .await;
+            match answer {
+                Ok(Some(counter)) => {
+                    return counter.get_i64("token").map_err(|e| Error::Malformed {
+                        id: resource.to_owned(),
+                        reason: format!("token counter: {e}"),
+                    });
+                }
+                Ok(None) if attempts < 3 => {}
+                Err(e) if attempts < 3 && error::is_duplicate_key(&e) => {}
+                Ok(None) => {
+                    return Err(Error::Malformed {
+                        id: resource.to_owned(),
+                        reason: "token counter upsert returned nothing".into(),
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+            tracing::debug!(resource, attempts, "token counter upsert raced; again");
+        }
+    }
+
+    /// Slow path, steps 2 and 3: reserves the next block of tokens in the counter (above
+    /// `previous`), then commits its first token and its ceiling into the lock document,
+    /// compare-and-set on the pending nonce. `Ok(None)` if the acquisition was taken over
+    /// in between.
+    async fn commit_block(
         &self,
         owner: &Owner,
         resource: &str,
         nonce: &str,
         previous: i64,
     ) -> Result<Option<i64>> {
-        let floor = previous.checked_add(1).ok_or_else(|| Error::Malformed {
+        let overflow = || Error::Malformed {
             id: resource.to_owned(),
             reason: "fencing token overflow".into(),
-        })?;
-        if self.options.unsafe_control == UnsafeControl::TokenInLockDocument {
-            return self.commit(owner, resource, nonce, floor).await;
-        }
-        let counter = self
-            .tokens
-            .find_one_and_update(doc! { "_id": resource }, next_token_pipeline(floor))
-            .upsert(true)
-            .return_document(ReturnDocument::After)
-            .await?
-            .ok_or_else(|| Error::Malformed {
-                id: resource.to_owned(),
-                reason: "token counter upsert returned nothing".into(),
-            })?;
-        let token = counter.get_i64("token").map_err(|e| Error::Malformed {
-            id: resource.to_owned(),
-            reason: format!("token counter: {e}"),
-        })?;
-        self.commit(owner, resource, nonce, token).await
-    }
-
-    /// Step 3: writes `token` into the lock document, compare-and-set on the pending nonce.
-    async fn commit(
-        &self,
-        owner: &Owner,
-        resource: &str,
-        nonce: &str,
-        token: i64,
-    ) -> Result<Option<i64>> {
+        };
+        let block = self.options.token_block;
+        let ceiling = if self.options.unsafe_control == UnsafeControl::TokenInLockDocument {
+            previous.checked_add(block).ok_or_else(overflow)?
+        } else {
+            previous.checked_add(block).ok_or_else(overflow)?;
+            self.reserve(resource, previous, block).await?
+        };
+        // The block is (ceiling − block, ceiling]; its first token goes to this lease.
+        let token = ceiling
+            .checked_sub(block)
+            .and_then(|t| t.checked_add(1))
+            .ok_or_else(overflow)?;
         let committed = self
             .locks
             .update_one(
                 doc! { "_id": resource, "owner": owner.id(), "pending": nonce },
-                doc! { "$set": { "token": token }, "$unset": { "pending": "" } },
+                doc! {
+                    "$set": { "token": token, "ceiling": ceiling },
+                    "$unset": { "pending": "" },
+                },
             )
             .await?;
         Ok((committed.matched_count == 1).then_some(token))
@@ -644,22 +732,27 @@ impl LockCollection {
         Ok(docs.iter().map(|d| record(d, cutoff)).collect())
     }
 
-    /// The last fencing token handed out for `resource` (from the counter, which survives
-    /// the lock document), or `None` if it was never acquired.
+    /// The fencing token of the last committed acquisition of `resource`, as stored in its
+    /// lock document; `None` if there is none (never acquired, or the lock document was
+    /// deleted: the next acquire then starts above the counter in `<name>.tokens`, which
+    /// holds the top of the last reserved block, not a token handed out).
     ///
     /// # Errors
-    /// [`Error::Malformed`] for a counter docwarden did not write; a database error.
+    /// [`Error::InvalidInput`] for an invalid resource; [`Error::Malformed`] for a lock
+    /// document whose committed token is not an int64; a database error.
     pub async fn last_token(&self, resource: &str) -> Result<Option<FencingToken>> {
         validate::name("resource", resource)?;
-        let Some(d) = self.tokens.find_one(doc! { "_id": resource }).await? else {
+        let Some(d) = self.locks.find_one(doc! { "_id": resource }).await? else {
             return Ok(None);
         };
-        d.get_i64("token")
-            .map(|t| Some(FencingToken::new(t)))
-            .map_err(|e| Error::Malformed {
+        match d.get("token") {
+            None => Ok(None),
+            Some(Bson::Int64(t)) => Ok(Some(FencingToken::new(*t))),
+            Some(other) => Err(Error::Malformed {
                 id: resource.to_owned(),
-                reason: format!("token counter: {e}"),
-            })
+                reason: format!("token is {}", describe(Some(other))),
+            }),
+        }
     }
 }
 
@@ -670,8 +763,10 @@ fn lost(lease: &Lease) -> Error {
     }
 }
 
-/// `_id == resource AND (owner == null OR expires_at < cutoff OR expires_at is not a
-/// date)`.
+/// `{$and: [{_id: resource}, {$or: [owner == null, expires_at < cutoff, expires_at is not
+/// a date]}]}`: routed by `_id` (a top-level `$or` next to `_id` costs this server a
+/// scan of the alternatives, about three times a point write; inside `$and` it is a point
+/// write on both servers, and the upsert still inserts `{_id: resource}`).
 ///
 /// docwarden always writes `expires_at` as a date; a lock whose `expires_at` is anything
 /// else (a string, null, a number, missing) was edited by hand, and `$lt` against a date
@@ -679,14 +774,40 @@ fn lost(lease: &Lease) -> Error {
 /// it would be locked forever. It is treated as expired. Tokens still increase: the token
 /// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
-    doc! {
-        "_id": resource,
-        "$or": [
+    doc! { "$and": [
+        { "_id": resource },
+        { "$or": [
             { "owner": Bson::Null },
             { "expires_at": { "$lt": cutoff } },
             { "expires_at": { "$not": { "$type": "date" } } },
-        ],
-    }
+        ] },
+    ] }
+}
+
+/// The acquire's update: take the lock (writing the acquisition's random nonce in
+/// `acquisition`, by which a lost answer is recognised), and while the document's block has a token left
+/// (`token` and `ceiling` are int64 and `token < ceiling`) set `token + 1` in the same
+/// write; otherwise keep the token and store the `pending` nonce (the slow path commits a
+/// token from a new block). One stage: every expression reads the document before it.
+pub(crate) fn acquire_pipeline(
+    owner: &str,
+    nonce: &str,
+    acquired_at: DateTime,
+    expires_at: DateTime,
+) -> Vec<Document> {
+    let fast = doc! { "$and": [
+        { "$eq": [{ "$type": "$token" }, "long"] },
+        { "$eq": [{ "$type": "$ceiling" }, "long"] },
+        { "$lt": ["$token", "$ceiling"] },
+    ] };
+    vec![doc! { "$set": {
+        "owner": { "$literal": owner },
+        "acquisition": { "$literal": nonce },
+        "acquired_at": { "$literal": acquired_at },
+        "expires_at": { "$literal": expires_at },
+        "token": { "$cond": [fast.clone(), { "$add": ["$token", 1_i64] }, "$token"] },
+        "pending": { "$cond": [fast, "$$REMOVE", { "$literal": nonce }] },
+    } }]
 }
 
 /// The holder's identity: `(resource, owner, token)` of a *committed* acquisition.
@@ -728,11 +849,14 @@ fn release_update() -> Document {
     }
 }
 
-/// `token = max(token + 1, floor)` on the counter document (0 if new).
-fn next_token_pipeline(floor: i64) -> Vec<Document> {
-    vec![doc! { "$set": { "token": { "$max": [
-        { "$add": [ { "$ifNull": [ "$token", 0_i64 ] }, 1_i64 ] },
-        floor,
+/// `token = max(token, previous) + block` on the counter document (0 if new): reserves
+/// the block `(token − block, token]`, above every token reserved before and above the
+/// lock document's `previous` token (so a counter lost by an operator is re-seeded from
+/// the lock document while that exists).
+fn reserve_pipeline(previous: i64, block: i64) -> Vec<Document> {
+    vec![doc! { "$set": { "token": { "$add": [
+        { "$max": [ { "$ifNull": [ "$token", 0_i64 ] }, previous ] },
+        block,
     ] } } }]
 }
 
@@ -813,16 +937,14 @@ mod tests {
     #[test]
     fn acquire_filter_is_free_or_expired() {
         let f = acquire_filter("r", DateTime::from_millis(1_000));
-        assert_eq!(f.get_str("_id").ok(), Some("r"));
-        let or = f.get_array("$or").map(Vec::len).ok();
-        assert_eq!(or, Some(3));
+        // `_id` first, the alternatives inside `$and`: a point write.
         assert_eq!(
             f,
-            doc! { "_id": "r", "$or": [
+            doc! { "$and": [{ "_id": "r" }, { "$or": [
                 { "owner": null },
                 { "expires_at": { "$lt": DateTime::from_millis(1_000) } },
                 { "expires_at": { "$not": { "$type": "date" } } },
-            ] }
+            ] }] }
         );
     }
 
@@ -849,15 +971,35 @@ mod tests {
     }
 
     #[test]
-    fn the_counter_never_goes_below_the_floor() {
-        let p = next_token_pipeline(42);
-        let max = p[0]
-            .get_document("$set")
-            .and_then(|s| s.get_document("token"))
-            .and_then(|t| t.get_array("$max"))
-            .map(|a| a.len())
-            .ok();
-        assert_eq!(max, Some(2));
+    fn a_block_is_reserved_above_the_counter_and_the_previous_token() {
+        assert_eq!(
+            reserve_pipeline(42, 1_000),
+            vec![doc! { "$set": { "token": { "$add": [
+                { "$max": [{ "$ifNull": ["$token", 0_i64] }, 42_i64] },
+                1_000_i64,
+            ] } } }]
+        );
+    }
+
+    #[test]
+    fn the_acquire_takes_a_token_from_the_block_or_writes_a_nonce() {
+        let p = acquire_pipeline("o", "n", DateTime::from_millis(1), DateTime::from_millis(2));
+        assert_eq!(
+            p.len(),
+            1,
+            "one stage: every expression reads the old document"
+        );
+        let set = p[0].get_document("$set").ok();
+        let cond = |field: &str| {
+            set.and_then(|s| s.get_document(field).ok())
+                .and_then(|c| c.get_array("$cond").ok())
+                .cloned()
+        };
+        let token = cond("token").unwrap_or_default();
+        let pending = cond("pending").unwrap_or_default();
+        assert_eq!(token.first(), pending.first(), "one condition for both");
+        assert_eq!(token.get(2), Some(&Bson::from("$token")));
+        assert_eq!(pending.get(1), Some(&Bson::from("$$REMOVE")));
     }
 
     #[test]
@@ -907,22 +1049,31 @@ mod tests {
         );
     }
 
-    /// Finding 2 as a model: four acquirers share two owner ids, and any lease ever handed
-    /// out may be replayed (renew or release) at any moment. The real [`cas_filter`],
-    /// evaluated against the modelled lock document, must admit a lease only while the
-    /// document holds exactly the committed acquisition that handed it out.
-    mod stale_lease_model {
+    /// The acquire as a model, under arbitrary interleavings of four acquirers (two owner
+    /// ids), expiries, deletions of the lock document, release-all, and replays of any
+    /// lease ever handed out (renew or release, evaluated with the real [`cas_filter`]).
+    /// The fast path (a token from the document's block, one write) and the slow path
+    /// (nonce, block reserved in the counter, commit) follow [`acquire_pipeline`] and
+    /// [`reserve_pipeline`]; the block size is small so blocks run out. Two properties:
+    /// every committed token is above every token committed before on the resource
+    /// (across release, expiry, crashes — an acquirer that never takes its next step —
+    /// and deletion), and a replayed lease matches only the committed acquisition that
+    /// handed it out (issue 11, finding 2: not a newer one of the same owner id, not one
+    /// whose token is pending).
+    mod acquire_model {
         use mongodb::bson::{Bson, DateTime, Document, doc};
         use proptest::prelude::*;
 
         use super::super::cas_filter;
         use crate::lock::lease::Lease;
+        use crate::token::FencingToken;
 
         #[derive(Clone, Debug)]
         struct LockDoc {
             owner: Option<String>,
             pending: Option<String>,
             token: Option<i64>,
+            ceiling: Option<i64>,
             expired: bool,
             /// The nonce of the acquisition that last wrote `owner`.
             acquisition: u64,
@@ -931,22 +1082,26 @@ mod tests {
         #[derive(Clone, Debug)]
         enum Phase {
             Idle,
-            Acquired { nonce: u64, previous: i64 },
-            Drawn { nonce: u64, token: i64 },
+            Pending { nonce: u64, previous: i64 },
+            Reserved { nonce: u64, ceiling: i64 },
         }
 
         #[derive(Clone, Debug)]
         enum Op {
             Step(usize),
             Expire,
-            Replay(usize),
+            Delete,
+            ReleaseAll(usize),
+            Replay { lease: usize, release: bool },
         }
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                6 => (0..4_usize).prop_map(Op::Step),
+                8 => (0..4_usize).prop_map(Op::Step),
                 2 => Just(Op::Expire),
-                3 => (0..64_usize).prop_map(Op::Replay),
+                1 => Just(Op::Delete),
+                1 => (0..2_usize).prop_map(Op::ReleaseAll),
+                4 => (0..64_usize, any::<bool>()).prop_map(|(lease, release)| Op::Replay { lease, release }),
             ]
         }
 
@@ -959,6 +1114,9 @@ mod tests {
                 doc! { "_id": "r", "owner": d.owner.clone().map_or(Bson::Null, Bson::String) };
             if let Some(t) = d.token {
                 b.insert("token", t);
+            }
+            if let Some(c) = d.ceiling {
+                b.insert("ceiling", c);
             }
             if let Some(p) = &d.pending {
                 b.insert("pending", p.as_str());
@@ -977,168 +1135,79 @@ mod tests {
             })
         }
 
+        fn lease(owner: String, token: i64) -> Lease {
+            Lease {
+                resource: "r".into(),
+                owner,
+                token: FencingToken::new(token),
+                acquired_at: DateTime::from_millis(0),
+                expires_at: DateTime::from_millis(0),
+            }
+        }
+
         proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
             #[test]
-            fn a_lease_matches_only_its_own_committed_acquisition(ops in proptest::collection::vec(op(), 1..200)) {
+            fn tokens_strictly_increase_and_a_lease_matches_only_its_own_acquisition(
+                block in 1..4_i64,
+                ops in proptest::collection::vec(op(), 1..300),
+            ) {
                 let mut doc: Option<LockDoc> = None;
                 let mut counter = 0_i64;
                 let mut phases = vec![Phase::Idle; 4];
                 // Every lease handed out, with the nonce of its acquisition.
                 let mut leases: Vec<(Lease, u64)> = Vec::new();
+                let mut highest = 0_i64;
                 let mut nonces = 0_u64;
                 for op in ops {
                     match op {
                         Op::Step(a) => match phases[a].clone() {
                             Phase::Idle => {
                                 let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
-                                if free {
-                                    nonces += 1;
-                                    let previous = doc.as_ref().and_then(|d| d.token).unwrap_or(0);
-                                    doc = Some(LockDoc {
-                                        owner: Some(owner_of(a)),
-                                        pending: Some(format!("n{nonces}")),
-                                        token: doc.as_ref().and_then(|d| d.token),
-                                        expired: false,
-                                        acquisition: nonces,
-                                    });
-                                    phases[a] = Phase::Acquired { nonce: nonces, previous };
+                                if !free {
+                                    continue;
+                                }
+                                nonces += 1;
+                                let (token, ceiling) = doc.as_ref().map_or((None, None), |d| (d.token, d.ceiling));
+                                // acquire_pipeline: a token left in the block → token + 1.
+                                let next = match (token, ceiling) {
+                                    (Some(t), Some(c)) if t < c => Some(t + 1),
+                                    _ => None,
+                                };
+                                doc = Some(LockDoc {
+                                    owner: Some(owner_of(a)),
+                                    pending: next.is_none().then(|| format!("n{nonces}")),
+                                    token: next.or(token),
+                                    ceiling,
+                                    expired: false,
+                                    acquisition: nonces,
+                                });
+                                if let Some(t) = next {
+                                    prop_assert!(t > highest, "fast token {t} after {highest}");
+                                    highest = t;
+                                    leases.push((lease(owner_of(a), t), nonces));
+                                } else {
+                                    phases[a] = Phase::Pending { nonce: nonces, previous: token.unwrap_or(0) };
                                 }
                             }
-                            Phase::Acquired { nonce, previous } => {
-                                counter = (counter + 1).max(previous + 1);
-                                phases[a] = Phase::Drawn { nonce, token: counter };
+                            Phase::Pending { nonce, previous } => {
+                                // reserve_pipeline.
+                                counter = counter.max(previous) + block;
+                                phases[a] = Phase::Reserved { nonce, ceiling: counter };
                             }
-                            Phase::Drawn { nonce, token } => {
-                                if let Some(d) = doc.as_mut()
-                                    && d.owner.as_deref() == Some(owner_of(a).as_str())
+                            Phase::Reserved { nonce, ceiling } => {
+                                phases[a] = Phase::Idle;
+                                let Some(d) = doc.as_mut() else { continue };
+                                if d.owner.as_deref() == Some(owner_of(a).as_str())
                                     && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
                                 {
-                                    d.token = Some(token);
+                                    let t = ceiling - block + 1;
+                                    d.token = Some(t);
+                                    d.ceiling = Some(ceiling);
                                     d.pending = None;
-                                    leases.push((
-                                        Lease {
-                                            resource: "r".into(),
-                                            owner: owner_of(a),
-                                            token: crate::token::FencingToken::new(token),
-                                            acquired_at: DateTime::from_millis(0),
-                                            expires_at: DateTime::from_millis(0),
-                                        },
-                                        nonce,
-                                    ));
-                                }
-                                phases[a] = Phase::Idle;
-                            }
-                        },
-                        Op::Expire => {
-                            if let Some(d) = doc.as_mut() {
-                                d.expired = true;
-                            }
-                        }
-                        Op::Replay(i) => {
-                            if leases.is_empty() {
-                                continue;
-                            }
-                            let (lease, nonce) = &leases[i % leases.len()];
-                            if let Some(d) = doc.as_mut()
-                                && matches(&cas_filter(lease), &stored(d))
-                            {
-                                prop_assert!(
-                                    d.pending.is_none() && d.acquisition == *nonce,
-                                    "lease {lease:?} of acquisition {nonce} matched {d:?}"
-                                );
-                                // A release by the true holder.
-                                d.owner = None;
-                                d.pending = None;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// A model of the three-step acquire (acquire, draw token, commit) under arbitrary
-    /// interleavings of several acquirers, expiries, releases and deletions of the lock
-    /// document: every committed lease carries a token above every token committed before.
-    mod model {
-        use proptest::prelude::*;
-
-        #[derive(Clone, Debug)]
-        struct LockDoc {
-            owner: Option<usize>,
-            pending: Option<u64>,
-            token: Option<i64>,
-            expired: bool,
-        }
-
-        #[derive(Clone, Debug)]
-        enum Phase {
-            Idle,
-            Acquired { nonce: u64, previous: i64 },
-            Drawn { nonce: u64, token: i64 },
-            Holding { token: i64 },
-        }
-
-        #[derive(Clone, Debug)]
-        enum Op {
-            Step(usize),
-            Expire,
-            Delete,
-            Release(usize),
-        }
-
-        fn op() -> impl Strategy<Value = Op> {
-            prop_oneof![
-                6 => (0..4_usize).prop_map(Op::Step),
-                2 => Just(Op::Expire),
-                1 => Just(Op::Delete),
-                1 => (0..4_usize).prop_map(Op::Release),
-            ]
-        }
-
-        proptest! {
-            #[test]
-            fn committed_tokens_strictly_increase(ops in proptest::collection::vec(op(), 1..200)) {
-                let mut doc: Option<LockDoc> = None;
-                let mut counter = 0_i64;
-                let mut phases = vec![Phase::Idle; 4];
-                let mut committed: Vec<i64> = Vec::new();
-                let mut nonces = 0_u64;
-                for op in ops {
-                    match op {
-                        Op::Step(a) => match phases[a].clone() {
-                            Phase::Idle | Phase::Holding { .. } => {
-                                let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
-                                if free {
-                                    nonces += 1;
-                                    let previous = doc.as_ref().and_then(|d| d.token).unwrap_or(0);
-                                    doc = Some(LockDoc {
-                                        owner: Some(a),
-                                        pending: Some(nonces),
-                                        token: doc.as_ref().and_then(|d| d.token),
-                                        expired: false,
-                                    });
-                                    phases[a] = Phase::Acquired { nonce: nonces, previous };
-                                } else {
-                                    phases[a] = Phase::Idle;
-                                }
-                            }
-                            Phase::Acquired { nonce, previous } => {
-                                counter = (counter + 1).max(previous + 1);
-                                phases[a] = Phase::Drawn { nonce, token: counter };
-                            }
-                            Phase::Drawn { nonce, token } => {
-                                let ours = doc.as_ref().is_some_and(|d| d.owner == Some(a) && d.pending == Some(nonce));
-                                if ours {
-                                    if let Some(d) = doc.as_mut() {
-                                        d.token = Some(token);
-                                        d.pending = None;
-                                    }
-                                    prop_assert!(committed.iter().all(|t| *t < token), "{token} after {committed:?}");
-                                    committed.push(token);
-                                    phases[a] = Phase::Holding { token };
-                                } else {
-                                    phases[a] = Phase::Idle;
+                                    prop_assert!(t > highest, "slow token {t} after {highest}");
+                                    highest = t;
+                                    leases.push((lease(owner_of(a), t), nonce));
                                 }
                             }
                         },
@@ -1148,16 +1217,29 @@ mod tests {
                             }
                         }
                         Op::Delete => doc = None,
-                        Op::Release(a) => {
-                            if let Phase::Holding { token } = phases[a] {
-                                if let Some(d) = doc.as_mut()
-                                    && d.owner == Some(a)
-                                    && d.token == Some(token)
-                                    && d.pending.is_none()
-                                {
+                        Op::ReleaseAll(o) => {
+                            if let Some(d) = doc.as_mut()
+                                && d.owner.as_deref() == Some(owner_of(o).as_str())
+                            {
+                                d.owner = None;
+                                d.pending = None;
+                            }
+                        }
+                        Op::Replay { lease, release } => {
+                            if leases.is_empty() {
+                                continue;
+                            }
+                            let (lease, nonce) = &leases[lease % leases.len()];
+                            let Some(d) = doc.as_mut() else { continue };
+                            // Renew also needs a certainly valid expiry.
+                            if (release || !d.expired) && matches(&cas_filter(lease), &stored(d)) {
+                                prop_assert!(
+                                    d.pending.is_none() && d.acquisition == *nonce,
+                                    "lease {lease:?} of acquisition {nonce} matched {d:?}"
+                                );
+                                if release {
                                     d.owner = None;
                                 }
-                                phases[a] = Phase::Idle;
                             }
                         }
                     }

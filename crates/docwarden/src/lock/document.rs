@@ -453,8 +453,10 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
     Ok(update)
 }
 
-/// `_id == id AND (lock_id == null OR lock_time < cutoff OR lock_time is not a date)` —
-/// the seed's filter with its AND bug fixed.
+/// `{$and: [{_id: id}, {$or: [lock_id == null, lock_time < cutoff, lock_time is not a
+/// date]}]}` — the seed's filter with its AND bug fixed, shaped as a point write by `_id`
+/// (the `$or` inside `$and`: a top-level `$or` next to `_id` costs the embedded server
+/// about three times a point write; an upsert still inserts `{_id: id}`).
 ///
 /// docwarden writes `lock_id` and `lock_time` together and clears them together; a lock id
 /// next to a `lock_time` that is missing, null or not a date was edited by hand, and `$lt`
@@ -466,14 +468,14 @@ pub(crate) fn takeover_filter(
     lock_time: &str,
     cutoff: DateTime,
 ) -> Document {
-    doc! {
-        "_id": id.clone(),
-        "$or": [
+    doc! { "$and": [
+        { "_id": id.clone() },
+        { "$or": [
             { lock_id: Bson::Null },
             { lock_time: { "$lt": cutoff } },
             { lock_time: { "$not": { "$type": "date" } } },
-        ],
-    }
+        ] },
+    ] }
 }
 
 fn check_id(id: &Bson) -> Result<()> {
@@ -527,11 +529,11 @@ mod tests {
         );
         assert_eq!(
             f,
-            doc! { "_id": "a", "$or": [
+            doc! { "$and": [{ "_id": "a" }, { "$or": [
                 { "lock_id": null },
                 { "lock_time": { "$lt": DateTime::from_millis(5) } },
                 { "lock_time": { "$not": { "$type": "date" } } },
-            ] }
+            ] }] }
         );
     }
 }

@@ -57,10 +57,7 @@ fn sigstop_and_sigkill_break_nothing_in_any_workload() -> anyhow::Result<()> {
 
 #[test]
 fn the_sigstop_control_double_commits_and_writes_stale() -> anyhow::Result<()> {
-    for (module, kind) in [
-        ("queue", "stale-effect"),
-        ("locks", "stale-write-accepted"),
-    ] {
+    for (module, kind) in [("queue", "stale-effect"), ("locks", "stale-write-accepted")] {
         let (code, json) = verify(&[
             module,
             "--control",

@@ -8,7 +8,8 @@
 //! by its token only if the watchdog says the lease is still certainly valid
 //! (`valid_until`, `is_lost`; it records that claim, or gives up). Under `pause` the
 //! holder (and its watchdog) stops between that check and the write, past its lease: the
-//! window only fencing closes. The control run trusts client clocks and its fence checks
+//! window only fencing closes. The control run trusts client clocks, writes without asking
+//! the watchdog, and its fence checks
 //! no token.
 //!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
@@ -20,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
 use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner, WatchdogOptions};
-use docwarden_workloads::Process;
 use docwarden_workloads::counters::{self, Counters, Op};
+use docwarden_workloads::{Mode, Process};
 use rand::Rng;
 
 use super::args::Fault;
@@ -134,11 +135,14 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
         if let Some(Ok(value)) = read {
             // Write only while the watchdog says the lease is certainly valid.
             let at = h.now_us();
+            // The control trusts its lease without asking the watchdog (the second
+            // safeguard a paused holder meets, besides fencing): it writes in any case.
             let left = watchdog
                 .valid_until()
                 .filter(|_| !watchdog.is_lost())
                 .map(|until| until.saturating_duration_since(Instant::now()))
-                .filter(|left| !left.is_zero());
+                .filter(|left| !left.is_zero())
+                .or((ctx.mode == Mode::Control).then_some(TTL));
             if let Some(left) = left {
                 h.push(
                     Event::new(p, Op::Hold.as_str(), &key, at, at)

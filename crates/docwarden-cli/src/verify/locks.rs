@@ -9,8 +9,7 @@
 //! (`valid_until`, `is_lost`; it records that claim, or gives up). Under `pause` the
 //! holder (and its watchdog) stops between that check and the write, past its lease: the
 //! window only fencing closes. The control run trusts client clocks, writes without asking
-//! the watchdog, and its fence checks
-//! no token.
+//! the watchdog, and its fence checks no token.
 //!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
 //! claim overlapped a newer holder, and every counter equals its acknowledged increments

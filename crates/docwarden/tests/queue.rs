@@ -746,7 +746,8 @@ async fn open_stores_the_options_for_other_workers() -> anyhow::Result<()> {
             .lease_ttl(Duration::from_secs(7))
             .max_attempts(9)
             .retry_delays(Duration::from_secs(2), Duration::from_secs(90))
-            .reap_interval(Duration::from_millis(1500)),
+            .reap_interval(Duration::from_millis(1500))
+            .partitions(8),
     )
     .await?;
     let d =
@@ -754,7 +755,8 @@ async fn open_stores_the_options_for_other_workers() -> anyhow::Result<()> {
             .find_one(doc! { "_id": "options" })
             .await?
             .ok_or_else(|| anyhow::anyhow!("open wrote no options document"))?;
-    assert_eq!(d.get_i64("format")?, 1);
+    assert_eq!(d.get_i64("format")?, docwarden::queue::meta::FORMAT);
+    assert_eq!(d.get_i64("partitions")?, 8);
     assert_eq!(d.get_i64("lease_ttl_ms")?, 7_000);
     assert_eq!(d.get_i64("max_attempts")?, 9);
     assert_eq!(d.get_i64("retry_base_ms")?, 2_000);

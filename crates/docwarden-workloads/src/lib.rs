@@ -13,6 +13,7 @@
 //! | [`enrollment`] | 001, enroll/unenroll messages | `sequence` |
 //! | [`jobs`] | 002, job producers and the queue effect | `queue` |
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
+//! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
 //!
 //! Every history event names its process with a typed [`Process`] and its operation with
 //! the workload's own `Op` enum (`as_str()` is what the history and the report show).
@@ -25,6 +26,7 @@ pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
 mod process;
+pub mod seed_claim;
 mod run;
 
 pub use process::Process;

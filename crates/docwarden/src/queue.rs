@@ -121,6 +121,10 @@ struct Inner {
     options: QueueOptions,
     ttl_ms: i64,
     last_reap: Mutex<Option<Instant>>,
+    /// When `maybe_reap` last ran the sweep of undatable jobs (a collection scan on
+    /// servers that cannot bound `$not: {$type}`), run every `claim::UNDATABLE_SWEEP_EVERY`
+    /// sweeps.
+    last_undatable_sweep: Mutex<Option<Instant>>,
     /// The next partition a batch claim of this handle reads (rotating).
     next_partition: AtomicU32,
     /// How many partitions one batch claim reads (adapts to the backlog).
@@ -177,6 +181,7 @@ impl JobQueue {
                 time,
                 ttl_ms,
                 last_reap: Mutex::new(None),
+                last_undatable_sweep: Mutex::new(None),
                 next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
                 span: AtomicU32::new(1),
                 options,

@@ -36,6 +36,9 @@ pub(crate) fn claim_hint() -> Hint {
 /// The `last_error` the sweep stores on a job whose lease expired.
 pub(crate) const LEASE_EXPIRED_REASON: &str = "lease expired before the job finished";
 
+/// `maybe_reap` sweeps undatable jobs every this many `reap_interval`s.
+pub(crate) const UNDATABLE_SWEEP_EVERY: u32 = 60;
+
 /// How many times one claim call retries after burying a malformed job.
 const MAX_ROUNDS: usize = 8;
 
@@ -412,24 +415,40 @@ impl JobQueue {
         Ok(buried)
     }
 
-    /// Sweeps expired leases if the last sweep is older than `reap_interval`.
+    /// Sweeps expired leases if the last sweep is older than `reap_interval`; also
+    /// sweeps undatable jobs at the first sweep and then every
+    /// [`UNDATABLE_SWEEP_EVERY`] × `reap_interval` (that filter cannot be bounded by an
+    /// index on every server, so it may scan the collection).
     ///
     /// The sweep is housekeeping: if it fails (an `updateMany`, which drivers never
     /// retry, refused or cut off), the failure is logged and the claim goes on; the next
     /// sweep is due after `reap_interval` like after a successful one.
     async fn maybe_reap(&self) {
+        let every = self.inner.options.reap_interval;
         {
             let mut last = self
                 .inner
                 .last_reap
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            if last.is_some_and(|t| t.elapsed() < self.inner.options.reap_interval) {
+            if last.is_some_and(|t| t.elapsed() < every) {
                 return;
             }
             *last = Some(Instant::now());
         }
-        if let Err(e) = self.reap_expired().await {
+        let undatable = {
+            let mut last = self
+                .inner
+                .last_undatable_sweep
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let due = last.is_none_or(|t| t.elapsed() >= every * UNDATABLE_SWEEP_EVERY);
+            if due {
+                *last = Some(Instant::now());
+            }
+            due
+        };
+        if let Err(e) = self.reap(undatable).await {
             tracing::warn!(error = %e, "sweep of expired leases failed; claiming anyway");
         }
     }
@@ -449,6 +468,11 @@ impl JobQueue {
     /// # Errors
     /// A database error.
     pub async fn reap_expired(&self) -> Result<u64> {
+        self.reap(true).await
+    }
+
+    /// [`JobQueue::reap_expired`]; the sweep of undatable jobs only if `undatable`.
+    async fn reap(&self, undatable: bool) -> Result<u64> {
         let now = self.inner.time.now().await?;
         let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
         let expired = self
@@ -468,17 +492,16 @@ impl JobQueue {
             DateTime::from_millis(cutoff.timestamp_millis().saturating_sub(self.inner.ttl_ms));
         let unreadable = self
             .sweep_running(
-                {
-                    let mut f = Self::unreadable_lease_filter();
-                    f.insert(
-                        "$or",
-                        vec![
-                            doc! { field::UPDATED_AT: { "$lt": quiet_since } },
-                            doc! { field::UPDATED_AT: { "$not": { "$type": "date" } } },
-                        ],
-                    );
-                    f
-                },
+                // `$and` of the routable part and the `$or`: servers that route a filter
+                // by its first indexed field read `docwarden_lease_expiry` (running jobs
+                // only) instead of scanning the collection.
+                doc! { "$and": [
+                    Self::unreadable_lease_filter(),
+                    { "$or": [
+                        { field::UPDATED_AT: { "$lt": quiet_since } },
+                        { field::UPDATED_AT: { "$not": { "$type": "date" } } },
+                    ] },
+                ] },
                 Bson::Document(doc! { "$concat": [
                     "malformed job document: `lease.until` must be a date, found ",
                     { "$type": "$lease.until" },
@@ -492,6 +515,9 @@ impl JobQueue {
                 jobs = unreadable,
                 "running jobs without a date in lease.until swept as expired"
             );
+        }
+        if !undatable {
+            return Ok(expired + unreadable);
         }
         let undue = self
             .inner

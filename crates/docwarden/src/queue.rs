@@ -82,10 +82,11 @@ pub mod index {
     /// Due jobs in claim order: `{priority: -1, run_at: 1}`, partial on
     /// `state ∈ {ready, retrying}`.
     pub const CLAIM: &str = "docwarden_claim";
-    /// Due jobs of one partition in claim order: `{partition: 1, state: 1, priority: -1,
-    /// run_at: 1}`, partial on `state` in the string range `[ready, retrying]` (the
-    /// claimable states, see [`crate::format::job::CLAIMABLE_LOW`]). A batch claim asks
-    /// `{$or: [{partition: p, state: "ready"}, {partition: p, state: "retrying"}, …],
+    /// Due jobs by partition in claim order: `{state: 1, partition: 1, priority: -1,
+    /// run_at: 1}` (equality fields, then the sort, then the range), partial on `state`
+    /// in the string range `[ready, retrying]` (the claimable states, see
+    /// [`crate::format::job::CLAIMABLE_LOW`]). A batch claim asks `{$or: [{state:
+    /// "ready", partition: {$in: ps}}, {state: "retrying", partition: {$in: ps}}],
     /// run_at: {$lte: now}}`, which every server answers from this index's prefixes.
     pub const CLAIM_PARTITION: &str = "docwarden_claim_partition";
     /// Running jobs by lease expiry: `{"lease.until": 1}`, partial on `state: running`.
@@ -279,7 +280,7 @@ impl JobQueue {
                 )
                 .build(),
             IndexModel::builder()
-                .keys(doc! { field::PARTITION: 1, field::STATE: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
+                .keys(doc! { field::STATE: 1, field::PARTITION: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
                 .options(
                     IndexOptions::builder()
                         .name(index::CLAIM_PARTITION.to_owned())

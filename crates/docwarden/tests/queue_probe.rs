@@ -30,7 +30,8 @@ async fn probe() -> anyhow::Result<()> {
         eprintln!("{} docs in {el:?}: {f}\n  plan {:?}", v.len(), ex.get_document("queryPlanner").and_then(|p| p.get_document("winningPlan")).map(|w| w.to_string()));
     }
     for i in 0..6_i64 {
-        let f = doc! { "$or": [{ "partition": i, "state": "ready" }, { "partition": i, "state": "retrying" }, { "partition": null, "state": "ready" }, { "partition": null, "state": "retrying" }], "run_at": { "$lte": mongodb::bson::DateTime::now() } };
+        let ps: Vec<mongodb::bson::Bson> = (0..(1_i64 << i)).map(mongodb::bson::Bson::Int64).chain(std::iter::once(mongodb::bson::Bson::Null)).collect();
+        let f = doc! { "$or": [{ "state": "ready", "partition": { "$in": ps.clone() } }, { "state": "retrying", "partition": { "$in": ps } }], "run_at": { "$lte": mongodb::bson::DateTime::now() } };
         let t0 = Instant::now();
         let n = coll.find(f.clone()).sort(doc! { "priority": -1, "run_at": 1 }).projection(doc! {"_id": 1}).limit(64).await?;
         let v: Vec<Document> = futures::TryStreamExt::try_collect(n).await?;
@@ -41,7 +42,7 @@ async fn probe() -> anyhow::Result<()> {
         let t0 = Instant::now();
         let n = coll.find(doc! { "nope": 1 }).await?;
         let _v: Vec<Document> = futures::TryStreamExt::try_collect(n).await?;
-        eprintln!("partition find {} in {a:?}; point find {b:?}; collscan {:?}", v.len(), t0.elapsed());
+        eprintln!("partition find (span {}) {} in {a:?}; point find {b:?}; collscan {:?}", 1 << i, v.len(), t0.elapsed());
     }
     for k in [64, 64, 64] {
         let t0 = Instant::now();
@@ -51,7 +52,9 @@ async fn probe() -> anyhow::Result<()> {
         let items: Vec<_> = b.iter().map(|j| j.clone()).collect();
         let hb = q.heartbeat_many(&items).await?;
         eprintln!("claim_batch {} in {el:?}; heartbeat_many {} in {:?}", b.len(), hb.len(), t1.elapsed());
+        let t1 = Instant::now();
         for j in &b { q.complete(j, mongodb::bson::Bson::Null).await?; }
+        eprintln!("  {} single completions in {:?}", b.len(), t1.elapsed());
     }
     let now = mongodb::bson::DateTime::now();
     for (what, f) in [

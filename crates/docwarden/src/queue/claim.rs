@@ -186,20 +186,20 @@ impl JobQueue {
     }
 
     /// The batch claim's candidate filter: the due jobs of `partitions` (plus jobs
-    /// stored without a partition, format 1), as one `$or` of equality pairs on the
-    /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION), with the
-    /// due condition beside it (never a top-level `$expr`, never a hint).
+    /// stored without a partition, format 1, as `null`), as one `$or` of the two
+    /// claimable states, each an equality on `state` and an `$in` on `partition` (the
+    /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION)), with the due
+    /// condition beside it: never a top-level `$expr`, never a hint.
     pub(crate) fn partition_filter(partitions: &[i64], now: &ServerTime) -> Document {
-        let mut arms: Vec<Document> = Vec::with_capacity(2 * partitions.len() + 2);
-        let keys = partitions
+        let keys: Vec<Bson> = partitions
             .iter()
             .map(|p| Bson::Int64(*p))
-            .chain(std::iter::once(Bson::Null));
-        for p in keys {
-            for state in [JobState::Ready, JobState::Retrying] {
-                arms.push(doc! { field::PARTITION: p.clone(), field::STATE: state.as_str() });
-            }
-        }
+            .chain(std::iter::once(Bson::Null))
+            .collect();
+        let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
+            .iter()
+            .map(|s| doc! { field::STATE: s.as_str(), field::PARTITION: { "$in": keys.clone() } })
+            .collect();
         doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
     }
 

@@ -47,7 +47,7 @@ pub struct QueueOptions {
     /// `partition` in `0..partitions`, and a batch claim reads the due jobs of a few
     /// partitions (rotating), not the head of the whole queue, so concurrent claimers
     /// rarely race for the same jobs. `1` gives one strict claim order for batches too
-    /// (see `docs/queue.md`, "Ordering"). Default 32; at most 1,024.
+    /// (see `docs/queue.md`, "Ordering"). Default 256; at most 1,024.
     pub partitions: u32,
     /// Write concern of every write the queue makes (enqueue, claim, transitions, sweep,
     /// operator commands, the options document); `None` (the default) inherits the
@@ -83,7 +83,7 @@ impl Default for QueueOptions {
             retry_max: Duration::from_secs(600),
             reap_interval: Duration::from_secs(1),
             claim_strategy: ClaimStrategy::FindOneAndUpdate,
-            partitions: 32,
+            partitions: 256,
             write_concern: None,
             unsafe_without: None,
         }

@@ -3,10 +3,14 @@
 //! (`docwarden_workloads::seed_claim`, `update_one` + `find_one`, then the final
 //! `update_one`) with `workers` threads on the same backlog.
 //!
-//! A producer tops the backlog up in the background (jobs enqueued minus jobs started,
-//! counted locally, so it never scans the collection); its inserts go through the
-//! bench's client and count in `rt/op`. A job counts once its completion is
-//! acknowledged. The Worker rows' latency is per job, from its claim to its completion
+//! The 10,000 and 100,000 rows drain a prefilled backlog: `backlog` jobs plus the
+//! most the row can take in its duration (20,000 jobs/s for the Worker, 2,000 for the
+//! seed loop), so at least `backlog` jobs are due throughout and no insert competes with
+//! the claims (the shape of the probe). The 100 row cannot be prefilled (it
+//! drains in milliseconds): a producer tops it up in the background (jobs enqueued minus
+//! jobs started, counted locally, so it never scans the collection), and its inserts go
+//! through the bench's client and count in `rt/op`. A job counts once its completion
+//! is acknowledged. The Worker rows' latency is per job, from its claim to its completion
 //! (both server time, as the queue wrote them: `finished_at − (lease.until − lease
 //! TTL)`, millisecond resolution); the seed rows' latency is per loop iteration
 //! (claim, fetch, final update).
@@ -29,6 +33,17 @@ use super::{BenchRow, Load, measure, per_op};
 
 /// The backlogs the rows keep.
 const BACKLOGS: [usize; 3] = [100, 10_000, 100_000];
+/// Backlogs below this are kept by a producer; larger ones are prefilled.
+const PRODUCED_BELOW: usize = 1_000;
+
+/// Jobs to prefill for a row keeping `backlog` jobs due while draining at most `rate`
+/// jobs/s for `load.duration`.
+fn prefill(load: &Load, backlog: usize, rate: u64) -> anyhow::Result<usize> {
+    if backlog < PRODUCED_BELOW {
+        return Ok(backlog);
+    }
+    Ok(backlog + usize::try_from(rate.saturating_mul(load.duration.as_secs()))?)
+}
 
 /// Keeps `enqueued − started` at about `keep` until `stop`: `top` enqueues `n` more.
 async fn keep_backlog<F, Fut>(
@@ -65,14 +80,19 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
     let ttl_ms = i64::try_from(options.lease_ttl.as_millis())?;
     let coll = format!("bench_queue_{backlog}");
     let q = JobQueue::open(db, &coll, time, options).await?;
-    Producer::new().enqueue(&q, backlog).await?;
+    let filled = prefill(load, backlog, 20_000)?;
+    Producer::new().enqueue(&q, filled).await?;
     let started = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
+    let produced = backlog < PRODUCED_BELOW;
     let top_up = {
         let q = q.clone();
         let started = Arc::clone(&started);
         let stop = stop.clone();
         tokio::spawn(async move {
+            if !produced {
+                return Ok(());
+            }
             keep_backlog(
                 u64::try_from(backlog)?,
                 started,
@@ -105,6 +125,10 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
     let ops = worker.report().succeeded - done_before;
     let elapsed = t0.elapsed().as_secs_f64();
     let commands = load.commands_sent() - commands_before;
+    let left = u64::try_from(filled)?.saturating_sub(started.load(Ordering::Relaxed));
+    if !produced && left < u64::try_from(backlog)? {
+        eprintln!("bench: {name}: only {left} jobs were left due at the end (drained faster than the prefill allows)");
+    }
     stop.cancel();
     worker.shutdown().await;
     top_up.await??;
@@ -148,14 +172,18 @@ async fn claim_to_completion(q: &JobQueue, ttl_ms: i64) -> anyhow::Result<Histog
 
 async fn seed_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Result<BenchRow> {
     let seed = SeedQueue::setup(db, &format!("bench_seed_{backlog}")).await?;
-    seed.insert(backlog).await?;
+    seed.insert(prefill(load, backlog, 2_000)?).await?;
     let started = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
+    let produced = backlog < PRODUCED_BELOW;
     let top_up = {
         let seed = seed.clone();
         let started = Arc::clone(&started);
         let stop = stop.clone();
         tokio::spawn(async move {
+            if !produced {
+                return anyhow::Ok(());
+            }
             let backlog = u64::try_from(backlog)?;
             keep_backlog(backlog, started, stop, backlog, |n| {
                 let seed = seed.clone();

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use mongodb::bson::{Bson, doc, oid::ObjectId};
 use mongodb::error::ErrorKind;
 use tokio::sync::{Notify, mpsc};
@@ -116,6 +116,9 @@ type BoxHandler = Arc<
         + Sync,
 >;
 
+/// Most claim loops of one worker.
+const MAX_CLAIMERS: usize = 4;
+
 /// Most final transitions written by one bulk.
 const MAX_BULK: usize = 1024;
 
@@ -136,6 +139,9 @@ struct Ctx {
     outstanding: AtomicUsize,
     /// Handler slots waiting for a job.
     idle_handlers: AtomicUsize,
+    /// Jobs held beyond the handler slots at most, now (adapts up to
+    /// [`WorkerOptions::prefetch`]).
+    prefetch: AtomicUsize,
     /// Handlers finished so far (the prefetch grows when some finish during a claim
     /// and then wait for a job).
     finished: AtomicU64,
@@ -229,6 +235,7 @@ impl Worker {
             held: Mutex::new(HashMap::new()),
             outstanding: AtomicUsize::new(0),
             idle_handlers: AtomicUsize::new(0),
+            prefetch: AtomicUsize::new(0),
             finished: AtomicU64::new(0),
             slot_freed: Notify::new(),
         });
@@ -349,7 +356,15 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             .in_current_span(),
         );
     }
-    claim_loop(&ctx, &shutdown, &notify, &mut woke_rx, &job_tx).await;
+    // One claim loop per two handlers (at most four): more handlers drain faster, so
+    // claims overlap (each is three round trips) instead of queueing behind one another.
+    let claimers = (ctx.options.concurrency / 2).clamp(1, MAX_CLAIMERS);
+    let mut loops = vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx)
+        .boxed()];
+    for _ in 1..claimers {
+        loops.push(claim_loop(&ctx, &shutdown, None, &job_tx).boxed());
+    }
+    futures::future::join_all(loops).await;
     stop_listening.cancel();
     // Release the jobs still waiting for a handler (the slots stop taking jobs on
     // shutdown).
@@ -387,12 +402,12 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     while background.join_next().await.is_some() {}
 }
 
-/// Claims while there are free slots, until shutdown.
+/// Claims while there are free slots, until shutdown. The first loop also wakes on
+/// change-stream events (`wake`); the others poll when the queue is empty.
 async fn claim_loop(
     ctx: &Arc<Ctx>,
     shutdown: &CancellationToken,
-    notify: &Notify,
-    woke: &mut mpsc::Receiver<Bson>,
+    mut wake: Option<(&Notify, &mut mpsc::Receiver<Bson>)>,
     job_tx: &mpsc::UnboundedSender<Handoff>,
 ) {
     let o = &ctx.options;
@@ -410,25 +425,37 @@ async fn claim_loop(
             return;
         }
     };
-    let mut prefetch = 0_usize;
     let mut woken: Option<Bson> = None;
     loop {
         if shutdown.is_cancelled() {
             return;
         }
-        let outstanding = ctx.outstanding.load(Ordering::Relaxed);
+        // Reserve the slots this claim fills, so that concurrent claim loops never hold
+        // more than the handlers plus the prefetch.
+        let prefetch = ctx.prefetch.load(Ordering::Relaxed);
         let target = o.concurrency + prefetch;
-        let free = target.saturating_sub(outstanding);
         let threshold = (o.batch_size.min(target) / 2).max(1);
-        if free == 0 || (free < threshold && outstanding >= o.concurrency) {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                () = ctx.slot_freed.notified() => {}
+        let reserved = ctx
+            .outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |outstanding| {
+                let free = target.saturating_sub(outstanding);
+                if free == 0 || (free < threshold && outstanding >= o.concurrency) {
+                    None
+                } else {
+                    Some(outstanding + free.min(o.batch_size))
+                }
+            });
+        let want = match reserved {
+            Ok(before) => (target - before).min(o.batch_size),
+            Err(_) => {
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => return,
+                    () = ctx.slot_freed.notified() => {}
+                }
+                continue;
             }
-            continue;
-        }
-        let want = free.min(o.batch_size);
+        };
         let finished_before = ctx.finished.load(Ordering::Relaxed);
         let claimed = match woken.take() {
             Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
@@ -438,6 +465,11 @@ async fn claim_loop(
             },
             None => claim(ctx, want).await,
         };
+        let got = claimed.as_ref().map_or(0, Vec::len);
+        if got < want {
+            ctx.outstanding.fetch_sub(want - got, Ordering::AcqRel);
+            ctx.slot_freed.notify_waiters();
+        }
         match claimed {
             Ok(jobs) if !jobs.is_empty() => {
                 idle.reset();
@@ -447,12 +479,12 @@ async fn claim_loop(
                 let starved = ctx.finished.load(Ordering::Relaxed) > finished_before
                     && ctx.idle_handlers.load(Ordering::Relaxed) > 0;
                 if jobs.len() < want {
-                    prefetch /= 2;
+                    ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
                 } else if starved {
-                    prefetch = (prefetch * 2).max(o.concurrency).min(o.prefetch);
+                    let grown = (prefetch * 2).max(o.concurrency).min(o.prefetch);
+                    ctx.prefetch.store(grown, Ordering::Relaxed);
                 }
                 Counters::add(&ctx.counters.claimed, jobs.len());
-                ctx.outstanding.fetch_add(jobs.len(), Ordering::Relaxed);
                 let tokens = ctx.hold(&jobs);
                 for handoff in jobs.into_iter().zip(tokens) {
                     if job_tx.send(handoff).is_err() {
@@ -462,20 +494,31 @@ async fn claim_loop(
             }
             Ok(_) => {
                 errors.reset();
-                prefetch /= 2;
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    () = notify.notified() => {
-                        // A single new job: claim it by `_id` (one round trip); several
-                        // at once: a batch claim takes them in order.
-                        woken = woke.try_recv().ok();
-                        if woke.try_recv().is_ok() {
-                            woken = None;
-                            while woke.try_recv().is_ok() {}
+                ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
+                let delay = idle.next_delay();
+                match wake.as_mut() {
+                    Some((notify, woke)) => {
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = notify.notified() => {
+                                // A single new job: claim it by `_id` (one round trip);
+                                // several at once: a batch claim takes them in order.
+                                woken = woke.try_recv().ok();
+                                if woke.try_recv().is_ok() {
+                                    woken = None;
+                                    while woke.try_recv().is_ok() {}
+                                }
+                            }
+                            () = tokio::time::sleep(delay) => {
+                                while woke.try_recv().is_ok() {}
+                            }
                         }
                     }
-                    () = tokio::time::sleep(idle.next_delay()) => {
-                        while woke.try_recv().is_ok() {}
+                    None => {
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(delay) => {}
+                        }
                     }
                 }
             }

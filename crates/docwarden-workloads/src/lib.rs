@@ -26,8 +26,8 @@ pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
 mod process;
-pub mod seed_claim;
 mod run;
+pub mod seed_claim;
 
 pub use process::Process;
 pub use run::{Mode, RunConfig, RunReport, run_tasks};

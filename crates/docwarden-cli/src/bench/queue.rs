@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::format::{field, JobState};
+use docwarden::queue::format::{JobState, field};
 use docwarden::queue::{JobQueue, QueueOptions, Worker, WorkerOptions};
 use docwarden_workloads::jobs::Producer;
 use docwarden_workloads::seed_claim::SeedQueue;
@@ -127,7 +127,9 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
     let commands = load.commands_sent() - commands_before;
     let left = u64::try_from(filled)?.saturating_sub(started.load(Ordering::Relaxed));
     if !produced && left < u64::try_from(backlog)? {
-        eprintln!("bench: {name}: only {left} jobs were left due at the end (drained faster than the prefill allows)");
+        eprintln!(
+            "bench: {name}: only {left} jobs were left due at the end (drained faster than the prefill allows)"
+        );
     }
     stop.cancel();
     worker.shutdown().await;

@@ -349,22 +349,45 @@ impl JobQueue {
         Ok(items
             .iter()
             .zip(group_of)
-            .map(|((job, t), g)| match stored.get(&job.id()).and_then(|d| shows(d, job, t)) {
-                Some(outcome) => Ok(outcome),
-                None => match reply.refused.get(&g) {
-                    Some(reason) => Err(Error::Malformed {
-                        id: job.id().to_hex(),
-                        reason: reason.clone(),
-                    }),
-                    None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
+            .map(
+                |((job, t), g)| match stored.get(&job.id()).and_then(|d| shows(d, job, t)) {
+                    Some(outcome) => Ok(outcome),
+                    None => match reply.refused.get(&g) {
+                        Some(reason) => Err(Error::Malformed {
+                            id: job.id().to_hex(),
+                            reason: reason.clone(),
+                        }),
+                        None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
+                    },
                 },
-            })
+            )
+            .collect())
+    }
+
+    /// Completes many claimed jobs in one unordered bulk of per-job fenced updates (jobs
+    /// of one claim completed with the same result share one `multi` statement that
+    /// fences each document by its own `_id`, state and token): each job's own outcome, in input order — `Ok(())`, or
+    /// [`Error::LeaseLost`] with nothing written for that job.
+    ///
+    /// # Errors
+    /// A database error for the bulk as a whole (retry it: a retried bulk reports what
+    /// the lost attempt applied).
+    pub async fn complete_many(&self, jobs: &[(ClaimedJob, Bson)]) -> Result<Vec<Result<()>>> {
+        let items: Vec<(ClaimedJob, Transition)> = jobs
+            .iter()
+            .map(|(j, r)| (j.clone(), Transition::Complete(r.clone())))
+            .collect();
+        Ok(self
+            .settle_many(&items)
+            .await?
+            .into_iter()
+            .map(|r| r.map(|_| ()))
             .collect())
     }
 
     /// Extends the leases of many claimed jobs to `lease_ttl` from now (server time) in
     /// one unordered bulk of per-job fenced updates (one `multi` statement per claim
-    /// token, as in [`JobQueue::settle_many`]), and says for each job, in input order,
+    /// token, fencing each document by its own `_id`, state and token), and says for each job, in input order,
     /// whether its claim still holds it (a short bulk is read back by `_id`).
     ///
     /// # Errors
@@ -375,7 +398,8 @@ impl JobQueue {
         }
         let now = self.inner.time.now().await?;
         let until = now.plus_ms(self.inner.ttl_ms);
-        let update = doc! { "$set": { field::LEASE_UNTIL: until, field::UPDATED_AT: now.estimate() } };
+        let update =
+            doc! { "$set": { field::LEASE_UNTIL: until, field::UPDATED_AT: now.estimate() } };
         let mut groups: Vec<Group> = Vec::new();
         let mut by_token: HashMap<&str, usize> = HashMap::new();
         for job in jobs {
@@ -393,7 +417,9 @@ impl JobQueue {
         if reply.matched == jobs.len() {
             return Ok(vec![true; jobs.len()]);
         }
-        let stored = self.read_back(jobs.iter().map(ClaimedJob::id).collect()).await?;
+        let stored = self
+            .read_back(jobs.iter().map(ClaimedJob::id).collect())
+            .await?;
         Ok(jobs
             .iter()
             .map(|job| {

@@ -142,8 +142,7 @@ struct Ctx {
     /// Jobs held beyond the handler slots at most, now (adapts up to
     /// [`WorkerOptions::prefetch`]).
     prefetch: AtomicUsize,
-    /// Handlers finished so far (the prefetch grows when some finish during a claim
-    /// and then wait for a job).
+    /// Handlers finished so far (the prefetch grows only once some have finished).
     finished: AtomicU64,
     /// Signalled when a handler finishes (a slot is free).
     slot_freed: Notify,
@@ -359,8 +358,8 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     // One claim loop per two handlers (at most four): more handlers drain faster, so
     // claims overlap (each is three round trips) instead of queueing behind one another.
     let claimers = (ctx.options.concurrency / 2).clamp(1, MAX_CLAIMERS);
-    let mut loops = vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx)
-        .boxed()];
+    let mut loops =
+        vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx).boxed()];
     for _ in 1..claimers {
         loops.push(claim_loop(&ctx, &shutdown, None, &job_tx).boxed());
     }
@@ -374,7 +373,10 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         std::iter::from_fn(|| rx.try_recv().ok()).collect()
     };
     if !waiting.is_empty() {
-        tracing::info!(waiting = waiting.len(), "shutting down: releasing waiting jobs");
+        tracing::info!(
+            waiting = waiting.len(),
+            "shutting down: releasing waiting jobs"
+        );
     }
     for (job, _) in waiting {
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
@@ -435,16 +437,16 @@ async fn claim_loop(
         let prefetch = ctx.prefetch.load(Ordering::Relaxed);
         let target = o.concurrency + prefetch;
         let threshold = (o.batch_size.min(target) / 2).max(1);
-        let reserved = ctx
-            .outstanding
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |outstanding| {
-                let free = target.saturating_sub(outstanding);
-                if free == 0 || (free < threshold && outstanding >= o.concurrency) {
-                    None
-                } else {
-                    Some(outstanding + free.min(o.batch_size))
-                }
-            });
+        let reserved =
+            ctx.outstanding
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |outstanding| {
+                    let free = target.saturating_sub(outstanding);
+                    if free == 0 || (free < threshold && outstanding >= o.concurrency) {
+                        None
+                    } else {
+                        Some(outstanding + free.min(o.batch_size))
+                    }
+                });
         let want = match reserved {
             Ok(before) => (target - before).min(o.batch_size),
             Err(_) => {
@@ -456,7 +458,6 @@ async fn claim_loop(
                 continue;
             }
         };
-        let finished_before = ctx.finished.load(Ordering::Relaxed);
         let claimed = match woken.take() {
             Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
                 Ok(Some(job)) => Ok(vec![job]),
@@ -474,9 +475,10 @@ async fn claim_loop(
             Ok(jobs) if !jobs.is_empty() => {
                 idle.reset();
                 errors.reset();
-                // Handlers finished while this claim was in flight and now wait for a
-                // job: they are faster than claims, so hold more.
-                let starved = ctx.finished.load(Ordering::Relaxed) > finished_before
+                // Handlers that have run jobs wait for one while the queue still gave
+                // a full batch: they are faster than claims, so hold more. (Handlers
+                // that never finished a job, say stuck ones, never grow it.)
+                let starved = ctx.finished.load(Ordering::Relaxed) > 0
                     && ctx.idle_handlers.load(Ordering::Relaxed) > 0;
                 if jobs.len() < want {
                     ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
@@ -761,7 +763,9 @@ async fn settle_on(
                 if in_doubt {
                     match queue
                         .collection()
-                        .find_one(doc! { field::ID: job.id(), field::LEASE_TOKEN: &job.lease.token })
+                        .find_one(
+                            doc! { field::ID: job.id(), field::LEASE_TOKEN: &job.lease.token },
+                        )
                         .await
                     {
                         Ok(Some(d)) => {

@@ -1,6 +1,12 @@
 //! Claims: one job or a batch, highest priority due job first, with a fresh lease.
 //!
-//! The claim filter `{state: {$in: [ready, retrying]}, run_at: {$lte: now}}` with sort
+//! A batch claim ([`JobQueue::claim_batch`]) reads the due jobs of a few partitions
+//! (rotating, widening while they hold fewer jobs than asked) through
+//! [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION), so concurrent claimers do
+//! not race for the head of the queue and a claim's cost does not grow with the backlog;
+//! its order is strict inside the partitions read, not across them (`docs/queue.md`,
+//! "Ordering"). A single claim takes the head of the whole queue:
+//! the claim filter `{state: {$in: [ready, retrying]}, run_at: {$lte: now}}` with sort
 //! `{priority: -1, run_at: 1}` is served by the partial index
 //! [`index::CLAIM`](super::index::CLAIM) (`{priority: -1, run_at: 1}` over claimable
 //! jobs only), so a claim walks the index in claim order and never scans finished jobs.

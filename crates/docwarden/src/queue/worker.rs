@@ -5,7 +5,7 @@
 //! prefetch that grows while handlers finish faster than a claim comes back
 //! ([`WorkerOptions::prefetch`]), in batches of up to [`WorkerOptions::batch_size`]
 //! ([`JobQueue::claim_batch`]: three round trips per batch, partitions keep workers off
-//! each other's jobs). Claimed jobs wait in the worker for a free handler. Final
+//! each other's jobs; one claim loop per four handlers, at most two). Claimed jobs wait in the worker for a free handler. Final
 //! transitions (complete, fail, release) are queued to one writer that sends everything
 //! queued as one unordered bulk of per-job fenced updates
 //! ([`JobQueue::settle_many`]) while the previous bulk is in flight, and every
@@ -117,7 +117,7 @@ type BoxHandler = Arc<
 >;
 
 /// Most claim loops of one worker.
-const MAX_CLAIMERS: usize = 4;
+const MAX_CLAIMERS: usize = 2;
 
 /// Most final transitions written by one bulk.
 const MAX_BULK: usize = 1024;
@@ -355,9 +355,11 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             .in_current_span(),
         );
     }
-    // One claim loop per two handlers (at most four): more handlers drain faster, so
+    // One claim loop per four handlers (at most two): more handlers drain faster, so
     // claims overlap (each is three round trips) instead of queueing behind one another.
-    let claimers = (ctx.options.concurrency / 2).clamp(1, MAX_CLAIMERS);
+    // More loops measured slower on the embedded server (their writes queue on its
+    // per-collection write lock; `docs/benchmarks.md`).
+    let claimers = (ctx.options.concurrency / 4).clamp(1, MAX_CLAIMERS);
     let mut loops =
         vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx).boxed()];
     for _ in 1..claimers {

@@ -5,10 +5,11 @@
 //! prefetch that grows while handlers finish faster than a claim comes back
 //! ([`WorkerOptions::prefetch`]), in batches of up to [`WorkerOptions::batch_size`]
 //! ([`JobQueue::claim_batch`]: three round trips per batch, partitions keep workers off
-//! each other's jobs; one claim loop per four handlers, at most two). Claimed jobs wait in the worker for a free handler. Final
-//! transitions (complete, fail, release) are queued to one writer that sends everything
-//! queued as one unordered bulk of per-job fenced updates
-//! ([`JobQueue::settle_many`]) while the previous bulk is in flight, and every
+//! each other's jobs; one claim loop per four handlers, at most two). Claimed jobs wait
+//! in the worker for a free handler. Final transitions (complete, fail, release) are
+//! queued to one writer that sends everything queued as one unordered bulk of per-job
+//! fenced updates ([`JobQueue::complete_many`] is the public form) while the previous
+//! bulk is in flight, and every
 //! `heartbeat_every` one bulk extends every lease the worker holds
 //! ([`JobQueue::heartbeat_many`]). Leases stay per job, and every write stays fenced
 //! per job: each job gets its own outcome (counted in [`WorkerReport`]).

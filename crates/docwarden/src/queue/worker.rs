@@ -5,7 +5,7 @@
 //! prefetch that grows while handlers finish faster than a claim comes back
 //! ([`WorkerOptions::prefetch`]), in batches of up to [`WorkerOptions::batch_size`]
 //! ([`JobQueue::claim_batch`]: three round trips per batch, partitions keep workers off
-//! each other's jobs; one claim loop per four handlers, at most two). Claimed jobs wait
+//! each other's jobs; one claim loop). Claimed jobs wait
 //! in the worker for a free handler. Final transitions (complete, fail, release) are
 //! queued to one writer that sends everything queued as one unordered bulk of per-job
 //! fenced updates ([`JobQueue::complete_many`] is the public form) while the previous
@@ -117,8 +117,8 @@ type BoxHandler = Arc<
         + Sync,
 >;
 
-/// Most claim loops of one worker.
-const MAX_CLAIMERS: usize = 2;
+/// Most claim loops of one worker (see `supervise`).
+const MAX_CLAIMERS: usize = 1;
 
 /// Most final transitions written by one bulk.
 const MAX_BULK: usize = 1024;
@@ -356,10 +356,9 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             .in_current_span(),
         );
     }
-    // One claim loop per four handlers (at most two): more handlers drain faster, so
-    // claims overlap (each is three round trips) instead of queueing behind one another.
-    // More loops measured slower on the embedded server (their writes queue on its
-    // per-collection write lock; `docs/benchmarks.md`).
+    // Claim loops: overlapping claims (each is three round trips) measured slower on
+    // the embedded server at a 100,000-job backlog (their writes queue on its
+    // per-collection write lock; `docs/benchmarks.md`), so one loop for now.
     let claimers = (ctx.options.concurrency / 4).clamp(1, MAX_CLAIMERS);
     let mut loops =
         vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx).boxed()];

@@ -463,7 +463,9 @@ async fn race_batch_claims(q: &JobQueue) -> anyhow::Result<(Vec<ObjectId>, u64)>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batch_claims_never_share_a_job() -> anyhow::Result<()> {
     let t = TestDb::new("queue_batch").await?;
-    let q = open(&t, QueueOptions::default()).await?;
+    // One partition: every claimer reads the head of the queue, the hardest case for
+    // the re-check (partitions make such races rarer, never impossible).
+    let q = open(&t, QueueOptions::default().partitions(1)).await?;
     let (mut all, refused) = race_batch_claims(&q).await?;
     let claims = all.len();
     all.sort();
@@ -477,7 +479,9 @@ async fn batch_claims_never_share_a_job() -> anyhow::Result<()> {
     t.db.collection::<Document>("jobs").drop().await?;
     let control = open(
         &t,
-        QueueOptions::default().unsafe_without(Safeguard::BatchRecheck),
+        QueueOptions::default()
+            .unsafe_without(Safeguard::BatchRecheck)
+            .partitions(1),
     )
     .await?;
     let (mut all, refused) = race_batch_claims(&control).await?;

@@ -93,11 +93,12 @@ impl SeedQueue {
     }
 
     /// `claim_document()`: the lock by `update_one`, then the message by `find_one`.
-    /// `None` when the update modified nothing (or the fetch found nothing).
+    /// `None` when the update modified nothing (or the fetch found nothing); the token
+    /// comes back with the message (the seed reads it from `lock`).
     ///
     /// # Errors
     /// A database error.
-    pub async fn claim(&self) -> anyhow::Result<Option<Document>> {
+    pub async fn claim(&self) -> anyhow::Result<Option<(Document, i32)>> {
         let now = DateTime::now();
         let lock_expiry = utc_plus(ms(LOCK_DURATION));
         let token = rand::random_range(1000..=9999_i32);
@@ -111,7 +112,9 @@ impl SeedQueue {
                         { "lock.until": { "$lt": DateTime::from_millis(now.timestamp_millis() - ms(MAX_CLOCK_SKEW)) } },
                     ] },
                 ] },
-                doc! { "$set": { "lock": { "by": &self.worker_id, "until": lock_expiry, "token": token } } },
+                // The seed sets `lock: {by, until, token}`; its three dotted fields are the
+                // same write (the lock holds nothing else).
+                doc! { "$set": { "lock.by": &self.worker_id, "lock.until": lock_expiry, "lock.token": token } },
             )
             .await?;
         if result.modified_count == 0 {
@@ -124,7 +127,8 @@ impl SeedQueue {
                 "lock.until": lock_expiry,
                 "lock.token": token,
             })
-            .await?)
+            .await?
+            .map(|message| (message, token)))
     }
 
     /// The final update of `process_document()`: `location` set and `lock` unset if the
@@ -132,8 +136,12 @@ impl SeedQueue {
     ///
     /// # Errors
     /// A database error.
-    pub async fn finish(&self, message: &Document, location: Document) -> anyhow::Result<bool> {
-        let lock = message.get_document("lock")?;
+    pub async fn finish(
+        &self,
+        message: &Document,
+        token: i32,
+        location: Document,
+    ) -> anyhow::Result<bool> {
         let r = self
             .messages
             .update_one(
@@ -141,7 +149,7 @@ impl SeedQueue {
                     "_id": message.get("_id").cloned().unwrap_or_default(),
                     "lock.by": &self.worker_id,
                     "lock.until": { "$gte": DateTime::now() },
-                    "lock.token": lock.get("token").cloned().unwrap_or_default(),
+                    "lock.token": token,
                 },
                 doc! { "$set": { "location": location }, "$unset": { "lock": "" } },
             )
@@ -157,9 +165,13 @@ impl SeedQueue {
     /// A database error.
     pub async fn step(&self) -> anyhow::Result<u64> {
         match self.claim().await? {
-            Some(message) => {
+            Some((message, token)) => {
                 let done = self
-                    .finish(&message, doc! { "status": "success", "country": "Bench" })
+                    .finish(
+                        &message,
+                        token,
+                        doc! { "status": "success", "country": "Bench" },
+                    )
                     .await?;
                 Ok(u64::from(done))
             }

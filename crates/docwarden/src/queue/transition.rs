@@ -3,7 +3,7 @@
 //! Every one is a single `updateOne` whose filter is the claim's fence
 //! `{_id, state: "running", "lease.token": token}`. If it matches nothing, the lease was
 //! lost (expired and swept or re-claimed, or cancelled by an operator) and the call
-//! returns [`Error::LeaseLost`](crate::Error::LeaseLost) having written nothing.
+//! returns [`Error::LeaseLost`] having written nothing.
 //!
 //! The worker writes the same transitions in bulk ([`JobQueue::settle_many`],
 //! [`JobQueue::heartbeat_many`]): one unordered `update` command whose statements are
@@ -454,7 +454,7 @@ impl JobQueue {
     /// expiry.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn heartbeat(&self, job: &ClaimedJob) -> Result<DateTime> {
         let now = self.inner.time.now().await?;
@@ -470,7 +470,7 @@ impl JobQueue {
     /// Marks the job succeeded and stores `result`.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job, result), fields(job = %job.job.id), level = "debug")]
     pub async fn complete(&self, job: &ClaimedJob, result: impl Into<Bson>) -> Result<()> {
@@ -503,7 +503,7 @@ impl JobQueue {
     /// once it has used `max_attempts`; `error` is kept as `last_error` either way.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job), fields(job = %job.job.id), level = "debug")]
     pub async fn fail(&self, job: &ClaimedJob, error: &str) -> Result<FailOutcome> {
@@ -541,7 +541,7 @@ impl JobQueue {
     /// (graceful shutdown uses this).
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn release(&self, job: &ClaimedJob) -> Result<()> {
         let now = self.inner.time.now().await?.estimate();
@@ -563,7 +563,7 @@ impl JobQueue {
     /// Cancels the job this claim holds, keeping `reason` as `last_error`.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn cancel_claimed(&self, job: &ClaimedJob, reason: &str) -> Result<()> {
         let now = self.inner.time.now().await?.estimate();

@@ -174,6 +174,10 @@ pub(crate) struct Args {
     /// Also time the stages of a guarded update and a sequenced apply (extra rows).
     #[arg(long)]
     stages: bool,
+    /// Run only these modules' rows (comma separated: guard, locks, queue, sequence,
+    /// wakeup); the reference row always runs.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -208,7 +212,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         let reference = reference(&db, &load).await?;
         let base = reference.ops_per_sec;
         let mut measured = vec![reference];
-        for row in workloads(&db, &load).await? {
+        for row in workloads(&db, &load, &args.only).await? {
             measured.push(BenchRow {
                 ratio: row.ops_per_sec / base,
                 ..row
@@ -249,14 +253,25 @@ async fn counting_client(
     Ok(Client::with_options(options)?)
 }
 
-/// Every module's workloads, in a fixed order.
-async fn workloads(_db: &Database, _load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+/// Every module's workloads (or those `only` names), in a fixed order.
+async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Result<Vec<BenchRow>> {
+    let on = |m: &str| only.is_empty() || only.iter().any(|o| o == m);
     let mut rows = Vec::new();
-    rows.extend(guard::run(_db, _load).await?);
-    rows.extend(locks::run(_db, _load).await?);
-    rows.extend(queue::run(_db, _load).await?);
-    rows.extend(sequence::run(_db, _load).await?);
-    rows.extend(wakeup::run(_db, _load).await?);
+    if on("guard") {
+        rows.extend(guard::run(_db, _load).await?);
+    }
+    if on("locks") {
+        rows.extend(locks::run(_db, _load).await?);
+    }
+    if on("queue") {
+        rows.extend(queue::run(_db, _load).await?);
+    }
+    if on("sequence") {
+        rows.extend(sequence::run(_db, _load).await?);
+    }
+    if on("wakeup") {
+        rows.extend(wakeup::run(_db, _load).await?);
+    }
     Ok(rows)
 }
 

@@ -33,6 +33,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -58,7 +59,9 @@ pub use job::{ClaimedJob, Job, JobLease, JobState};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
-pub use options::{ClaimStrategy, EnqueueOptions, QueueOptions, RunAt, WorkerOptions};
+pub use options::{
+    ClaimStrategy, EnqueueOptions, MAX_PARTITIONS, QueueOptions, RunAt, WorkerOptions,
+};
 pub use transition::FailOutcome;
 pub use worker::{HandlerResult, Worker, WorkerReport};
 
@@ -79,6 +82,13 @@ pub mod index {
     /// Due jobs in claim order: `{priority: -1, run_at: 1}`, partial on
     /// `state ∈ {ready, retrying}`.
     pub const CLAIM: &str = "docwarden_claim";
+    /// Due jobs by partition in claim order: `{state: 1, partition: 1, priority: -1,
+    /// run_at: 1}` (equality fields, then the sort, then the range), partial on `state`
+    /// in the string range `[ready, retrying]` (the claimable states, see
+    /// [`crate::format::job::CLAIMABLE_LOW`]). A batch claim asks `{$or: [{state:
+    /// "ready", partition: {$in: ps}}, {state: "retrying", partition: {$in: ps}}],
+    /// run_at: {$lte: now}}`, which every server answers from this index's prefixes.
+    pub const CLAIM_PARTITION: &str = "docwarden_claim_partition";
     /// Running jobs by lease expiry: `{"lease.until": 1}`, partial on `state: running`.
     pub const LEASE_EXPIRY: &str = "docwarden_lease_expiry";
     /// Running jobs by token (fetch after a claim): `{"lease.token": 1}`, partial on
@@ -99,8 +109,9 @@ pub mod meta {
     pub const COLLECTION_SUFFIX: &str = ".meta";
     /// `_id` of the options document.
     pub const OPTIONS_ID: &str = "options";
-    /// Version of the job and options document formats described in `docs/queue.md`.
-    pub const FORMAT: i64 = 1;
+    /// Version of the job and options document formats described in `docs/queue.md`
+    /// (2: jobs carry a `partition`; jobs of format 1, without one, stay claimable).
+    pub const FORMAT: i64 = 2;
 }
 
 #[derive(Debug)]
@@ -111,6 +122,14 @@ struct Inner {
     options: QueueOptions,
     ttl_ms: i64,
     last_reap: Mutex<Option<Instant>>,
+    /// When `maybe_reap` last ran the sweep of undatable jobs (a collection scan on
+    /// servers that cannot bound `$not: {$type}`), run every `claim::UNDATABLE_SWEEP_EVERY`
+    /// sweeps.
+    last_undatable_sweep: Mutex<Option<Instant>>,
+    /// The next partition a batch claim of this handle reads (rotating).
+    next_partition: AtomicU32,
+    /// How many partitions one batch claim reads (adapts to the backlog).
+    span: AtomicU32,
 }
 
 /// A handle on one queue (one collection). Cheap to clone.
@@ -161,9 +180,12 @@ impl JobQueue {
                 coll: collection,
                 meta,
                 time,
-                options,
                 ttl_ms,
                 last_reap: Mutex::new(None),
+                last_undatable_sweep: Mutex::new(None),
+                next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
+                span: AtomicU32::new(1),
+                options,
             }),
         })
     }
@@ -205,6 +227,7 @@ impl JobQueue {
             "retry_jitter": "equal",
             "reap_interval_ms": ms(o.reap_interval),
             "skew_margin_ms": self.inner.time.skew_margin_ms(),
+            "partitions": i64::from(o.partitions),
         }
     }
 
@@ -253,6 +276,18 @@ impl JobQueue {
                         .partial_filter_expression(
                             doc! { field::STATE: { "$in": claimable_states() } },
                         )
+                        .build(),
+                )
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { field::STATE: 1, field::PARTITION: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(index::CLAIM_PARTITION.to_owned())
+                        .partial_filter_expression(doc! { field::STATE: {
+                            "$gte": crate::format::job::CLAIMABLE_LOW,
+                            "$lte": crate::format::job::CLAIMABLE_HIGH,
+                        } })
                         .build(),
                 )
                 .build(),

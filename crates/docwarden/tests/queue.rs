@@ -463,7 +463,9 @@ async fn race_batch_claims(q: &JobQueue) -> anyhow::Result<(Vec<ObjectId>, u64)>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batch_claims_never_share_a_job() -> anyhow::Result<()> {
     let t = TestDb::new("queue_batch").await?;
-    let q = open(&t, QueueOptions::default()).await?;
+    // One partition: every claimer reads the head of the queue, the hardest case for
+    // the re-check (partitions make such races rarer, never impossible).
+    let q = open(&t, QueueOptions::default().partitions(1)).await?;
     let (mut all, refused) = race_batch_claims(&q).await?;
     let claims = all.len();
     all.sort();
@@ -477,7 +479,9 @@ async fn batch_claims_never_share_a_job() -> anyhow::Result<()> {
     t.db.collection::<Document>("jobs").drop().await?;
     let control = open(
         &t,
-        QueueOptions::default().unsafe_without(Safeguard::BatchRecheck),
+        QueueOptions::default()
+            .unsafe_without(Safeguard::BatchRecheck)
+            .partitions(1),
     )
     .await?;
     let (mut all, refused) = race_batch_claims(&control).await?;
@@ -746,7 +750,8 @@ async fn open_stores_the_options_for_other_workers() -> anyhow::Result<()> {
             .lease_ttl(Duration::from_secs(7))
             .max_attempts(9)
             .retry_delays(Duration::from_secs(2), Duration::from_secs(90))
-            .reap_interval(Duration::from_millis(1500)),
+            .reap_interval(Duration::from_millis(1500))
+            .partitions(8),
     )
     .await?;
     let d =
@@ -754,7 +759,8 @@ async fn open_stores_the_options_for_other_workers() -> anyhow::Result<()> {
             .find_one(doc! { "_id": "options" })
             .await?
             .ok_or_else(|| anyhow::anyhow!("open wrote no options document"))?;
-    assert_eq!(d.get_i64("format")?, 1);
+    assert_eq!(d.get_i64("format")?, docwarden::queue::meta::FORMAT);
+    assert_eq!(d.get_i64("partitions")?, 8);
     assert_eq!(d.get_i64("lease_ttl_ms")?, 7_000);
     assert_eq!(d.get_i64("max_attempts")?, 9);
     assert_eq!(d.get_i64("retry_base_ms")?, 2_000);

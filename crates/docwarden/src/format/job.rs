@@ -37,10 +37,14 @@ pub mod field {
     pub const UPDATED_AT: &str = "updated_at";
     /// Server time the job reached a finished state.
     pub const FINISHED_AT: &str = "finished_at";
+    /// The claim partition (an integer in `0..partitions`), drawn at enqueue: batch
+    /// claimers read one partition at a time, so they do not all race for the head job.
+    /// Jobs stored without it (format 1) are claimable as partition `null`.
+    pub const PARTITION: &str = "partition";
 
     /// Every field name and dotted path of the job document docwarden writes, `_id`
     /// excepted (it is MongoDB's, not docwarden's).
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         STATE,
         PAYLOAD,
         PRIORITY,
@@ -57,6 +61,7 @@ pub mod field {
         CREATED_AT,
         UPDATED_AT,
         FINISHED_AT,
+        PARTITION,
     ];
 
     /// Keys inside the [`LEASE`] sub-document.
@@ -140,6 +145,15 @@ impl std::fmt::Display for JobState {
     }
 }
 
+/// The claimable states as the bounds of one string range, `[ready, retrying]`: the
+/// partial filter of the partition claim index is `{state: {$gte: CLAIMABLE_LOW, $lte:
+/// CLAIMABLE_HIGH}}`, a range every server can prove an equality on `ready` or
+/// `retrying` implies (an `$in` partial filter is not provable everywhere). No other
+/// state sorts inside the range (checked by a unit test).
+pub const CLAIMABLE_LOW: &str = JobState::Ready.as_str();
+/// The upper bound of the claimable range, see [`CLAIMABLE_LOW`].
+pub const CLAIMABLE_HIGH: &str = JobState::Retrying.as_str();
+
 /// The state names as stored, in [`JobState::ALL`] order.
 pub const STATES: [&str; 6] = [
     JobState::Ready.as_str(),
@@ -149,3 +163,17 @@ pub const STATES: [&str; 6] = [
     JobState::Dead.as_str(),
     JobState::Cancelled.as_str(),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_claimable_range_holds_exactly_the_claimable_states() {
+        for s in JobState::ALL {
+            let inside = (CLAIMABLE_LOW..=CLAIMABLE_HIGH).contains(&s.as_str());
+            let claimable = matches!(s, JobState::Ready | JobState::Retrying);
+            assert_eq!(inside, claimable, "{s}");
+        }
+    }
+}

@@ -1,6 +1,12 @@
 //! Claims: one job or a batch, highest priority due job first, with a fresh lease.
 //!
-//! The claim filter `{state: {$in: [ready, retrying]}, run_at: {$lte: now}}` with sort
+//! A batch claim ([`JobQueue::claim_batch`]) reads the due jobs of a few partitions
+//! (rotating, widening while they hold fewer jobs than asked) through
+//! [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION), so concurrent claimers do
+//! not race for the head of the queue and a claim's cost does not grow with the backlog;
+//! its order is strict inside the partitions read, not across them (`docs/queue.md`,
+//! "Ordering"). A single claim takes the head of the whole queue:
+//! the claim filter `{state: {$in: [ready, retrying]}, run_at: {$lte: now}}` with sort
 //! `{priority: -1, run_at: 1}` is served by the partial index
 //! [`index::CLAIM`](super::index::CLAIM) (`{priority: -1, run_at: 1}` over claimable
 //! jobs only), so a claim walks the index in claim order and never scans finished jobs.
@@ -12,6 +18,7 @@
 //! [`JobQueue::reap_expired`]). The sweep is housekeeping: its failure is logged and never
 //! fails the claim that ran it.
 
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use futures::TryStreamExt;
@@ -34,6 +41,9 @@ pub(crate) fn claim_hint() -> Hint {
 
 /// The `last_error` the sweep stores on a job whose lease expired.
 pub(crate) const LEASE_EXPIRED_REASON: &str = "lease expired before the job finished";
+
+/// `maybe_reap` sweeps undatable jobs every this many `reap_interval`s.
+pub(crate) const UNDATABLE_SWEEP_EVERY: u32 = 60;
 
 /// How many times one claim call retries after burying a malformed job.
 const MAX_ROUNDS: usize = 8;
@@ -158,13 +168,58 @@ impl JobQueue {
             .await?)
     }
 
-    /// Claims up to `k` due jobs with one lease token: a find of candidate ids in claim
-    /// order, one `updateMany` that re-checks the claim filter per document (so racing
-    /// workers never share a job), and a find by token.
+    /// The partitions the next batch claim of this handle reads: `span` consecutive
+    /// ones from a rotating cursor, so concurrent claimers of one handle start apart.
+    fn next_partitions(&self) -> (Vec<i64>, bool) {
+        let total = self.inner.options.partitions;
+        let span = self.inner.span.load(Ordering::Relaxed).clamp(1, total);
+        let first = self.inner.next_partition.fetch_add(span, Ordering::Relaxed) % total;
+        let parts = (0..span).map(|i| i64::from((first + i) % total)).collect();
+        (parts, span == total)
+    }
+
+    /// Widens (the partitions read held fewer than `k` due jobs) or narrows (they held
+    /// at least `k`) the span of the next batch claims.
+    fn adapt_span(&self, found: usize, k: usize) {
+        let total = self.inner.options.partitions;
+        let span = self.inner.span.load(Ordering::Relaxed);
+        let next = if found < k {
+            span.saturating_mul(2).min(total)
+        } else {
+            (span / 2).max(1)
+        };
+        self.inner.span.store(next, Ordering::Relaxed);
+    }
+
+    /// The batch claim's candidate filter: the due jobs of `partitions` (plus jobs
+    /// stored without a partition, format 1, as `null`), as one `$or` of the two
+    /// claimable states, each an equality on `state` and an `$in` on `partition` (the
+    /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION)), with the due
+    /// condition beside it: never a top-level `$expr`, never a hint.
+    pub(crate) fn partition_filter(partitions: &[i64], now: &ServerTime) -> Document {
+        let keys: Vec<Bson> = partitions
+            .iter()
+            .map(|p| Bson::Int64(*p))
+            .chain(std::iter::once(Bson::Null))
+            .collect();
+        let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
+            .iter()
+            .map(|s| doc! { field::STATE: s.as_str(), field::PARTITION: { "$in": keys.clone() } })
+            .collect();
+        doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
+    }
+
+    /// Claims up to `k` due jobs with one lease token, in three round trips whatever
+    /// `k`: a find of candidate ids, one `updateMany` by `_id` that re-checks the claim
+    /// filter per document (so racing claimers never share a job), and a find by token.
     ///
-    /// Candidates are drawn from the first `4k` due jobs at random, so concurrent
-    /// batch claimers mostly pick disjoint jobs; the priority order therefore holds
-    /// between batches, not strictly inside the window.
+    /// Candidates are the `k` highest ranked due jobs (priority, then `run_at`) of a
+    /// few partitions ([`QueueOptions::partitions`](super::QueueOptions::partitions)):
+    /// the handle rotates through the partitions and widens the number it reads at once
+    /// while they hold fewer than `k` due jobs, so a small backlog is still claimed in
+    /// full batches and a large one costs the same per claim. The claimed jobs are
+    /// returned in rank order. The ordering promise is in `docs/queue.md`
+    /// ("Ordering"): strict inside the partitions read, not across partitions.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
@@ -172,41 +227,46 @@ impl JobQueue {
     pub async fn claim_batch(&self, owner: &str, k: usize) -> Result<Vec<ClaimedJob>> {
         validate::name("owner", owner)?;
         validate::positive("batch size", k)?;
-        if k == 1 {
-            return Ok(self.claim(owner).await?.into_iter().collect());
-        }
+        let limit = i64::try_from(k).unwrap_or(i64::MAX);
         for _ in 0..MAX_ROUNDS {
             self.maybe_reap().await;
             let now = self.inner.time.now().await?;
-            let window = i64::try_from(k.saturating_mul(4)).unwrap_or(i64::MAX);
-            let mut ids: Vec<Bson> = self
+            let (partitions, everything) = self.next_partitions();
+            let ids: Vec<Bson> = self
                 .inner
                 .coll
-                .find(Self::due_filter(&now))
+                .find(Self::partition_filter(&partitions, &now))
                 .sort(Self::claim_sort())
-                .hint(claim_hint())
                 .projection(doc! { field::ID: 1 })
-                .limit(window)
+                .limit(limit)
                 .await?
                 .try_collect::<Vec<Document>>()
                 .await?
                 .into_iter()
                 .filter_map(|d| d.get(field::ID).cloned())
                 .collect();
+            self.adapt_span(ids.len(), k);
             if ids.is_empty() {
-                return Ok(Vec::new());
-            }
-            if ids.len() > k {
-                use rand::seq::SliceRandom;
-                ids.shuffle(&mut rand::rng());
-                ids.truncate(k);
+                if everything {
+                    return Ok(Vec::new());
+                }
+                continue;
             }
             let token = validate::random_id();
-            let mut filter = Self::due_filter(&now);
-            filter.insert(field::ID, doc! { "$in": ids.clone() });
-            if self.inner.options.unsafe_without == Some(Safeguard::BatchRecheck) {
-                // Control only: the candidates are written whatever their state now.
-                filter = doc! { field::ID: { "$in": ids.clone() } };
+            let mut filter = doc! { field::ID: { "$in": ids.clone() } };
+            filter.extend(Self::due_filter(&now));
+            match self.inner.options.unsafe_without {
+                Some(Safeguard::BatchRecheck) => {
+                    // Control only: the candidates are written whatever their state now.
+                    filter = doc! { field::ID: { "$in": ids.clone() } };
+                }
+                Some(Safeguard::ClaimRecheck) => {
+                    // Control only: the seed's read-then-write, with the gap widened
+                    // (20 ms) so that the race the re-check closes shows in a short test.
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    filter = doc! { field::ID: { "$in": ids.clone() } };
+                }
+                _ => {}
             }
             let update = Self::claim_update(
                 owner,
@@ -215,22 +275,11 @@ impl JobQueue {
                 now.estimate(),
             );
             let failed = match self.inner.coll.update_many(filter, update).await {
+                Ok(r) if r.matched_count == 0 => continue,
                 Ok(_) => None,
                 Err(e) => Some(Error::from(e)),
             };
-            let docs: Vec<Document> = self
-                .inner
-                .coll
-                .find(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: &token })
-                .await?
-                .try_collect()
-                .await?;
-            let mut claimed = Vec::with_capacity(docs.len());
-            for d in docs {
-                if let Some(c) = self.accept(d, &token).await? {
-                    claimed.push(c);
-                }
-            }
+            let claimed = self.fetch_claimed(&token).await?;
             if let Some(e) = failed
                 && (e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0)
             {
@@ -240,16 +289,65 @@ impl JobQueue {
                 tracing::warn!(error = %e, "batch claim partly failed");
             }
             if !claimed.is_empty() {
-                claimed.sort_by(|a, b| {
-                    b.job
-                        .priority
-                        .cmp(&a.job.priority)
-                        .then(a.job.run_at.cmp(&b.job.run_at))
-                });
                 return Ok(claimed);
             }
         }
         Ok(Vec::new())
+    }
+
+    /// The jobs claimed under `token`, parsed (malformed ones moved to `dead`), in rank
+    /// order.
+    async fn fetch_claimed(&self, token: &str) -> Result<Vec<ClaimedJob>> {
+        let docs: Vec<Document> = self
+            .inner
+            .coll
+            .find(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: token })
+            .await?
+            .try_collect()
+            .await?;
+        let mut claimed = Vec::with_capacity(docs.len());
+        for d in docs {
+            if let Some(c) = self.accept(d, token).await? {
+                claimed.push(c);
+            }
+        }
+        claimed.sort_by(|a, b| {
+            b.job
+                .priority
+                .cmp(&a.job.priority)
+                .then(a.job.run_at.cmp(&b.job.run_at))
+        });
+        Ok(claimed)
+    }
+
+    /// Claims the job `id` if it is due: one `findOneAndUpdate` routed by `_id` (the
+    /// claim filter re-checked in the write), which returns the claimed document. A
+    /// worker woken by the insert of `id` uses it: one round trip from the event to a
+    /// running handler. `None` if the job is not (or no longer) claimable.
+    ///
+    /// # Errors
+    /// A database error.
+    pub(crate) async fn claim_id(&self, owner: &str, id: &Bson) -> Result<Option<ClaimedJob>> {
+        let now = self.inner.time.now().await?;
+        let token = validate::random_id();
+        let mut filter = doc! { field::ID: id.clone() };
+        filter.extend(Self::due_filter(&now));
+        let update = Self::claim_update(
+            owner,
+            &token,
+            now.plus_ms(self.inner.ttl_ms),
+            now.estimate(),
+        );
+        let claimed = self
+            .inner
+            .coll
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::After)
+            .await?;
+        match claimed {
+            Some(d) => self.accept(d, &token).await,
+            None => Ok(None),
+        }
     }
 
     /// Parses a freshly claimed document; a malformed one is moved to `dead` (fenced by
@@ -323,24 +421,40 @@ impl JobQueue {
         Ok(buried)
     }
 
-    /// Sweeps expired leases if the last sweep is older than `reap_interval`.
+    /// Sweeps expired leases if the last sweep is older than `reap_interval`; also
+    /// sweeps undatable jobs at the first sweep and then every
+    /// [`UNDATABLE_SWEEP_EVERY`] × `reap_interval` (that filter cannot be bounded by an
+    /// index on every server, so it may scan the collection).
     ///
     /// The sweep is housekeeping: if it fails (an `updateMany`, which drivers never
     /// retry, refused or cut off), the failure is logged and the claim goes on; the next
     /// sweep is due after `reap_interval` like after a successful one.
     async fn maybe_reap(&self) {
+        let every = self.inner.options.reap_interval;
         {
             let mut last = self
                 .inner
                 .last_reap
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            if last.is_some_and(|t| t.elapsed() < self.inner.options.reap_interval) {
+            if last.is_some_and(|t| t.elapsed() < every) {
                 return;
             }
             *last = Some(Instant::now());
         }
-        if let Err(e) = self.reap_expired().await {
+        let undatable = {
+            let mut last = self
+                .inner
+                .last_undatable_sweep
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let due = last.is_none_or(|t| t.elapsed() >= every * UNDATABLE_SWEEP_EVERY);
+            if due {
+                *last = Some(Instant::now());
+            }
+            due
+        };
+        if let Err(e) = self.reap(undatable).await {
             tracing::warn!(error = %e, "sweep of expired leases failed; claiming anyway");
         }
     }
@@ -360,6 +474,11 @@ impl JobQueue {
     /// # Errors
     /// A database error.
     pub async fn reap_expired(&self) -> Result<u64> {
+        self.reap(true).await
+    }
+
+    /// [`JobQueue::reap_expired`]; the sweep of undatable jobs only if `undatable`.
+    async fn reap(&self, undatable: bool) -> Result<u64> {
         let now = self.inner.time.now().await?;
         let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
         let expired = self
@@ -379,17 +498,16 @@ impl JobQueue {
             DateTime::from_millis(cutoff.timestamp_millis().saturating_sub(self.inner.ttl_ms));
         let unreadable = self
             .sweep_running(
-                {
-                    let mut f = Self::unreadable_lease_filter();
-                    f.insert(
-                        "$or",
-                        vec![
-                            doc! { field::UPDATED_AT: { "$lt": quiet_since } },
-                            doc! { field::UPDATED_AT: { "$not": { "$type": "date" } } },
-                        ],
-                    );
-                    f
-                },
+                // `$and` of the routable part and the `$or`: servers that route a filter
+                // by its first indexed field read `docwarden_lease_expiry` (running jobs
+                // only) instead of scanning the collection.
+                doc! { "$and": [
+                    Self::unreadable_lease_filter(),
+                    { "$or": [
+                        { field::UPDATED_AT: { "$lt": quiet_since } },
+                        { field::UPDATED_AT: { "$not": { "$type": "date" } } },
+                    ] },
+                ] },
                 Bson::Document(doc! { "$concat": [
                     "malformed job document: `lease.until` must be a date, found ",
                     { "$type": "$lease.until" },
@@ -403,6 +521,9 @@ impl JobQueue {
                 jobs = unreadable,
                 "running jobs without a date in lease.until swept as expired"
             );
+        }
+        if !undatable {
+            return Ok(expired + unreadable);
         }
         let undue = self
             .inner

@@ -62,6 +62,7 @@ impl JobQueue {
             field::LAST_ERROR: Bson::Null,
             field::CREATED_AT: now.estimate(),
             field::UPDATED_AT: now.estimate(),
+            field::PARTITION: i64::from(rand::random_range(0..self.inner.options.partitions)),
         };
         if let Some(key) = &opts.dedupe_key {
             d.insert(field::DEDUPE_KEY, key.clone());

@@ -8,6 +8,9 @@ use mongodb::options::WriteConcern;
 use crate::error::{Error, Result};
 use crate::validate;
 
+/// Most claim partitions a queue may have ([`QueueOptions::partitions`]).
+pub const MAX_PARTITIONS: u32 = 1024;
+
 /// How a single claim talks to the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -40,6 +43,12 @@ pub struct QueueOptions {
     /// Single-claim strategy. Default [`ClaimStrategy::FindOneAndUpdate`] (measured
     /// faster, see `docs/queue.md`).
     pub claim_strategy: ClaimStrategy,
+    /// How many claim partitions a job is spread over: enqueue stores a random
+    /// `partition` in `0..partitions`, and a batch claim reads the due jobs of a few
+    /// partitions (rotating), not the head of the whole queue, so concurrent claimers
+    /// rarely race for the same jobs. `1` gives one strict claim order for batches too
+    /// (see `docs/queue.md`, "Ordering"). Default 256; at most 1,024.
+    pub partitions: u32,
     /// Write concern of every write the queue makes (enqueue, claim, transitions, sweep,
     /// operator commands, the options document); `None` (the default) inherits the
     /// collection's. On a replica set use [`WriteConcern::majority()`], so that a failover
@@ -56,8 +65,9 @@ pub struct QueueOptions {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Safeguard {
-    /// The single claim re-checks the claim filter in its write. Off: it reads the first
-    /// due job, then writes the lease by `_id` alone (the seed's read-then-write).
+    /// The claim re-checks the claim filter in its write. Off: the single claim reads the
+    /// first due job, then writes the lease by `_id` alone (the seed's read-then-write);
+    /// the batch claim writes its candidates by `_id` alone, 20 ms after reading them.
     ClaimRecheck,
     /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
     /// writes the lease to the candidate ids whatever their state.
@@ -73,6 +83,7 @@ impl Default for QueueOptions {
             retry_max: Duration::from_secs(600),
             reap_interval: Duration::from_secs(1),
             claim_strategy: ClaimStrategy::FindOneAndUpdate,
+            partitions: 256,
             write_concern: None,
             unsafe_without: None,
         }
@@ -101,6 +112,11 @@ impl QueueOptions {
         self.reap_interval = every;
         self
     }
+    /// Sets [`QueueOptions::partitions`].
+    pub fn partitions(mut self, n: u32) -> Self {
+        self.partitions = n;
+        self
+    }
     /// Sets [`QueueOptions::claim_strategy`].
     pub fn claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
         self.claim_strategy = strategy;
@@ -125,6 +141,12 @@ impl QueueOptions {
         }
         crate::backoff::Backoff::new(self.retry_base, self.retry_max)?;
         validate::duration_ms("reap interval", self.reap_interval)?;
+        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
+            return Err(Error::invalid(
+                "partitions",
+                format!("must be between 1 and {MAX_PARTITIONS}"),
+            ));
+        }
         Ok(())
     }
 }
@@ -217,8 +239,16 @@ pub struct WorkerOptions {
     pub name: String,
     /// Handlers running at once. Default 4.
     pub concurrency: usize,
-    /// Most jobs taken by one claim (batch claim when above 1). Default 1.
+    /// Most jobs taken by one claim. The worker claims for all its free handler slots
+    /// at once (plus its prefetch), up to this many jobs per claim. Default 64; `1`
+    /// claims one job at a time, in strict queue order.
     pub batch_size: usize,
+    /// Most jobs held beyond the handler slots: claimed, leased, and waiting in the
+    /// worker for a free handler. The worker starts at 0 and doubles its prefetch while
+    /// handlers finish faster than a claim comes back (they ran dry with jobs still
+    /// due), up to this; it halves it when a claim comes back short. Default 256; `0`
+    /// never claims more jobs than free handlers.
+    pub prefetch: usize,
     /// Heartbeat period while a handler runs. Default: a third of the lease TTL.
     pub heartbeat_every: Option<Duration>,
     /// Shortest idle poll when no change stream event arrives. Default 50 ms.
@@ -238,7 +268,8 @@ impl Default for WorkerOptions {
         Self {
             name: "worker".into(),
             concurrency: 4,
-            batch_size: 1,
+            batch_size: 64,
+            prefetch: 256,
             heartbeat_every: None,
             poll_min: Duration::from_millis(50),
             poll_max: Duration::from_secs(1),
@@ -262,6 +293,11 @@ impl WorkerOptions {
     /// Sets [`WorkerOptions::batch_size`].
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
+        self
+    }
+    /// Sets [`WorkerOptions::prefetch`].
+    pub fn prefetch(mut self, n: usize) -> Self {
+        self.prefetch = n;
         self
     }
     /// Sets [`WorkerOptions::heartbeat_every`].

@@ -3,16 +3,29 @@
 //! Every one is a single `updateOne` whose filter is the claim's fence
 //! `{_id, state: "running", "lease.token": token}`. If it matches nothing, the lease was
 //! lost (expired and swept or re-claimed, or cancelled by an operator) and the call
-//! returns [`Error::LeaseLost`](crate::Error::LeaseLost) having written nothing.
+//! returns [`Error::LeaseLost`] having written nothing.
+//!
+//! The worker writes the same transitions in bulk ([`JobQueue::settle_many`],
+//! [`JobQueue::heartbeat_many`]): one unordered `update` command whose statements are
+//! the per-job fenced updates above, so each job is still fenced by its own token. When
+//! the reply's match count falls short of the statements (a lease was lost, or a reply
+//! was lost and the bulk retried), the jobs are read back by `_id` and each one counts
+//! as applied only if its document shows that transition's own result under its token.
 
 use std::time::Duration;
 
-use mongodb::bson::{Bson, DateTime, Document, doc};
+use std::collections::HashMap;
 
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+
+use super::claim::LEASE_EXPIRED_REASON;
 use super::job::{ClaimedJob, JobState, field};
+use super::ops::CANCELLED_REASON;
 use super::{JobQueue, lease_lost};
 use crate::backoff::Backoff;
-use crate::error::Result;
+use crate::clock::ServerTime;
+use crate::error::{Error, Result};
 
 /// Longest `last_error` stored, in bytes.
 const MAX_ERROR_LEN: usize = 4096;
@@ -41,7 +54,386 @@ pub(super) fn clip(error: &str) -> String {
     }
 }
 
+/// A final transition of a claimed job, as the worker writes it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Transition {
+    /// Succeeded with this result.
+    Complete(Bson),
+    /// The attempt failed with this error.
+    Fail(String),
+    /// Given back without counting the attempt.
+    Release,
+}
+
+/// One job's outcome in a bulk of transitions: the fail outcome for a failure, `None`
+/// for a completion or a release, [`Error::LeaseLost`] if the claim no longer held it.
+pub(crate) type Settled = Result<Option<FailOutcome>>;
+
+/// Jobs of one claim token that get the same update: one `multi` statement.
+struct Group {
+    token: String,
+    update: Document,
+    ids: Vec<Bson>,
+}
+
+/// `{q: {_id: {$in: ids}, state: "running", "lease.token": token}, u, multi: true}` per
+/// group: `_id` first, so the server routes each statement by `_id`.
+fn groups_to_statements(groups: Vec<Group>) -> Vec<Document> {
+    groups
+        .into_iter()
+        .map(|g| {
+            doc! {
+                "q": {
+                    field::ID: { "$in": g.ids },
+                    field::STATE: JobState::Running.as_str(),
+                    field::LEASE_TOKEN: g.token,
+                },
+                "u": g.update,
+                "multi": true,
+            }
+        })
+        .collect()
+}
+
+/// What one unordered bulk of fenced updates answered.
+struct BulkReply {
+    /// Documents the statements matched (each document by its own `_id` and fence).
+    matched: usize,
+    /// Statements the server refused, by index, with its message.
+    refused: HashMap<usize, String>,
+}
+
+/// Whether the stored job `d` shows transition `t` of claim `job` as applied:
+/// `Some(outcome)` only when it shows that transition's own result under our token.
+///
+/// "Our token, no longer running" is not enough: the sweep (lease expired) and an
+/// operator's `cancel` keep the token. So each transition checks its target:
+/// - complete: `succeeded` (only a fenced completion writes it);
+/// - fail: `retrying` or `dead` as the attempt count decides, with our `last_error`
+///   (the sweep's and the operator's reasons are fixed strings; a handler error equal to
+///   one of them is never taken as proof);
+/// - release: `ready` or `retrying` with the attempt given back (`attempts` one below
+///   the claim's; the sweep and cancel keep `attempts`).
+pub(crate) fn shows(d: &Document, job: &ClaimedJob, t: &Transition) -> Option<Option<FailOutcome>> {
+    let token = d
+        .get_document(field::LEASE)
+        .ok()
+        .and_then(|l| l.get_str(field::lease::TOKEN).ok());
+    if token != Some(job.lease.token.as_str()) {
+        return None;
+    }
+    let state = d.get_str(field::STATE).ok().and_then(JobState::parse);
+    let last_error = d.get_str(field::LAST_ERROR).ok();
+    let attempts = match d.get(field::ATTEMPTS) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    };
+    match t {
+        Transition::Complete(_) => (state == Some(JobState::Succeeded)).then_some(None),
+        Transition::Fail(text) => {
+            let ours = clip(text);
+            if ours == LEASE_EXPIRED_REASON
+                || ours == CANCELLED_REASON
+                || last_error != Some(ours.as_str())
+            {
+                None
+            } else if job.job.attempts >= job.job.max_attempts {
+                (state == Some(JobState::Dead)).then_some(Some(FailOutcome::Dead))
+            } else if state == Some(JobState::Retrying) {
+                let run_at = d
+                    .get_datetime(field::RUN_AT)
+                    .ok()
+                    .copied()
+                    .unwrap_or(job.job.run_at);
+                let since = d
+                    .get_datetime(field::UPDATED_AT)
+                    .map(|u| u.timestamp_millis())
+                    .unwrap_or(run_at.timestamp_millis());
+                let delay = u64::try_from(run_at.timestamp_millis().saturating_sub(since))
+                    .map(Duration::from_millis)
+                    .unwrap_or_default();
+                Some(Some(FailOutcome::Retrying { run_at, delay }))
+            } else {
+                None
+            }
+        }
+        Transition::Release => (matches!(state, Some(JobState::Ready | JobState::Retrying))
+            && attempts == Some(job.job.attempts - 1))
+        .then_some(None),
+    }
+}
+
 impl JobQueue {
+    /// The update of transition `t` of `job` at server time `now`, and the outcome it
+    /// has once applied.
+    fn transition_update(
+        &self,
+        job: &ClaimedJob,
+        t: &Transition,
+        now: &ServerTime,
+    ) -> (Document, Option<FailOutcome>) {
+        let at = now.estimate();
+        match t {
+            Transition::Complete(result) => (
+                doc! { "$set": {
+                    field::STATE: JobState::Succeeded.as_str(),
+                    field::RESULT: result.clone(),
+                    field::FINISHED_AT: at,
+                    field::UPDATED_AT: at,
+                } },
+                None,
+            ),
+            Transition::Fail(error) => {
+                let error = clip(error);
+                if job.job.attempts >= job.job.max_attempts {
+                    return (
+                        doc! { "$set": {
+                            field::STATE: JobState::Dead.as_str(),
+                            field::LAST_ERROR: error,
+                            field::FINISHED_AT: at,
+                            field::UPDATED_AT: at,
+                        } },
+                        Some(FailOutcome::Dead),
+                    );
+                }
+                let delay = self.retry_delay(job.job.attempts);
+                let run_at = now.plus_ms(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                (
+                    doc! { "$set": {
+                        field::STATE: JobState::Retrying.as_str(),
+                        field::LAST_ERROR: error,
+                        field::RUN_AT: run_at,
+                        field::UPDATED_AT: at,
+                    } },
+                    Some(FailOutcome::Retrying { run_at, delay }),
+                )
+            }
+            Transition::Release => {
+                let state = if job.job.attempts <= 1 {
+                    JobState::Ready
+                } else {
+                    JobState::Retrying
+                };
+                (
+                    doc! {
+                        "$set": { field::STATE: state.as_str(), field::UPDATED_AT: at },
+                        "$inc": { field::ATTEMPTS: -1_i64 },
+                    },
+                    None,
+                )
+            }
+        }
+    }
+
+    /// Sends `statements` (`{q, u}` documents, each `q` a fence by `_id`) as one
+    /// unordered `update` command with the queue's write concern.
+    async fn bulk_fenced(&self, statements: Vec<Document>) -> Result<BulkReply> {
+        let coll = &self.inner.coll;
+        let db = coll.client().database(&coll.namespace().db);
+        let mut command = doc! {
+            "update": coll.name(),
+            "updates": statements,
+            "ordered": false,
+        };
+        if let Some(wc) = coll.write_concern() {
+            let wc = mongodb::bson::to_document(wc)
+                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
+            if !wc.is_empty() {
+                command.insert("writeConcern", wc);
+            }
+        }
+        let reply = db.run_command(command).await?;
+        if reply.contains_key("writeConcernError") {
+            // Applied on the primary, not acknowledged as asked: in doubt, like a lost
+            // reply (retried, then read back).
+            return Err(Error::Unavailable {
+                what: "write concern",
+            });
+        }
+        let matched = match reply.get("n") {
+            Some(Bson::Int32(n)) => usize::try_from(*n).unwrap_or(0),
+            Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
+            _ => 0,
+        };
+        let mut refused = HashMap::new();
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            for e in errors.iter().filter_map(Bson::as_document) {
+                let index = match e.get("index") {
+                    Some(Bson::Int32(i)) => usize::try_from(*i).ok(),
+                    Some(Bson::Int64(i)) => usize::try_from(*i).ok(),
+                    _ => None,
+                };
+                if let Some(index) = index {
+                    let code = e.get_i32("code").unwrap_or_default();
+                    let msg = e.get_str("errmsg").unwrap_or_default();
+                    refused.insert(index, format!("write refused (code {code}): {msg}"));
+                }
+            }
+        }
+        Ok(BulkReply { matched, refused })
+    }
+
+    /// The stored jobs `ids`, by id (for the read-back after a short bulk).
+    async fn read_back(&self, ids: Vec<ObjectId>) -> Result<HashMap<ObjectId, Document>> {
+        let docs: Vec<Document> = self
+            .inner
+            .coll
+            .find(doc! { field::ID: { "$in": ids } })
+            .projection(doc! {
+                field::ID: 1, field::STATE: 1, field::LEASE: 1, field::LAST_ERROR: 1,
+                field::ATTEMPTS: 1, field::RUN_AT: 1, field::UPDATED_AT: 1,
+            })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|d| d.get_object_id(field::ID).ok().map(|id| (id, d)))
+            .collect())
+    }
+
+    /// Writes the final transitions of many claimed jobs in one unordered bulk of
+    /// per-job fenced updates, and returns each job's own outcome, in input order:
+    /// `Ok(None)` (completed or released), `Ok(Some(outcome))` (failed), or
+    /// [`Error::LeaseLost`] (nothing written for that job).
+    ///
+    /// Jobs of one claim share its token; jobs with the same token and the same update
+    /// (a batch completed with the same result, released at shutdown) go in one
+    /// statement `{_id: {$in: ids}, state: "running", "lease.token": token}` with
+    /// `multi`, which fences every document by its own `_id`, state and token exactly as
+    /// one statement per job would, at a fraction of the server's per-statement cost.
+    /// When the bulk matched fewer jobs than it holds, or the server refused a
+    /// statement, the jobs are read back (one find by `_id`) and a job counts as applied
+    /// only if it shows its transition's result under its own token, so a retried bulk
+    /// whose first reply was lost reports what did apply.
+    ///
+    /// # Errors
+    /// A database error for the bulk as a whole (nothing is known of any job; retry
+    /// it); a job whose statement the server refused carries [`Error::Malformed`] with
+    /// the reason.
+    pub(crate) async fn settle_many(
+        &self,
+        items: &[(ClaimedJob, Transition)],
+    ) -> Result<Vec<Settled>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = self.inner.time.now().await?;
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut groups: Vec<Group> = Vec::new();
+        let mut by_key: HashMap<(String, String), usize> = HashMap::new();
+        let mut group_of = Vec::with_capacity(items.len());
+        for (job, t) in items {
+            let (update, outcome) = self.transition_update(job, t, &now);
+            outcomes.push(outcome);
+            let key = (job.lease.token.as_str().to_owned(), update.to_string());
+            let g = *by_key.entry(key).or_insert_with(|| {
+                groups.push(Group {
+                    token: job.lease.token.as_str().to_owned(),
+                    update,
+                    ids: Vec::new(),
+                });
+                groups.len() - 1
+            });
+            groups[g].ids.push(Bson::ObjectId(job.id()));
+            group_of.push(g);
+        }
+        let reply = self.bulk_fenced(groups_to_statements(groups)).await?;
+        if reply.matched == items.len() && reply.refused.is_empty() {
+            return Ok(outcomes.into_iter().map(Ok).collect());
+        }
+        let stored = self
+            .read_back(items.iter().map(|(j, _)| j.id()).collect())
+            .await?;
+        Ok(items
+            .iter()
+            .zip(group_of)
+            .map(
+                |((job, t), g)| match stored.get(&job.id()).and_then(|d| shows(d, job, t)) {
+                    Some(outcome) => Ok(outcome),
+                    None => match reply.refused.get(&g) {
+                        Some(reason) => Err(Error::Malformed {
+                            id: job.id().to_hex(),
+                            reason: reason.clone(),
+                        }),
+                        None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
+                    },
+                },
+            )
+            .collect())
+    }
+
+    /// Completes many claimed jobs in one unordered bulk of per-job fenced updates (jobs
+    /// of one claim completed with the same result share one `multi` statement that
+    /// fences each document by its own `_id`, state and token): each job's own outcome, in input order — `Ok(())`, or
+    /// [`Error::LeaseLost`] with nothing written for that job.
+    ///
+    /// # Errors
+    /// A database error for the bulk as a whole (retry it: a retried bulk reports what
+    /// the lost attempt applied).
+    pub async fn complete_many(&self, jobs: &[(ClaimedJob, Bson)]) -> Result<Vec<Result<()>>> {
+        let items: Vec<(ClaimedJob, Transition)> = jobs
+            .iter()
+            .map(|(j, r)| (j.clone(), Transition::Complete(r.clone())))
+            .collect();
+        Ok(self
+            .settle_many(&items)
+            .await?
+            .into_iter()
+            .map(|r| r.map(|_| ()))
+            .collect())
+    }
+
+    /// Extends the leases of many claimed jobs to `lease_ttl` from now (server time) in
+    /// one unordered bulk of per-job fenced updates (one `multi` statement per claim
+    /// token, fencing each document by its own `_id`, state and token), and says for each job, in input order,
+    /// whether its claim still holds it (a short bulk is read back by `_id`).
+    ///
+    /// # Errors
+    /// A database error for the bulk as a whole.
+    pub async fn heartbeat_many(&self, jobs: &[ClaimedJob]) -> Result<Vec<bool>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = self.inner.time.now().await?;
+        let until = now.plus_ms(self.inner.ttl_ms);
+        let update =
+            doc! { "$set": { field::LEASE_UNTIL: until, field::UPDATED_AT: now.estimate() } };
+        let mut groups: Vec<Group> = Vec::new();
+        let mut by_token: HashMap<&str, usize> = HashMap::new();
+        for job in jobs {
+            let g = *by_token.entry(job.lease.token.as_str()).or_insert_with(|| {
+                groups.push(Group {
+                    token: job.lease.token.as_str().to_owned(),
+                    update: update.clone(),
+                    ids: Vec::new(),
+                });
+                groups.len() - 1
+            });
+            groups[g].ids.push(Bson::ObjectId(job.id()));
+        }
+        let reply = self.bulk_fenced(groups_to_statements(groups)).await?;
+        if reply.matched == jobs.len() {
+            return Ok(vec![true; jobs.len()]);
+        }
+        let stored = self
+            .read_back(jobs.iter().map(ClaimedJob::id).collect())
+            .await?;
+        Ok(jobs
+            .iter()
+            .map(|job| {
+                stored.get(&job.id()).is_some_and(|d| {
+                    d.get_str(field::STATE).ok() == Some(JobState::Running.as_str())
+                        && d.get_document(field::LEASE)
+                            .ok()
+                            .and_then(|l| l.get_str(field::lease::TOKEN).ok())
+                            == Some(job.lease.token.as_str())
+                })
+            })
+            .collect())
+    }
+
     async fn fenced(&self, job: &ClaimedJob, update: Document) -> Result<()> {
         let r = self
             .inner
@@ -62,7 +454,7 @@ impl JobQueue {
     /// expiry.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn heartbeat(&self, job: &ClaimedJob) -> Result<DateTime> {
         let now = self.inner.time.now().await?;
@@ -78,7 +470,7 @@ impl JobQueue {
     /// Marks the job succeeded and stores `result`.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job, result), fields(job = %job.job.id), level = "debug")]
     pub async fn complete(&self, job: &ClaimedJob, result: impl Into<Bson>) -> Result<()> {
@@ -111,7 +503,7 @@ impl JobQueue {
     /// once it has used `max_attempts`; `error` is kept as `last_error` either way.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job), fields(job = %job.job.id), level = "debug")]
     pub async fn fail(&self, job: &ClaimedJob, error: &str) -> Result<FailOutcome> {
@@ -149,7 +541,7 @@ impl JobQueue {
     /// (graceful shutdown uses this).
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn release(&self, job: &ClaimedJob) -> Result<()> {
         let now = self.inner.time.now().await?.estimate();
@@ -171,7 +563,7 @@ impl JobQueue {
     /// Cancels the job this claim holds, keeping `reason` as `last_error`.
     ///
     /// # Errors
-    /// [`Error::LeaseLost`](crate::Error::LeaseLost) if the claim no longer holds the
+    /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn cancel_claimed(&self, job: &ClaimedJob, reason: &str) -> Result<()> {
         let now = self.inner.time.now().await?.estimate();

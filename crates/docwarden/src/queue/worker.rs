@@ -1,39 +1,58 @@
-//! The worker runtime: `N` concurrent handlers, heartbeats, wake-ups, graceful shutdown.
+//! The worker runtime: `N` concurrent handlers fed by batch claims, with batched
+//! completions and heartbeats, wake-ups, graceful shutdown.
 //!
-//! **Guarantee:** while a handler runs, its lease is extended every `heartbeat_every`;
-//! if a heartbeat finds the lease lost, the handler is dropped and nothing is written
-//! for it. Idle workers wake on a change-stream event for new or released jobs, and
-//! otherwise poll with a jittered backoff between `poll_min` and `poll_max`. Database
-//! errors (a restarting server) make the worker back off and resume; they never end it.
-//! Shutdown stops claiming, waits for running handlers up to `shutdown_deadline`, then
-//! releases the jobs still running so other workers can claim them at once.
+//! **How it runs.** The worker claims for all its free handler slots at once, plus a
+//! prefetch that grows while handlers finish faster than a claim comes back
+//! ([`WorkerOptions::prefetch`]), in batches of up to [`WorkerOptions::batch_size`]
+//! ([`JobQueue::claim_batch`]: three round trips per batch, partitions keep workers off
+//! each other's jobs; one claim loop). Claimed jobs wait
+//! in the worker for a free handler. Final transitions (complete, fail, release) are
+//! queued to one writer that sends everything queued as one unordered bulk of per-job
+//! fenced updates ([`JobQueue::complete_many`] is the public form) while the previous
+//! bulk is in flight, and every
+//! `heartbeat_every` one bulk extends every lease the worker holds
+//! ([`JobQueue::heartbeat_many`]). Leases stay per job, and every write stays fenced
+//! per job: each job gets its own outcome (counted in [`WorkerReport`]).
+//!
+//! **Guarantee:** while a job is held (waiting or running), its lease is extended every
+//! `heartbeat_every`; if a heartbeat finds the lease lost, the handler is dropped (or
+//! never started) and nothing is written for it. Idle workers wake on a change-stream
+//! event for new or released jobs (a new job is claimed by `_id` straight from the
+//! event: one round trip), and otherwise poll with a jittered backoff between
+//! `poll_min` and `poll_max`. Database errors (a restarting server) make the worker back
+//! off and resume; they never end it. Shutdown stops claiming, releases the jobs still
+//! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
+//! jobs still running so other workers can claim them at once.
 //!
 //! Shutdown, [`Worker::kill`] and dropping the handle all stop every task of the
-//! worker (supervisor, handlers, change-stream listener). A transition whose reply was
-//! lost counts as applied only if the job shows that transition's own result.
+//! worker (supervisor, handlers, writer, heartbeats, change-stream listener). A
+//! transition whose reply was lost counts as applied only if the job shows that
+//! transition's own result.
 //!
 //! **Limits:** a worker that is killed (its task aborted, its process gone) releases
-//! nothing; its jobs are re-claimable after the lease expires.
+//! nothing; its jobs are re-claimable after the lease expires, including jobs whose
+//! handler had finished but whose completion was still queued (delivery is at least
+//! once). Jobs waiting in the worker hold their leases: a slow handler delays them by
+//! at most the prefetch (which stays 0 while handlers are slower than claims).
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
-use mongodb::bson::{Bson, doc};
+use futures::{FutureExt, StreamExt};
+use mongodb::bson::{Bson, doc, oid::ObjectId};
 use mongodb::error::ErrorKind;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::JobQueue;
-use super::claim::LEASE_EXPIRED_REASON;
 use super::job::{ClaimedJob, JobState, field};
-use super::ops::CANCELLED_REASON;
 use super::options::WorkerOptions;
-use super::transition::{FailOutcome, clip};
+use super::transition::{FailOutcome, Settled, Transition};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 
@@ -76,6 +95,9 @@ impl Counters {
     fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
+    fn add(c: &AtomicU64, n: usize) {
+        c.fetch_add(u64::try_from(n).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
     fn report(&self) -> WorkerReport {
         WorkerReport {
             claimed: self.claimed.load(Ordering::Relaxed),
@@ -95,6 +117,12 @@ type BoxHandler = Arc<
         + Sync,
 >;
 
+/// Most claim loops of one worker (see `supervise`).
+const MAX_CLAIMERS: usize = 1;
+
+/// Most final transitions written by one bulk.
+const MAX_BULK: usize = 1024;
+
 struct Ctx {
     queue: JobQueue,
     options: WorkerOptions,
@@ -105,6 +133,47 @@ struct Ctx {
     /// Held by the change-stream listener task while it lives (see
     /// [`Worker::listener_probe`]).
     listener_alive: Arc<()>,
+    /// Every lease the worker holds (waiting, running, or transition queued), with the
+    /// token that drops its handler when a heartbeat finds the lease lost.
+    held: Mutex<HashMap<ObjectId, (ClaimedJob, CancellationToken)>>,
+    /// Jobs claimed whose handler has not finished (waiting + running).
+    outstanding: AtomicUsize,
+    /// Handler slots waiting for a job.
+    idle_handlers: AtomicUsize,
+    /// Jobs held beyond the handler slots at most, now (adapts up to
+    /// [`WorkerOptions::prefetch`]).
+    prefetch: AtomicUsize,
+    /// Handlers finished so far (the prefetch grows only once some have finished).
+    finished: AtomicU64,
+    /// Signalled when a handler finishes (a slot is free).
+    slot_freed: Notify,
+}
+
+impl Ctx {
+    fn hold(&self, jobs: &[ClaimedJob]) -> Vec<CancellationToken> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.iter()
+            .map(|j| {
+                let lost = CancellationToken::new();
+                held.insert(j.id(), (j.clone(), lost.clone()));
+                lost
+            })
+            .collect()
+    }
+    fn forget(&self, id: &ObjectId) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+    }
+    fn held_jobs(&self) -> Vec<ClaimedJob> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|(j, _)| j.clone())
+            .collect()
+    }
 }
 
 /// A running worker, started by [`Worker::spawn`]. Dropping it aborts the worker like
@@ -163,6 +232,12 @@ impl Worker {
             handler,
             counters: Arc::clone(&counters),
             listener_alive,
+            held: Mutex::new(HashMap::new()),
+            outstanding: AtomicUsize::new(0),
+            idle_handlers: AtomicUsize::new(0),
+            prefetch: AtomicUsize::new(0),
+            finished: AtomicU64::new(0),
+            slot_freed: Notify::new(),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -196,8 +271,9 @@ impl Worker {
         self.listener_probe.clone()
     }
 
-    /// Graceful shutdown: stop claiming, wait for running handlers up to the deadline,
-    /// release the jobs still running, and return the final counts.
+    /// Graceful shutdown: stop claiming, release the jobs waiting for a handler, wait
+    /// for running handlers up to the deadline, release the jobs still running, and
+    /// return the final counts.
     pub async fn shutdown(mut self) -> WorkerReport {
         self.shutdown.cancel();
         if let Some(task) = self.task.take()
@@ -233,11 +309,18 @@ impl Drop for Worker {
     }
 }
 
+/// A job handed to a handler slot, with the token a heartbeat cancels if it finds the
+/// lease lost.
+type Handoff = (ClaimedJob, CancellationToken);
+/// A final transition queued for the writer.
+type Final = (ClaimedJob, Transition);
+
 async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let notify = Arc::new(Notify::new());
+    let (woke_tx, mut woke_rx) = mpsc::channel::<Bson>(64);
     let stop_listening = shutdown.child_token();
-    // Background tasks live in a `JoinSet` owned by this future: when the supervisor is
-    // aborted (kill, drop), the set is dropped and aborts them too.
+    // Background tasks live in `JoinSet`s owned by this future: when the supervisor is
+    // aborted (kill, drop), the sets are dropped and abort them too.
     let mut background: JoinSet<()> = JoinSet::new();
     if ctx.options.change_stream {
         let alive = Arc::clone(&ctx.listener_alive);
@@ -245,6 +328,7 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             listen(
                 ctx.queue.clone(),
                 Arc::clone(&notify),
+                woke_tx,
                 stop_listening.clone(),
                 alive,
             )
@@ -252,8 +336,84 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         );
     }
     let hard = CancellationToken::new();
-    let sem = Arc::new(Semaphore::new(ctx.options.concurrency));
-    let mut jobs: JoinSet<()> = JoinSet::new();
+    let (final_tx, final_rx) = mpsc::unbounded_channel::<Final>();
+    let mut writer: JoinSet<()> = JoinSet::new();
+    writer.spawn(write_finals(Arc::clone(&ctx), final_rx).in_current_span());
+    let stop_heartbeats = CancellationToken::new();
+    background.spawn(heartbeats(Arc::clone(&ctx), stop_heartbeats.clone()).in_current_span());
+    let (job_tx, job_rx) = mpsc::unbounded_channel::<Handoff>();
+    let job_rx = Arc::new(tokio::sync::Mutex::new(job_rx));
+    let mut handlers: JoinSet<()> = JoinSet::new();
+    for _ in 0..ctx.options.concurrency {
+        handlers.spawn(
+            run_slot(
+                Arc::clone(&ctx),
+                Arc::clone(&job_rx),
+                final_tx.clone(),
+                shutdown.clone(),
+                hard.clone(),
+            )
+            .in_current_span(),
+        );
+    }
+    // Claim loops: overlapping claims (each is three round trips) measured slower on
+    // the embedded server at a 100,000-job backlog (their writes queue on its
+    // per-collection write lock; `docs/benchmarks.md`), so one loop for now.
+    let claimers = (ctx.options.concurrency / 4).clamp(1, MAX_CLAIMERS);
+    let mut loops =
+        vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx).boxed()];
+    for _ in 1..claimers {
+        loops.push(claim_loop(&ctx, &shutdown, None, &job_tx).boxed());
+    }
+    futures::future::join_all(loops).await;
+    stop_listening.cancel();
+    // Release the jobs still waiting for a handler (the slots stop taking jobs on
+    // shutdown).
+    drop(job_tx);
+    let waiting: Vec<Handoff> = {
+        let mut rx = job_rx.lock().await;
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    };
+    if !waiting.is_empty() {
+        tracing::info!(
+            waiting = waiting.len(),
+            "shutting down: releasing waiting jobs"
+        );
+    }
+    for (job, _) in waiting {
+        ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
+        let _ = final_tx.send((job, Transition::Release));
+    }
+    let running = ctx.outstanding.load(Ordering::Relaxed);
+    if running > 0 {
+        tracing::info!(running, "shutting down: waiting for running jobs");
+    }
+    let drained = tokio::time::timeout(ctx.options.shutdown_deadline, async {
+        while handlers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::info!(
+            remaining = handlers.len(),
+            "shutdown deadline passed: releasing jobs"
+        );
+        hard.cancel();
+        while handlers.join_next().await.is_some() {}
+    }
+    drop(final_tx);
+    while writer.join_next().await.is_some() {}
+    stop_heartbeats.cancel();
+    while background.join_next().await.is_some() {}
+}
+
+/// Claims while there are free slots, until shutdown. The first loop also wakes on
+/// change-stream events (`wake`); the others poll when the queue is empty.
+async fn claim_loop(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+    mut wake: Option<(&Notify, &mut mpsc::Receiver<Bson>)>,
+    job_tx: &mpsc::UnboundedSender<Handoff>,
+) {
     let o = &ctx.options;
     let mut idle = match Backoff::new(o.poll_min, o.poll_max) {
         Ok(b) => b.with_floor(o.poll_min),
@@ -269,173 +429,318 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             return;
         }
     };
+    let mut woken: Option<Bson> = None;
     loop {
-        while jobs.try_join_next().is_some() {}
-        let first = tokio::select! {
-            biased;
-            () = shutdown.cancelled() => break,
-            p = Arc::clone(&sem).acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let mut permits = vec![first];
-        while permits.len() < o.batch_size {
-            match Arc::clone(&sem).try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
-            }
+        if shutdown.is_cancelled() {
+            return;
         }
-        let claimed = if permits.len() == 1 {
-            ctx.queue
-                .claim(&ctx.owner)
-                .await
-                .map(|j| j.into_iter().collect::<Vec<_>>())
-        } else {
-            ctx.queue.claim_batch(&ctx.owner, permits.len()).await
+        // Reserve the slots this claim fills, so that concurrent claim loops never hold
+        // more than the handlers plus the prefetch.
+        let prefetch = ctx.prefetch.load(Ordering::Relaxed);
+        let target = o.concurrency + prefetch;
+        let threshold = (o.batch_size.min(target) / 2).max(1);
+        let reserved =
+            ctx.outstanding
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |outstanding| {
+                    let free = target.saturating_sub(outstanding);
+                    if free == 0 || (free < threshold && outstanding >= o.concurrency) {
+                        None
+                    } else {
+                        Some(outstanding + free.min(o.batch_size))
+                    }
+                });
+        let want = match reserved {
+            Ok(before) => (target - before).min(o.batch_size),
+            Err(_) => {
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => return,
+                    () = ctx.slot_freed.notified() => {}
+                }
+                continue;
+            }
         };
+        let claimed = match woken.take() {
+            Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
+                Ok(Some(job)) => Ok(vec![job]),
+                Ok(None) => claim(ctx, want).await,
+                Err(e) => Err(e),
+            },
+            None => claim(ctx, want).await,
+        };
+        let got = claimed.as_ref().map_or(0, Vec::len);
+        if got < want {
+            ctx.outstanding.fetch_sub(want - got, Ordering::AcqRel);
+            ctx.slot_freed.notify_waiters();
+        }
         match claimed {
-            Ok(claimed) if !claimed.is_empty() => {
+            Ok(jobs) if !jobs.is_empty() => {
                 idle.reset();
                 errors.reset();
-                for (job, permit) in claimed.into_iter().zip(permits) {
-                    Counters::bump(&ctx.counters.claimed);
-                    jobs.spawn(
-                        run_job(Arc::clone(&ctx), job, permit, hard.clone()).in_current_span(),
-                    );
+                // Handlers that have run jobs wait for one while the queue still gave
+                // a full batch: they are faster than claims, so hold more. (Handlers
+                // that never finished a job, say stuck ones, never grow it.)
+                let starved = ctx.finished.load(Ordering::Relaxed) > 0
+                    && ctx.idle_handlers.load(Ordering::Relaxed) > 0;
+                if jobs.len() < want {
+                    ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
+                } else if starved {
+                    let grown = (prefetch * 2).max(o.concurrency).min(o.prefetch);
+                    ctx.prefetch.store(grown, Ordering::Relaxed);
+                }
+                Counters::add(&ctx.counters.claimed, jobs.len());
+                let tokens = ctx.hold(&jobs);
+                for handoff in jobs.into_iter().zip(tokens) {
+                    if job_tx.send(handoff).is_err() {
+                        return;
+                    }
                 }
             }
             Ok(_) => {
                 errors.reset();
-                drop(permits);
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    () = notify.notified() => {}
-                    () = tokio::time::sleep(idle.next_delay()) => {}
+                ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
+                let delay = idle.next_delay();
+                match wake.as_mut() {
+                    Some((notify, woke)) => {
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = notify.notified() => {
+                                // A single new job: claim it by `_id` (one round trip);
+                                // several at once: a batch claim takes them in order.
+                                woken = woke.try_recv().ok();
+                                if woke.try_recv().is_ok() {
+                                    woken = None;
+                                    while woke.try_recv().is_ok() {}
+                                }
+                            }
+                            () = tokio::time::sleep(delay) => {
+                                while woke.try_recv().is_ok() {}
+                            }
+                        }
+                    }
+                    None => {
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(delay) => {}
+                        }
+                    }
                 }
             }
             Err(e) => {
                 Counters::bump(&ctx.counters.claim_errors);
-                drop(permits);
                 let delay = errors.next_delay();
                 tracing::warn!(error = %e, ?delay, "claim failed; backing off");
                 tokio::select! {
-                    () = shutdown.cancelled() => break,
+                    () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(delay) => {}
                 }
             }
         }
     }
-    stop_listening.cancel();
-    let in_flight = jobs.len();
-    if in_flight > 0 {
-        tracing::info!(in_flight, "shutting down: waiting for running jobs");
-    }
-    let drained = tokio::time::timeout(ctx.options.shutdown_deadline, async {
-        while jobs.join_next().await.is_some() {}
-    })
-    .await;
-    if drained.is_err() {
-        tracing::info!(
-            remaining = jobs.len(),
-            "shutdown deadline passed: releasing jobs"
-        );
-        hard.cancel();
-        while jobs.join_next().await.is_some() {}
-    }
-    while background.join_next().await.is_some() {}
 }
 
-async fn run_job(
+/// One claim of up to `want` jobs: a batch claim, or the strict single claim when the
+/// worker's batch size is 1.
+async fn claim(ctx: &Ctx, want: usize) -> Result<Vec<ClaimedJob>> {
+    if ctx.options.batch_size == 1 {
+        Ok(ctx.queue.claim(&ctx.owner).await?.into_iter().collect())
+    } else {
+        ctx.queue.claim_batch(&ctx.owner, want).await
+    }
+}
+
+/// One handler slot: takes the next waiting job, runs the handler, queues its final
+/// transition. Stops taking jobs at shutdown.
+async fn run_slot(
     ctx: Arc<Ctx>,
-    job: ClaimedJob,
-    _permit: OwnedSemaphorePermit,
+    jobs: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Handoff>>>,
+    finals: mpsc::UnboundedSender<Final>,
+    shutdown: CancellationToken,
     hard: CancellationToken,
 ) {
-    let span = tracing::info_span!("job", id = %job.id(), attempt = job.job.attempts);
-    async move {
-        let handler = (ctx.handler)(job.clone());
-        let heartbeats = async {
-            loop {
-                tokio::time::sleep(ctx.heartbeat_every).await;
-                match ctx.queue.heartbeat(&job).await {
-                    Ok(_) => {}
-                    Err(Error::LeaseLost { .. }) => return,
-                    Err(e) => tracing::warn!(error = %e, "heartbeat failed; will retry"),
-                }
-            }
+    loop {
+        ctx.idle_handlers.fetch_add(1, Ordering::Relaxed);
+        let next = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => None,
+            next = async { jobs.lock().await.recv().await } => next,
         };
-        let outcome = tokio::select! {
-            r = handler => Some(r),
-            () = heartbeats => None,
-            () = hard.cancelled() => {
-                match settle(&ctx, &job, &Transition::Release).await {
-                    Ok(_) => {
-                        Counters::bump(&ctx.counters.released);
-                        tracing::info!("released at shutdown");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not release"),
-                }
-                return;
-            }
-        };
-        let Some(outcome) = outcome else {
-            Counters::bump(&ctx.counters.lease_lost);
-            tracing::warn!("lease lost while the handler ran; handler dropped");
+        ctx.idle_handlers.fetch_sub(1, Ordering::Relaxed);
+        let Some((job, lost)) = next else {
             return;
         };
-        match outcome {
-            Ok(result) => match settle(&ctx, &job, &Transition::Complete(result)).await {
-                Ok(_) => {
-                    Counters::bump(&ctx.counters.succeeded);
-                    tracing::debug!("completed");
-                }
-                Err(Error::LeaseLost { .. }) => {
-                    Counters::bump(&ctx.counters.lease_lost);
-                    tracing::warn!("completion refused: the lease was lost");
-                }
-                Err(e) => tracing::warn!(error = %e, "could not complete"),
-            },
-            Err(err) => {
-                let text = err.to_string();
-                match settle(&ctx, &job, &Transition::Fail(text.clone())).await {
-                    Ok(Some(FailOutcome::Dead)) => {
-                        Counters::bump(&ctx.counters.dead);
-                        tracing::warn!(error = %text, "job failed its last attempt: dead");
-                    }
-                    Ok(_) => {
-                        Counters::bump(&ctx.counters.retried);
-                        tracing::info!(error = %text, "job failed; will retry");
-                    }
-                    Err(Error::LeaseLost { .. }) => {
-                        Counters::bump(&ctx.counters.lease_lost);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not record the failure"),
+        let final_transition = run_job(&ctx, &job, &lost, &hard).await;
+        ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
+        ctx.finished.fetch_add(1, Ordering::Relaxed);
+        ctx.slot_freed.notify_one();
+        match final_transition {
+            Some(t) => {
+                if finals.send((job, t)).is_err() {
+                    return;
                 }
             }
+            None => ctx.forget(&job.id()),
+        }
+    }
+}
+
+/// Runs the handler of one job; returns the transition to write, or `None` when the
+/// lease was lost (nothing is written).
+async fn run_job(
+    ctx: &Ctx,
+    job: &ClaimedJob,
+    lost: &CancellationToken,
+    hard: &CancellationToken,
+) -> Option<Transition> {
+    let span = tracing::info_span!("job", id = %job.id(), attempt = job.job.attempts);
+    async move {
+        if lost.is_cancelled() {
+            return None;
+        }
+        let handler = (ctx.handler)(job.clone());
+        tokio::select! {
+            r = handler => Some(match r {
+                Ok(result) => Transition::Complete(result),
+                Err(err) => Transition::Fail(err.to_string()),
+            }),
+            () = lost.cancelled() => {
+                tracing::warn!("lease lost while the handler ran; handler dropped");
+                None
+            }
+            () = hard.cancelled() => Some(Transition::Release),
         }
     }
     .instrument(span)
-    .await;
+    .await
 }
 
-/// The final transition of a job run by the worker.
-enum Transition {
-    Complete(Bson),
-    Fail(String),
-    Release,
+/// The writer: sends every final transition queued as one bulk while the previous bulk
+/// is in flight, and counts each job's own outcome. Ends when every sender is gone and
+/// the queue is written.
+async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BULK {
+            match rx.try_recv() {
+                Ok(f) => batch.push(f),
+                Err(_) => break,
+            }
+        }
+        let outcomes = settle_batch(&ctx.queue, &batch).await;
+        for ((job, t), outcome) in batch.iter().zip(outcomes) {
+            ctx.forget(&job.id());
+            count(&ctx.counters, t, outcome);
+        }
+    }
 }
 
-/// Runs a fenced transition, retrying transient database errors (a restarting server)
-/// with backoff for up to the lease TTL plus 30 s. If a retry reports the lease lost
-/// after an earlier attempt failed in transit, the job is read back and the earlier
-/// attempt counts as applied only if the document shows *this* transition's result (see
-/// [`applied_earlier`]).
-async fn settle(ctx: &Ctx, job: &ClaimedJob, t: &Transition) -> Result<Option<FailOutcome>> {
-    settle_on(&ctx.queue, job, t, false).await
+fn count(counters: &Counters, t: &Transition, outcome: Settled) {
+    match (t, outcome) {
+        (Transition::Complete(_), Ok(_)) => {
+            Counters::bump(&counters.succeeded);
+            tracing::debug!("completed");
+        }
+        (Transition::Fail(text), Ok(Some(FailOutcome::Dead))) => {
+            Counters::bump(&counters.dead);
+            tracing::warn!(error = %text, "job failed its last attempt: dead");
+        }
+        (Transition::Fail(text), Ok(_)) => {
+            Counters::bump(&counters.retried);
+            tracing::info!(error = %text, "job failed; will retry");
+        }
+        (Transition::Release, Ok(_)) => {
+            Counters::bump(&counters.released);
+            tracing::info!("released at shutdown");
+        }
+        (_, Err(Error::LeaseLost { .. })) => {
+            Counters::bump(&counters.lease_lost);
+            tracing::warn!("transition refused: the lease was lost");
+        }
+        (_, Err(e)) => tracing::warn!(error = %e, "could not write the transition"),
+    }
 }
 
-/// [`settle`] on `queue`; `in_doubt` says an earlier attempt already failed in transit.
+/// [`JobQueue::settle_many`], retrying a bulk that failed as a whole (a restarting
+/// server) with backoff for up to the lease TTL plus 30 s; a retried bulk reports what
+/// the lost attempt applied (read back by `_id`). Gives every job the error if it never
+/// gets through.
+async fn settle_batch(queue: &JobQueue, batch: &[Final]) -> Vec<Settled> {
+    let limit = queue.options().lease_ttl + Duration::from_secs(30);
+    let started = tokio::time::Instant::now();
+    let mut backoff = match Backoff::new(Duration::from_millis(100), Duration::from_secs(3)) {
+        Ok(b) => b.with_floor(Duration::from_millis(50)),
+        Err(e) => return given_up(batch, &e),
+    };
+    loop {
+        match queue.settle_many(batch).await {
+            Ok(outcomes) => return outcomes,
+            Err(e) if e.is_retryable() && started.elapsed() < limit => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, ?delay, jobs = batch.len(), "bulk of transitions failed; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, jobs = batch.len(), "bulk of transitions failed");
+                return given_up(batch, &e);
+            }
+        }
+    }
+}
+
+/// Every job of a bulk that never got through gets the bulk's error (as text: the
+/// driver's error is not `Clone`).
+fn given_up(batch: &[Final], e: &Error) -> Vec<Settled> {
+    batch
+        .iter()
+        .map(|(job, _)| {
+            Err(Error::Malformed {
+                id: job.id().to_hex(),
+                reason: format!("the bulk of transitions failed: {e}"),
+            })
+        })
+        .collect()
+}
+
+/// Every `heartbeat_every`, extends every lease the worker holds in one bulk; a job
+/// whose lease was lost is forgotten and its handler dropped (or never started).
+async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(ctx.heartbeat_every) => {}
+        }
+        let jobs = ctx.held_jobs();
+        if jobs.is_empty() {
+            continue;
+        }
+        match ctx.queue.heartbeat_many(&jobs).await {
+            Ok(held) => {
+                for (job, still) in jobs.iter().zip(held) {
+                    if !still {
+                        let lost = ctx
+                            .held
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&job.id());
+                        if let Some((_, token)) = lost {
+                            token.cancel();
+                            Counters::bump(&ctx.counters.lease_lost);
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed; will retry"),
+        }
+    }
+}
+
+/// Runs a fenced transition of one job, retrying transient database errors (a
+/// restarting server) with backoff for up to the lease TTL plus 30 s. If a retry
+/// reports the lease lost after an earlier attempt failed in transit, the job is read
+/// back and the earlier attempt counts as applied only if the document shows *this*
+/// transition's result (see `transition::shows`). `in_doubt` says an earlier attempt already
+/// failed in transit.
+#[cfg(test)]
 async fn settle_on(
     queue: &JobQueue,
     job: &ClaimedJob,
@@ -458,8 +763,18 @@ async fn settle_on(
             Ok(v) => return Ok(v),
             Err(e @ Error::LeaseLost { .. }) => {
                 if in_doubt {
-                    match applied_earlier(queue, job, t).await {
-                        Ok(Some(v)) => return Ok(v),
+                    match queue
+                        .collection()
+                        .find_one(
+                            doc! { field::ID: job.id(), field::LEASE_TOKEN: &job.lease.token },
+                        )
+                        .await
+                    {
+                        Ok(Some(d)) => {
+                            if let Some(v) = super::transition::shows(&d, job, t) {
+                                return Ok(v);
+                            }
+                        }
                         Ok(None) => {}
                         Err(read) => {
                             tracing::warn!(error = %read, "could not read the job back");
@@ -479,83 +794,28 @@ async fn settle_on(
     }
 }
 
-/// Whether an earlier attempt of `t`, whose reply was lost, did apply: `Some(outcome)`
-/// only when the stored job shows that transition's own result under our token.
-///
-/// "Our token, no longer running" is not enough: the sweep (lease expired) and an
-/// operator's `cancel` keep the token. So each transition checks its target:
-/// - complete: `succeeded` (only a fenced completion writes it);
-/// - fail: `retrying` or `dead` as the attempt count decides, with our `last_error`
-///   (the sweep's and the operator's reasons are fixed strings; a handler error equal to
-///   one of them is never taken as proof);
-/// - release: `ready` or `retrying` with the attempt given back (`attempts` one below
-///   the claim's; the sweep and cancel keep `attempts`).
-async fn applied_earlier(
-    queue: &JobQueue,
-    job: &ClaimedJob,
-    t: &Transition,
-) -> Result<Option<Option<FailOutcome>>> {
-    let Some(d) = queue
-        .collection()
-        .find_one(doc! { field::ID: job.id(), field::LEASE_TOKEN: &job.lease.token })
-        .await?
-    else {
-        return Ok(None);
-    };
-    let state = d.get_str(field::STATE).ok().and_then(JobState::parse);
-    let last_error = d.get_str(field::LAST_ERROR).ok();
-    let attempts = match d.get(field::ATTEMPTS) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    };
-    Ok(match t {
-        Transition::Complete(_) => (state == Some(JobState::Succeeded)).then_some(None),
-        Transition::Fail(text) => {
-            let ours = clip(text);
-            if ours == LEASE_EXPIRED_REASON
-                || ours == CANCELLED_REASON
-                || last_error != Some(ours.as_str())
-            {
-                None
-            } else if job.job.attempts >= job.job.max_attempts {
-                (state == Some(JobState::Dead)).then_some(Some(FailOutcome::Dead))
-            } else if state == Some(JobState::Retrying) {
-                let run_at = d
-                    .get_datetime(field::RUN_AT)
-                    .ok()
-                    .copied()
-                    .unwrap_or(job.job.run_at);
-                let since = d
-                    .get_datetime(field::UPDATED_AT)
-                    .map(|u| u.timestamp_millis())
-                    .unwrap_or(run_at.timestamp_millis());
-                let delay = u64::try_from(run_at.timestamp_millis().saturating_sub(since))
-                    .map(Duration::from_millis)
-                    .unwrap_or_default();
-                Some(Some(FailOutcome::Retrying { run_at, delay }))
-            } else {
-                None
-            }
-        }
-        Transition::Release => (matches!(state, Some(JobState::Ready | JobState::Retrying))
-            && attempts == Some(job.job.attempts - 1))
-        .then_some(None),
-    })
-}
-
-/// Wakes the supervisor on inserts and on jobs put back to ready/retrying. Ends (the
+/// Wakes the supervisor on inserts and on jobs put back to ready/retrying, and passes
+/// the `_id` of an inserted job so an idle worker can claim it by `_id`. Ends (the
 /// worker keeps polling) if the server refuses change streams.
-async fn listen(queue: JobQueue, notify: Arc<Notify>, stop: CancellationToken, _alive: Arc<()>) {
+async fn listen(
+    queue: JobQueue,
+    notify: Arc<Notify>,
+    woke: mpsc::Sender<Bson>,
+    stop: CancellationToken,
+    _alive: Arc<()>,
+) {
     let Ok(mut backoff) = Backoff::new(Duration::from_millis(200), Duration::from_secs(10)) else {
         return;
     };
-    let pipeline = vec![doc! { "$match": { "$or": [
-        { "operationType": "insert" },
-        { "updateDescription.updatedFields.state": {
-            "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()]
-        } },
-    ] } }];
+    let pipeline = vec![
+        doc! { "$match": { "$or": [
+            { "operationType": "insert" },
+            { "updateDescription.updatedFields.state": {
+                "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()]
+            } },
+        ] } },
+        doc! { "$project": { "operationType": 1, "documentKey": 1 } },
+    ];
     loop {
         let opened = tokio::select! {
             () = stop.cancelled() => return,
@@ -569,7 +829,14 @@ async fn listen(queue: JobQueue, notify: Arc<Notify>, stop: CancellationToken, _
                     tokio::select! {
                         () = stop.cancelled() => return,
                         ev = stream.next() => match ev {
-                            Some(Ok(_)) => notify.notify_one(),
+                            Some(Ok(ev)) => {
+                                if let Some(key) = ev.document_key.as_ref().and_then(|k| k.get(field::ID))
+                                    && matches!(ev.operation_type, mongodb::change_stream::event::OperationType::Insert)
+                                {
+                                    let _ = woke.try_send(key.clone());
+                                }
+                                notify.notify_one();
+                            }
                             Some(Err(e)) => {
                                 tracing::debug!(error = %e, "change stream interrupted");
                                 break;

@@ -11,15 +11,24 @@
 //! window only fencing closes. The control run trusts client clocks and its fence checks
 //! no token.
 //!
+//! Every other worker is a service instance with two tasks under one owner id (a common
+//! shape: one id per instance, several tasks): besides the holder, a keep-alive task that
+//! was never told the work finished keeps renewing (and now and then releasing) stale
+//! copies of the leases the holder already released, through `LockCollection::renew` and
+//! `release`. Each must be refused, including when it reaches the server while the same
+//! owner's newer acquisition of the resource has not committed its token yet.
+//!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
-//! claim overlapped a newer holder, and every counter equals its acknowledged increments
-//! (give or take uncertain ones), all from the history and the final read.
+//! claim overlapped a newer holder, no released or superseded lease was renewed or
+//! released again (`stale-lease-accepted`), and every counter equals its acknowledged
+//! increments (give or take uncertain ones), all from the history and the final read.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
-use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner, WatchdogOptions};
+use docwarden::lock::{FenceOutcome, Lease, LockCollection, LockOptions, Owner, WatchdogOptions};
 use docwarden_workloads::Process;
 use docwarden_workloads::counters::{self, Counters, Op};
 use rand::Rng;
@@ -66,19 +75,101 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
     }
 }
 
+/// The stale copies of released leases a worker's keep-alive task renews, by resource.
+type StaleCopies = Arc<Mutex<BTreeMap<String, Lease>>>;
+
 /// One worker process: acquire, watch, touch, read, check validity, (pause), write,
-/// release, until the run's deadline.
+/// release, until the run's deadline; every other worker also runs a keep-alive task under
+/// the same owner id that renews stale copies of the released leases ([`keep_alive`]).
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
-    let mut rng = ctx.rng(process);
     let locks = LockCollection::new(
         ctx.db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
     )?;
+    let owner = Owner::random();
+    if process.id() % 2 == 1 {
+        return holder(ctx, process, &locks, &owner, deadline, None).await;
+    }
+    let stale = StaleCopies::default();
+    let (held, ()) = tokio::join!(
+        holder(ctx, process, &locks, &owner, deadline, Some(&stale)),
+        keep_alive(ctx, process, &locks, &stale, deadline),
+    );
+    held
+}
+
+/// The second task of a service instance: it still has copies of leases its sibling
+/// released and keeps renewing them (now and then releasing one), every 1-4 ms until the
+/// deadline. The library must refuse each: a released lease stays dead.
+async fn keep_alive(
+    ctx: &Ctx,
+    process: Process,
+    locks: &LockCollection,
+    stale: &StaleCopies,
+    deadline: Instant,
+) {
+    let mut rng = ctx.rng(process);
+    let (h, p) = (&ctx.history, process.id());
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1..=4))).await;
+        let copy = {
+            let copies = stale.lock().unwrap_or_else(|e| e.into_inner());
+            let n = copies.len();
+            (n > 0)
+                .then(|| copies.values().nth(rng.random_range(0..n)).cloned())
+                .flatten()
+        };
+        let Some(mut lease) = copy else { continue };
+        let (key, token) = (lease.resource.clone(), lease.token.get());
+        let outcome = |r: &docwarden::Result<()>, e: Event| match r {
+            Ok(()) => e.token(token).detail("a stale copy, accepted"),
+            Err(docwarden::Error::LeaseLost { .. }) => {
+                e.token(token).outcome(OpOutcome::Failed).detail("lost")
+            }
+            Err(err) => e
+                .token(token)
+                .outcome(Ctx::outcome_of(r))
+                .detail(err.to_string()),
+        };
+        if rng.random_bool(0.1) {
+            h.record(
+                p,
+                Op::Release.as_str(),
+                &key,
+                locks.release(&lease),
+                outcome,
+            )
+            .await
+            .ok();
+        } else {
+            h.record(
+                p,
+                Op::Renew.as_str(),
+                &key,
+                locks.renew(&mut lease, TTL),
+                outcome,
+            )
+            .await
+            .ok();
+        }
+    }
+}
+
+/// The holder task: acquire, watch, touch, read, check validity, (pause), write, release,
+/// until the deadline; hands each released lease to `stale` (its sibling keep-alive task).
+async fn holder(
+    ctx: &Ctx,
+    process: Process,
+    locks: &LockCollection,
+    owner: &Owner,
+    deadline: Instant,
+    stale: Option<&StaleCopies>,
+) -> anyhow::Result<()> {
+    let mut rng = ctx.rng(process);
     let counters = Counters::new(ctx.db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
-    let owner = Owner::random();
     let (h, p) = (&ctx.history, process.id());
     while Instant::now() < deadline {
         let key = counters::resource(rng.random_range(0..RESOURCES));
@@ -87,7 +178,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 p,
                 Op::Acquire.as_str(),
                 &key,
-                locks.try_acquire(&owner, &key, TTL),
+                locks.try_acquire(owner, &key, TTL),
                 |r, e| match r {
                     Ok(Some(l)) => e.token(l.token.get()),
                     Ok(None) => e.outcome(OpOutcome::Failed).detail("held"),
@@ -114,7 +205,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 p,
                 Op::Touch.as_str(),
                 &key,
-                counters.touch(&fence, &lease, &key, &owner),
+                counters.touch(&fence, &lease, &key, owner),
                 |r, e| classify(r, e.token(token)),
             )
             .await;
@@ -171,11 +262,17 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 );
             }
         }
-        h.record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
-            e.token(token).outcome(Ctx::outcome_of(r))
-        })
-        .await
-        .ok();
+        let released = h
+            .record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
+                e.token(token).outcome(Ctx::outcome_of(r))
+            })
+            .await;
+        if let (Some(stale), Ok(())) = (stale, released) {
+            stale
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, lease);
+        }
     }
     Ok(())
 }

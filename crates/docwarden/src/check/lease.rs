@@ -297,7 +297,7 @@ mod tests {
                 OpOutcome::Failed
             })
         };
-        let base = vec![
+        let base = [
             acquire(1, "r", 0, 10, 5),
             op(RELEASE_OP, 20, 30, 5, true),
             acquire(1, "r", 40, 50, 6),

@@ -118,11 +118,12 @@ pub(super) enum Fault {
     FailpointNetwork,
     FailpointNotprimary,
     FailpointLatency,
+    SlowReply,
 }
 
 impl Fault {
     /// Every fault, in the order of `--faults list`.
-    pub(super) const ALL: [Fault; 11] = [
+    pub(super) const ALL: [Fault; 12] = [
         Fault::Pause,
         Fault::Kill,
         Fault::Skew,
@@ -134,6 +135,7 @@ impl Fault {
         Fault::FailpointNetwork,
         Fault::FailpointNotprimary,
         Fault::FailpointLatency,
+        Fault::SlowReply,
     ];
 
     /// The name in summaries and in the history.
@@ -150,6 +152,7 @@ impl Fault {
             Fault::FailpointNetwork => "failpoint-network",
             Fault::FailpointNotprimary => "failpoint-notprimary",
             Fault::FailpointLatency => "failpoint-latency",
+            Fault::SlowReply => "slow-reply",
         }
     }
 
@@ -171,6 +174,9 @@ impl Fault {
                 "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
             }
             Fault::FailpointLatency => "failCommand blockConnection: commands block 50-200 ms",
+            Fault::SlowReply => {
+                "locks: one worker's own proxy delays only server-to-client bytes by 1.4 s while its clock samples (its estimate falls ~700 ms behind, within its bound)"
+            }
         }
     }
 
@@ -184,6 +190,7 @@ impl Fault {
                 | Fault::FailpointNetwork
                 | Fault::FailpointNotprimary
                 | Fault::FailpointLatency
+                | Fault::SlowReply
         )
     }
 

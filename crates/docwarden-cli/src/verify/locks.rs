@@ -18,6 +18,15 @@
 //! `release`. Each must be refused, including when it reaches the server while the same
 //! owner's newer acquisition of the resource has not committed its token yet.
 //!
+//! Under `slow-reply`, worker 0 reaches the server through its own proxy, which delays
+//! only the server-to-client bytes by 1.4 s for its first 5 s: its clock's first sample
+//! (`hello`, best of 3) comes back late in one direction, so its server-time estimate is
+//! about 700 ms behind — inside the sample's bound (half the round trip), which every
+//! deadline must subtract. That worker holds 3 s leases and works 1.5 s under each (its
+//! watchdog renews in between) before it checks validity; under `pause` it stops there
+//! past its lease half the time. A watchdog that forgot the bound after a renewal claims
+//! validity after a newer holder has acquired (`overlapping-leases`).
+//!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
 //! claim overlapped a newer holder, no released or superseded lease was renewed or
 //! released again (`stale-lease-accepted`), and every counter equals its acknowledged
@@ -38,6 +47,12 @@ use super::context::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
 const TTL: Duration = Duration::from_secs(1);
+/// Under `slow-reply`: the lease of the slowed worker, the work it does under each, and
+/// how late its replies are for the first [`SLOW_FOR`].
+const SLOW_TTL: Duration = Duration::from_secs(3);
+const SLOW_WORK: Duration = Duration::from_millis(1_500);
+const SLOW_REPLY: Duration = Duration::from_millis(1_400);
+const SLOW_FOR: Duration = Duration::from_secs(5);
 const LOCKS: &str = "verify_locks";
 const COUNTERS: &str = "counters";
 
@@ -83,19 +98,69 @@ type StaleCopies = Arc<Mutex<BTreeMap<String, Lease>>>;
 /// the same owner id that renews stale copies of the released leases ([`keep_alive`]).
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
+    if ctx.has(Fault::SlowReply) && process.id() == 0 {
+        return slowed(ctx, process, deadline).await;
+    }
     let locks = LockCollection::new(
         ctx.db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
     )?;
     let owner = Owner::random();
+    let shape = Shape {
+        ttl: TTL,
+        work: Duration::ZERO,
+        pause: 0.05,
+    };
     if process.id() % 2 == 1 {
-        return holder(ctx, process, &locks, &owner, deadline, None).await;
+        return holder(ctx, process, &locks, &owner, deadline, shape, None).await;
     }
     let stale = StaleCopies::default();
     let (held, ()) = tokio::join!(
-        holder(ctx, process, &locks, &owner, deadline, Some(&stale)),
+        holder(ctx, process, &locks, &owner, deadline, shape, Some(&stale)),
         keep_alive(ctx, process, &locks, &stale, deadline),
+    );
+    held
+}
+
+/// How a holder works: its lease, how long it works under the lease before it checks
+/// validity, and how often (under `pause`) it stops there past its lease.
+#[derive(Clone, Copy)]
+struct Shape {
+    ttl: Duration,
+    work: Duration,
+    pause: f64,
+}
+
+/// Worker 0 under `slow-reply`: its own client through its own proxy, whose replies are
+/// [`SLOW_REPLY`] late for the first [`SLOW_FOR`] (its clock samples then), and long leases
+/// with work under them.
+async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Result<()> {
+    let upstream = super::orchestrate::upstream_addr(&ctx.server_uri)?;
+    let proxy = super::proxy::Proxy::start(upstream).await?;
+    proxy.set_reply_latency(SLOW_REPLY);
+    let start = ctx.history.now_us();
+    let client = docwarden_server::connect(&proxy.uri(), Duration::from_secs(30)).await?;
+    let clock = docwarden::clock::TimeSource::server(client.clone(), Default::default())?;
+    let locks = LockCollection::new(
+        client.database(ctx.db.name()).collection(LOCKS),
+        clock,
+        LockOptions::default(),
+    )?;
+    let shape = Shape {
+        ttl: SLOW_TTL,
+        work: SLOW_WORK,
+        pause: 0.5,
+    };
+    let spike = async {
+        tokio::time::sleep(SLOW_FOR).await;
+        proxy.set_reply_latency(Duration::ZERO);
+        ctx.injected(Fault::SlowReply, process, start, ctx.history.now_us());
+    };
+    let owner = Owner::random();
+    let (held, ()) = tokio::join!(
+        holder(ctx, process, &locks, &owner, deadline, shape, None),
+        spike
     );
     held
 }
@@ -165,6 +230,7 @@ async fn holder(
     locks: &LockCollection,
     owner: &Owner,
     deadline: Instant,
+    shape: Shape,
     stale: Option<&StaleCopies>,
 ) -> anyhow::Result<()> {
     let mut rng = ctx.rng(process);
@@ -178,7 +244,7 @@ async fn holder(
                 p,
                 Op::Acquire.as_str(),
                 &key,
-                locks.try_acquire(owner, &key, TTL),
+                locks.try_acquire(owner, &key, shape.ttl),
                 |r, e| match r {
                     Ok(Some(l)) => e.token(l.token.get()),
                     Ok(None) => e.outcome(OpOutcome::Failed).detail("held"),
@@ -198,7 +264,7 @@ async fn holder(
             }
         };
         let token = lease.token.get();
-        let watchdog = locks.watch(lease.clone(), TTL, WatchdogOptions::default())?;
+        let watchdog = locks.watch(lease.clone(), shape.ttl, WatchdogOptions::default())?;
         // The fenced touch registers our token before we read.
         let touched = h
             .record(
@@ -223,6 +289,7 @@ async fn holder(
             );
         }
         if let Some(Ok(value)) = read {
+            tokio::time::sleep(shape.work).await;
             // Write only while the watchdog says the lease is certainly valid.
             let at = h.now_us();
             let left = watchdog
@@ -236,12 +303,12 @@ async fn holder(
                         .token(token)
                         .value(i64::try_from(left.as_millis()).unwrap_or(i64::MAX)),
                 );
-                if ctx.has(Fault::Pause) && rng.random_bool(0.05) {
+                if ctx.has(Fault::Pause) && rng.random_bool(shape.pause) {
                     // The holder stops between its check and its write, and its watchdog
                     // with it (as in a stopped process): the lease lapses.
                     watchdog.stop();
                     let start = h.now_us();
-                    tokio::time::sleep(TTL + Duration::from_millis(700)).await;
+                    tokio::time::sleep(shape.ttl + Duration::from_millis(700)).await;
                     ctx.injected(Fault::Pause, process, start, h.now_us());
                 }
                 h.record(

@@ -139,7 +139,15 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
     let upstream = super::orchestrate::upstream_addr(&ctx.server_uri)?;
     let proxy = super::proxy::Proxy::start(upstream).await?;
     proxy.set_reply_latency(SLOW_REPLY);
+    // Recorded when it starts, with its planned end (a killed worker's proxy stops with it).
     let start = ctx.history.now_us();
+    let planned = u64::try_from(SLOW_FOR.as_micros()).unwrap_or(u64::MAX);
+    ctx.injected(
+        Fault::SlowReply,
+        process,
+        start,
+        start.saturating_add(planned),
+    );
     let client = docwarden_server::connect(&proxy.uri(), Duration::from_secs(30)).await?;
     let clock = docwarden::clock::TimeSource::server(client.clone(), Default::default())?;
     let locks = LockCollection::new(
@@ -155,7 +163,6 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
     let spike = async {
         tokio::time::sleep(SLOW_FOR).await;
         proxy.set_reply_latency(Duration::ZERO);
-        ctx.injected(Fault::SlowReply, process, start, ctx.history.now_us());
     };
     let owner = Owner::random();
     let (held, ()) = tokio::join!(

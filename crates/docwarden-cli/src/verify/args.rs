@@ -175,7 +175,7 @@ impl Fault {
             }
             Fault::FailpointLatency => "failCommand blockConnection: commands block 50-200 ms",
             Fault::SlowReply => {
-                "locks: one worker's own proxy delays only server-to-client bytes by 1.4 s while its clock samples (its estimate falls ~700 ms behind, within its bound)"
+                "locks: one worker's own proxy delays only server-to-client bytes by 2.4 s while its clock samples (its estimate falls ~1.2 s behind, within its bound)"
             }
         }
     }

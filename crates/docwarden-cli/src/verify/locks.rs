@@ -19,12 +19,12 @@
 //! owner's newer acquisition of the resource has not committed its token yet.
 //!
 //! Under `slow-reply`, worker 0 reaches the server through its own proxy, which delays
-//! only the server-to-client bytes by 1.4 s for its first 5 s: its clock's first sample
+//! only the server-to-client bytes by 2.4 s for its first 8 s: its clock's first sample
 //! (`hello`, best of 3) comes back late in one direction, so its server-time estimate is
-//! about 700 ms behind — inside the sample's bound (half the round trip), which every
+//! about 1.2 s behind — inside the sample's bound (half the round trip), which every
 //! deadline must subtract. That worker holds 3 s leases and works 1.5 s under each (its
-//! watchdog renews in between) before it checks validity; under `pause` it stops there
-//! past its lease half the time. A watchdog that forgot the bound after a renewal claims
+//! watchdog renews in between) before it checks validity; under `pause` it always stops
+//! there past its lease. A watchdog that forgot the bound after a renewal claims
 //! validity after a newer holder has acquired (`overlapping-leases`).
 //!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
@@ -51,8 +51,8 @@ const TTL: Duration = Duration::from_secs(1);
 /// how late its replies are for the first [`SLOW_FOR`].
 const SLOW_TTL: Duration = Duration::from_secs(3);
 const SLOW_WORK: Duration = Duration::from_millis(1_500);
-const SLOW_REPLY: Duration = Duration::from_millis(1_400);
-const SLOW_FOR: Duration = Duration::from_secs(5);
+const SLOW_REPLY: Duration = Duration::from_millis(2_400);
+const SLOW_FOR: Duration = Duration::from_secs(8);
 const LOCKS: &str = "verify_locks";
 const COUNTERS: &str = "counters";
 
@@ -149,7 +149,11 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
         start.saturating_add(planned),
     );
     let client = docwarden_server::connect(&proxy.uri(), Duration::from_secs(30)).await?;
-    let clock = docwarden::clock::TimeSource::server(client.clone(), Default::default())?;
+    // A patient clock: its three `hello`s (2.4 s each) may take 10 s.
+    let clock = docwarden::clock::TimeSource::server(
+        client.clone(),
+        docwarden::clock::ClockOptions::default().hello_timeout(Duration::from_secs(10)),
+    )?;
     let locks = LockCollection::new(
         client.database(ctx.db.name()).collection(LOCKS),
         clock,
@@ -158,7 +162,7 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
     let shape = Shape {
         ttl: SLOW_TTL,
         work: SLOW_WORK,
-        pause: 0.5,
+        pause: 1.0,
     };
     let spike = async {
         tokio::time::sleep(SLOW_FOR).await;

@@ -19,7 +19,7 @@
 //! owner's newer acquisition of the resource has not committed its token yet.
 //!
 //! Under `slow-reply`, worker 0 reaches the server through its own proxy, which delays
-//! only the server-to-client bytes by 2.4 s for its first 8 s: its clock's first sample
+//! only the server-to-client bytes by 2.4 s while its clock takes its first sample
 //! (`hello`, best of 3) comes back late in one direction, so its server-time estimate is
 //! about 1.2 s behind — inside the sample's bound (half the round trip), which every
 //! deadline must subtract. That worker holds 3 s leases and works 1.5 s under each (its
@@ -48,11 +48,10 @@ use super::context::{Ctx, Findings};
 const RESOURCES: usize = 4;
 const TTL: Duration = Duration::from_secs(1);
 /// Under `slow-reply`: the lease of the slowed worker, the work it does under each, and
-/// how late its replies are for the first [`SLOW_FOR`].
+/// how late its replies are while its clock takes its first sample.
 const SLOW_TTL: Duration = Duration::from_secs(3);
 const SLOW_WORK: Duration = Duration::from_millis(1_500);
 const SLOW_REPLY: Duration = Duration::from_millis(2_400);
-const SLOW_FOR: Duration = Duration::from_secs(8);
 const LOCKS: &str = "verify_locks";
 const COUNTERS: &str = "counters";
 
@@ -133,27 +132,25 @@ struct Shape {
 }
 
 /// Worker 0 under `slow-reply`: its own client through its own proxy, whose replies are
-/// [`SLOW_REPLY`] late for the first [`SLOW_FOR`] (its clock samples then), and long leases
-/// with work under them.
+/// [`SLOW_REPLY`] late while its clock takes its first sample, then long leases with work
+/// under them.
 async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Result<()> {
     let upstream = super::orchestrate::upstream_addr(&ctx.server_uri)?;
     let proxy = super::proxy::Proxy::start(upstream).await?;
-    proxy.set_reply_latency(SLOW_REPLY);
-    // Recorded when it starts, with its planned end (a killed worker's proxy stops with it).
-    let start = ctx.history.now_us();
-    let planned = u64::try_from(SLOW_FOR.as_micros()).unwrap_or(u64::MAX);
-    ctx.injected(
-        Fault::SlowReply,
-        process,
-        start,
-        start.saturating_add(planned),
-    );
     let client = docwarden_server::connect(&proxy.uri(), Duration::from_secs(30)).await?;
     // A patient clock: its three `hello`s (2.4 s each) may take 10 s.
     let clock = docwarden::clock::TimeSource::server(
         client.clone(),
         docwarden::clock::ClockOptions::default().hello_timeout(Duration::from_secs(10)),
     )?;
+    // The spike lasts while the clock takes its first sample (recorded when it starts:
+    // a killed worker's proxy stops with it).
+    proxy.set_reply_latency(SLOW_REPLY);
+    let start = ctx.history.now_us();
+    ctx.injected(Fault::SlowReply, process, start, start);
+    let sampled = clock.now().await;
+    proxy.set_reply_latency(Duration::ZERO);
+    tracing::debug!(?sampled, "slow-reply: the clock sampled under the spike");
     let locks = LockCollection::new(
         client.database(ctx.db.name()).collection(LOCKS),
         clock,
@@ -164,16 +161,16 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
         work: SLOW_WORK,
         pause: 1.0,
     };
-    let spike = async {
-        tokio::time::sleep(SLOW_FOR).await;
-        proxy.set_reply_latency(Duration::ZERO);
-    };
-    let owner = Owner::random();
-    let (held, ()) = tokio::join!(
-        holder(ctx, process, &locks, &owner, deadline, shape, None),
-        spike
-    );
-    held
+    holder(
+        ctx,
+        process,
+        &locks,
+        &Owner::random(),
+        deadline,
+        shape,
+        None,
+    )
+    .await
 }
 
 /// The second task of a service instance: it still has copies of leases its sibling

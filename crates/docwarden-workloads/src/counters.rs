@@ -67,6 +67,10 @@ pub enum Op {
     Abandon,
     /// The lease released.
     Release,
+    /// A lease renewed directly (`LockCollection::renew`): in the lock workload, a stale
+    /// copy of a lease its holder already released, renewed by a second task under the
+    /// same owner id (it must be refused).
+    Renew,
 }
 
 impl Op {
@@ -79,7 +83,8 @@ impl Op {
             Op::Write => "write",
             Op::Hold => lease::HOLD_OP,
             Op::Abandon => "abandon",
-            Op::Release => "release",
+            Op::Release => lease::RELEASE_OP,
+            Op::Renew => lease::RENEW_OP,
         }
     }
 }
@@ -257,7 +262,8 @@ pub fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>)
 }
 
 /// The checker of a recorded run: fencing tokens strictly increase per resource, no stale
-/// write was accepted, no holder's validity claim overlapped a newer holder, and each
+/// write was accepted, no holder's validity claim overlapped a newer holder, no released
+/// or superseded lease was renewed or released again, and each
 /// final counter equals its acknowledged increments (give or take the uncertain ones,
 /// [`tally`]).
 #[must_use]
@@ -265,6 +271,7 @@ pub fn check(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation>
     let (acknowledged, uncertain) = tally(events);
     let mut violations = lease::check_tokens(events);
     violations.extend(lease::check_validity(events));
+    violations.extend(lease::check_dead_leases(events));
     violations.extend(lease::check_counters(&acknowledged, &uncertain, finals));
     violations
 }

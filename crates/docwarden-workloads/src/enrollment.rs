@@ -14,8 +14,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use docwarden::check::Violation;
-use docwarden::check::state::{check_against_model, check_one_document_per_key};
-use docwarden::sequence::{ApplyOutcome as Outcome, SequencedSet, SetOptions};
+use docwarden::check::state::{
+    check_against_model, check_identical_documents, check_one_document_per_key,
+};
+use docwarden::sequence::{
+    ApplyOutcome as Outcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions,
+};
 use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
@@ -118,29 +122,50 @@ pub fn produce(rng: &mut impl Rng, students: i64, messages: usize) -> Plan {
 }
 
 /// The queue: every message once, [`DUPLICATED`] of them twice, in random order.
-pub fn deliver(rng: &mut impl Rng, messages: &[Message]) -> Vec<Message> {
+pub fn deliver<M: Clone>(rng: &mut impl Rng, messages: &[M]) -> Vec<M> {
     let mut out = messages.to_vec();
     out.extend(
         messages
             .iter()
             .filter(|_| rng.random_bool(DUPLICATED))
-            .copied(),
+            .cloned(),
     );
     out.shuffle(rng);
     out
 }
 
-/// An at-least-once mailbox shared by consumers: a message is taken, then acknowledged,
-/// or put back to be delivered again.
-#[derive(Clone, Debug, Default)]
-pub struct Mailbox {
-    inner: Arc<Mutex<(Vec<Message>, BTreeSet<usize>)>>,
+/// A message a [`Mailbox`] can acknowledge: it names itself by its position in the
+/// producer's order.
+pub trait Delivered: Clone {
+    /// The message's position in the producer's order.
+    fn id(&self) -> usize;
 }
 
-impl Mailbox {
+impl Delivered for Message {
+    fn id(&self) -> usize {
+        self.id
+    }
+}
+
+/// An at-least-once mailbox shared by consumers: a message is taken, then acknowledged,
+/// or put back to be delivered again.
+#[derive(Clone, Debug)]
+pub struct Mailbox<M = Message> {
+    inner: Arc<Mutex<(Vec<M>, BTreeSet<usize>)>>,
+}
+
+impl<M> Default for Mailbox<M> {
+    fn default() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new((Vec::new(), BTreeSet::new()))),
+        }
+    }
+}
+
+impl<M: Delivered> Mailbox<M> {
     /// A mailbox holding `deliveries` (taken from the end).
     #[must_use]
-    pub fn new(deliveries: Vec<Message>) -> Self {
+    pub fn new(deliveries: Vec<M>) -> Self {
         Self {
             inner: Arc::new(Mutex::new((deliveries, BTreeSet::new()))),
         }
@@ -148,21 +173,21 @@ impl Mailbox {
 
     /// The next delivery, if any.
     #[must_use]
-    pub fn take(&self) -> Option<Message> {
+    pub fn take(&self) -> Option<M> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).0.pop()
     }
 
     /// Acknowledges a message: it was applied.
-    pub fn ack(&self, msg: &Message) {
+    pub fn ack(&self, msg: &M) {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .1
-            .insert(msg.id);
+            .insert(msg.id());
     }
 
     /// Puts a message back, to be delivered again last.
-    pub fn put_back(&self, msg: Message) {
+    pub fn put_back(&self, msg: M) {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -182,12 +207,12 @@ impl Mailbox {
 
     /// Replaces what is left with every message of `messages` never acknowledged (failed,
     /// timed out, or taken by a killed consumer).
-    pub fn redeliver_unacked(&self, messages: &[Message]) {
+    pub fn redeliver_unacked(&self, messages: &[M]) {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let pending = messages
             .iter()
-            .filter(|m| !inner.1.contains(&m.id))
-            .copied()
+            .filter(|m| !inner.1.contains(&m.id()))
+            .cloned()
             .collect();
         inner.0 = pending;
     }
@@ -343,6 +368,414 @@ pub async fn seed_apply(
     } else {
         Outcome::Stale
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// The registrar: the student document as a registrar's consumers build it.
+
+/// The second set of a student's document, the classes a student follows from the floor
+/// seats of the lecture halls. Its name extends [`FIELD`], as user schemas' names do; under
+/// the layout before issue 11 (`_seq_<field>` and `_seq_<field>_floor`) set `classes`'s
+/// compaction floor was set `classes_floor`'s state.
+pub const FLOOR_FIELD: &str = "classes_floor";
+
+/// The register (`SequencedFields`) holding a student's credits.
+pub const CREDITS_FIELD: &str = "credits";
+
+/// Share of credits updates that the second producer publishes again, with the same
+/// sequence number and the same value encoded as another numeric type.
+pub const REPUBLISHED: f64 = 0.5;
+
+/// A credits value as a producer encoded it: equal numbers, different BSON types (the
+/// registrar's old system sends `int32`, the new one `int64`, a spreadsheet import
+/// `double`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Credits {
+    /// `int32`.
+    Int32(i32),
+    /// `int64`.
+    Int64(i32),
+    /// `double`.
+    Double(i32),
+}
+
+impl Credits {
+    /// The value as stored.
+    #[must_use]
+    pub fn to_bson(self) -> Bson {
+        match self {
+            Credits::Int32(v) => Bson::Int32(v),
+            Credits::Int64(v) => Bson::Int64(i64::from(v)),
+            Credits::Double(v) => Bson::Double(f64::from(v)),
+        }
+    }
+
+    /// The number, whatever its encoding.
+    #[must_use]
+    pub fn value(self) -> i32 {
+        match self {
+            Credits::Int32(v) | Credits::Int64(v) | Credits::Double(v) => v,
+        }
+    }
+
+    /// The same number in the next encoding.
+    #[must_use]
+    pub fn encoded_differently(self) -> Self {
+        match self {
+            Credits::Int32(v) => Credits::Int64(v),
+            Credits::Int64(v) => Credits::Double(v),
+            Credits::Double(v) => Credits::Int32(v),
+        }
+    }
+}
+
+/// What a registrar message changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Adds (`enroll`) or removes a class in set `field` ([`FIELD`] or [`FLOOR_FIELD`]).
+    Class {
+        /// The set.
+        field: &'static str,
+        /// The class.
+        class: &'static str,
+        /// Add or remove.
+        enroll: bool,
+    },
+    /// Sets the student's credits.
+    Credits(Credits),
+}
+
+/// One registrar message, stamped by its producer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Position in the producers' order (identifies the message for acknowledgements).
+    pub id: usize,
+    /// The student.
+    pub student: i64,
+    /// The sequence number; a republished credits update repeats its original's.
+    pub seq: i64,
+    /// The change.
+    pub change: Change,
+}
+
+impl Delivered for Record {
+    fn id(&self) -> usize {
+        self.id
+    }
+}
+
+impl Record {
+    /// The history's name of this message.
+    #[must_use]
+    pub fn op(&self) -> &'static str {
+        match self.change {
+            Change::Class { enroll: true, .. } => Op::Enroll.as_str(),
+            Change::Class { enroll: false, .. } => Op::Unenroll.as_str(),
+            Change::Credits(_) => "credits",
+        }
+    }
+
+    /// The history's detail: the set and class, or the credits as encoded.
+    #[must_use]
+    pub fn detail(&self) -> String {
+        match self.change {
+            Change::Class { field, class, .. } => format!("{field}: {class}"),
+            Change::Credits(c) => format!("{c:?}"),
+        }
+    }
+}
+
+/// A student's state in the model and in the final read.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StudentState {
+    /// The members of [`FIELD`], sorted.
+    pub classes: Vec<String>,
+    /// The members of [`FLOOR_FIELD`], sorted.
+    pub classes_floor: Vec<String>,
+    /// The credits, as a number.
+    pub credits: Option<f64>,
+}
+
+/// What the registrar's producers sent and the result of applying it in sequence order.
+#[derive(Clone, Debug, Default)]
+pub struct RecordPlan {
+    /// The messages, in the producers' order.
+    pub records: Vec<Record>,
+    /// Each touched student's state after the sequential history.
+    pub expected: BTreeMap<i64, StudentState>,
+}
+
+impl RecordPlan {
+    /// The messages in sequence order (ties in the producers' order): the replay whose
+    /// stored documents every delivery order must reproduce byte for byte.
+    #[must_use]
+    pub fn in_sequence_order(&self) -> Vec<Record> {
+        let mut out = self.records.clone();
+        out.sort_by_key(|r| (r.seq, r.id));
+        out
+    }
+}
+
+/// The registrar's producers: `messages` messages over students `0..students`. Most toggle
+/// a class in one of the two sets; a fifth set the credits, and [`REPUBLISHED`] of those
+/// are published again by the second producer: the same sequence number, the same value,
+/// another numeric type.
+pub fn produce_records(rng: &mut impl Rng, students: i64, messages: usize) -> RecordPlan {
+    let mut plan = RecordPlan::default();
+    let mut sets: BTreeMap<(i64, &'static str), BTreeSet<&'static str>> = BTreeMap::new();
+    let mut last_credits: BTreeMap<i64, (i64, Credits)> = BTreeMap::new();
+    for id in 0..messages {
+        let student = rng.random_range(0..students);
+        let mut seq = i64::try_from(id).unwrap_or(i64::MAX);
+        let roll: f64 = rng.random();
+        let change = if roll < 0.2 {
+            let credits = match last_credits.get(&student) {
+                Some(&(seq0, c0)) if rng.random_bool(REPUBLISHED) => {
+                    seq = seq0;
+                    c0.encoded_differently()
+                }
+                _ => {
+                    let v = rng.random_range(1..4);
+                    match rng.random_range(0..3) {
+                        0 => Credits::Int32(v),
+                        1 => Credits::Int64(v),
+                        _ => Credits::Double(v),
+                    }
+                }
+            };
+            last_credits.insert(student, (seq, credits));
+            Change::Credits(credits)
+        } else {
+            let field = if roll < 0.5 { FLOOR_FIELD } else { FIELD };
+            let class = CLASSES[rng.random_range(0..CLASSES.len())];
+            let members = sets.entry((student, field)).or_default();
+            let enroll = members.insert(class);
+            if !enroll {
+                members.remove(class);
+            }
+            Change::Class {
+                field,
+                class,
+                enroll,
+            }
+        };
+        plan.records.push(Record {
+            id,
+            student,
+            seq,
+            change,
+        });
+    }
+    for ((student, field), members) in sets {
+        let state = plan.expected.entry(student).or_default();
+        let members = members.into_iter().map(str::to_owned).collect();
+        if field == FIELD {
+            state.classes = members;
+        } else {
+            state.classes_floor = members;
+        }
+    }
+    for (student, (_, credits)) in last_credits {
+        plan.expected.entry(student).or_default().credits = Some(f64::from(credits.value()));
+    }
+    plan
+}
+
+/// The registrar's handles on one collection: the two sets and the credits register, all
+/// keyed by [`KEY_FIELD`].
+#[derive(Clone, Debug)]
+pub struct Registrar {
+    /// Set [`FIELD`].
+    pub classes: SequencedSet,
+    /// Set [`FLOOR_FIELD`].
+    pub classes_floor: SequencedSet,
+    /// The register holding [`CREDITS_FIELD`].
+    pub fields: SequencedFields,
+}
+
+/// Setup: the registrar's sets and register on `coll`.
+///
+/// # Errors
+/// Validation, preflight or index creation.
+pub async fn open_registrar(coll: Collection<Document>) -> docwarden::Result<Registrar> {
+    let classes = open_set(coll.clone()).await?;
+    let classes_floor = SequencedSet::new(
+        coll.clone(),
+        SetOptions::default()
+            .key_field(KEY_FIELD)
+            .field(FLOOR_FIELD),
+    )?;
+    classes_floor.ensure_indexes().await?;
+    let fields = SequencedFields::new(coll, FieldsOptions::default().key_field(KEY_FIELD))?;
+    fields.ensure_indexes().await?;
+    Ok(Registrar {
+        classes,
+        classes_floor,
+        fields,
+    })
+}
+
+/// The operation. Safe: the sequenced add, remove or register write. Control: `$addToSet`,
+/// `$pull` or `$set` with upsert, ignoring the sequence number (`None`).
+///
+/// # Errors
+/// A database error.
+pub async fn apply_record(
+    registrar: &Registrar,
+    rec: &Record,
+    mode: Mode,
+) -> docwarden::Result<Option<Outcome>> {
+    let set = |field: &str| {
+        if field == FIELD {
+            &registrar.classes
+        } else {
+            &registrar.classes_floor
+        }
+    };
+    match (mode, rec.change) {
+        (
+            Mode::Safe,
+            Change::Class {
+                field,
+                class,
+                enroll,
+            },
+        ) => {
+            let set = set(field);
+            Ok(Some(if enroll {
+                set.add(rec.student, class, rec.seq).await?
+            } else {
+                set.remove(rec.student, class, rec.seq).await?
+            }))
+        }
+        (Mode::Safe, Change::Credits(c)) => Ok(Some(
+            registrar
+                .fields
+                .set(rec.student, CREDITS_FIELD, c.to_bson(), rec.seq)
+                .await?,
+        )),
+        (Mode::Control, change) => {
+            let update = match change {
+                Change::Class {
+                    field,
+                    class,
+                    enroll: true,
+                } => doc! { "$addToSet": { field: class } },
+                Change::Class { field, class, .. } => doc! { "$pull": { field: class } },
+                Change::Credits(c) => doc! { "$set": { CREDITS_FIELD: c.to_bson() } },
+            };
+            registrar
+                .fields
+                .collection()
+                .update_one(doc! { KEY_FIELD: rec.student }, update)
+                .upsert(true)
+                .await?;
+            Ok(None)
+        }
+    }
+}
+
+/// What the final read of the registrar's collection found.
+#[derive(Clone, Debug, Default)]
+pub struct RecordRead {
+    /// Each student's state (of its last document, if several).
+    pub states: BTreeMap<i64, StudentState>,
+    /// Documents per student.
+    pub documents: BTreeMap<i64, u64>,
+    /// Each student's document as compared byte for byte (see [`comparable`]).
+    pub stored: BTreeMap<i64, Document>,
+}
+
+/// A stored document as `docs/sequence.md` promises it independent of delivery order:
+/// without `_id`, with its top-level fields and the sets' `_seq_sets` entries in name
+/// order (with several sets in one document their order follows first use, a documented
+/// limit); everything else as stored (members' order, state entries' order, BSON types).
+#[must_use]
+pub fn comparable(stored: &Document) -> Document {
+    let mut fields: Vec<(String, Bson)> = stored
+        .iter()
+        .filter(|(k, _)| k.as_str() != "_id")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    fields.sort_by(|a, b| a.0.cmp(&b.0));
+    fields
+        .into_iter()
+        .map(|(k, v)| match v {
+            Bson::Document(sets) if k == "_seq_sets" => {
+                let mut entries: Vec<(String, Bson)> = sets.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                (k, Bson::Document(entries.into_iter().collect()))
+            }
+            v => (k, v),
+        })
+        .collect()
+}
+
+/// The final read of the registrar's collection `coll`.
+///
+/// # Errors
+/// A database error.
+pub async fn read_records(coll: &Collection<Document>) -> anyhow::Result<RecordRead> {
+    let mut read = RecordRead::default();
+    let mut cursor = coll.find(doc! {}).await?;
+    let members = |d: &Document, field: &str| -> Vec<String> {
+        let mut out: Vec<String> = d
+            .get_array(field)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|m| m.as_str().map(str::to_owned))
+            .collect();
+        out.sort();
+        out
+    };
+    while let Some(d) = cursor.try_next().await? {
+        let Ok(student) = d.get_i64(KEY_FIELD) else {
+            continue;
+        };
+        *read.documents.entry(student).or_default() += 1;
+        let credits = match d.get(CREDITS_FIELD) {
+            Some(Bson::Int32(v)) => Some(f64::from(*v)),
+            #[allow(clippy::cast_precision_loss)]
+            Some(Bson::Int64(v)) => Some(*v as f64),
+            Some(Bson::Double(v)) => Some(*v),
+            _ => None,
+        };
+        read.states.insert(
+            student,
+            StudentState {
+                classes: members(&d, FIELD),
+                classes_floor: members(&d, FLOOR_FIELD),
+                credits,
+            },
+        );
+        read.stored.insert(student, comparable(&d));
+    }
+    Ok(read)
+}
+
+/// The registrar's checker: each touched student's two sets and credits equal the
+/// sequential model (`state-mismatch`), in one document (`duplicate-document`), and the
+/// stored document equals, byte for byte, the one of `replay` (the same messages applied
+/// once each in sequence order) (`order-dependent-document`).
+#[must_use]
+pub fn check_records(plan: &RecordPlan, live: &RecordRead, replay: &RecordRead) -> Vec<Violation> {
+    let key = |k: &i64| format!("student {k}");
+    let render = |m: &BTreeMap<i64, StudentState>| -> BTreeMap<String, StudentState> {
+        m.iter().map(|(k, v)| (key(k), v.clone())).collect()
+    };
+    let mut violations = check_against_model(&render(&plan.expected), &render(&live.states));
+    violations.extend(check_one_document_per_key(
+        &live.documents.iter().map(|(k, n)| (key(k), *n)).collect(),
+    ));
+    let stored = |m: &BTreeMap<i64, Document>| -> BTreeMap<String, Document> {
+        m.iter().map(|(k, v)| (key(k), v.clone())).collect()
+    };
+    violations.extend(check_identical_documents(
+        &stored(&replay.stored),
+        &stored(&live.stored),
+    ));
+    violations
 }
 
 #[cfg(test)]

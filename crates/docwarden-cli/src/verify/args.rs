@@ -140,6 +140,7 @@ pub(super) enum Fault {
     FailpointNetwork,
     FailpointNotprimary,
     FailpointLatency,
+    SlowReply,
 }
 
 impl Fault {
@@ -161,6 +162,7 @@ impl Fault {
         Fault::FailpointNetwork,
         Fault::FailpointNotprimary,
         Fault::FailpointLatency,
+        Fault::SlowReply,
     ];
 
     /// The name in summaries and in the history.
@@ -182,6 +184,7 @@ impl Fault {
             Fault::FailpointNetwork => "failpoint-network",
             Fault::FailpointNotprimary => "failpoint-notprimary",
             Fault::FailpointLatency => "failpoint-latency",
+            Fault::SlowReply => "slow-reply",
         }
     }
 
@@ -218,6 +221,9 @@ impl Fault {
             Fault::FailpointLatency => {
                 "failCommand blockConnection: writes block 50-200 ms; every other round 2.5 s"
             }
+            Fault::SlowReply => {
+                "locks: one worker's own proxy delays only server-to-client bytes by 2.4 s while its clock samples (its estimate falls ~1.2 s behind, within its bound)"
+            }
         }
     }
 
@@ -234,6 +240,7 @@ impl Fault {
                 | Fault::FailpointNetwork
                 | Fault::FailpointNotprimary
                 | Fault::FailpointLatency
+                | Fault::SlowReply
         )
     }
 
@@ -261,6 +268,9 @@ impl Fault {
                 "idempotent retries: unfenced, unsequenced writes retried after errors"
             }
             Fault::Crash => "durability: the server runs without --sync-on-commit",
+            Fault::SlowReply => {
+                "fencing (the lock workload's control): a holder past its lease writes"
+            }
             Fault::FailpointNetwork | Fault::FailpointNotprimary | Fault::FailpointLatency => {
                 "idempotent retries: unsequenced applies redelivered after a lost reply"
             }

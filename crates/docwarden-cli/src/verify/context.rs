@@ -28,6 +28,8 @@ pub(super) struct Ctx {
     pub(super) client: Client,
     /// The workload's database.
     pub(super) db: Database,
+    /// The server's own URI (not the proxy's), for workers that open their own path.
+    pub(super) server_uri: String,
     pub(super) history: Arc<History>,
     pub(super) faults: Vec<Fault>,
     pub(super) mode: Mode,

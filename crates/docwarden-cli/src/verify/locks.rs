@@ -11,15 +11,33 @@
 //! window only fencing closes. The control run trusts client clocks, writes without asking
 //! the watchdog, and its fence checks no token.
 //!
+//! Every other worker is a service instance with two tasks under one owner id (a common
+//! shape: one id per instance, several tasks): besides the holder, a keep-alive task that
+//! was never told the work finished keeps renewing (and now and then releasing) stale
+//! copies of the leases the holder already released, through `LockCollection::renew` and
+//! `release`. Each must be refused, including when it reaches the server while the same
+//! owner's newer acquisition of the resource has not committed its token yet.
+//!
+//! Under `slow-reply`, worker 0 reaches the server through its own proxy, which delays
+//! only the server-to-client bytes by 2.4 s while its clock takes its first sample
+//! (`hello`, best of 3) comes back late in one direction, so its server-time estimate is
+//! about 1.2 s behind — inside the sample's bound (half the round trip), which every
+//! deadline must subtract. That worker holds 3 s leases and works 1.5 s under each (its
+//! watchdog renews in between) before it checks validity; under `pause` it always stops
+//! there past its lease. A watchdog that forgot the bound after a renewal claims
+//! validity after a newer holder has acquired (`overlapping-leases`).
+//!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
-//! claim overlapped a newer holder, and every counter equals its acknowledged increments
-//! (give or take uncertain ones), all from the history and the final read.
+//! claim overlapped a newer holder, no released or superseded lease was renewed or
+//! released again (`stale-lease-accepted`), and every counter equals its acknowledged
+//! increments (give or take uncertain ones), all from the history and the final read.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
-use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner, WatchdogOptions};
+use docwarden::lock::{FenceOutcome, Lease, LockCollection, LockOptions, Owner, WatchdogOptions};
 use docwarden_workloads::counters::{self, Counters, Op};
 use docwarden_workloads::{Mode, Process};
 use rand::Rng;
@@ -29,6 +47,11 @@ use super::context::{Ctx, Findings};
 
 const RESOURCES: usize = 4;
 pub(super) const TTL: Duration = Duration::from_secs(1);
+/// Under `slow-reply`: the lease of the slowed worker, the work it does under each, and
+/// how late its replies are while its clock takes its first sample.
+const SLOW_TTL: Duration = Duration::from_secs(3);
+const SLOW_WORK: Duration = Duration::from_millis(1_500);
+const SLOW_REPLY: Duration = Duration::from_millis(2_400);
 const LOCKS: &str = "verify_locks";
 const COUNTERS: &str = "counters";
 
@@ -66,19 +89,161 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
     }
 }
 
+/// The stale copies of released leases a worker's keep-alive task renews, by resource.
+type StaleCopies = Arc<Mutex<BTreeMap<String, Lease>>>;
+
 /// One worker process: acquire, watch, touch, read, check validity, (pause), write,
-/// release, until the run's deadline.
+/// release, until the run's deadline; every other worker also runs a keep-alive task under
+/// the same owner id that renews stale copies of the released leases ([`keep_alive`]).
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
-    let mut rng = ctx.rng(process);
+    if ctx.has(Fault::SlowReply) && process.id() == 0 {
+        return slowed(ctx, process, deadline).await;
+    }
     let locks = LockCollection::new(
         ctx.db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
     )?;
+    let owner = Owner::random();
+    let shape = Shape {
+        ttl: TTL,
+        work: Duration::ZERO,
+        pause: 0.05,
+    };
+    if process.id() % 2 == 1 {
+        return holder(ctx, process, &locks, &owner, deadline, shape, None).await;
+    }
+    let stale = StaleCopies::default();
+    let (held, ()) = tokio::join!(
+        holder(ctx, process, &locks, &owner, deadline, shape, Some(&stale)),
+        keep_alive(ctx, process, &locks, &stale, deadline),
+    );
+    held
+}
+
+/// How a holder works: its lease, how long it works under the lease before it checks
+/// validity, and how often (under `pause`) it stops there past its lease.
+#[derive(Clone, Copy)]
+struct Shape {
+    ttl: Duration,
+    work: Duration,
+    pause: f64,
+}
+
+/// Worker 0 under `slow-reply`: its own client through its own proxy, whose replies are
+/// [`SLOW_REPLY`] late while its clock takes its first sample, then long leases with work
+/// under them.
+async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Result<()> {
+    let upstream = super::orchestrate::upstream_addr(&ctx.server_uri)?;
+    let proxy = super::proxy::Proxy::start(upstream).await?;
+    let client = docwarden_server::connect(&proxy.uri(), Duration::from_secs(30)).await?;
+    // A patient clock: its three `hello`s (2.4 s each) may take 10 s.
+    let clock = docwarden::clock::TimeSource::server(
+        client.clone(),
+        docwarden::clock::ClockOptions::default().hello_timeout(Duration::from_secs(10)),
+    )?;
+    // The spike lasts while the clock takes its first sample (recorded when it starts:
+    // a killed worker's proxy stops with it).
+    proxy.set_reply_latency(SLOW_REPLY);
+    let start = ctx.history.now_us();
+    ctx.injected(Fault::SlowReply, process, start, start);
+    let sampled = clock.now().await;
+    proxy.set_reply_latency(Duration::ZERO);
+    tracing::debug!(?sampled, "slow-reply: the clock sampled under the spike");
+    let locks = LockCollection::new(
+        client.database(ctx.db.name()).collection(LOCKS),
+        clock,
+        LockOptions::default(),
+    )?;
+    let shape = Shape {
+        ttl: SLOW_TTL,
+        work: SLOW_WORK,
+        pause: 1.0,
+    };
+    holder(
+        ctx,
+        process,
+        &locks,
+        &Owner::random(),
+        deadline,
+        shape,
+        None,
+    )
+    .await
+}
+
+/// The second task of a service instance: it still has copies of leases its sibling
+/// released and keeps renewing them (now and then releasing one), every 1-4 ms until the
+/// deadline. The library must refuse each: a released lease stays dead.
+async fn keep_alive(
+    ctx: &Ctx,
+    process: Process,
+    locks: &LockCollection,
+    stale: &StaleCopies,
+    deadline: Instant,
+) {
+    let mut rng = ctx.rng(process);
+    let (h, p) = (&ctx.history, process.id());
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1..=4))).await;
+        let copy = {
+            let copies = stale.lock().unwrap_or_else(|e| e.into_inner());
+            let n = copies.len();
+            (n > 0)
+                .then(|| copies.values().nth(rng.random_range(0..n)).cloned())
+                .flatten()
+        };
+        let Some(mut lease) = copy else { continue };
+        let (key, token) = (lease.resource.clone(), lease.token.get());
+        let outcome = |r: &docwarden::Result<()>, e: Event| match r {
+            Ok(()) => e.token(token).detail("a stale copy, accepted"),
+            Err(docwarden::Error::LeaseLost { .. }) => {
+                e.token(token).outcome(OpOutcome::Failed).detail("lost")
+            }
+            Err(err) => e
+                .token(token)
+                .outcome(Ctx::outcome_of(r))
+                .detail(err.to_string()),
+        };
+        if rng.random_bool(0.1) {
+            h.record(
+                p,
+                Op::Release.as_str(),
+                &key,
+                locks.release(&lease),
+                outcome,
+            )
+            .await
+            .ok();
+        } else {
+            h.record(
+                p,
+                Op::Renew.as_str(),
+                &key,
+                locks.renew(&mut lease, TTL),
+                outcome,
+            )
+            .await
+            .ok();
+        }
+    }
+}
+
+/// The holder task: acquire, watch, touch, read, check validity, (pause), write, release,
+/// until the deadline; hands each released lease to `stale` (its sibling keep-alive task).
+async fn holder(
+    ctx: &Ctx,
+    process: Process,
+    locks: &LockCollection,
+    owner: &Owner,
+    deadline: Instant,
+    shape: Shape,
+    stale: Option<&StaleCopies>,
+) -> anyhow::Result<()> {
+    let mut rng = ctx.rng(process);
     let counters = Counters::new(ctx.db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
-    let owner = Owner::random();
     let (h, p) = (&ctx.history, process.id());
     while Instant::now() < deadline {
         let key = counters::resource(rng.random_range(0..RESOURCES));
@@ -87,7 +252,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 p,
                 Op::Acquire.as_str(),
                 &key,
-                locks.try_acquire(&owner, &key, TTL),
+                locks.try_acquire(owner, &key, shape.ttl),
                 |r, e| match r {
                     Ok(Some(l)) => e.token(l.token.get()),
                     Ok(None) => e.outcome(OpOutcome::Failed).detail("held"),
@@ -107,14 +272,14 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
             }
         };
         let token = lease.token.get();
-        let watchdog = locks.watch(lease.clone(), TTL, WatchdogOptions::default())?;
+        let watchdog = locks.watch(lease.clone(), shape.ttl, WatchdogOptions::default())?;
         // The fenced touch registers our token before we read.
         let touched = h
             .record(
                 p,
                 Op::Touch.as_str(),
                 &key,
-                counters.touch(&fence, &lease, &key, &owner),
+                counters.touch(&fence, &lease, &key, owner),
                 |r, e| classify(r, e.token(token)),
             )
             .await;
@@ -132,6 +297,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
             );
         }
         if let Some(Ok(value)) = read {
+            tokio::time::sleep(shape.work).await;
             // Write only while the watchdog says the lease is certainly valid.
             let at = h.now_us();
             // The control trusts its lease without asking the watchdog (the second
@@ -148,12 +314,12 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                         .token(token)
                         .value(i64::try_from(left.as_millis()).unwrap_or(i64::MAX)),
                 );
-                if ctx.has(Fault::Pause) && rng.random_bool(0.05) {
+                if ctx.has(Fault::Pause) && rng.random_bool(shape.pause) {
                     // The holder stops between its check and its write, and its watchdog
                     // with it (as in a stopped process): the lease lapses.
                     watchdog.stop();
                     let start = h.now_us();
-                    tokio::time::sleep(TTL + Duration::from_millis(700)).await;
+                    tokio::time::sleep(shape.ttl + Duration::from_millis(700)).await;
                     ctx.injected(Fault::Pause, process, start, h.now_us());
                 }
                 h.record(
@@ -174,11 +340,17 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                 );
             }
         }
-        h.record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
-            e.token(token).outcome(Ctx::outcome_of(r))
-        })
-        .await
-        .ok();
+        let released = h
+            .record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
+                e.token(token).outcome(Ctx::outcome_of(r))
+            })
+            .await;
+        if let (Some(stale), Ok(())) = (stale, released) {
+            stale
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, lease);
+        }
     }
     Ok(())
 }

@@ -255,6 +255,7 @@ async fn run_module(
     };
     let ctx = Arc::new(Ctx {
         db: client.database(&db_name),
+        server_uri: direct_uri.clone(),
         client: client.clone(),
         history: Arc::new(History::new()),
         faults: args.faults.clone(),
@@ -319,7 +320,7 @@ async fn dispatch(module: Module, ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     }
 }
 
-fn upstream_addr(uri: &str) -> anyhow::Result<std::net::SocketAddr> {
+pub(super) fn upstream_addr(uri: &str) -> anyhow::Result<std::net::SocketAddr> {
     let rest = uri.split_once("://").map_or(uri, |(_, r)| r);
     let host = rest.split(['/', '?']).next().unwrap_or(rest);
     let host = host.rsplit('@').next().unwrap_or(host);

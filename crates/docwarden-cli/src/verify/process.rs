@@ -63,6 +63,10 @@ pub(crate) struct WorkerArgs {
     /// The workers' URI.
     #[arg(long)]
     uri: String,
+    /// The server's own URI (not through the proxy), for a worker with a proxy of its own
+    /// (`slow-reply`).
+    #[arg(long)]
+    server_uri: String,
     /// The workload's database.
     #[arg(long)]
     db: String,
@@ -152,6 +156,7 @@ pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         clocks: std::sync::Mutex::new(Vec::new()),
         workers_as: WorkersAs::Processes,
         uri: args.uri,
+        server_uri: args.server_uri,
         lease: Duration::ZERO,
         slot: Some(Slot {
             index: args.slot,
@@ -274,6 +279,7 @@ fn spawn(
         .args(["--process", &process.id().to_string()])
         .args(["--slot", &slot.to_string()])
         .args(["--uri", &ctx.uri])
+        .args(["--server-uri", &ctx.server_uri])
         .args(["--db", ctx.db.name()])
         .args(["--seed", &ctx.seed.to_string()])
         .args(["--workers", &ctx.workers.to_string()])

@@ -1,4 +1,5 @@
-//! A small TCP proxy in front of the server: adds latency to every chunk (and, as a lost
+//! A small TCP proxy in front of the server: adds latency to every chunk (or only to the
+//! server-to-client direction: an asymmetric delay; and, as a lost
 //! segment's retransmission does, holds one chunk in fifty for 2.5 s), can reset every
 //! open connection at once, and can partition the clients from the server. Only ever
 //! listens on and connects to 127.0.0.1.
@@ -37,6 +38,7 @@ pub(crate) const HEAL_SPREAD: Duration = Duration::from_secs(2);
 pub(crate) struct Proxy {
     addr: SocketAddr,
     latency_ms: Arc<AtomicU64>,
+    reply_latency_ms: Arc<AtomicU64>,
     reset: watch::Sender<u64>,
     /// The current (or last) partition.
     partition: watch::Sender<Partition>,
@@ -53,11 +55,13 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let latency_ms = Arc::new(AtomicU64::new(0));
+        let reply_latency_ms = Arc::new(AtomicU64::new(0));
         let (reset, _) = watch::channel(0_u64);
         let (partition, _) = watch::channel(Partition::default());
         let cancel = CancellationToken::new();
         let (lat, rst, stop) = (Arc::clone(&latency_ms), reset.clone(), cancel.clone());
         let part = partition.clone();
+        let reply = Arc::clone(&reply_latency_ms);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -71,6 +75,7 @@ impl Proxy {
                 let link = Link {
                     born: part.borrow().epoch,
                 };
+                let reply = Arc::clone(&reply);
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
@@ -78,8 +83,8 @@ impl Proxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::select! {
-                        _ = pump(cr, sw, Arc::clone(&lat), link, part_a) => {}
-                        _ = pump(sr, cw, lat, link, part_b) => {}
+                        _ = pump(cr, sw, Arc::clone(&lat), None, link, part_a) => {}
+                        _ = pump(sr, cw, lat, Some(reply), link, part_b) => {}
                         _ = reset_rx.changed() => {}
                         _ = stop.cancelled() => {}
                     }
@@ -90,6 +95,7 @@ impl Proxy {
         Ok(Self {
             addr,
             latency_ms,
+            reply_latency_ms,
             reset,
             partition,
             cancel,
@@ -105,6 +111,13 @@ impl Proxy {
     pub(crate) fn set_latency(&self, latency: Duration) {
         let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
         self.latency_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Sets the delay added to every chunk from the server to the client only (on top of
+    /// [`Proxy::set_latency`]): replies arrive late, requests do not.
+    pub(crate) fn set_reply_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.reply_latency_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Closes every open connection.
@@ -168,6 +181,7 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     latency_ms: Arc<AtomicU64>,
+    extra_ms: Option<Arc<AtomicU64>>,
     link: Link,
     partition: watch::Receiver<Partition>,
 ) {
@@ -180,10 +194,12 @@ async fn pump(
         // Held, not dropped, during a partition: TCP delivers it after the heal.
         healed(link, partition.clone()).await;
         let mut delay = latency_ms.load(Ordering::Relaxed);
+        let extra = extra_ms.as_ref().map_or(0, |e| e.load(Ordering::Relaxed));
         // Under latency, one chunk in SPIKE_ONE_IN waits for a retransmission instead.
         if delay > 0 && rand::random_range(0..SPIKE_ONE_IN) == 0 {
             delay = u64::try_from(SPIKE.as_millis()).unwrap_or(u64::MAX);
         }
+        let delay = delay + extra;
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }

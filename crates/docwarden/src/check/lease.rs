@@ -20,9 +20,14 @@
 //!    the holder releases). This is the property of the clock and of the watchdog, which
 //!    fencing cannot show: a wrong claim is caught even when every write was fenced.
 //!
+//! 5. **A dead lease stays dead** ([`check_dead_leases`]): once a lease's release was
+//!    accepted, or a newer lease of the resource (a higher token) was acquired, no `renew`
+//!    or `release` of it that begins afterwards may be accepted — not even by a task of the
+//!    same owner id while that owner's newer acquisition has not committed its token yet.
+//!
 //! Events used: `acquire` (Ok, token), `touch` and `write` (Ok = accepted, Failed =
 //! refused; token), `hold` (token; `value` = milliseconds of certain validity left at the
-//! instant of the event) and `release` (token).
+//! instant of the event), `renew` and `release` (Ok = accepted; token).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -95,6 +100,85 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
 /// The history's name of a validity claim: at this instant the holder of lease `token`
 /// on `key` held it, by its own account, for `value` more milliseconds at least.
 pub const HOLD_OP: &str = "hold";
+
+/// The history's name of a release.
+pub const RELEASE_OP: &str = "release";
+
+/// The history's name of a direct renewal (`LockCollection::renew`).
+pub const RENEW_OP: &str = "renew";
+
+/// Checks property 5: a [`RENEW_OP`] or [`RELEASE_OP`] of token `t` on a resource that
+/// was accepted but began after an accepted release of `t` had ended, or after an acquire
+/// of the resource with a higher token had completed, is a `stale-lease-accepted`
+/// violation. Sound whatever the timing: a release leaves `owner: null`, and every later
+/// acquisition commits a higher token, so no later document matches `t` again.
+pub fn check_dead_leases(events: &[Event]) -> Vec<Violation> {
+    let accepted = || {
+        events
+            .iter()
+            .filter(|e| e.outcome == OpOutcome::Ok)
+            .filter_map(|e| e.token.map(|t| (e, t)))
+    };
+    // The first accepted release of each (resource, token), by its end.
+    let mut released: BTreeMap<(&str, i64), &Event> = BTreeMap::new();
+    // Each resource's acquires by end, with the highest token acquired so far.
+    let mut acquired: BTreeMap<&str, Vec<(u64, i64, &Event)>> = BTreeMap::new();
+    for (e, t) in accepted() {
+        if e.op == RELEASE_OP {
+            let first = released.entry((e.key.as_str(), t)).or_insert(e);
+            if e.end_us < first.end_us {
+                *first = e;
+            }
+        } else if e.op == "acquire" {
+            acquired.entry(&e.key).or_default().push((e.end_us, t, e));
+        }
+    }
+    for list in acquired.values_mut() {
+        list.sort_by_key(|(end, _, _)| *end);
+        let mut best: Option<(i64, &Event)> = None;
+        for entry in list.iter_mut() {
+            match best {
+                Some((t, e)) if t >= entry.1 => {
+                    entry.1 = t;
+                    entry.2 = e;
+                }
+                _ => best = Some((entry.1, entry.2)),
+            }
+        }
+    }
+    let mut violations = Vec::new();
+    for (e, token) in accepted().filter(|(e, _)| e.op == RENEW_OP || e.op == RELEASE_OP) {
+        let why = if let Some(r) = released
+            .get(&(e.key.as_str(), token))
+            .filter(|r| r.end_us < e.start_us)
+        {
+            format!(
+                "process {} released token {token} by {} µs",
+                r.process, r.end_us
+            )
+        } else if let Some((_, newer, a)) = acquired.get(e.key.as_str()).and_then(|list| {
+            let before = list.partition_point(|(end, _, _)| *end < e.start_us);
+            before.checked_sub(1).map(|i| list[i])
+        }) && newer > token
+        {
+            format!(
+                "process {} acquired token {newer} by {} µs",
+                a.process, a.end_us
+            )
+        } else {
+            continue;
+        };
+        violations.push(Violation::new(
+            "stale-lease-accepted",
+            e.key.clone(),
+            format!(
+                "process {}'s {} of token {token} from {} µs was accepted, but {why}",
+                e.process, e.op, e.start_us
+            ),
+        ));
+    }
+    violations
+}
 
 /// Checks property 4: every validity claim ([`HOLD_OP`]) of a lease with token `t` ends
 /// at the claimed instant or at the holder's release, whichever is first; no acquire of
@@ -210,6 +294,48 @@ mod tests {
     fn acquire(p: u32, key: &str, s: u64, e: u64, token: i64) -> Event {
         Event::new(p, "acquire", key, s, e).token(token)
     }
+    #[test]
+    fn a_renewal_or_release_of_a_released_or_superseded_lease_is_flagged() {
+        let op = |op: &str, s: u64, e: u64, token: i64, ok: bool| {
+            Event::new(2, op, "r", s, e).token(token).outcome(if ok {
+                OpOutcome::Ok
+            } else {
+                OpOutcome::Failed
+            })
+        };
+        let base = [
+            acquire(1, "r", 0, 10, 5),
+            op(RELEASE_OP, 20, 30, 5, true),
+            acquire(1, "r", 40, 50, 6),
+        ];
+        let refused = [
+            op(RENEW_OP, 35, 38, 5, false),
+            op(RELEASE_OP, 60, 70, 5, false),
+        ];
+        let ok: Vec<Event> = base.iter().cloned().chain(refused).collect();
+        assert!(check_dead_leases(&ok).is_empty());
+        // Accepted while the release was in flight: not provably stale.
+        let racing = [op(RENEW_OP, 25, 28, 5, true)];
+        let ok: Vec<Event> = base.iter().cloned().chain(racing).collect();
+        assert!(check_dead_leases(&ok).is_empty());
+        for bad in [
+            op(RENEW_OP, 35, 38, 5, true),
+            op(RELEASE_OP, 60, 70, 5, true),
+        ] {
+            let events: Vec<Event> = base.iter().cloned().chain([bad]).collect();
+            let v = check_dead_leases(&events);
+            assert_eq!(v.len(), 1, "{v:?}");
+            assert_eq!(v[0].kind, "stale-lease-accepted");
+        }
+        // Superseded without a release: a newer token acquired before the renewal began.
+        let events = vec![
+            acquire(1, "r", 0, 10, 5),
+            acquire(3, "r", 2000, 2010, 6),
+            op(RENEW_OP, 2020, 2030, 5, true),
+        ];
+        assert_eq!(check_dead_leases(&events).len(), 1);
+    }
+
     fn write(p: u32, key: &str, s: u64, e: u64, token: i64, ok: bool) -> Event {
         Event::new(p, "write", key, s, e)
             .token(token)

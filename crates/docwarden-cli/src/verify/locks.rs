@@ -8,8 +8,10 @@
 //! by its token only if the watchdog says the lease is still certainly valid
 //! (`valid_until`, `is_lost`; it records that claim, or gives up). Under `pause` the
 //! holder (and its watchdog) stops between that check and the write, past its lease: the
-//! window only fencing closes. The control run trusts client clocks and its fence checks
-//! no token.
+//! window only fencing closes. The control run trusts client clocks, its fence checks no
+//! token, and it writes even when the watchdog does not vouch for the lease (a holder cut
+//! off by a partition past its lease, whose touch or read came back late, writes all the
+//! same).
 //!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
 //! claim overlapped a newer holder, and every counter equals its acknowledged increments
@@ -20,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::{Event, OpOutcome};
 use docwarden::lock::{FenceOutcome, LockCollection, LockOptions, Owner, WatchdogOptions};
-use docwarden_workloads::Process;
 use docwarden_workloads::counters::{self, Counters, Op};
+use docwarden_workloads::{Mode, Process};
 use rand::Rng;
 
 use super::args::Fault;
@@ -132,7 +134,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
             );
         }
         if let Some(Ok(value)) = read {
-            // Write only while the watchdog says the lease is certainly valid.
+            // Write only while the watchdog says the lease is certainly valid (safe).
             let at = h.now_us();
             let left = watchdog
                 .valid_until()
@@ -153,6 +155,11 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
                     tokio::time::sleep(TTL + Duration::from_millis(700)).await;
                     ctx.injected(Fault::Pause, process, start, h.now_us());
                 }
+            }
+            // The control writes whether or not the watchdog vouches for the lease (no
+            // claim recorded then): a holder cut off by a partition past its lease, its
+            // touch or read delivered late, still writes.
+            if left.is_some() || ctx.mode == Mode::Control {
                 h.record(
                     p,
                     Op::Write.as_str(),

@@ -73,12 +73,23 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let mut rng = ctx.rng(process);
+    // A worker task gets its own client, naming its host (as a worker process does), so
+    // that a partition cuts it off whole, its watchdog's renewals included.
+    let db = match ctx.slot {
+        Some(_) => ctx.db.clone(),
+        None => {
+            let host = usize::try_from(process.id()).unwrap_or(0) % ctx.workers.max(1);
+            super::process::connect_once(&ctx.uri, host)
+                .await?
+                .database(ctx.db.name())
+        }
+    };
     let locks = LockCollection::new(
-        ctx.db.collection(LOCKS),
+        db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
     )?;
-    let counters = Counters::new(ctx.db.collection(COUNTERS));
+    let counters = Counters::new(db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
     let owner = Owner::random();
     let (h, p) = (&ctx.history, process.id());

@@ -218,8 +218,9 @@ async fn connect(uri: &str, slot: usize, deadline: Instant) -> anyhow::Result<mo
 }
 
 /// One attempt of [`connect`]: the options `docwarden_server::connect` uses, plus the
-/// slot's driver information, and a `hello` to check the server answers.
-async fn connect_once(uri: &str, slot: usize) -> anyhow::Result<mongodb::Client> {
+/// slot's driver information, and a `hello` to check the server answers. Workers as tasks
+/// connect with it too, each as its own host.
+pub(super) async fn connect_once(uri: &str, slot: usize) -> anyhow::Result<mongodb::Client> {
     let timeout = Duration::from_secs(10);
     let mut options = tokio::time::timeout(timeout, mongodb::options::ClientOptions::parse(uri))
         .await

@@ -150,8 +150,10 @@ fn network_faults_break_nothing_and_their_control_accepts_late_writes() -> anyho
         return Ok(());
     }
     safe("locks", &["latency", "reset", "partition"], "6")?;
-    // A holder cut off for 3 s (three leases), or one of its chunks held 2.5 s: its write
-    // lands after another holder's; without fencing it is accepted. (8 s: two rounds.)
+    // A holder's process cut off whole for 3 s (three leases; its watchdog cannot renew),
+    // or one of its chunks held 2.5 s: its write lands, or it writes (the control does not
+    // ask its watchdog), after another holder's; without fencing it is accepted. (8 s: two
+    // rounds.)
     let json = control("locks", &["latency", "partition"], "8")?;
     assert!(
         violations_of(&json, "stale-write-accepted")? > 0,

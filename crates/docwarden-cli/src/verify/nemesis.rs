@@ -1,6 +1,7 @@
 //! Server-side faults on a schedule: restart the embedded server, crash it (SIGKILL and
 //! restart on the same data), step it down (`replSetStepDown`), add latency, reset
-//! connections and partition the workers from it (the last three through the proxy), and
+//! connections and partition some of the workers (whole processes, chosen at random each
+//! time) from it (the last three through the proxy), and
 //! MongoDB's `failCommand` fail point (network errors, not-primary errors, blocked
 //! connections) limited to the workers' connections by their application name, so the
 //! checker's own reads are never hit.

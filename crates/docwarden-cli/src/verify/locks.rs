@@ -8,8 +8,10 @@
 //! by its token only if the watchdog says the lease is still certainly valid
 //! (`valid_until`, `is_lost`; it records that claim, or gives up). Under `pause` the
 //! holder (and its watchdog) stops between that check and the write, past its lease: the
-//! window only fencing closes. The control run trusts client clocks, writes without asking
-//! the watchdog, and its fence checks no token.
+//! window only fencing closes. The control run trusts client clocks, its fence checks no
+//! token, and it writes even when the watchdog does not vouch for the lease (a holder
+//! stopped or cut off by a partition past its lease, whose touch or read came back late,
+//! writes all the same).
 //!
 //! Every other worker is a service instance with two tasks under one owner id (a common
 //! shape: one id per instance, several tasks): besides the holder, a keep-alive task that
@@ -100,8 +102,19 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     if ctx.has(Fault::SlowReply) && process.id() == 0 {
         return slowed(ctx, process, deadline).await;
     }
+    // A worker task gets its own client, naming its host (as a worker process does), so
+    // that a partition cuts it off whole, its watchdog's renewals included.
+    let db = match ctx.slot {
+        Some(_) => ctx.db.clone(),
+        None => {
+            let host = usize::try_from(process.id()).unwrap_or(0) % ctx.workers.max(1);
+            super::process::connect_once(&ctx.uri, host)
+                .await?
+                .database(ctx.db.name())
+        }
+    };
     let locks = LockCollection::new(
-        ctx.db.collection(LOCKS),
+        db.collection(LOCKS),
         ctx.clock(process)?,
         LockOptions::default(),
     )?;
@@ -112,11 +125,20 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
         pause: 0.05,
     };
     if process.id() % 2 == 1 {
-        return holder(ctx, process, &locks, &owner, deadline, shape, None).await;
+        return holder(ctx, &db, process, &locks, &owner, deadline, shape, None).await;
     }
     let stale = StaleCopies::default();
     let (held, ()) = tokio::join!(
-        holder(ctx, process, &locks, &owner, deadline, shape, Some(&stale)),
+        holder(
+            ctx,
+            &db,
+            process,
+            &locks,
+            &owner,
+            deadline,
+            shape,
+            Some(&stale)
+        ),
         keep_alive(ctx, process, &locks, &stale, deadline),
     );
     held
@@ -151,11 +173,8 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
     let sampled = clock.now().await;
     proxy.set_reply_latency(Duration::ZERO);
     tracing::debug!(?sampled, "slow-reply: the clock sampled under the spike");
-    let locks = LockCollection::new(
-        client.database(ctx.db.name()).collection(LOCKS),
-        clock,
-        LockOptions::default(),
-    )?;
+    let db = client.database(ctx.db.name());
+    let locks = LockCollection::new(db.collection(LOCKS), clock, LockOptions::default())?;
     let shape = Shape {
         ttl: SLOW_TTL,
         work: SLOW_WORK,
@@ -163,6 +182,7 @@ async fn slowed(ctx: &Ctx, process: Process, deadline: Instant) -> anyhow::Resul
     };
     holder(
         ctx,
+        &db,
         process,
         &locks,
         &Owner::random(),
@@ -232,8 +252,10 @@ async fn keep_alive(
 
 /// The holder task: acquire, watch, touch, read, check validity, (pause), write, release,
 /// until the deadline; hands each released lease to `stale` (its sibling keep-alive task).
+#[allow(clippy::too_many_arguments)]
 async fn holder(
     ctx: &Ctx,
+    db: &mongodb::Database,
     process: Process,
     locks: &LockCollection,
     owner: &Owner,
@@ -242,7 +264,7 @@ async fn holder(
     stale: Option<&StaleCopies>,
 ) -> anyhow::Result<()> {
     let mut rng = ctx.rng(process);
-    let counters = Counters::new(ctx.db.collection(COUNTERS));
+    let counters = Counters::new(db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
     let (h, p) = (&ctx.history, process.id());
     while Instant::now() < deadline {
@@ -300,28 +322,34 @@ async fn holder(
             tokio::time::sleep(shape.work).await;
             // Write only while the watchdog says the lease is certainly valid.
             let at = h.now_us();
-            // The control trusts its lease without asking the watchdog (the second
-            // safeguard a paused holder meets, besides fencing): it writes in any case.
             let left = watchdog
                 .valid_until()
                 .filter(|_| !watchdog.is_lost())
                 .map(|until| until.saturating_duration_since(Instant::now()))
-                .filter(|left| !left.is_zero())
-                .or((ctx.mode == Mode::Control).then_some(TTL));
+                .filter(|left| !left.is_zero());
             if let Some(left) = left {
                 h.push(
                     Event::new(p, Op::Hold.as_str(), &key, at, at)
                         .token(token)
                         .value(i64::try_from(left.as_millis()).unwrap_or(i64::MAX)),
                 );
-                if ctx.has(Fault::Pause) && rng.random_bool(shape.pause) {
-                    // The holder stops between its check and its write, and its watchdog
-                    // with it (as in a stopped process): the lease lapses.
-                    watchdog.stop();
-                    let start = h.now_us();
-                    tokio::time::sleep(shape.ttl + Duration::from_millis(700)).await;
-                    ctx.injected(Fault::Pause, process, start, h.now_us());
-                }
+            }
+            if (left.is_some() || ctx.mode == Mode::Control)
+                && ctx.has(Fault::Pause)
+                && rng.random_bool(shape.pause)
+            {
+                // The holder stops between its check and its write, and its watchdog
+                // with it (as in a stopped process): the lease lapses.
+                watchdog.stop();
+                let start = h.now_us();
+                tokio::time::sleep(shape.ttl + Duration::from_millis(700)).await;
+                ctx.injected(Fault::Pause, process, start, h.now_us());
+            }
+            // The control writes whether or not the watchdog vouches for the lease (no
+            // claim recorded then): a holder stopped or cut off past its lease, its touch
+            // or read delivered late, still writes — the second safeguard it turns off,
+            // besides fencing.
+            if left.is_some() || ctx.mode == Mode::Control {
                 h.record(
                     p,
                     Op::Write.as_str(),

@@ -1,6 +1,7 @@
 //! Server-side faults on a schedule: restart the embedded server, crash it (SIGKILL and
 //! restart on the same data), step it down (`replSetStepDown`), add latency, reset
-//! connections and partition the workers from it (the last three through the proxy), and
+//! connections and partition some of the workers (whole processes, chosen at random each
+//! time) from it (the last three through the proxy), and
 //! MongoDB's `failCommand` fail point (network errors, not-primary errors, blocked
 //! connections) limited to the workers' connections by their application name, so the
 //! checker's own reads are never hit.
@@ -97,6 +98,24 @@ async fn fail_points(
 
 /// How long a partition lasts: 1.5 leases of the queue (2 s), 3 of the locks' (1 s).
 pub(super) const PARTITION: Duration = Duration::from_secs(3);
+
+/// The worker slots a partition cuts off (a bitmask, slot `s` is bit `s % 64`): each with
+/// even odds, at least one, and never all of them when there are two or more — the others
+/// must be there to take the cut holders' leases over.
+fn cut_hosts(rng: &mut impl Rng, workers: usize) -> u64 {
+    let slots = workers.clamp(1, 64);
+    let all = if slots == 64 {
+        u64::MAX
+    } else {
+        (1_u64 << slots) - 1
+    };
+    loop {
+        let hosts = rng.random::<u64>() & all;
+        if hosts != 0 && (hosts != all || slots == 1) {
+            return hosts;
+        }
+    }
+}
 
 /// Seconds the server stays stepped down (MongoDB's `replSetStepDown` takes at least 1).
 const STEPDOWN_SECS: i64 = 2;
@@ -197,9 +216,9 @@ pub(super) async fn run(
             }
             if ctx.has(Fault::Partition) {
                 let start = ctx.history.now_us();
-                proxy.set_partitioned(true);
+                proxy.partition(cut_hosts(&mut rng, ctx.workers));
                 tokio::time::sleep(PARTITION).await;
-                proxy.set_partitioned(false);
+                proxy.heal();
                 ctx.injected(
                     Fault::Partition,
                     Process::Server,

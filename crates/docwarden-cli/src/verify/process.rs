@@ -130,6 +130,7 @@ pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let history = Arc::new(History::streaming(origin, emit));
     let client = connect(
         &args.uri,
+        args.slot,
         Instant::now() + Duration::from_millis(args.duration_ms),
     )
     .await?;
@@ -205,19 +206,43 @@ pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Connects to `uri`, retrying until `deadline` (a replacement may start while the server
-/// restarts or the proxy resets every connection).
-async fn connect(uri: &str, deadline: Instant) -> anyhow::Result<mongodb::Client> {
+/// Connects to `uri` as the worker of `slot` (named in the handshake: the proxy's
+/// partition cuts whole hosts), retrying until `deadline` (a replacement may start while
+/// the server restarts or the proxy resets every connection).
+async fn connect(uri: &str, slot: usize, deadline: Instant) -> anyhow::Result<mongodb::Client> {
     loop {
-        match docwarden_server::connect(uri, Duration::from_secs(10)).await {
+        match connect_once(uri, slot).await {
             Ok(client) => return Ok(client),
-            Err(e) if Instant::now() >= deadline => return Err(e.into()),
+            Err(e) if Instant::now() >= deadline => return Err(e),
             Err(e) => {
                 tracing::debug!(%e, "worker process not connected yet: retrying");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
+}
+
+/// One attempt of [`connect`]: the options `docwarden_server::connect` uses, plus the
+/// slot's driver information, and a `hello` to check the server answers. Workers as tasks
+/// connect with it too, each as its own host.
+pub(super) async fn connect_once(uri: &str, slot: usize) -> anyhow::Result<mongodb::Client> {
+    let timeout = Duration::from_secs(10);
+    let mut options = tokio::time::timeout(timeout, mongodb::options::ClientOptions::parse(uri))
+        .await
+        .context("timed out resolving the URI")??;
+    options.server_selection_timeout = Some(timeout);
+    options.connect_timeout = Some(timeout);
+    options.driver_info = Some(super::proxy::host_driver_info(slot));
+    let client = mongodb::Client::with_options(options)?;
+    tokio::time::timeout(
+        timeout + Duration::from_secs(1),
+        client
+            .database("admin")
+            .run_command(mongodb::bson::doc! { "hello": 1 }),
+    )
+    .await
+    .context("no answer to hello")??;
+    Ok(client)
 }
 
 /// The module's worker body (what a worker task runs too).

@@ -1,18 +1,25 @@
-//! A small TCP proxy in front of the server: adds latency to every chunk (or only to the
-//! server-to-client direction: an asymmetric delay; and, as a lost
+//! A small TCP proxy in front of the server: adds latency to every chunk (or, with
+//! `set_reply_latency`, to the server-to-client direction only) (and, as a lost
 //! segment's retransmission does, holds one chunk in fifty for 2.5 s), can reset every
-//! open connection at once, and can partition the clients from the server. Only ever
-//! listens on and connects to 127.0.0.1.
+//! open connection at once, and can partition clients from the server. Only ever listens
+//! on and connects to 127.0.0.1.
 //!
 //! A partition is a blackhole, as a failed network path makes it: nothing is forwarded and
-//! nothing is closed, so clients see no error, only silence. It cuts all traffic of every
-//! connection open when it starts (the pool's idle connections too), in both directions;
-//! connections opened during it take a working path (a route that converged), so the
-//! clients that reconnect run on and take over the leases of those that hang. When it
-//! heals, what was held is delivered, as TCP would after retransmitting, connection by
-//! connection at random moments over up to 2 s: a request sent during the partition
-//! lands after it, long after its sender's lease expired and after another client took
-//! the lease over.
+//! nothing is closed, so clients see no error, only silence. It cuts whole hosts: a worker
+//! process names its worker slot in its handshake ([`host_driver_info`]), and every
+//! connection of a cut slot — open at the start or opened during the partition, the
+//! process's background lease renewals included — is blackholed, in both directions, while
+//! the other slots' processes run on and take over the leases of those that hang. (Cutting
+//! only the connections open at its start, as this proxy first did, let a holder's
+//! watchdog renew its lease over a fresh connection while the holder's write hung: nobody
+//! took the lease over, and the late write was still its holder's.) A connection that
+//! names no slot (workers as tasks share one client; the verify process's own client) is
+//! cut if it was open when the partition started, and runs on if opened during it.
+//!
+//! When it heals, what was held is delivered, as TCP would after retransmitting,
+//! connection by connection at random moments over up to 2 s: a request sent during the
+//! partition lands after it, long after its sender's lease expired and after another
+//! client took the lease over.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +40,33 @@ const SPIKE_ONE_IN: u32 = 50;
 /// After a partition, connections resume within this long of the heal, each at its own
 /// moment.
 pub(crate) const HEAL_SPREAD: Duration = Duration::from_secs(2);
+
+/// What a worker process appends to the driver name of its handshake, followed by its
+/// worker slot: how the proxy tells which host a connection comes from.
+const HOST_MARK: &str = "docwarden-verify-host-";
+
+/// The driver information a worker process in `slot` connects with (its host, for the
+/// partition).
+pub(crate) fn host_driver_info(slot: usize) -> mongodb::options::DriverInfo {
+    mongodb::options::DriverInfo::builder()
+        .name(format!("{HOST_MARK}{slot}"))
+        .build()
+}
+
+/// The worker slot a connection's first chunk (its handshake) names, if any.
+fn host_of(chunk: &[u8]) -> Option<usize> {
+    let mark = HOST_MARK.as_bytes();
+    let at = chunk.windows(mark.len()).position(|w| w == mark)? + mark.len();
+    let digits: String = chunk[at..]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .map(|&b| char::from(b))
+        .collect();
+    digits.parse().ok()
+}
+
+/// The size of the buffer of each direction of a connection.
+const BUF: usize = 64 * 1024;
 
 /// A running proxy; stops when dropped.
 pub(crate) struct Proxy {
@@ -60,8 +94,8 @@ impl Proxy {
         let (partition, _) = watch::channel(Partition::default());
         let cancel = CancellationToken::new();
         let (lat, rst, stop) = (Arc::clone(&latency_ms), reset.clone(), cancel.clone());
+        let reply_all = Arc::clone(&reply_latency_ms);
         let part = partition.clone();
-        let reply = Arc::clone(&reply_latency_ms);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -71,22 +105,43 @@ impl Proxy {
                 let Ok((client, _)) = accepted else { continue };
                 let (lat, mut reset_rx, stop) = (Arc::clone(&lat), rst.subscribe(), stop.clone());
                 let (part_a, part_b) = (part.subscribe(), part.subscribe());
-                // A connection opened during a partition is on the working side of it.
-                let link = Link {
-                    born: part.borrow().epoch,
-                };
-                let reply = Arc::clone(&reply);
+                let born = part.borrow().epoch;
+                let reply = Arc::clone(&reply_all);
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
+                    let (mut cr, cw) = client.into_split();
+                    let (sr, mut sw) = server.into_split();
+                    // The host is known from the handshake, the client's first chunk; the
+                    // server says nothing before it.
+                    let (link_tx, link_rx) = tokio::sync::oneshot::channel::<Link>();
+                    let lat_b = Arc::clone(&lat);
+                    let upstream = async move {
+                        let mut buf = vec![0_u8; BUF];
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let link = Link {
+                            born,
+                            host: host_of(&buf[..n]),
+                        };
+                        let _ = link_tx.send(link);
+                        if forward(&buf[..n], &mut sw, &lat, None, link, &part_a).await {
+                            pump(cr, sw, lat, None, link, part_a).await;
+                        }
+                    };
+                    let downstream = async move {
+                        if let Ok(link) = link_rx.await {
+                            pump(sr, cw, lat_b, Some(reply), link, part_b).await;
+                        }
+                    };
                     tokio::select! {
-                        _ = pump(cr, sw, Arc::clone(&lat), None, link, part_a) => {}
-                        _ = pump(sr, cw, lat, Some(reply), link, part_b) => {}
+                        () = upstream => {}
+                        () = downstream => {}
                         _ = reset_rx.changed() => {}
-                        _ = stop.cancelled() => {}
+                        () = stop.cancelled() => {}
                     }
                     // Dropping both halves closes the connection (a reset as the client sees it).
                 });
@@ -125,15 +180,22 @@ impl Proxy {
         self.reset.send_modify(|n| *n += 1);
     }
 
-    /// Starts (`true`) or heals (`false`) a partition: while it lasts nothing is forwarded
-    /// either way on the connections open when it started; nothing is closed.
-    pub(crate) fn set_partitioned(&self, on: bool) {
+    /// Starts a partition that cuts the worker slots in the bitmask `hosts` (slot `s` is bit
+    /// `s % 64`) and the connections that name no slot and are open now: while it lasts
+    /// nothing is forwarded either way on them; nothing is closed.
+    pub(crate) fn partition(&self, hosts: u64) {
         self.partition.send_modify(|p| {
-            if on && !p.on {
+            if !p.on {
                 p.epoch += 1;
             }
-            p.on = on;
+            p.on = true;
+            p.hosts = hosts;
         });
+    }
+
+    /// Heals the partition: what was held is delivered (see [`healed`]).
+    pub(crate) fn heal(&self) {
+        self.partition.send_modify(|p| p.on = false);
     }
 }
 
@@ -143,23 +205,32 @@ impl Drop for Proxy {
     }
 }
 
-/// A partition: its number (1, 2, …) and whether it is on.
+/// A partition: its number (1, 2, …), whether it is on, and the worker slots it cuts (a
+/// bitmask, slot `s` is bit `s % 64`).
 #[derive(Clone, Copy, Debug, Default)]
 struct Partition {
     epoch: u64,
     on: bool,
+    hosts: u64,
 }
 
-/// One proxied connection, for the partition: the partition number when it was opened.
+/// One proxied connection, for the partition: the partition number when it was opened, and
+/// the worker slot its handshake named.
 #[derive(Clone, Copy, Debug)]
 struct Link {
     born: u64,
+    host: Option<usize>,
 }
 
 impl Link {
-    /// Whether `p` cuts this connection: it is on and the connection is older than it.
+    /// Whether `p` cuts this connection: it is on, and it cuts the connection's host (every
+    /// connection of it, new ones too) or, for a connection that names no host, the
+    /// connection is older than it.
     fn cut_by(self, p: Partition) -> bool {
-        p.on && p.epoch > self.born
+        p.on && match self.host {
+            Some(slot) => p.hosts & (1_u64 << (slot % 64)) != 0,
+            None => p.epoch > self.born,
+        }
     }
 }
 
@@ -177,6 +248,31 @@ async fn healed(link: Link, mut partition: watch::Receiver<Partition>) {
     tokio::time::sleep(Duration::from_millis(rand::random_range(0..spread))).await;
 }
 
+/// Forwards one chunk: held while a partition cuts `link`, delayed under latency. `false`
+/// when the other end is gone.
+async fn forward(
+    chunk: &[u8],
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    latency_ms: &AtomicU64,
+    extra_ms: Option<&AtomicU64>,
+    link: Link,
+    partition: &watch::Receiver<Partition>,
+) -> bool {
+    // Held, not dropped, during a partition: TCP delivers it after the heal.
+    healed(link, partition.clone()).await;
+    let mut delay = latency_ms.load(Ordering::Relaxed);
+    // Under latency, one chunk in SPIKE_ONE_IN waits for a retransmission instead.
+    if delay > 0 && rand::random_range(0..SPIKE_ONE_IN) == 0 {
+        delay = u64::try_from(SPIKE.as_millis()).unwrap_or(u64::MAX);
+    }
+    // A one-direction delay (`set_reply_latency`) comes on top.
+    let delay = delay + extra_ms.map_or(0, |e| e.load(Ordering::Relaxed));
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    to.write_all(chunk).await.is_ok()
+}
+
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -185,25 +281,22 @@ async fn pump(
     link: Link,
     partition: watch::Receiver<Partition>,
 ) {
-    let mut buf = vec![0_u8; 64 * 1024];
+    let mut buf = vec![0_u8; BUF];
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        // Held, not dropped, during a partition: TCP delivers it after the heal.
-        healed(link, partition.clone()).await;
-        let mut delay = latency_ms.load(Ordering::Relaxed);
-        let extra = extra_ms.as_ref().map_or(0, |e| e.load(Ordering::Relaxed));
-        // Under latency, one chunk in SPIKE_ONE_IN waits for a retransmission instead.
-        if delay > 0 && rand::random_range(0..SPIKE_ONE_IN) == 0 {
-            delay = u64::try_from(SPIKE.as_millis()).unwrap_or(u64::MAX);
-        }
-        let delay = delay + extra;
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
+        if !forward(
+            &buf[..n],
+            &mut to,
+            &latency_ms,
+            extra_ms.as_deref(),
+            link,
+            &partition,
+        )
+        .await
+        {
             return;
         }
     }
@@ -214,18 +307,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_partition_cuts_the_connections_open_when_it_started() {
-        let on = Partition { epoch: 3, on: true };
-        assert!(Link { born: 2 }.cut_by(on));
-        assert!(Link { born: 0 }.cut_by(on));
-        assert!(
-            !Link { born: 3 }.cut_by(on),
-            "a connection opened during the partition runs on"
-        );
-        let healed = Partition {
+    fn a_partition_cuts_its_hosts_and_the_unnamed_connections_open_when_it_started() {
+        let on = Partition {
             epoch: 3,
-            on: false,
+            on: true,
+            hosts: 0b101,
         };
-        assert!(!Link { born: 2 }.cut_by(healed));
+        let unnamed = |born| Link { born, host: None };
+        let named = |born, slot| Link {
+            born,
+            host: Some(slot),
+        };
+        assert!(unnamed(2).cut_by(on));
+        assert!(unnamed(0).cut_by(on));
+        assert!(
+            !unnamed(3).cut_by(on),
+            "an unnamed connection opened during the partition runs on"
+        );
+        assert!(named(2, 0).cut_by(on));
+        assert!(
+            named(3, 2).cut_by(on),
+            "a cut host's connection opened during the partition is cut too"
+        );
+        assert!(!named(2, 1).cut_by(on), "the other hosts run on");
+        let healed = Partition { on: false, ..on };
+        assert!(!unnamed(2).cut_by(healed));
+        assert!(!named(2, 0).cut_by(healed));
+    }
+
+    #[test]
+    fn the_host_is_read_from_the_handshake() {
+        let hello = b"\x02name\x00\x30\x00\x00\x00mongo-rust-driver|docwarden-verify-host-12\x00";
+        assert_eq!(host_of(hello), Some(12));
+        assert_eq!(host_of(b"mongo-rust-driver\x00"), None);
     }
 }

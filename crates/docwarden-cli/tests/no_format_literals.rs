@@ -37,7 +37,9 @@ fn hits(files: &[PathBuf], forbidden: &[&str]) -> std::io::Result<Vec<String>> {
         let text = std::fs::read_to_string(file)?;
         for (n, line) in text.lines().enumerate() {
             let code = line.trim_start();
-            if code.starts_with("//") {
+            // A word that happens to equal a stored name but is something else (a fault's
+            // name, a metric label) says so on its line.
+            if code.starts_with("//") || line.contains("// not a stored field") {
                 continue;
             }
             for lit in forbidden {

@@ -257,7 +257,7 @@ pub async fn effect(
     mode: Mode,
 ) -> docwarden::Result<FenceOutcome> {
     let record = doc! {
-        "$push": { "effects": { "token": job.lease.token.as_str(), "attempt": job.job.attempts } },
+        "$push": { "effects": { EFFECT_CLAIM: job.lease.token.as_str(), EFFECT_ATTEMPT: job.job.attempts } },
     };
     match mode {
         Mode::Safe => {
@@ -280,7 +280,9 @@ pub async fn effect(
 /// attempt, stored with the completion (the checker reads who completed the job).
 #[must_use]
 pub fn completion_result(job: &ClaimedJob) -> Bson {
-    Bson::Document(doc! { "token": job.lease.token.as_str(), "attempt": job.job.attempts })
+    Bson::Document(
+        doc! { EFFECT_CLAIM: job.lease.token.as_str(), EFFECT_ATTEMPT: job.job.attempts },
+    )
 }
 
 /// A history event naming the claim of `job` by `process`: op `handle`, the claim's
@@ -297,6 +299,13 @@ pub fn handle_event(process: u32, job: &ClaimedJob, at_us: u64) -> Event {
     .token(job.job.attempts)
     .detail(job.lease.token.as_str())
 }
+
+/// The workload's own effect record (`effects: [{claim, attempt}]` on the job document,
+/// and the handler's result): the claim's lease token and the attempt that applied it.
+/// Not docwarden's format: named apart from the job's `lease.token`.
+const EFFECT_CLAIM: &str = "claim";
+/// See [`EFFECT_CLAIM`].
+const EFFECT_ATTEMPT: &str = "attempt";
 
 /// The final read of the runtime run: every job's state, its effect records in the
 /// order they were applied, and the claim that completed it.
@@ -317,8 +326,8 @@ pub async fn observe(queue: &JobQueue) -> anyhow::Result<BTreeMap<String, JobRec
                 a.iter()
                     .filter_map(Bson::as_document)
                     .map(|e| EffectRecord {
-                        token: e.get_str("token").unwrap_or_default().to_owned(),
-                        attempt: e.get_i64("attempt").unwrap_or_default(),
+                        token: e.get_str(EFFECT_CLAIM).unwrap_or_default().to_owned(),
+                        attempt: e.get_i64(EFFECT_ATTEMPT).unwrap_or_default(),
                     })
                     .collect()
             })
@@ -326,7 +335,7 @@ pub async fn observe(queue: &JobQueue) -> anyhow::Result<BTreeMap<String, JobRec
         let completed_by = d
             .get_document(field::RESULT)
             .ok()
-            .and_then(|r| r.get_str("token").ok())
+            .and_then(|r| r.get_str(EFFECT_CLAIM).ok())
             .map(str::to_owned);
         jobs.insert(
             id,

@@ -28,7 +28,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(super) seed: Option<u64>,
     /// Disable the safeguards (no fencing, read-then-write, client clocks): must fail.
-    /// Without --faults, a control run injects `pause`.
+    /// Without --faults, a control run injects `pause` (and `sigstop` with workers as processes).
     #[arg(long)]
     pub(super) control: bool,
     /// Print the summary as JSON.
@@ -180,7 +180,7 @@ impl Fault {
             Fault::Stepdown => "stepdown",
             Fault::Latency => "latency",
             Fault::Reset => "reset",
-            Fault::Partition => "partition",
+            Fault::Partition => "partition", // not a stored field: the fault's name
             Fault::FailpointNetwork => "failpoint-network",
             Fault::FailpointNotprimary => "failpoint-notprimary",
             Fault::FailpointLatency => "failpoint-latency",

@@ -63,9 +63,15 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let seed = args.seed.unwrap_or_else(rand::random);
     if args.control && faults.is_empty() {
         // The safeguards exist for paused holders: a control run without pauses would prove
-        // little, so it brings them along. (`--faults pause,skew` adds wrong client clocks,
+        // little, so it brings them along (in-task pauses, and real stops of processes). (`--faults pause,skew` adds wrong client clocks,
         // which the control trusts; under skew the queue control mostly starves instead.)
         faults = vec![Fault::Pause];
+        // A paused handler of the real `Worker` keeps its lease (the worker's one heartbeat
+        // bulk covers it), so the queue's lease is lost only when the whole worker stops:
+        // with workers as processes, the control brings SIGSTOP too.
+        if args.workers_as == WorkersAs::Processes {
+            faults.push(Fault::Sigstop);
+        }
     }
     let run = Run {
         args: &args,

@@ -352,7 +352,7 @@ fn counterexample(v: &Violation, events: &[Event]) -> Vec<usize> {
         .filter(|(_, e)| e.key == v.key && e.op != FAULT_OP)
         .map(|(i, _)| i)
         .collect();
-    let tokens = numbers_after(&v.detail, "token");
+    let tokens = numbers_after(&v.detail, "token"); // not a stored field: a word of the detail
     if !tokens.is_empty() {
         let named: Vec<usize> = on_key
             .iter()
@@ -629,7 +629,7 @@ fn fault_color(name: &str) -> &'static str {
         "crash" => "#800000",
         "restart" => "#a05050",
         "stepdown" => "#8040c0",
-        "partition" => "#303030",
+        "partition" => "#303030", // not a stored field: the fault's name
         "latency" | "failpoint-latency" => "#d0a000",
         "reset" | "failpoint-network" => "#e04080",
         "failpoint-notprimary" => "#c060c0",

@@ -9,28 +9,16 @@
 //! not-primary, latency). Runs are a few seconds each; the whole file takes about a minute
 //! and a half on two cores.
 
+mod common;
+
 use std::process::Command;
+
+use common::{verify, workloads};
 
 use anyhow::Context as _;
 
-/// Runs `docwarden verify ARGS --json`: the exit code and the summary.
-fn verify(args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
-        .arg("verify")
-        .args(args)
-        .arg("--json")
-        .output()?;
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    Ok((out.status.code().unwrap_or(-1), json))
-}
-
 fn external() -> bool {
     std::env::var_os("MONGODB_URI").is_some_and(|u| !u.is_empty())
-}
-
-fn workloads(json: &serde_json::Value) -> anyhow::Result<&Vec<serde_json::Value>> {
-    json["workloads"].as_array().context("workloads")
 }
 
 /// Every workload of the run injected each of `faults` at least once.
@@ -235,6 +223,8 @@ fn every_fault_is_listed_with_its_server_and_its_control() -> anyhow::Result<()>
     for fault in [
         "pause",
         "kill",
+        "sigstop",
+        "sigkill",
         "skew",
         "step",
         "drift",
@@ -247,6 +237,7 @@ fn every_fault_is_listed_with_its_server_and_its_control() -> anyhow::Result<()>
         "failpoint-network",
         "failpoint-notprimary",
         "failpoint-latency",
+        "slow-reply",
     ] {
         let lines: Vec<&str> = text.lines().collect();
         let i = lines
@@ -264,6 +255,7 @@ fn every_fault_is_listed_with_its_server_and_its_control() -> anyhow::Result<()>
         );
     }
     assert!(text.lines().any(|l| l.starts_with("all ")), "{text}");
+    assert!(text.contains("embedded"), "{text}");
     // A typo names the faults there are.
     let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
         .args(["verify", "locks", "--faults", "partiton"])

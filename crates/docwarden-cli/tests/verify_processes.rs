@@ -3,33 +3,14 @@
 //! control that must fail (fencing off under stops; in-flight operations of a killed
 //! process taken as failed under kills).
 
+mod common;
+
 use std::process::Command;
 
-fn verify(args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
-        .arg("verify")
-        .args(args)
-        .arg("--json")
-        .output()?;
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    Ok((out.status.code().unwrap_or(-1), json))
-}
-
-fn workloads(json: &serde_json::Value) -> anyhow::Result<&Vec<serde_json::Value>> {
-    json["workloads"]
-        .as_array()
-        .ok_or_else(|| anyhow::anyhow!("no workloads in {json:#}"))
-}
+use common::{verify, violations, workloads};
 
 fn injected(w: &serde_json::Value, fault: &str) -> u64 {
-    w["faults"][fault].as_u64().unwrap_or(0)
-}
-
-fn violations(w: &serde_json::Value) -> u64 {
-    w["violations_by_kind"].as_object().map_or(0, |m| {
-        m.values().filter_map(serde_json::Value::as_u64).sum()
-    })
+    common::count(w, "faults", fault)
 }
 
 #[test]

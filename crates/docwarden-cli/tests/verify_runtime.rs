@@ -2,22 +2,9 @@
 //! `Watchdog`): under pauses and kills the checkers find nothing, and the control (fencing
 //! off) writes under lost leases, which the checkers find.
 
-use std::process::Command;
+mod common;
 
-fn verify(args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
-        .arg("verify")
-        .args(args)
-        .arg("--json")
-        .output()?;
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    Ok((out.status.code().unwrap_or(-1), json))
-}
-
-fn count(w: &serde_json::Value, field: &str, key: &str) -> u64 {
-    w[field][key].as_u64().unwrap_or(0)
-}
+use common::{count, verify};
 
 /// Runs `module` safe under pause and kill (0 violations, both injected), then its control
 /// under pause (exit 1, at least one `kind`).

@@ -13,9 +13,9 @@
 use docwarden::sequence::{SequencedSet, SetOptions};
 use docwarden_workloads::Mode;
 use docwarden_workloads::enrollment::{self, CLASSES, FIELD, KEY_FIELD, Message};
-use mongodb::Database;
 use mongodb::bson::{Document, doc};
 use mongodb::options::ReturnDocument;
+use mongodb::{Collection, Database};
 
 use super::{BenchRow, Load, measure};
 
@@ -145,14 +145,7 @@ async fn stages(set: &SequencedSet, load: &Load) -> anyhow::Result<Vec<BenchRow>
             move |_| {
                 let c = c.clone();
                 async move {
-                    c.find_one_and_update(
-                        doc! { KEY_FIELD: rand::random_range(0..KEYS) },
-                        vec![doc! { "$set": { "bench_n": { "$add": ["$bench_n", 1] } } }],
-                    )
-                    .return_document(ReturnDocument::After)
-                    .projection(doc! { "bench_n": 1 })
-                    .await?;
-                    Ok(1)
+                    trivial_pipeline(&c, doc! { KEY_FIELD: rand::random_range(0..KEYS) }).await
                 }
             },
         )
@@ -165,17 +158,7 @@ async fn stages(set: &SequencedSet, load: &Load) -> anyhow::Result<Vec<BenchRow>
             load,
             move |_| {
                 let (c, s) = (c.clone(), s.clone());
-                async move {
-                    let msg = random_message();
-                    c.find_one_and_update(
-                        filter(&s, &msg),
-                        vec![doc! { "$set": { "bench_n": { "$add": ["$bench_n", 1] } } }],
-                    )
-                    .return_document(ReturnDocument::After)
-                    .projection(doc! { "bench_n": 1 })
-                    .await?;
-                    Ok(1)
-                }
+                async move { trivial_pipeline(&c, filter(&s, &random_message())).await }
             },
         )
         .await?,
@@ -198,4 +181,17 @@ async fn stages(set: &SequencedSet, load: &Load) -> anyhow::Result<Vec<BenchRow>
         .await?,
     );
     Ok(rows)
+}
+
+/// The stage rows' write: `findOneAndUpdate(filter)` with a one-field pipeline (what the
+/// server charges for a pipeline update, apart from the sequenced apply's own stages).
+async fn trivial_pipeline(c: &Collection<Document>, filter: Document) -> anyhow::Result<u64> {
+    c.find_one_and_update(
+        filter,
+        vec![doc! { "$set": { "bench_n": { "$add": ["$bench_n", 1] } } }],
+    )
+    .return_document(ReturnDocument::After)
+    .projection(doc! { "bench_n": 1 })
+    .await?;
+    Ok(1)
 }

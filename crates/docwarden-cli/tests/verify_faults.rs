@@ -17,8 +17,14 @@ use common::{verify, workloads};
 
 use anyhow::Context as _;
 
-fn external() -> bool {
-    std::env::var_os("MONGODB_URI").is_some_and(|u| !u.is_empty())
+/// With `MONGODB_URI` set, reports `test` skipped (`why`: what needs the embedded server)
+/// and returns true.
+fn skip_on_external(test: &str, why: &str) -> bool {
+    let external = std::env::var_os("MONGODB_URI").is_some_and(|u| !u.is_empty());
+    if external {
+        docwarden_testkit::skip(test, &format!("MONGODB_URI is set: {why}"));
+    }
+    external
 }
 
 /// Every workload of the run injected each of `faults` at least once.
@@ -103,14 +109,13 @@ fn clock_faults_break_nothing_and_the_drift_control_fails() -> anyhow::Result<()
 #[test]
 fn server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes()
 -> anyhow::Result<()> {
-    if external() {
+    if skip_on_external(
+        "server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes",
+        "crash needs the embedded server (only checked that verify refuses it)",
+    ) {
         let (code, _) = verify(&["locks", "--faults", "crash", "--duration", "1"])
             .unwrap_or((2, serde_json::Value::Null));
         assert_ne!(code, 0, "crash needs the embedded server");
-        docwarden_testkit::skip(
-            "server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes",
-            "MONGODB_URI is set: crash needs the embedded server (only checked that verify refuses it)",
-        );
         return Ok(());
     }
     // Durable (--sync-on-commit, journal=true): no acknowledged acquire or write is lost
@@ -130,11 +135,10 @@ fn server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes()
 
 #[test]
 fn network_faults_break_nothing_and_their_control_accepts_late_writes() -> anyhow::Result<()> {
-    if external() {
-        docwarden_testkit::skip(
-            "network_faults_break_nothing_and_their_control_accepts_late_writes",
-            "MONGODB_URI is set: latency, reset and partition need the embedded server",
-        );
+    if skip_on_external(
+        "network_faults_break_nothing_and_their_control_accepts_late_writes",
+        "latency, reset and partition need the embedded server",
+    ) {
         return Ok(());
     }
     safe("locks", &["latency", "reset", "partition"], "6")?;
@@ -153,11 +157,10 @@ fn network_faults_break_nothing_and_their_control_accepts_late_writes() -> anyho
 
 #[test]
 fn fail_points_break_nothing_and_their_controls_fail() -> anyhow::Result<()> {
-    if external() {
-        docwarden_testkit::skip(
-            "fail_points_break_nothing_and_their_controls_fail",
-            "MONGODB_URI is set: the fail points need the embedded server",
-        );
+    if skip_on_external(
+        "fail_points_break_nothing_and_their_controls_fail",
+        "the fail points need the embedded server",
+    ) {
         return Ok(());
     }
     let all = [
@@ -176,11 +179,10 @@ fn fail_points_break_nothing_and_their_controls_fail() -> anyhow::Result<()> {
 
 #[test]
 fn the_report_draws_the_server_faults_and_a_counterexample() -> anyhow::Result<()> {
-    if external() {
-        docwarden_testkit::skip(
-            "the_report_draws_the_server_faults_and_a_counterexample",
-            "MONGODB_URI is set: crash and partition need the embedded server",
-        );
+    if skip_on_external(
+        "the_report_draws_the_server_faults_and_a_counterexample",
+        "crash and partition need the embedded server",
+    ) {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;

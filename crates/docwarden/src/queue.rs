@@ -91,8 +91,11 @@ pub mod index {
     pub const CLAIM_PARTITION: &str = "docwarden_claim_partition";
     /// Running jobs by lease expiry: `{"lease.until": 1}`, partial on `state: running`.
     pub const LEASE_EXPIRY: &str = "docwarden_lease_expiry";
-    /// Running jobs by token (fetch after a claim): `{"lease.token": 1}`, partial on
-    /// `state: running`.
+    /// Running jobs by token: `{"lease.token": 1}`, partial on `state: running`. Created
+    /// up to format 2 only: from format 3 the claimed jobs are read back by `_id` (and
+    /// the single claim of [`ClaimStrategy::UpdateThenFetch`](super::ClaimStrategy) by
+    /// its exact `lease.until`), so every job no longer pays two entries in it. An
+    /// existing one may be dropped once no worker of format 2 runs (see `docs/queue.md`).
     pub const LEASE_TOKEN: &str = "docwarden_lease_token";
     /// At most one unfinished job per dedupe key: unique `{dedupe_key: 1}`, partial on
     /// an existing key and an unfinished state.
@@ -110,8 +113,9 @@ pub mod meta {
     /// `_id` of the options document.
     pub const OPTIONS_ID: &str = "options";
     /// Version of the job and options document formats described in `docs/queue.md`
-    /// (2: jobs carry a `partition`; jobs of format 1, without one, stay claimable).
-    pub const FORMAT: i64 = 2;
+    /// (2: jobs carry a `partition`; jobs of format 1, without one, stay claimable;
+    /// 3: the same documents, without the `docwarden_lease_token` index).
+    pub const FORMAT: i64 = 3;
 }
 
 #[derive(Debug)]
@@ -296,15 +300,6 @@ impl JobQueue {
                 .options(
                     IndexOptions::builder()
                         .name(index::LEASE_EXPIRY.to_owned())
-                        .partial_filter_expression(running.clone())
-                        .build(),
-                )
-                .build(),
-            IndexModel::builder()
-                .keys(doc! { field::LEASE_TOKEN: 1 })
-                .options(
-                    IndexOptions::builder()
-                        .name(index::LEASE_TOKEN.to_owned())
                         .partial_filter_expression(running)
                         .build(),
                 )

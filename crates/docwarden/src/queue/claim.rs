@@ -161,10 +161,16 @@ impl JobQueue {
         if r.modified_count == 0 {
             return Ok(None);
         }
+        // The claimed job's `lease.until` is known exactly: an equality on the lease-expiry
+        // index (partial on `running`) finds it without an index on the token.
         Ok(self
             .inner
             .coll
-            .find_one(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: token })
+            .find_one(doc! {
+                field::LEASE_UNTIL: now.plus_ms(self.inner.ttl_ms),
+                field::STATE: JobState::Running.as_str(),
+                field::LEASE_TOKEN: token,
+            })
             .await?)
     }
 
@@ -279,7 +285,7 @@ impl JobQueue {
                 Ok(_) => None,
                 Err(e) => Some(Error::from(e)),
             };
-            let claimed = self.fetch_claimed(&token).await?;
+            let claimed = self.fetch_claimed(&ids, &token).await?;
             if let Some(e) = failed
                 && (e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0)
             {
@@ -295,13 +301,14 @@ impl JobQueue {
         Ok(Vec::new())
     }
 
-    /// The jobs claimed under `token`, parsed (malformed ones moved to `dead`), in rank
-    /// order.
-    async fn fetch_claimed(&self, token: &str) -> Result<Vec<ClaimedJob>> {
+    /// The jobs among `ids` claimed under `token`, parsed (malformed ones moved to
+    /// `dead`), in rank order. Point lookups by `_id` with the token re-checked, so no
+    /// index on the token is needed (format 3).
+    async fn fetch_claimed(&self, ids: &[Bson], token: &str) -> Result<Vec<ClaimedJob>> {
         let docs: Vec<Document> = self
             .inner
             .coll
-            .find(doc! { field::STATE: JobState::Running.as_str(), field::LEASE_TOKEN: token })
+            .find(doc! { field::ID: { "$in": ids }, field::LEASE_TOKEN: token })
             .await?
             .try_collect()
             .await?;

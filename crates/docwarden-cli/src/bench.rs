@@ -45,6 +45,9 @@ pub(crate) struct Load {
     pub(crate) commands: Arc<AtomicU64>,
     /// Also run the rows that time the stages of a guarded update and a sequenced apply.
     pub(crate) stages: bool,
+    /// The queue `Worker` rows' batch size (`WorkerOptions::batch_size`); `None` keeps the
+    /// library's default.
+    pub(crate) batch_size: Option<usize>,
 }
 
 impl Load {
@@ -178,6 +181,9 @@ pub(crate) struct Args {
     /// wakeup); the reference row always runs.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Batch size of the queue `Worker` rows (jobs per claim; default: the library's).
+    #[arg(long)]
+    batch_size: Option<usize>,
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -207,6 +213,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             progress: progress.clone(),
             commands: Arc::clone(&commands),
             stages: args.stages,
+            batch_size: args.batch_size,
         };
         let db = client.database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
         let reference = reference(&db, &load).await?;

@@ -109,16 +109,16 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
     };
     let commands_before = load.commands_sent();
     let counter = Arc::clone(&started);
-    let worker = Worker::spawn(
-        q.clone(),
-        WorkerOptions::default()
-            .name("bench")
-            .concurrency(load.workers),
-        move |_job| {
-            counter.fetch_add(1, Ordering::Relaxed);
-            async { Ok(Bson::Null) }
-        },
-    )?;
+    let mut options = WorkerOptions::default()
+        .name("bench")
+        .concurrency(load.workers);
+    if let Some(n) = load.batch_size {
+        options = options.batch_size(n);
+    }
+    let worker = Worker::spawn(q.clone(), options, move |_job| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Ok(Bson::Null) }
+    })?;
     let t0 = Instant::now();
     let done_before = worker.report().succeeded;
     tokio::time::sleep(load.duration).await;

@@ -150,3 +150,44 @@ async fn partitions_keep_concurrent_claimers_off_one_another() -> anyhow::Result
     );
     Ok(())
 }
+
+/// Format 3: `open` creates no `docwarden_lease_token` index, and a batch claim reads its
+/// jobs back by `_id` and token: two batches claimed one after the other each get only
+/// their own jobs, every job once, all running under the batch's token.
+#[tokio::test]
+async fn format_3_claims_read_back_by_id_without_a_token_index() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_format_3").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    let indexes = q.collection().list_index_names().await?;
+    assert!(
+        !indexes
+            .iter()
+            .any(|n| n == docwarden::queue::index::LEASE_TOKEN),
+        "{indexes:?}"
+    );
+    assert!(
+        indexes
+            .iter()
+            .any(|n| n == docwarden::queue::index::LEASE_EXPIRY)
+    );
+    assert_eq!(docwarden::queue::meta::FORMAT, 3);
+    q.enqueue_many((0..10).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    let first = q.claim_batch("w1", 4).await?;
+    let second = q.claim_batch("w2", 10).await?;
+    assert_eq!((first.len(), second.len()), (4, 6));
+    let mut ids: Vec<_> = first.iter().chain(&second).map(|j| j.id()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 10, "every job claimed once");
+    for batch in [&first, &second] {
+        let token = &batch[0].lease.token;
+        assert!(
+            batch
+                .iter()
+                .all(|j| &j.lease.token == token && j.job.state == JobState::Running)
+        );
+    }
+    assert_ne!(first[0].lease.token, second[0].lease.token);
+    Ok(())
+}

@@ -217,7 +217,8 @@ impl JobQueue {
 
     /// Claims up to `k` due jobs with one lease token, in three round trips whatever
     /// `k`: a find of candidate ids, one `updateMany` by `_id` that re-checks the claim
-    /// filter per document (so racing claimers never share a job), and a find of those `_id`s under the new token.
+    /// filter per document (so racing claimers never share a job), and a find of those
+    /// `_id`s under the new token.
     ///
     /// Candidates are the `k` highest ranked due jobs (priority, then `run_at`) of a
     /// few partitions ([`QueueOptions::partitions`](super::QueueOptions::partitions)):

@@ -87,13 +87,20 @@ impl JobQueue {
             field::UPDATED_AT: now.estimate(),
             field::PARTITION: i64::from(rand::random_range(0..self.inner.options.partitions)),
         };
-        if let Some(key) = &opts.dedupe_key {
-            d.insert(field::DEDUPE_KEY, key.clone());
-            if let Some(w) = opts.unique_window
-                && self.inner.options.unsafe_without != Some(Safeguard::UniqueSlot)
-            {
-                d.insert(field::UNIQUE_SLOT, unique_slot(key, w, now.estimate_ms));
+        match (&opts.dedupe_key, opts.unique_window) {
+            // A windowed job is unique by its slot (every state), not by the key among
+            // unfinished jobs.
+            (Some(key), Some(w)) => {
+                if self.inner.options.unsafe_without == Some(Safeguard::UniqueSlot) {
+                    d.insert(CONTROL_KEY, key.clone());
+                } else {
+                    d.insert(field::UNIQUE_SLOT, unique_slot(key, w, now.estimate_ms));
+                }
             }
+            (Some(key), None) => {
+                d.insert(field::DEDUPE_KEY, key.clone());
+            }
+            (None, _) => {}
         }
         if let Some(n) = self.inner.options.max_stalls {
             d.insert(field::MAX_STALLS, i64::from(n));
@@ -126,11 +133,8 @@ impl JobQueue {
         opts: &EnqueueOptions,
     ) -> Result<Enqueued> {
         let d = self.new_job(payload.into(), opts).await?;
-        if let (Some(key), Some(w)) = (&opts.dedupe_key, opts.unique_window)
-            && self.inner.options.unsafe_without == Some(Safeguard::UniqueSlot)
-            && self.window_taken_by_read(key, w).await?
-        {
-            return Ok(self.duplicate(key).await);
+        if let (Some(key), Some(w)) = (&opts.dedupe_key, opts.unique_window) {
+            return self.enqueue_windowed(d, key, w).await;
         }
         if opts.on_duplicate != OnDuplicate::Keep
             && let Some(key) = &opts.dedupe_key
@@ -278,6 +282,45 @@ impl JobQueue {
         }
     }
 
+    /// Inserts a windowed job: the unique index on `unique_slot` refuses a second job of
+    /// the key in the window, whatever the first one's state.
+    async fn enqueue_windowed(
+        &self,
+        d: Document,
+        key: &str,
+        window: Duration,
+    ) -> Result<Enqueued> {
+        let id = d
+            .get_object_id(field::ID)
+            .map_err(|e| Error::invalid("job", e.to_string()))?;
+        if self.inner.options.unsafe_without == Some(Safeguard::UniqueSlot)
+            && let Some(existing) = self.window_taken_by_read(key, window).await?
+        {
+            return Ok(Enqueued::Duplicate {
+                key: key.to_owned(),
+                existing: Some(existing),
+            });
+        }
+        match self.inner.coll.insert_one(d.clone()).await {
+            Ok(_) => Ok(Enqueued::Created(id)),
+            Err(e) if is_duplicate_key(&e) => {
+                let slot = d.get(field::UNIQUE_SLOT).cloned().unwrap_or(Bson::Null);
+                let existing = self
+                    .inner
+                    .coll
+                    .find_one(doc! { field::UNIQUE_SLOT: slot })
+                    .projection(doc! { field::ID: 1 })
+                    .await?
+                    .and_then(|d| d.get_object_id(field::ID).ok());
+                Ok(Enqueued::Duplicate {
+                    key: key.to_owned(),
+                    existing,
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Insert `d`, or merge it into the key's unfinished job by `policy` — each step one
     /// conditional single-document write; a few rounds when the key's job changes state
     /// between them (it started, finished, or was inserted by a racing enqueue).
@@ -336,10 +379,6 @@ impl JobQueue {
             } else if self.inner.coll.find_one(running).await?.is_some() {
                 return Ok(self.duplicate(key).await);
             }
-            if self.unfinished_of(key).await?.is_none() && d.contains_key(field::UNIQUE_SLOT) {
-                // Nothing unfinished: the uniqueness window is what refused it.
-                return Ok(self.duplicate(key).await);
-            }
         }
         Ok(self.duplicate(key).await)
     }
@@ -384,19 +423,25 @@ impl JobQueue {
             .await?)
     }
 
-    /// Control only ([`Safeguard::UniqueSlot`] off): whether a job of `key` was created
-    /// in the current window, by a read, 20 ms before the insert.
-    async fn window_taken_by_read(&self, key: &str, window: Duration) -> Result<bool> {
+    /// Control only ([`Safeguard::UniqueSlot`] off, so the job has no slot): the job of
+    /// `key` created in the current window, found by a read 20 ms before the insert.
+    async fn window_taken_by_read(
+        &self,
+        key: &str,
+        window: Duration,
+    ) -> Result<Option<ObjectId>> {
         let now = self.inner.time.now().await?;
         let w = i64::try_from(window.as_millis()).unwrap_or(i64::MAX).max(1);
-        let start =
-            mongodb::bson::DateTime::from_millis(now.estimate_ms - now.estimate_ms.rem_euclid(w));
+        let start = mongodb::bson::DateTime::from_millis(
+            now.estimate_ms - now.estimate_ms.rem_euclid(w),
+        );
         let taken = self
             .inner
             .coll
-            .find_one(doc! { field::DEDUPE_KEY: key, field::CREATED_AT: { "$gte": start } })
+            .find_one(doc! { CONTROL_KEY: key, field::CREATED_AT: { "$gte": start } })
+            .projection(doc! { field::ID: 1 })
             .await?
-            .is_some();
+            .and_then(|d| d.get_object_id(field::ID).ok());
         tokio::time::sleep(Duration::from_millis(20)).await;
         Ok(taken)
     }
@@ -417,6 +462,10 @@ impl JobQueue {
         }
     }
 }
+
+/// The key a windowed job stores in the control ([`Safeguard::UniqueSlot`] off), where
+/// it has no slot: the control's read-then-write looks it up.
+const CONTROL_KEY: &str = "control_unique_key";
 
 /// Rounds of [`JobQueue::enqueue_or_merge`] before it reports a duplicate.
 const MERGE_ROUNDS: usize = 4;

@@ -202,7 +202,8 @@ pub struct EnqueueOptions {
     /// At most one job per dedupe key per window of this length, finished jobs
     /// included: windows are aligned to multiples of the length since the epoch (server
     /// time at enqueue), and the unique index on `unique_slot` enforces it. Needs a
-    /// dedupe key. Default none.
+    /// dedupe key and [`OnDuplicate::Keep`]; a windowed job is unique by its slot
+    /// alone (it does not store `dedupe_key`). Default none.
     pub unique_window: Option<std::time::Duration>,
     /// What an enqueue does when the key already has an unfinished job. Default
     /// [`OnDuplicate::Keep`].
@@ -286,6 +287,12 @@ impl EnqueueOptions {
             validate::duration_ms("unique window", w)?;
             if self.dedupe_key.is_none() {
                 return Err(Error::invalid("unique window", "needs a dedupe key"));
+            }
+            if self.on_duplicate != OnDuplicate::Keep {
+                return Err(Error::invalid(
+                    "unique window",
+                    "a windowed job is never replaced or followed up",
+                ));
             }
         }
         if self.on_duplicate != OnDuplicate::Keep && self.dedupe_key.is_none() {

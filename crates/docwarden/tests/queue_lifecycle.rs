@@ -98,9 +98,15 @@ struct CancelRun {
 /// waits for its cancellation signal, then returns a late completion.
 async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Result<CancelRun> {
     const JOBS: u64 = 64;
-    let q = open(&t.db, &t.client, name, opts.lease_ttl(Duration::from_secs(3))).await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        name,
+        opts.lease_ttl(Duration::from_secs(3)),
+    )
+    .await?;
     let coll = q.collection().clone();
-    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i as i64 }, EnqueueOptions::default())))
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
         .await?;
     let cancelled_at: Arc<Mutex<HashMap<ObjectId, Instant>>> = Arc::default();
     let signalled = Arc::new(AtomicU64::new(0));
@@ -177,9 +183,15 @@ async fn cancelling_running_jobs_signals_their_handlers_and_refuses_late_complet
     let t = TestDb::new("queue_lifecycle_cancel").await?;
     let run = cancel_race(&t, "jobs", QueueOptions::default()).await?;
     eprintln!("cancel: {run:?}");
-    assert_eq!(run.cancelled_by_operator, run.jobs, "every job cancelled while running");
+    assert_eq!(
+        run.cancelled_by_operator, run.jobs,
+        "every job cancelled while running"
+    );
     assert_eq!(run.signalled, run.jobs, "every handler signalled");
-    assert_eq!(run.report.cancelled, run.jobs, "workers counted the signals");
+    assert_eq!(
+        run.report.cancelled, run.jobs,
+        "workers counted the signals"
+    );
     assert_eq!(run.overwritten, 0, "late completions stored");
     assert_eq!(
         run.report.lease_lost, run.jobs,
@@ -214,9 +226,15 @@ async fn snoozed_jobs_run_again_later_without_using_an_attempt() -> anyhow::Resu
     const SNOOZES: i64 = 2;
     let t = TestDb::new("queue_lifecycle_snooze").await?;
     // One attempt each: a snooze that used one would leave `attempts` above 1.
-    let q = open(&t.db, &t.client, "jobs", QueueOptions::default().max_attempts(1)).await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        "jobs",
+        QueueOptions::default().max_attempts(1),
+    )
+    .await?;
     let coll = q.collection().clone();
-    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i as i64 }, EnqueueOptions::default())))
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
         .await?;
     let runs = Arc::new(AtomicU64::new(0));
     let early = Arc::new(AtomicU64::new(0));
@@ -224,7 +242,9 @@ async fn snoozed_jobs_run_again_later_without_using_an_attempt() -> anyhow::Resu
     let mut workers = Vec::new();
     for w in 0..8 {
         let (runs, early, last) = (Arc::clone(&runs), Arc::clone(&early), Arc::clone(&last_run));
-        let wo = WorkerOptions::default().name(format!("w{w}")).concurrency(4);
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(4);
         workers.push(Worker::spawn(q.clone(), wo, move |job| {
             let (runs, early, last) = (Arc::clone(&runs), Arc::clone(&early), Arc::clone(&last));
             async move {
@@ -244,7 +264,13 @@ async fn snoozed_jobs_run_again_later_without_using_an_attempt() -> anyhow::Resu
             }
         })?);
     }
-    wait_for(&coll, doc! { "state": "succeeded" }, JOBS, Duration::from_secs(60)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        JOBS,
+        Duration::from_secs(60),
+    )
+    .await?;
     let report = stop(workers).await;
     let one_attempt = count(
         &coll,
@@ -254,7 +280,10 @@ async fn snoozed_jobs_run_again_later_without_using_an_attempt() -> anyhow::Resu
     let runs = runs.load(Ordering::Relaxed);
     let early = early.load(Ordering::Relaxed);
     eprintln!("snooze: runs {runs}, early {early}, {report:?}");
-    assert_eq!(one_attempt, JOBS, "succeeded with one attempt and two snoozes");
+    assert_eq!(
+        one_attempt, JOBS,
+        "succeeded with one attempt and two snoozes"
+    );
     assert_eq!(runs, JOBS * 3);
     assert_eq!(report.snoozed, JOBS * 2);
     assert_eq!(report.succeeded, JOBS);
@@ -334,7 +363,10 @@ async fn a_uniqueness_window_allows_one_job_per_key_per_window_finished_or_not()
     )
     .await?;
     eprintln!("window control: {jobs} jobs, {violations} keys with two in a window");
-    assert!(violations > 0, "the control must store two jobs of a key in a window");
+    assert!(
+        violations > 0,
+        "the control must store two jobs of a key in a window"
+    );
     Ok(())
 }
 
@@ -387,7 +419,10 @@ async fn replace_race(
                         .dedupe_key(format!("k{k}"))
                         .on_duplicate(OnDuplicate::Replace)
                         .delay(Duration::from_millis(300));
-                    match q.enqueue(doc! { "k": k, "by": e, "round": round }, &opts).await? {
+                    match q
+                        .enqueue(doc! { "k": k, "by": e, "round": round }, &opts)
+                        .await?
+                    {
                         Enqueued::Created(_) => created.fetch_add(1, Ordering::Relaxed),
                         Enqueued::Replaced(_) => replaced.fetch_add(1, Ordering::Relaxed),
                         _ => 0,
@@ -403,7 +438,13 @@ async fn replace_race(
     }
     eprintln!("enqueued in {:?}", t0.elapsed());
     let jobs = count(&coll, doc! {}).await?;
-    wait_for(&coll, doc! { "state": "succeeded" }, jobs, Duration::from_secs(60)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        jobs,
+        Duration::from_secs(60),
+    )
+    .await?;
     eprintln!("done in {:?}", t0.elapsed());
     let report = stop(workers).await;
     eprintln!("{report:?}");
@@ -428,7 +469,9 @@ async fn replace_rewrites_only_jobs_that_have_not_started() -> anyhow::Result<()
     let t = TestDb::new("queue_lifecycle_replace").await?;
     let (jobs, created, replaced, rewritten) =
         replace_race(&t, "jobs", QueueOptions::default()).await?;
-    eprintln!("replace: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start");
+    eprintln!(
+        "replace: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start"
+    );
     assert_eq!(jobs, created, "every stored job is a created one");
     assert!(replaced > 0, "some enqueues replaced a waiting job");
     assert_eq!(rewritten, 0, "a started job's payload was replaced");
@@ -439,7 +482,9 @@ async fn replace_rewrites_only_jobs_that_have_not_started() -> anyhow::Result<()
         QueueOptions::default().unsafe_without(Safeguard::ReplaceRecheck),
     )
     .await?;
-    eprintln!("replace control: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start");
+    eprintln!(
+        "replace control: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start"
+    );
     assert!(rewritten > 0, "the control must rewrite started jobs");
     Ok(())
 }
@@ -489,7 +534,13 @@ async fn debounce_runs_a_burst_once_after_the_last_enqueue() -> anyhow::Result<(
     while let Some(r) = enqueuers.join_next().await {
         r??;
     }
-    wait_for(&coll, doc! { "state": "succeeded" }, 1, Duration::from_secs(10)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
     tokio::time::sleep(Duration::from_millis(800)).await;
     stop(workers).await;
     let runs = runs.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -500,9 +551,17 @@ async fn debounce_runs_a_burst_once_after_the_last_enqueue() -> anyhow::Result<(
         .filter(|o| matches!(o, Enqueued::Replaced(_)))
         .count();
     let last = *last_enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    eprintln!("debounce: {} enqueues, {created} created, {replaced} replaced, {} runs", outcomes.len(), runs.len());
+    eprintln!(
+        "debounce: {} enqueues, {created} created, {replaced} replaced, {} runs",
+        outcomes.len(),
+        runs.len()
+    );
     assert_eq!(outcomes.len(), 320);
-    assert_eq!((created, replaced), (1, 319), "one job, every other enqueue debounced into it");
+    assert_eq!(
+        (created, replaced),
+        (1, 319),
+        "one job, every other enqueue debounced into it"
+    );
     assert_eq!(runs.len(), 1, "the burst ran once");
     // Due `delay` after the last enqueue (less the few ms the clock bound allows).
     assert!(
@@ -524,14 +583,20 @@ async fn follow_up_runs_once_more_after_the_current_run() -> anyhow::Result<()> 
     let starts: Arc<Mutex<Vec<Instant>>> = Arc::default();
     let mut workers = Vec::new();
     for w in 0..8 {
-        let (running, overlap, starts) =
-            (Arc::clone(&running), Arc::clone(&overlap), Arc::clone(&starts));
+        let (running, overlap, starts) = (
+            Arc::clone(&running),
+            Arc::clone(&overlap),
+            Arc::clone(&starts),
+        );
         let wo = WorkerOptions::default()
             .name(format!("w{w}"))
             .poll(Duration::from_millis(10), Duration::from_millis(50));
         workers.push(Worker::spawn(q.clone(), wo, move |_job| {
-            let (running, overlap, starts) =
-                (Arc::clone(&running), Arc::clone(&overlap), Arc::clone(&starts));
+            let (running, overlap, starts) = (
+                Arc::clone(&running),
+                Arc::clone(&overlap),
+                Arc::clone(&starts),
+            );
             async move {
                 if running.fetch_add(1, Ordering::SeqCst) > 0 {
                     overlap.fetch_add(1, Ordering::Relaxed);
@@ -568,12 +633,18 @@ async fn follow_up_runs_once_more_after_the_current_run() -> anyhow::Result<()> 
         r??;
     }
     let last = *last_enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    wait_for(&coll, doc! { "state": "succeeded" }, 1, Duration::from_secs(10)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop(workers).await;
     let starts = starts.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let created = outcomes.iter().filter(|o| o.created().is_some()).count() as i64;
+    let created = i64::try_from(outcomes.iter().filter(|o| o.created().is_some()).count())?;
     let follow_ups_asked = outcomes
         .iter()
         .filter(|o| matches!(o, Enqueued::FollowUp(_)))
@@ -586,10 +657,14 @@ async fn follow_up_runs_once_more_after_the_current_run() -> anyhow::Result<()> 
         outcomes.len(),
         starts.len()
     );
-    assert_eq!(overlap.load(Ordering::Relaxed), 0, "two runs of the key at once");
+    assert_eq!(
+        overlap.load(Ordering::Relaxed),
+        0,
+        "two runs of the key at once"
+    );
     assert_eq!(unfinished, 0);
     assert_eq!(
-        starts.len() as i64,
+        i64::try_from(starts.len())?,
         created + follow_ups_run,
         "every run is a created job or one follow-up"
     );
@@ -615,7 +690,7 @@ async fn progress_and_results_are_fenced_and_size_limited() -> anyhow::Result<()
     )
     .await?;
     let coll = q.collection().clone();
-    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i as i64 }, EnqueueOptions::default())))
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
         .await?;
     let mut workers = Vec::new();
     for w in 0..8 {
@@ -630,11 +705,20 @@ async fn progress_and_results_are_fenced_and_size_limited() -> anyhow::Result<()
                 for step in 1..=3_i64 {
                     q.progress(&job, doc! { "step": step, "of": 3_i64 }).await?;
                 }
-                Ok(doc! { "i": job.payload().as_document().and_then(|d| d.get_i64("i").ok()) }.into())
+                Ok(
+                    doc! { "i": job.payload().as_document().and_then(|d| d.get_i64("i").ok()) }
+                        .into(),
+                )
             }
         })?);
     }
-    wait_for(&coll, doc! { "state": "succeeded" }, JOBS, Duration::from_secs(60)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        JOBS,
+        Duration::from_secs(60),
+    )
+    .await?;
     stop(workers).await;
     let done = count(
         &coll,
@@ -645,27 +729,50 @@ async fn progress_and_results_are_fenced_and_size_limited() -> anyhow::Result<()
         .await?
         .iter()
         .filter(|d| {
-            d.get_document("result").ok().and_then(|r| r.get_i64("i").ok())
-                == d.get_document("payload").ok().and_then(|p| p.get_i64("i").ok())
+            d.get_document("result")
+                .ok()
+                .and_then(|r| r.get_i64("i").ok())
+                == d.get_document("payload")
+                    .ok()
+                    .and_then(|p| p.get_i64("i").ok())
         })
         .count() as u64;
     assert_eq!((done, consistent), (JOBS, JOBS));
 
     // Size limits: typed errors, nothing written.
-    q.enqueue(doc! { "big": true }, &EnqueueOptions::default()).await?;
-    let job = q.claim("solo").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    q.enqueue(doc! { "big": true }, &EnqueueOptions::default())
+        .await?;
+    let job = q
+        .claim("solo")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
     let big = Bson::String("x".repeat(MAX_PROGRESS_BYTES));
     let r = q.progress(&job, big).await;
-    assert!(matches!(r, Err(Error::InvalidInput { what: "progress", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput {
+                what: "progress",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     let huge = Bson::String("x".repeat(docwarden::queue::MAX_RESULT_BYTES));
     let r = q.complete(&job, huge).await;
-    assert!(matches!(r, Err(Error::InvalidInput { what: "result", .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::InvalidInput { what: "result", .. })),
+        "{r:?}"
+    );
     // Fenced: once the lease expired and was swept, progress is refused.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     q.reap_expired().await?;
     let r = q.progress(&job, 1_i64).await;
     assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
-    let stored = q.get(job.id()).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    let stored = q
+        .get(job.id())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
     assert_eq!(stored.progress, None);
     Ok(())
 }
@@ -730,7 +837,8 @@ async fn transactional_race(
                     q.enqueue_in(&mut s, doc! { "order": n }, &EnqueueOptions::default())
                         .await?;
                 } else {
-                    q.enqueue(doc! { "order": n }, &EnqueueOptions::default()).await?;
+                    q.enqueue(doc! { "order": n }, &EnqueueOptions::default())
+                        .await?;
                 }
                 if n % 2 == 0 {
                     s.commit_transaction().await?;
@@ -746,7 +854,13 @@ async fn transactional_race(
     }
     let committed = count(&orders, doc! {}).await?;
     let jobs = count(&coll, doc! {}).await?;
-    wait_for(&coll, doc! { "state": "succeeded" }, jobs, Duration::from_secs(60)).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        jobs,
+        Duration::from_secs(60),
+    )
+    .await?;
     stop(workers).await;
     let mut orphans = 0;
     for d in all(&coll, doc! {}).await? {
@@ -759,8 +873,8 @@ async fn transactional_race(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_job_enqueued_in_a_transaction_exists_iff_the_transaction_commits()
--> anyhow::Result<()> {
+async fn a_job_enqueued_in_a_transaction_exists_iff_the_transaction_commits() -> anyhow::Result<()>
+{
     let t = TestDb::new("queue_lifecycle_txn").await?;
     if !transactions_supported(&t.client, &t.db).await? {
         docwarden_testkit::skip(
@@ -785,8 +899,8 @@ async fn a_job_enqueued_in_a_transaction_exists_iff_the_transaction_commits()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job()
--> anyhow::Result<()> {
+async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job() -> anyhow::Result<()>
+{
     const JOBS: u64 = 40;
     const MAX_STALLS: u32 = 2;
     let t = TestDb::new("queue_lifecycle_stalls").await?;
@@ -797,7 +911,7 @@ async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job()
         .max_stalls(MAX_STALLS);
     let q = open(&t.db, &t.client, "jobs", opts.clone()).await?;
     let coll = q.collection().clone();
-    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i as i64 }, EnqueueOptions::default())))
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
         .await?;
     // Eight claimers, each with its own handle (so their sweeps race), claim jobs and
     // abandon them: every lease expires and is taken over by some sweep.
@@ -834,7 +948,8 @@ async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job()
             d.get_str("state") == Ok("dead")
                 && int(d, "stalls") == i64::from(MAX_STALLS) + 1
                 && int(d, "attempts") == i64::from(MAX_STALLS) + 1
-                && d.get_str("last_error").is_ok_and(|e| e.starts_with("stalled"))
+                && d.get_str("last_error")
+                    .is_ok_and(|e| e.starts_with("stalled"))
         })
         .count() as u64;
     let miscounted = docs
@@ -842,7 +957,10 @@ async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job()
         .filter(|d| int(d, "stalls") != int(d, "attempts"))
         .count();
     let claims = claims.load(Ordering::Relaxed);
-    eprintln!("stalls: {claims} claims, {buried} buried after {} stalls, {miscounted} miscounted", MAX_STALLS + 1);
+    eprintln!(
+        "stalls: {claims} claims, {buried} buried after {} stalls, {miscounted} miscounted",
+        MAX_STALLS + 1
+    );
     assert_eq!(miscounted, 0, "stalls != abandoned claims");
     assert_eq!(buried, JOBS);
     assert_eq!(claims, JOBS * u64::from(MAX_STALLS + 1));
@@ -857,25 +975,51 @@ async fn uniqueness_policies_one_enqueue_at_a_time() -> anyhow::Result<()> {
         .dedupe_key("r")
         .on_duplicate(OnDuplicate::Replace);
     let first = q.enqueue(doc! { "v": 1 }, &replace).await?;
-    let id = first.created().ok_or_else(|| anyhow::anyhow!("{first:?}"))?;
-    assert_eq!(q.enqueue(doc! { "v": 2 }, &replace).await?, Enqueued::Replaced(id));
+    let id = first
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("{first:?}"))?;
+    assert_eq!(
+        q.enqueue(doc! { "v": 2 }, &replace).await?,
+        Enqueued::Replaced(id)
+    );
     let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
     assert_eq!(job.payload, Bson::Document(doc! { "v": 2 }));
     // Running: kept.
-    let claimed = q.claim("w").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
     let again = q.enqueue(doc! { "v": 3 }, &replace).await?;
-    assert!(matches!(again, Enqueued::Duplicate { existing: Some(e), .. } if e == id), "{again:?}");
+    assert!(
+        matches!(again, Enqueued::Duplicate { existing: Some(e), .. } if e == id),
+        "{again:?}"
+    );
     // Follow-up on the running job: completes into one more run.
     let follow = replace.clone().on_duplicate(OnDuplicate::FollowUp);
-    assert_eq!(q.enqueue(doc! { "v": 4 }, &follow).await?, Enqueued::FollowUp(id));
-    assert_eq!(q.enqueue(doc! { "v": 5 }, &follow).await?, Enqueued::FollowUp(id));
+    assert_eq!(
+        q.enqueue(doc! { "v": 4 }, &follow).await?,
+        Enqueued::FollowUp(id)
+    );
+    assert_eq!(
+        q.enqueue(doc! { "v": 5 }, &follow).await?,
+        Enqueued::FollowUp(id)
+    );
     q.complete(&claimed, "first run").await?;
     let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
     assert_eq!(
-        (job.state, job.payload.clone(), job.attempts, job.follow_ups, job.follow_up.clone()),
+        (
+            job.state,
+            job.payload.clone(),
+            job.attempts,
+            job.follow_ups,
+            job.follow_up.clone()
+        ),
         (JobState::Ready, Bson::Document(doc! { "v": 5 }), 0, 1, None)
     );
-    let claimed = q.claim("w").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
     q.complete(&claimed, "second run").await?;
     let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
     assert_eq!((job.state, job.follow_ups), (JobState::Succeeded, 1));
@@ -896,7 +1040,10 @@ async fn uniqueness_policies_one_enqueue_at_a_time() -> anyhow::Result<()> {
         .unique_window(Duration::from_secs(600));
     let claimed_id = q.enqueue(1_i64, &windowed).await?.created();
     assert!(claimed_id.is_some());
-    let claimed = q.claim("w").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
     q.complete(&claimed, Bson::Null).await?;
     let again = q.enqueue(2_i64, &windowed).await?;
     assert!(

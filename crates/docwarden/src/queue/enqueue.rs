@@ -284,12 +284,7 @@ impl JobQueue {
 
     /// Inserts a windowed job: the unique index on `unique_slot` refuses a second job of
     /// the key in the window, whatever the first one's state.
-    async fn enqueue_windowed(
-        &self,
-        d: Document,
-        key: &str,
-        window: Duration,
-    ) -> Result<Enqueued> {
+    async fn enqueue_windowed(&self, d: Document, key: &str, window: Duration) -> Result<Enqueued> {
         let id = d
             .get_object_id(field::ID)
             .map_err(|e| Error::invalid("job", e.to_string()))?;
@@ -425,16 +420,11 @@ impl JobQueue {
 
     /// Control only ([`Safeguard::UniqueSlot`] off, so the job has no slot): the job of
     /// `key` created in the current window, found by a read 20 ms before the insert.
-    async fn window_taken_by_read(
-        &self,
-        key: &str,
-        window: Duration,
-    ) -> Result<Option<ObjectId>> {
+    async fn window_taken_by_read(&self, key: &str, window: Duration) -> Result<Option<ObjectId>> {
         let now = self.inner.time.now().await?;
         let w = i64::try_from(window.as_millis()).unwrap_or(i64::MAX).max(1);
-        let start = mongodb::bson::DateTime::from_millis(
-            now.estimate_ms - now.estimate_ms.rem_euclid(w),
-        );
+        let start =
+            mongodb::bson::DateTime::from_millis(now.estimate_ms - now.estimate_ms.rem_euclid(w));
         let taken = self
             .inner
             .coll

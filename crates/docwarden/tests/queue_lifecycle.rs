@@ -86,6 +86,9 @@ fn int(d: &Document, key: &str) -> i64 {
 struct CancelRun {
     jobs: u64,
     cancelled_by_operator: u64,
+    /// Handlers started (a job cancelled between its claim and the worker's fetch of
+    /// it never starts).
+    started: u64,
     signalled: u64,
     /// Cancelled jobs whose handler's late completion was stored anyway.
     overwritten: u64,
@@ -110,13 +113,15 @@ async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Resu
         .await?;
     let cancelled_at: Arc<Mutex<HashMap<ObjectId, Instant>>> = Arc::default();
     let signalled = Arc::new(AtomicU64::new(0));
+    let started_handlers = Arc::new(AtomicU64::new(0));
     let max_signal_ms = Arc::new(AtomicI64::new(0));
     let mut workers = Vec::new();
     for w in 0..8 {
-        let (at, sig, max) = (
+        let (at, sig, max, st) = (
             Arc::clone(&cancelled_at),
             Arc::clone(&signalled),
             Arc::clone(&max_signal_ms),
+            Arc::clone(&started_handlers),
         );
         let wo = WorkerOptions::default()
             .name(format!("w{w}"))
@@ -124,8 +129,14 @@ async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Resu
             .heartbeat_every(Duration::from_millis(500))
             .change_stream(w % 2 == 0);
         workers.push(Worker::spawn(q.clone(), wo, move |job| {
-            let (at, sig, max) = (Arc::clone(&at), Arc::clone(&sig), Arc::clone(&max));
+            let (at, sig, max, st) = (
+                Arc::clone(&at),
+                Arc::clone(&sig),
+                Arc::clone(&max),
+                Arc::clone(&st),
+            );
             async move {
+                st.fetch_add(1, Ordering::Relaxed);
                 tokio::select! {
                     () = job.cancellation().cancelled() => {
                         sig.fetch_add(1, Ordering::Relaxed);
@@ -161,7 +172,8 @@ async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Resu
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Every signal, then every late completion written (or refused).
-    while signalled.load(Ordering::Relaxed) < cancelled_by_operator
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    while signalled.load(Ordering::Relaxed) < started_handlers.load(Ordering::Relaxed)
         && started.elapsed() < Duration::from_secs(60)
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -171,6 +183,7 @@ async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Resu
     Ok(CancelRun {
         jobs: JOBS,
         cancelled_by_operator,
+        started: started_handlers.load(Ordering::Relaxed),
         signalled: signalled.load(Ordering::Relaxed),
         overwritten: count(&coll, doc! { "state": "succeeded" }).await?,
         max_signal_ms: max_signal_ms.load(Ordering::Relaxed),
@@ -188,15 +201,31 @@ async fn cancelling_running_jobs_signals_their_handlers_and_refuses_late_complet
         run.cancelled_by_operator, run.jobs,
         "every job cancelled while running"
     );
-    assert_eq!(run.signalled, run.jobs, "every handler signalled");
+    assert!(
+        run.started >= run.jobs / 2,
+        "{} handlers started",
+        run.started
+    );
     assert_eq!(
-        run.report.cancelled, run.jobs,
+        run.signalled, run.started,
+        "every started handler signalled"
+    );
+    assert_eq!(
+        run.report.cancelled, run.started,
         "workers counted the signals"
     );
     assert_eq!(run.overwritten, 0, "late completions stored");
     assert_eq!(
-        run.report.lease_lost, run.jobs,
+        run.report.lease_lost, run.started,
         "late completions refused by the fence"
+    );
+    assert_eq!(
+        count(
+            &t.db.collection::<Document>("jobs"),
+            doc! { "state": "cancelled" }
+        )
+        .await?,
+        run.jobs
     );
     // Heartbeat every 500 ms (the change stream is faster): one heartbeat plus slack.
     assert!(

@@ -64,6 +64,11 @@ pub mod field {
     /// consumed a [`FOLLOW_UP`]).
     pub const FOLLOW_UPS: &str = "follow_ups";
 
+    /// Where a windowed job keeps its key in a test's control only (the uniqueness
+    /// window's safeguard off, so it has no [`UNIQUE_SLOT`]); never written otherwise.
+    #[doc(hidden)]
+    pub const CONTROL_UNIQUE_KEY: &str = "control_unique_key";
+
     /// Keys inside the [`FOLLOW_UP`] sub-document.
     pub mod follow_up {
         /// The payload of the follow-up run.

@@ -171,6 +171,12 @@ impl JobQueue {
         let mut docs = Vec::new();
         let mut keys = Vec::new();
         for (payload, opts) in jobs {
+            if opts.on_duplicate != OnDuplicate::Keep {
+                return Err(Error::invalid(
+                    "on duplicate",
+                    "enqueue_many keeps duplicates; replace, debounce and follow-up need enqueue",
+                ));
+            }
             docs.push(self.new_job(payload.into(), &opts).await?);
             keys.push(opts.dedupe_key);
         }
@@ -453,9 +459,8 @@ impl JobQueue {
     }
 }
 
-/// The key a windowed job stores in the control ([`Safeguard::UniqueSlot`] off), where
-/// it has no slot: the control's read-then-write looks it up.
-const CONTROL_KEY: &str = "control_unique_key";
+/// The key a windowed job stores in the control ([`Safeguard::UniqueSlot`] off).
+const CONTROL_KEY: &str = field::CONTROL_UNIQUE_KEY;
 
 /// Rounds of [`JobQueue::enqueue_or_merge`] before it reports a duplicate.
 const MERGE_ROUNDS: usize = 4;

@@ -43,6 +43,11 @@ enum QueueCommand {
         #[arg(long, default_value_t = 20)]
         limit: i64,
     },
+    /// Show one job's whole document (progress, result, stalls, snoozes, follow-up).
+    Show {
+        /// The job id (24 hex digits).
+        id: String,
+    },
     /// Move dead jobs back to ready (all of them, or the given ids).
     Retry {
         /// Job ids (24 hex digits); all dead jobs when omitted.
@@ -101,6 +106,9 @@ fn summary(d: &Document) -> serde_json::Value {
         (field::RUN_AT): text(field::RUN_AT),
         (field::lease::OWNER): d.get_document(field::LEASE).ok().map(|l| l.get(field::lease::OWNER).map(render).unwrap_or_default()),
         (field::LAST_ERROR): d.get(field::LAST_ERROR).filter(|b| **b != Bson::Null).map(render),
+        (field::PROGRESS): d.get(field::PROGRESS).filter(|b| **b != Bson::Null).map(render),
+        (field::STALLS): d.get(field::STALLS).map(render),
+        (field::SNOOZES): d.get(field::SNOOZES).map(render),
     })
 }
 
@@ -131,7 +139,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 parse_id(id)?;
             }
         }
-        QueueCommand::Cancel { id } => {
+        QueueCommand::Cancel { id } | QueueCommand::Show { id } => {
             parse_id(id)?;
         }
         QueueCommand::Purge { older_than } => {
@@ -192,24 +200,59 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 crate::output::print_json(&jobs)?;
             } else {
                 println!(
-                    "{:<24} {:<10} {:>8} {:>8} {:<24} error",
+                    "{:<24} {:<10} {:>8} {:>8} {:>6} {:>7} {:<24} {:<20} error",
                     "id",
                     field::STATE,
                     field::PRIORITY,
                     field::ATTEMPTS,
-                    field::RUN_AT
+                    field::STALLS,
+                    field::SNOOZES,
+                    field::RUN_AT,
+                    field::PROGRESS,
                 );
                 for j in &jobs {
                     let s = |k: &str| j.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
                     println!(
-                        "{:<24} {:<10} {:>8} {:>8} {:<24} {}",
+                        "{:<24} {:<10} {:>8} {:>8} {:>6} {:>7} {:<24} {:<20} {}",
                         s("id"),
                         s(field::STATE),
                         s(field::PRIORITY),
                         s(field::ATTEMPTS),
+                        s(field::STALLS),
+                        s(field::SNOOZES),
                         s(field::RUN_AT),
+                        s(field::PROGRESS),
                         s(field::LAST_ERROR)
                     );
+                }
+            }
+        }
+        QueueCommand::Show { id } => {
+            let found = queue
+                .collection()
+                .find_one(mongodb::bson::doc! { field::ID: parse_id(&id)? })
+                .await?;
+            let Some(d) = found else {
+                if args.json {
+                    crate::output::print_json(&serde_json::Value::Null)?;
+                } else {
+                    println!("{id}: no such job");
+                }
+                return Ok(ExitCode::from(1));
+            };
+            if args.json {
+                crate::output::print_json(&Bson::Document(d).into_relaxed_extjson())?;
+            } else {
+                for (k, v) in &d {
+                    match v {
+                        Bson::Document(sub) => {
+                            println!("{k}:");
+                            for (sk, sv) in sub {
+                                println!("  {sk}: {}", render(sv));
+                            }
+                        }
+                        other => println!("{k}: {}", render(other)),
+                    }
                 }
             }
         }

@@ -62,7 +62,10 @@ pub use options::Safeguard;
 pub use options::{
     ClaimStrategy, EnqueueOptions, MAX_PARTITIONS, QueueOptions, RunAt, WorkerOptions,
 };
+// Issue 15, job lifecycle: uniqueness policies, snooze, progress and result limits.
+pub use options::OnDuplicate;
 pub use transition::FailOutcome;
+pub use transition::{MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, Snooze, snooze};
 pub use worker::{HandlerResult, Worker, WorkerReport};
 
 use job::{claimable_states, field, unfinished_states};
@@ -103,6 +106,9 @@ pub mod index {
     /// Purge of finished jobs: `{state: 1, finished_at: 1}`, partial on the finished
     /// states (so it never competes with the claim index).
     pub const STATE: &str = "docwarden_state";
+    /// At most one job per key per uniqueness window: unique `{unique_slot: 1}`, partial
+    /// on an existing slot, every state (issue 15).
+    pub const UNIQUE_SLOT: &str = "docwarden_unique_slot";
 }
 
 /// The options document other workers read (`docs/queue.md`, "The options document").
@@ -328,6 +334,7 @@ impl JobQueue {
                         .build(),
                 )
                 .build(),
+            enqueue::unique_slot_index(),
         ];
         self.inner.coll.create_indexes(models).await?;
         Ok(())

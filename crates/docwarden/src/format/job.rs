@@ -41,10 +41,43 @@ pub mod field {
     /// claimers read one partition at a time, so they do not all race for the head job.
     /// Jobs stored without it (format 1) are claimable as partition `null`.
     pub const PARTITION: &str = "partition";
+    /// How many times a handler snoozed the job ("run again at T", the attempt given
+    /// back): `$inc 1` per snooze.
+    pub const SNOOZES: &str = "snoozes";
+    /// How many times the job's lease expired and the sweep took it over (`$inc 1` per
+    /// rescue; absent means 0).
+    pub const STALLS: &str = "stalls";
+    /// After this many stalls the sweep moves the job to `dead` instead of `retrying`
+    /// (absent: no limit). Stored per job at enqueue from the queue's `max_stalls`.
+    pub const MAX_STALLS: &str = "max_stalls";
+    /// What the handler last reported as its progress (any BSON, size-limited), written
+    /// under the claim's fence.
+    pub const PROGRESS: &str = "progress";
+    /// `<dedupe key>@<window start, ms since the epoch>`: at most one job per key per
+    /// uniqueness window, finished jobs included (unique index over every state).
+    pub const UNIQUE_SLOT: &str = "unique_slot";
+    /// A follow-up run requested while the job was running (`{payload}`): the
+    /// completion turns the job back into `ready` with this payload instead of
+    /// `succeeded`.
+    pub const FOLLOW_UP: &str = "follow_up";
+    /// How many follow-up runs the job has started (`$inc 1` per completion that
+    /// consumed a [`FOLLOW_UP`]).
+    pub const FOLLOW_UPS: &str = "follow_ups";
+
+    /// Where a windowed job keeps its key in a test's control only (the uniqueness
+    /// window's safeguard off, so it has no [`UNIQUE_SLOT`]); never written otherwise.
+    #[doc(hidden)]
+    pub const CONTROL_UNIQUE_KEY: &str = "control_unique_key";
+
+    /// Keys inside the [`FOLLOW_UP`] sub-document.
+    pub mod follow_up {
+        /// The payload of the follow-up run.
+        pub const PAYLOAD: &str = "payload";
+    }
 
     /// Every field name and dotted path of the job document docwarden writes, `_id`
     /// excepted (it is MongoDB's, not docwarden's).
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 24] = [
         STATE,
         PAYLOAD,
         PRIORITY,
@@ -62,6 +95,13 @@ pub mod field {
         UPDATED_AT,
         FINISHED_AT,
         PARTITION,
+        SNOOZES,
+        STALLS,
+        MAX_STALLS,
+        PROGRESS,
+        UNIQUE_SLOT,
+        FOLLOW_UP,
+        FOLLOW_UPS,
     ];
 
     /// Keys inside the [`LEASE`] sub-document.
@@ -81,7 +121,9 @@ pub mod field {
 /// ready ──claim──▶ running ──complete──▶ succeeded
 ///   ▲                │ │ └──fail (attempts < max)──▶ retrying ──claim──▶ running
 ///   │                │ └────fail (attempts = max)──▶ dead
-///   └──release───────┘      lease expired ──▶ retrying (or dead at max attempts)
+///   ├──release───────┤      lease expired ──▶ retrying (or dead at max attempts or
+///   ├──snooze────────┤                          past max_stalls)
+///   └──complete with a follow_up requested (running ──▶ ready, new payload)
 /// any unfinished ──cancel──▶ cancelled;   dead ──retry──▶ ready
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]

@@ -42,6 +42,10 @@ pub(crate) fn claim_hint() -> Hint {
 /// The `last_error` the sweep stores on a job whose lease expired.
 pub(crate) const LEASE_EXPIRED_REASON: &str = "lease expired before the job finished";
 
+/// The `last_error` the sweep stores on a job it moves to `dead` because its stalls
+/// went past its `max_stalls` (stall accounting, issue 15).
+pub(crate) const STALLED_REASON: &str = "stalled: the lease expired more than max_stalls times";
+
 /// `maybe_reap` sweeps undatable jobs every this many `reap_interval`s.
 pub(crate) const UNDATABLE_SWEEP_EVERY: u32 = 60;
 
@@ -363,7 +367,9 @@ impl JobQueue {
     async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
-                Some(lease) if lease.token.as_str() == token => Ok(Some(ClaimedJob { job, lease })),
+                Some(lease) if lease.token.as_str() == token => {
+                    Ok(Some(ClaimedJob::new(job, lease)))
+                }
                 _ => Ok(None),
             },
             Err(Error::Malformed { reason, id }) => {
@@ -580,6 +586,14 @@ impl JobQueue {
     /// becomes `last_error`.
     async fn sweep_running(&self, filter: Document, reason: Bson, now: &ServerTime) -> Result<u64> {
         let out_of_attempts = doc! { "$gte": ["$attempts", "$max_attempts"] };
+        // Stall accounting: every takeover counts one stall; past `max_stalls` (when the
+        // job has one) the job is dead with `STALLED_REASON`.
+        let stalls = doc! { "$add": [{ "$ifNull": ["$stalls", 0_i64] }, 1_i64] };
+        let stalled = doc! { "$and": [
+            { "$in": [{ "$type": "$max_stalls" }, ["int", "long"]] },
+            { "$gt": [stalls.clone(), "$max_stalls"] },
+        ] };
+        let dead = doc! { "$or": [out_of_attempts.clone(), stalled.clone()] };
         let r = self
             .inner
             .coll
@@ -587,10 +601,15 @@ impl JobQueue {
                 filter,
                 vec![doc! { "$set": {
                     field::STATE: { "$cond": [
-                        out_of_attempts.clone(), JobState::Dead.as_str(), JobState::Retrying.as_str()
+                        dead.clone(), JobState::Dead.as_str(), JobState::Retrying.as_str()
                     ] },
-                    field::LAST_ERROR: reason,
-                    field::FINISHED_AT: { "$cond": [out_of_attempts, now.estimate(), Bson::Null] },
+                    field::LAST_ERROR: { "$cond": [
+                        { "$and": [stalled, { "$not": [out_of_attempts] }] },
+                        STALLED_REASON,
+                        reason,
+                    ] },
+                    field::STALLS: stalls,
+                    field::FINISHED_AT: { "$cond": [dead, now.estimate(), Bson::Null] },
                     field::RUN_AT: now.estimate(),
                     field::UPDATED_AT: now.estimate(),
                 } }],

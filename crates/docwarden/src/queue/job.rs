@@ -6,6 +6,8 @@
 
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
+use tokio_util::sync::CancellationToken;
+
 use crate::error::{Error, Result};
 use crate::token::JobToken;
 
@@ -83,6 +85,18 @@ pub struct Job {
     pub updated_at: DateTime,
     /// When it reached a finished state.
     pub finished_at: Option<DateTime>,
+    /// Times a handler snoozed it (the attempt given back each time).
+    pub snoozes: i64,
+    /// Times its lease expired and the sweep took it over.
+    pub stalls: i64,
+    /// Stalls after which the sweep moves it to `dead` (`None`: no limit).
+    pub max_stalls: Option<i64>,
+    /// What its handler last reported with [`JobQueue::progress`](super::JobQueue::progress).
+    pub progress: Option<Bson>,
+    /// The payload of a follow-up run requested while it was running.
+    pub follow_up: Option<Bson>,
+    /// Follow-up runs it has started.
+    pub follow_ups: i64,
 }
 
 fn malformed(id: &Bson, reason: impl Into<String>) -> Error {
@@ -114,6 +128,13 @@ fn get_int(d: &Document, id: &Bson, key: &str) -> Result<i64> {
             format!("`{key}` must be an integer, found {}", type_name(other)),
         )),
         None => Err(malformed(id, format!("`{key}` is missing"))),
+    }
+}
+
+fn get_opt_int(d: &Document, id: &Bson, key: &str) -> Result<Option<i64>> {
+    match d.get(key) {
+        None | Some(Bson::Null) => Ok(None),
+        Some(_) => get_int(d, id, key).map(Some),
     }
 }
 
@@ -229,21 +250,81 @@ impl Job {
             created_at: get_date(d, &raw_id, field::CREATED_AT)?,
             updated_at: get_date(d, &raw_id, field::UPDATED_AT)?,
             finished_at: get_opt_date(d, &raw_id, field::FINISHED_AT)?,
+            snoozes: get_opt_int(d, &raw_id, field::SNOOZES)?.unwrap_or(0),
+            stalls: get_opt_int(d, &raw_id, field::STALLS)?.unwrap_or(0),
+            max_stalls: get_opt_int(d, &raw_id, field::MAX_STALLS)?,
+            progress: d.get(field::PROGRESS).cloned().filter(|b| *b != Bson::Null),
+            follow_up: match d.get(field::FOLLOW_UP) {
+                None | Some(Bson::Null) => None,
+                Some(Bson::Document(f)) => Some(
+                    f.get(field::follow_up::PAYLOAD)
+                        .cloned()
+                        .ok_or_else(|| malformed(&raw_id, "`follow_up.payload` is missing"))?,
+                ),
+                Some(other) => {
+                    return Err(malformed(
+                        &raw_id,
+                        format!("`follow_up` must be a document, found {}", type_name(other)),
+                    ));
+                }
+            },
+            follow_ups: get_opt_int(d, &raw_id, field::FOLLOW_UPS)?.unwrap_or(0),
         })
     }
 }
 
-/// A job this worker holds: the job and the lease its transitions are fenced by.
-#[derive(Clone, Debug, PartialEq)]
+/// A job this worker holds: the job, the lease its transitions are fenced by, and the
+/// cancellation signal of this claim.
+///
+/// Clones share the signal: a [`Worker`](super::Worker) cancels it when the job is
+/// cancelled (an operator's [`JobQueue::cancel`](super::JobQueue::cancel), seen by the
+/// next heartbeat or change-stream event) or its lease is lost.
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClaimedJob {
     /// The job as it was right after the claim.
     pub job: Job,
     /// The lease taken by the claim.
     pub lease: JobLease,
+    /// Cancelled when this claim should stop (see [`ClaimedJob::cancellation`]).
+    cancel: CancellationToken,
+}
+
+impl PartialEq for ClaimedJob {
+    /// Equal when the job and the lease are (the signal is not compared).
+    fn eq(&self, other: &Self) -> bool {
+        self.job == other.job && self.lease == other.lease
+    }
 }
 
 impl ClaimedJob {
+    /// A claimed job with a fresh, uncancelled signal.
+    pub(crate) fn new(job: Job, lease: JobLease) -> Self {
+        Self {
+            job,
+            lease,
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    /// The claim's cancellation signal. A worker cancels it when the job was cancelled
+    /// while running (its handler should stop: whatever it returns afterwards is refused
+    /// by the fence) or its lease was lost. A handler that ignores it is dropped
+    /// [`WorkerOptions::cancel_grace`](super::WorkerOptions::cancel_grace) after the
+    /// signal.
+    ///
+    /// ```no_run
+    /// # async fn handler(job: docwarden::queue::ClaimedJob) -> docwarden::queue::HandlerResult {
+    /// tokio::select! {
+    ///     () = job.cancellation().cancelled() => Err("cancelled".into()),
+    ///     () = tokio::time::sleep(std::time::Duration::from_secs(60)) => Ok(mongodb::bson::Bson::Null),
+    /// }
+    /// # }
+    /// ```
+    pub fn cancellation(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
     /// The job's id.
     pub fn id(&self) -> ObjectId {
         self.job.id

@@ -222,8 +222,13 @@ impl JobQueue {
         }
     }
 
-    /// Cancels an unfinished job. A running job loses its lease: its worker's later
-    /// transitions fail with [`Error::LeaseLost`].
+    /// Cancels an unfinished job: one conditional write, `{_id, state: unfinished}` →
+    /// `cancelled` (the lease, and so its token, is kept). A running job loses its
+    /// lease at once: its worker's later transitions (completion, failure, snooze,
+    /// progress) match nothing and fail with [`Error::LeaseLost`]. A docwarden
+    /// [`Worker`](super::Worker) running it notices at its next heartbeat, or at once on
+    /// the change-stream event, and signals the handler through
+    /// [`ClaimedJob::cancellation`](super::ClaimedJob::cancellation).
     ///
     /// # Errors
     /// A database error.

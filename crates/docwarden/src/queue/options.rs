@@ -54,6 +54,12 @@ pub struct QueueOptions {
     /// collection's. On a replica set use [`WriteConcern::majority()`], so that a failover
     /// cannot roll back an acknowledged enqueue, claim or completion.
     pub write_concern: Option<WriteConcern>,
+    /// Stalls (lease expired, job taken over by the sweep) after which a job goes to
+    /// `dead` with the reason instead of `retrying`: the job is dead at the stall that
+    /// makes `stalls > max_stalls` (so `Some(0)` buries it at its first stall). Stored
+    /// per job at enqueue (`max_stalls`). Default `None`: no limit (attempts still
+    /// bound it).
+    pub max_stalls: Option<u32>,
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
     pub unsafe_without: Option<Safeguard>,
@@ -72,6 +78,18 @@ pub enum Safeguard {
     /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
     /// writes the lease to the candidate ids whatever their state.
     BatchRecheck,
+    /// Final transitions match `state: "running"` besides `_id` and the token. Off: they
+    /// match `{_id, lease.token}` only, so a late completion overwrites a job an
+    /// operator cancelled.
+    TransitionFence,
+    /// Uniqueness windows are enforced by the unique `unique_slot` index. Off: enqueue
+    /// reads whether a job of the key was created inside the window, then inserts
+    /// (read-then-write, 20 ms apart).
+    UniqueSlot,
+    /// Replace and debounce write only jobs still waiting (`state` re-checked in the
+    /// write). Off: they read the key's waiting job, then write it by `_id` alone
+    /// (20 ms apart), and can rewrite a job a worker has claimed meanwhile.
+    ReplaceRecheck,
 }
 
 impl Default for QueueOptions {
@@ -85,6 +103,7 @@ impl Default for QueueOptions {
             claim_strategy: ClaimStrategy::FindOneAndUpdate,
             partitions: 256,
             write_concern: None,
+            max_stalls: None,
             unsafe_without: None,
         }
     }
@@ -133,6 +152,11 @@ impl QueueOptions {
         self.unsafe_without = Some(safeguard);
         self
     }
+    /// Sets [`QueueOptions::max_stalls`].
+    pub fn max_stalls(mut self, n: u32) -> Self {
+        self.max_stalls = Some(n);
+        self
+    }
 
     pub(crate) fn validate(&self) -> Result<()> {
         validate::duration_ms("lease ttl", self.lease_ttl)?;
@@ -175,6 +199,36 @@ pub struct EnqueueOptions {
     pub max_attempts: Option<u32>,
     /// At most one unfinished job per key (enforced by a unique partial index).
     pub dedupe_key: Option<String>,
+    /// At most one job per dedupe key per window of this length, finished jobs
+    /// included: windows are aligned to multiples of the length since the epoch (server
+    /// time at enqueue), and the unique index on `unique_slot` enforces it. Needs a
+    /// dedupe key and [`OnDuplicate::Keep`]; a windowed job is unique by its slot
+    /// alone (it does not store `dedupe_key`). Default none.
+    pub unique_window: Option<std::time::Duration>,
+    /// What an enqueue does when the key already has an unfinished job. Default
+    /// [`OnDuplicate::Keep`].
+    pub on_duplicate: OnDuplicate,
+}
+
+/// What an enqueue with a dedupe key does when the key already has an unfinished job
+/// (see `docs/queue.md`, "Uniqueness"). Each is one conditional single-document write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnDuplicate {
+    /// Keep the existing job; the enqueue reports it as a duplicate.
+    #[default]
+    Keep,
+    /// If the existing job is waiting (`ready` or `retrying`), replace its payload and
+    /// priority; a running job is kept.
+    Replace,
+    /// Like `Replace`, and also reset its `run_at` to this enqueue's (debounce: a burst
+    /// of enqueues runs once, after the last one's delay).
+    Debounce,
+    /// If the key's job is waiting, keep it (it will run with the newest state anyway);
+    /// if it is running, request exactly one follow-up run: the completion puts the job
+    /// back to `ready` with this payload instead of `succeeded`. Any number of enqueues
+    /// during one run request one follow-up (the last payload wins).
+    FollowUp,
 }
 
 impl Default for EnqueueOptions {
@@ -184,6 +238,8 @@ impl Default for EnqueueOptions {
             run_at: RunAt::Now,
             max_attempts: None,
             dedupe_key: None,
+            unique_window: None,
+            on_duplicate: OnDuplicate::Keep,
         }
     }
 }
@@ -215,7 +271,33 @@ impl EnqueueOptions {
         self
     }
 
+    /// Sets [`EnqueueOptions::unique_window`].
+    pub fn unique_window(mut self, window: std::time::Duration) -> Self {
+        self.unique_window = Some(window);
+        self
+    }
+    /// Sets [`EnqueueOptions::on_duplicate`].
+    pub fn on_duplicate(mut self, policy: OnDuplicate) -> Self {
+        self.on_duplicate = policy;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
+        if let Some(w) = self.unique_window {
+            validate::duration_ms("unique window", w)?;
+            if self.dedupe_key.is_none() {
+                return Err(Error::invalid("unique window", "needs a dedupe key"));
+            }
+            if self.on_duplicate != OnDuplicate::Keep {
+                return Err(Error::invalid(
+                    "unique window",
+                    "a windowed job is never replaced or followed up",
+                ));
+            }
+        }
+        if self.on_duplicate != OnDuplicate::Keep && self.dedupe_key.is_none() {
+            return Err(Error::invalid("on duplicate", "needs a dedupe key"));
+        }
         if self.max_attempts == Some(0) {
             return Err(Error::invalid("max attempts", "must be at least 1"));
         }
@@ -261,6 +343,11 @@ pub struct WorkerOptions {
     /// Whether to listen to a change stream for new jobs (falls back to polling when the
     /// server refuses). Default true.
     pub change_stream: bool,
+    /// How long a handler may run on after its job was cancelled (its
+    /// [`ClaimedJob::cancellation`](super::ClaimedJob::cancellation) signalled) before
+    /// the worker drops it. Whatever it returns is refused by the fence either way.
+    /// Default 10 s.
+    pub cancel_grace: Duration,
 }
 
 impl Default for WorkerOptions {
@@ -275,6 +362,7 @@ impl Default for WorkerOptions {
             poll_max: Duration::from_secs(1),
             shutdown_deadline: Duration::from_secs(10),
             change_stream: true,
+            cancel_grace: Duration::from_secs(10),
         }
     }
 }
@@ -319,6 +407,11 @@ impl WorkerOptions {
     /// Sets [`WorkerOptions::change_stream`].
     pub fn change_stream(mut self, on: bool) -> Self {
         self.change_stream = on;
+        self
+    }
+    /// Sets [`WorkerOptions::cancel_grace`].
+    pub fn cancel_grace(mut self, d: Duration) -> Self {
+        self.cancel_grace = d;
         self
     }
 

@@ -19,9 +19,10 @@ use std::collections::HashMap;
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
-use super::claim::LEASE_EXPIRED_REASON;
+use super::claim::{LEASE_EXPIRED_REASON, STALLED_REASON};
 use super::job::{ClaimedJob, JobState, field};
 use super::ops::CANCELLED_REASON;
+use super::options::Safeguard;
 use super::{JobQueue, lease_lost};
 use crate::backoff::Backoff;
 use crate::clock::ServerTime;
@@ -29,6 +30,59 @@ use crate::error::{Error, Result};
 
 /// Longest `last_error` stored, in bytes.
 const MAX_ERROR_LEN: usize = 4096;
+
+/// Largest progress value [`JobQueue::progress`] stores, in BSON bytes (16 KiB).
+pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
+
+/// Largest result a completion stores, in BSON bytes (1 MiB). A worker whose handler
+/// returns more fails the attempt with the reason.
+pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
+
+/// `value`'s size as stored under a key, or [`Error::InvalidInput`] naming `what` if it
+/// is larger than `limit`.
+fn check_size(what: &'static str, value: &Bson, limit: usize) -> Result<()> {
+    let mut bytes = Vec::new();
+    doc! { "v": value.clone() }
+        .to_writer(&mut bytes)
+        .map_err(|e| Error::invalid(what, format!("cannot be encoded as BSON: {e}")))?;
+    if bytes.len() > limit {
+        return Err(Error::invalid(
+            what,
+            format!("is {} bytes as BSON; the limit is {limit}", bytes.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// A handler's request to run its job again later without using an attempt: return it
+/// as the handler's error (see [`snooze`]); the worker moves the job back to `ready`
+/// (or `retrying`), due `after` from now (server time), and gives the attempt back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Snooze {
+    /// How long from now the job becomes due again.
+    pub after: Duration,
+}
+
+impl std::fmt::Display for Snooze {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "snoozed for {:?}", self.after)
+    }
+}
+
+impl std::error::Error for Snooze {}
+
+/// The handler result that snoozes the job: run it again `after` from now without
+/// counting this attempt (`snoozes` is incremented instead).
+///
+/// ```no_run
+/// # async fn handler(job: docwarden::queue::ClaimedJob) -> docwarden::queue::HandlerResult {
+/// // The upstream is rate-limited: try again in a minute, this attempt does not count.
+/// docwarden::queue::snooze(std::time::Duration::from_secs(60))
+/// # }
+/// ```
+pub fn snooze(after: Duration) -> super::HandlerResult {
+    Err(Box::new(Snooze { after }))
+}
 
 /// What [`JobQueue::fail`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,6 +117,8 @@ pub(crate) enum Transition {
     Fail(String),
     /// Given back without counting the attempt.
     Release,
+    /// Given back without counting the attempt, due again this many ms from now.
+    Snooze(i64),
 }
 
 /// One job's outcome in a bulk of transitions: the fail outcome for a failure, `None`
@@ -72,27 +128,39 @@ pub(crate) type Settled = Result<Option<FailOutcome>>;
 /// Jobs of one claim token that get the same update: one `multi` statement.
 struct Group {
     token: String,
-    update: Document,
+    update: Bson,
     ids: Vec<Bson>,
 }
 
 /// `{q: {_id: {$in: ids}, state: "running", "lease.token": token}, u, multi: true}` per
-/// group: `_id` first, so the server routes each statement by `_id`.
-fn groups_to_statements(groups: Vec<Group>) -> Vec<Document> {
+/// group: `_id` first, so the server routes each statement by `_id`. With `unfenced`
+/// (a control only, [`Safeguard::TransitionFence`] off) the state is not matched.
+fn groups_to_statements(groups: Vec<Group>, unfenced: bool) -> Vec<Document> {
     groups
         .into_iter()
         .map(|g| {
-            doc! {
-                "q": {
-                    field::ID: { "$in": g.ids },
-                    field::STATE: JobState::Running.as_str(),
-                    field::LEASE_TOKEN: g.token,
-                },
-                "u": g.update,
-                "multi": true,
+            let mut q = doc! {
+                field::ID: { "$in": g.ids },
+                field::STATE: JobState::Running.as_str(),
+                field::LEASE_TOKEN: g.token,
+            };
+            if unfenced {
+                q.remove(field::STATE);
             }
+            doc! { "q": q, "u": g.update, "multi": true }
         })
         .collect()
+}
+
+/// Whether a claim still holds a job, as a heartbeat found it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// Running under the claim's token: the lease was extended.
+    Yes,
+    /// Cancelled while this claim held it (the token kept): signal the handler.
+    Cancelled,
+    /// Expired and swept, re-claimed, or gone.
+    Lost,
 }
 
 /// What one unordered bulk of fenced updates answered.
@@ -124,16 +192,26 @@ pub(crate) fn shows(d: &Document, job: &ClaimedJob, t: &Transition) -> Option<Op
     }
     let state = d.get_str(field::STATE).ok().and_then(JobState::parse);
     let last_error = d.get_str(field::LAST_ERROR).ok();
-    let attempts = match d.get(field::ATTEMPTS) {
+    let int = |key: &str| match d.get(key) {
         Some(Bson::Int64(n)) => Some(*n),
         Some(Bson::Int32(n)) => Some(i64::from(*n)),
         _ => None,
     };
+    let attempts = int(field::ATTEMPTS);
+    let snoozes = int(field::SNOOZES).unwrap_or(0);
+    let follow_ups = int(field::FOLLOW_UPS).unwrap_or(0);
+    let given_back = matches!(state, Some(JobState::Ready | JobState::Retrying))
+        && attempts == Some(job.job.attempts - 1)
+        && follow_ups == job.job.follow_ups;
     match t {
-        Transition::Complete(_) => (state == Some(JobState::Succeeded)).then_some(None),
+        // Succeeded, or turned into its follow-up run (`follow_ups` counted up).
+        Transition::Complete(_) => (state == Some(JobState::Succeeded)
+            || (state == Some(JobState::Ready) && follow_ups == job.job.follow_ups + 1))
+            .then_some(None),
         Transition::Fail(text) => {
             let ours = clip(text);
             if ours == LEASE_EXPIRED_REASON
+                || ours == STALLED_REASON
                 || ours == CANCELLED_REASON
                 || last_error != Some(ours.as_str())
             {
@@ -158,9 +236,8 @@ pub(crate) fn shows(d: &Document, job: &ClaimedJob, t: &Transition) -> Option<Op
                 None
             }
         }
-        Transition::Release => (matches!(state, Some(JobState::Ready | JobState::Retrying))
-            && attempts == Some(job.job.attempts - 1))
-        .then_some(None),
+        Transition::Release => (given_back && snoozes == job.job.snoozes).then_some(None),
+        Transition::Snooze(_) => (given_back && snoozes == job.job.snoozes + 1).then_some(None),
     }
 }
 
@@ -172,18 +249,10 @@ impl JobQueue {
         job: &ClaimedJob,
         t: &Transition,
         now: &ServerTime,
-    ) -> (Document, Option<FailOutcome>) {
+    ) -> (Bson, Option<FailOutcome>) {
         let at = now.estimate();
         match t {
-            Transition::Complete(result) => (
-                doc! { "$set": {
-                    field::STATE: JobState::Succeeded.as_str(),
-                    field::RESULT: result.clone(),
-                    field::FINISHED_AT: at,
-                    field::UPDATED_AT: at,
-                } },
-                None,
-            ),
+            Transition::Complete(result) => (Self::complete_update(result, at).into(), None),
             Transition::Fail(error) => {
                 let error = clip(error);
                 if job.job.attempts >= job.job.max_attempts {
@@ -193,7 +262,8 @@ impl JobQueue {
                             field::LAST_ERROR: error,
                             field::FINISHED_AT: at,
                             field::UPDATED_AT: at,
-                        } },
+                        } }
+                        .into(),
                         Some(FailOutcome::Dead),
                     );
                 }
@@ -205,25 +275,62 @@ impl JobQueue {
                         field::LAST_ERROR: error,
                         field::RUN_AT: run_at,
                         field::UPDATED_AT: at,
-                    } },
+                    } }
+                    .into(),
                     Some(FailOutcome::Retrying { run_at, delay }),
                 )
             }
-            Transition::Release => {
-                let state = if job.job.attempts <= 1 {
-                    JobState::Ready
-                } else {
-                    JobState::Retrying
-                };
-                (
-                    doc! {
-                        "$set": { field::STATE: state.as_str(), field::UPDATED_AT: at },
-                        "$inc": { field::ATTEMPTS: -1_i64 },
-                    },
-                    None,
-                )
-            }
+            Transition::Release => (Self::give_back_update(job, at, None).into(), None),
+            Transition::Snooze(ms) => (
+                Self::give_back_update(job, at, Some(now.plus_ms(*ms))).into(),
+                None,
+            ),
         }
+    }
+
+    /// The completion: one pipeline update, so a follow-up requested while the job ran
+    /// (`follow_up`, see [`OnDuplicate::FollowUp`](super::OnDuplicate::FollowUp)) is
+    /// consumed in the same write. Without one: `succeeded`, `result`, `finished_at`.
+    /// With one: back to `ready` with the follow-up's payload, due now, `attempts: 0`,
+    /// `follow_ups + 1`, `follow_up: null` (`result` keeps this run's).
+    fn complete_update(result: &Bson, at: DateTime) -> Vec<Document> {
+        let has = doc! { "$eq": [{ "$type": format!("${}", field::FOLLOW_UP) }, "object"] };
+        let pick = |then: Bson, otherwise: Bson| doc! { "$cond": [has.clone(), then, otherwise] };
+        let keep = |f: &str| Bson::String(format!("${f}"));
+        vec![doc! { "$set": {
+            field::STATE: pick(JobState::Ready.as_str().into(), JobState::Succeeded.as_str().into()),
+            field::RESULT: { "$literal": result.clone() },
+            field::PAYLOAD: pick(
+                format!("${}.{}", field::FOLLOW_UP, field::follow_up::PAYLOAD).into(),
+                keep(field::PAYLOAD),
+            ),
+            field::ATTEMPTS: pick(Bson::Int64(0), keep(field::ATTEMPTS)),
+            field::RUN_AT: pick(at.into(), keep(field::RUN_AT)),
+            field::FINISHED_AT: pick(Bson::Null, at.into()),
+            field::FOLLOW_UPS: pick(
+                doc! { "$add": [{ "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }, 1_i64] }.into(),
+                doc! { "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }.into(),
+            ),
+            field::FOLLOW_UP: Bson::Null,
+            field::UPDATED_AT: at,
+        } }]
+    }
+
+    /// Release (`run_at` `None`: unchanged) or snooze (due at `run_at`, `snoozes + 1`):
+    /// back to `ready` (`retrying` after earlier attempts) with the attempt given back.
+    fn give_back_update(job: &ClaimedJob, at: DateTime, run_at: Option<DateTime>) -> Document {
+        let state = if job.job.attempts <= 1 {
+            JobState::Ready
+        } else {
+            JobState::Retrying
+        };
+        let mut set = doc! { field::STATE: state.as_str(), field::UPDATED_AT: at };
+        let mut inc = doc! { field::ATTEMPTS: -1_i64 };
+        if let Some(run_at) = run_at {
+            set.insert(field::RUN_AT, run_at);
+            inc.insert(field::SNOOZES, 1_i64);
+        }
+        doc! { "$set": set, "$inc": inc }
     }
 
     /// Sends `statements` (`{q, u}` documents, each `q` a fence by `_id`) as one
@@ -283,6 +390,7 @@ impl JobQueue {
             .projection(doc! {
                 field::ID: 1, field::STATE: 1, field::LEASE: 1, field::LAST_ERROR: 1,
                 field::ATTEMPTS: 1, field::RUN_AT: 1, field::UPDATED_AT: 1,
+                field::SNOOZES: 1, field::FOLLOW_UPS: 1,
             })
             .await?
             .try_collect()
@@ -339,7 +447,10 @@ impl JobQueue {
             groups[g].ids.push(Bson::ObjectId(job.id()));
             group_of.push(g);
         }
-        let reply = self.bulk_fenced(groups_to_statements(groups)).await?;
+        let unfenced = self.inner.options.unsafe_without == Some(Safeguard::TransitionFence);
+        let reply = self
+            .bulk_fenced(groups_to_statements(groups, unfenced))
+            .await?;
         if reply.matched == items.len() && reply.refused.is_empty() {
             return Ok(outcomes.into_iter().map(Ok).collect());
         }
@@ -393,6 +504,18 @@ impl JobQueue {
     /// # Errors
     /// A database error for the bulk as a whole.
     pub async fn heartbeat_many(&self, jobs: &[ClaimedJob]) -> Result<Vec<bool>> {
+        Ok(self
+            .heartbeat_detail(jobs)
+            .await?
+            .into_iter()
+            .map(|h| h == Held::Yes)
+            .collect())
+    }
+
+    /// [`JobQueue::heartbeat_many`], telling a job cancelled under this claim (an
+    /// operator's cancel keeps the token: the handler is signalled, not dropped) from a
+    /// lost one.
+    pub(crate) async fn heartbeat_detail(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
@@ -406,16 +529,18 @@ impl JobQueue {
             let g = *by_token.entry(job.lease.token.as_str()).or_insert_with(|| {
                 groups.push(Group {
                     token: job.lease.token.as_str().to_owned(),
-                    update: update.clone(),
+                    update: Bson::Document(update.clone()),
                     ids: Vec::new(),
                 });
                 groups.len() - 1
             });
             groups[g].ids.push(Bson::ObjectId(job.id()));
         }
-        let reply = self.bulk_fenced(groups_to_statements(groups)).await?;
+        let reply = self
+            .bulk_fenced(groups_to_statements(groups, false))
+            .await?;
         if reply.matched == jobs.len() {
-            return Ok(vec![true; jobs.len()]);
+            return Ok(vec![Held::Yes; jobs.len()]);
         }
         let stored = self
             .read_back(jobs.iter().map(ClaimedJob::id).collect())
@@ -423,18 +548,28 @@ impl JobQueue {
         Ok(jobs
             .iter()
             .map(|job| {
-                stored.get(&job.id()).is_some_and(|d| {
-                    d.get_str(field::STATE).ok() == Some(JobState::Running.as_str())
-                        && d.get_document(field::LEASE)
-                            .ok()
-                            .and_then(|l| l.get_str(field::lease::TOKEN).ok())
-                            == Some(job.lease.token.as_str())
-                })
+                let Some(d) = stored.get(&job.id()) else {
+                    return Held::Lost;
+                };
+                let ours = d
+                    .get_document(field::LEASE)
+                    .ok()
+                    .and_then(|l| l.get_str(field::lease::TOKEN).ok())
+                    == Some(job.lease.token.as_str());
+                match d.get_str(field::STATE).ok().and_then(JobState::parse) {
+                    Some(JobState::Running) if ours => Held::Yes,
+                    Some(JobState::Cancelled) if ours => Held::Cancelled,
+                    _ => Held::Lost,
+                }
             })
             .collect())
     }
 
-    async fn fenced(&self, job: &ClaimedJob, update: Document) -> Result<()> {
+    async fn fenced(
+        &self,
+        job: &ClaimedJob,
+        update: impl Into<mongodb::options::UpdateModifications>,
+    ) -> Result<()> {
         let r = self
             .inner
             .coll
@@ -474,17 +609,50 @@ impl JobQueue {
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job, result), fields(job = %job.job.id), level = "debug")]
     pub async fn complete(&self, job: &ClaimedJob, result: impl Into<Bson>) -> Result<()> {
+        let result = result.into();
+        check_size("result", &result, MAX_RESULT_BYTES)?;
+        let now = self.inner.time.now().await?.estimate();
+        self.fenced(job, Self::complete_update(&result, now)).await
+    }
+
+    /// Records the handler's progress (any BSON value of at most
+    /// [`MAX_PROGRESS_BYTES`]) in the job's `progress`, under the claim's fence: visible
+    /// to `docwarden queue list`/`show` and [`JobQueue::get`] while the job runs, and
+    /// kept after it finishes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a value larger than [`MAX_PROGRESS_BYTES`] (nothing
+    /// sent); [`Error::LeaseLost`] if the claim no longer holds the job (cancelled,
+    /// expired: a handler can take it as a signal to stop); a database error.
+    pub async fn progress(&self, job: &ClaimedJob, progress: impl Into<Bson>) -> Result<()> {
+        let progress = progress.into();
+        check_size("progress", &progress, MAX_PROGRESS_BYTES)?;
         let now = self.inner.time.now().await?.estimate();
         self.fenced(
             job,
-            doc! { "$set": {
-                field::STATE: JobState::Succeeded.as_str(),
-                field::RESULT: result.into(),
-                field::FINISHED_AT: now,
-                field::UPDATED_AT: now,
-            } },
+            doc! { "$set": { field::PROGRESS: progress, field::UPDATED_AT: now } },
         )
         .await
+    }
+
+    /// Snoozes the job: back to `ready` (`retrying` after earlier attempts), due `after`
+    /// from now (server time), the attempt given back and `snoozes` counted up. A worker
+    /// does this when its handler returns [`snooze`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a delay too long to express in ms; [`Error::LeaseLost`]
+    /// if the claim no longer holds the job; a database error.
+    pub async fn snooze(&self, job: &ClaimedJob, after: Duration) -> Result<DateTime> {
+        let ms = i64::try_from(after.as_millis())
+            .map_err(|_| Error::invalid("snooze", "is too long"))?;
+        let now = self.inner.time.now().await?;
+        let run_at = now.plus_ms(ms);
+        self.fenced(
+            job,
+            Self::give_back_update(job, now.estimate(), Some(run_at)),
+        )
+        .await?;
+        Ok(run_at)
     }
 
     /// The retry delay after the `attempt`-th attempt failed (1-based): exponential from
@@ -545,19 +713,8 @@ impl JobQueue {
     /// job; a database error.
     pub async fn release(&self, job: &ClaimedJob) -> Result<()> {
         let now = self.inner.time.now().await?.estimate();
-        let state = if job.job.attempts <= 1 {
-            JobState::Ready
-        } else {
-            JobState::Retrying
-        };
-        self.fenced(
-            job,
-            doc! {
-                "$set": { field::STATE: state.as_str(), field::UPDATED_AT: now },
-                "$inc": { field::ATTEMPTS: -1_i64 },
-            },
-        )
-        .await
+        self.fenced(job, Self::give_back_update(job, now, None))
+            .await
     }
 
     /// Cancels the job this claim holds, keeping `reason` as `last_error`.

@@ -52,7 +52,7 @@ use tracing::Instrument;
 use super::JobQueue;
 use super::job::{ClaimedJob, JobState, field};
 use super::options::WorkerOptions;
-use super::transition::{FailOutcome, Settled, Transition};
+use super::transition::{FailOutcome, Held, MAX_RESULT_BYTES, Settled, Snooze, Transition};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 
@@ -78,6 +78,11 @@ pub struct WorkerReport {
     pub released: u64,
     /// Claims that failed with a database error (the worker backed off).
     pub claim_errors: u64,
+    /// Jobs cancelled while running here whose handler was signalled
+    /// ([`ClaimedJob::cancellation`]); their later transitions are refused by the fence.
+    pub cancelled: u64,
+    /// Jobs snoozed by their handler ([`super::snooze`]).
+    pub snoozed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +94,8 @@ struct Counters {
     lease_lost: AtomicU64,
     released: AtomicU64,
     claim_errors: AtomicU64,
+    cancelled: AtomicU64,
+    snoozed: AtomicU64,
 }
 
 impl Counters {
@@ -107,6 +114,8 @@ impl Counters {
             lease_lost: self.lease_lost.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),
             claim_errors: self.claim_errors.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            snoozed: self.snoozed.load(Ordering::Relaxed),
         }
     }
 }
@@ -147,6 +156,9 @@ struct Ctx {
     finished: AtomicU64,
     /// Signalled when a handler finishes (a slot is free).
     slot_freed: Notify,
+    /// Signalled by the change-stream listener when a job was cancelled: the heartbeat
+    /// runs at once, so a held job's handler gets its signal within one event.
+    check_now: Arc<Notify>,
 }
 
 impl Ctx {
@@ -238,6 +250,7 @@ impl Worker {
             prefetch: AtomicUsize::new(0),
             finished: AtomicU64::new(0),
             slot_freed: Notify::new(),
+            check_now: Arc::new(Notify::new()),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -331,6 +344,7 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 woke_tx,
                 stop_listening.clone(),
                 alive,
+                Arc::clone(&ctx.check_now),
             )
             .in_current_span(),
         );
@@ -598,13 +612,30 @@ async fn run_job(
             return None;
         }
         let handler = (ctx.handler)(job.clone());
+        // A job cancelled while it runs: its handler is signalled (the claim's
+        // cancellation token) and may run on for `cancel_grace`; what it returns is
+        // refused by the fence.
+        let grace = async {
+            job.cancellation().cancelled().await;
+            tokio::time::sleep(ctx.options.cancel_grace).await;
+        };
         tokio::select! {
             r = handler => Some(match r {
-                Ok(result) => Transition::Complete(result),
-                Err(err) => Transition::Fail(err.to_string()),
+                Ok(result) => match too_large(&result) {
+                    None => Transition::Complete(result),
+                    Some(reason) => Transition::Fail(reason),
+                },
+                Err(err) => match err.downcast::<Snooze>() {
+                    Ok(s) => Transition::Snooze(i64::try_from(s.after.as_millis()).unwrap_or(i64::MAX)),
+                    Err(err) => Transition::Fail(err.to_string()),
+                },
             }),
             () = lost.cancelled() => {
                 tracing::warn!("lease lost while the handler ran; handler dropped");
+                None
+            }
+            () = grace => {
+                tracing::warn!("job cancelled and its handler ran past the cancel grace; handler dropped");
                 None
             }
             () = hard.cancelled() => Some(Transition::Release),
@@ -612,6 +643,21 @@ async fn run_job(
     }
     .instrument(span)
     .await
+}
+
+/// Why a handler's result cannot be stored (over [`MAX_RESULT_BYTES`]), if it cannot.
+fn too_large(result: &Bson) -> Option<String> {
+    let mut bytes = Vec::new();
+    match doc! { "v": result.clone() }.to_writer(&mut bytes) {
+        Err(e) => Some(format!(
+            "the handler's result cannot be encoded as BSON: {e}"
+        )),
+        Ok(()) if bytes.len() > MAX_RESULT_BYTES => Some(format!(
+            "the handler's result is {} bytes as BSON; the limit is {MAX_RESULT_BYTES}",
+            bytes.len()
+        )),
+        Ok(()) => None,
+    }
 }
 
 /// The writer: sends every final transition queued as one bulk while the previous bulk
@@ -651,6 +697,10 @@ fn count(counters: &Counters, t: &Transition, outcome: Settled) {
         (Transition::Release, Ok(_)) => {
             Counters::bump(&counters.released);
             tracing::info!("released at shutdown");
+        }
+        (Transition::Snooze(ms), Ok(_)) => {
+            Counters::bump(&counters.snoozed);
+            tracing::debug!(ms, "snoozed");
         }
         (_, Err(Error::LeaseLost { .. })) => {
             Counters::bump(&counters.lease_lost);
@@ -708,24 +758,33 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(ctx.heartbeat_every) => {}
+            () = ctx.check_now.notified() => {}
         }
         let jobs = ctx.held_jobs();
         if jobs.is_empty() {
             continue;
         }
-        match ctx.queue.heartbeat_many(&jobs).await {
+        match ctx.queue.heartbeat_detail(&jobs).await {
             Ok(held) => {
                 for (job, still) in jobs.iter().zip(held) {
-                    if !still {
-                        let lost = ctx
-                            .held
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&job.id());
-                        if let Some((_, token)) = lost {
-                            token.cancel();
-                            Counters::bump(&ctx.counters.lease_lost);
-                        }
+                    if still == Held::Yes {
+                        continue;
+                    }
+                    let gone = ctx
+                        .held
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&job.id());
+                    let Some((_, lost)) = gone else { continue };
+                    job.cancellation().cancel();
+                    if still == Held::Cancelled {
+                        // Cancelled by an operator: the handler is signalled and may
+                        // finish within `cancel_grace`; its transition is refused.
+                        Counters::bump(&ctx.counters.cancelled);
+                        tracing::info!(job = %job.id(), "job cancelled while running; handler signalled");
+                    } else {
+                        lost.cancel();
+                        Counters::bump(&ctx.counters.lease_lost);
                     }
                 }
             }
@@ -758,6 +817,10 @@ async fn settle_on(
             }
             Transition::Fail(text) => queue.fail(job, text).await.map(Some),
             Transition::Release => queue.release(job).await.map(|()| None),
+            Transition::Snooze(ms) => queue
+                .snooze(job, Duration::from_millis(u64::try_from(*ms).unwrap_or(0)))
+                .await
+                .map(|_| None),
         };
         match applied {
             Ok(v) => return Ok(v),
@@ -803,6 +866,7 @@ async fn listen(
     woke: mpsc::Sender<Bson>,
     stop: CancellationToken,
     _alive: Arc<()>,
+    check_now: Arc<Notify>,
 ) {
     let Ok(mut backoff) = Backoff::new(Duration::from_millis(200), Duration::from_secs(10)) else {
         return;
@@ -811,10 +875,12 @@ async fn listen(
         doc! { "$match": { "$or": [
             { "operationType": "insert" },
             { "updateDescription.updatedFields.state": {
-                "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str()]
+                "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str(), JobState::Cancelled.as_str()]
             } },
         ] } },
-        doc! { "$project": { "operationType": 1, "documentKey": 1 } },
+        doc! { "$project": {
+            "operationType": 1, "documentKey": 1, "updateDescription.updatedFields.state": 1,
+        } },
     ];
     loop {
         let opened = tokio::select! {
@@ -830,6 +896,16 @@ async fn listen(
                         () = stop.cancelled() => return,
                         ev = stream.next() => match ev {
                             Some(Ok(ev)) => {
+                                let cancelled = ev.update_description.as_ref().is_some_and(|u| {
+                                    u.updated_fields.get_str(field::STATE).ok()
+                                        == Some(JobState::Cancelled.as_str())
+                                });
+                                if cancelled {
+                                    // A job was cancelled: if this worker runs it, the
+                                    // heartbeat signals its handler now.
+                                    check_now.notify_one();
+                                    continue;
+                                }
                                 if let Some(key) = ev.document_key.as_ref().and_then(|k| k.get(field::ID))
                                     && matches!(ev.operation_type, mongodb::change_stream::event::OperationType::Insert)
                                 {

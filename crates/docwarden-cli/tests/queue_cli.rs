@@ -1,0 +1,69 @@
+//! `docwarden queue list` and `queue show` against the shared test server: a running
+//! job's progress, stalls and snoozes are listed, and `show` prints the whole document
+//! (issue 15, progress and output).
+
+use std::process::{Command, Output};
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::format::field;
+use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
+use docwarden_testkit::TestDb;
+use mongodb::bson::doc;
+
+/// `docwarden queue <args> --uri … --db <the test's db> --collection jobs --json`.
+fn run(t: &TestDb, args: &[&str]) -> anyhow::Result<Output> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .arg("queue")
+        .args(args)
+        .args([
+            "--uri",
+            t.uri(),
+            "--db",
+            t.db.name(),
+            "--collection",
+            "jobs",
+            "--json",
+        ])
+        .output()?)
+}
+
+#[tokio::test]
+async fn list_and_show_print_progress_and_the_whole_job() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cli_show").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    q.enqueue(doc! { "ip": "1.2.3.4" }, &EnqueueOptions::default())
+        .await?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    q.progress(&job, doc! { "done": 3_i64, "of": 7_i64 })
+        .await?;
+
+    let out = run(&t, &["list"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let row = &listed[0];
+    let progress = row[field::PROGRESS].as_str().unwrap_or_default();
+    assert!(progress.contains("\"done\": 3"), "{row}");
+
+    let id = job.id().to_hex();
+    let out = run(&t, &["show", &id])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(shown[field::PROGRESS]["done"], 3);
+    assert_eq!(shown[field::STATE], "running");
+
+    let out = run(&t, &["show", &mongodb::bson::oid::ObjectId::new().to_hex()])?;
+    assert_eq!(out.status.code(), Some(1), "an unknown id exits 1");
+    Ok(())
+}

@@ -1,0 +1,1082 @@
+//! Job lifecycle features (issue 15) raced by eight workers or more against the real
+//! server: cancelling a running job, snooze, uniqueness windows, replace, debounce and
+//! follow-up runs, progress, transactional enqueue and stall accounting. Each asserts
+//! counts; where a safeguard is what makes it right, a control switches it off and shows
+//! the violations.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::queue::{
+    EnqueueOptions, Enqueued, JobQueue, JobState, MAX_PROGRESS_BYTES, OnDuplicate, QueueOptions,
+    Safeguard, Worker, WorkerOptions, WorkerReport, snooze,
+};
+use docwarden_testkit::TestDb;
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::{Client, Collection, Database};
+
+async fn open(
+    db: &Database,
+    client: &Client,
+    name: &str,
+    opts: QueueOptions,
+) -> anyhow::Result<JobQueue> {
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    Ok(JobQueue::open(db, name, time, opts).await?)
+}
+
+async fn count(c: &Collection<Document>, filter: Document) -> anyhow::Result<u64> {
+    Ok(c.count_documents(filter).await?)
+}
+
+async fn all(c: &Collection<Document>, filter: Document) -> anyhow::Result<Vec<Document>> {
+    Ok(c.find(filter).await?.try_collect().await?)
+}
+
+/// Waits until `filter` matches at least `n` jobs, or fails after `limit`.
+async fn wait_for(
+    c: &Collection<Document>,
+    filter: Document,
+    n: u64,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let got = count(c, filter.clone()).await?;
+        if got >= n {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            started.elapsed() < limit,
+            "only {got} of {n} jobs match {filter} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn stop(workers: Vec<Worker>) -> WorkerReport {
+    let mut total = WorkerReport::default();
+    for w in workers {
+        let r = w.shutdown().await;
+        total.succeeded += r.succeeded;
+        total.lease_lost += r.lease_lost;
+        total.cancelled += r.cancelled;
+        total.snoozed += r.snoozed;
+        total.retried += r.retried;
+        total.dead += r.dead;
+    }
+    total
+}
+
+fn int(d: &Document, key: &str) -> i64 {
+    match d.get(key) {
+        Some(Bson::Int64(n)) => *n,
+        Some(Bson::Int32(n)) => i64::from(*n),
+        _ => 0,
+    }
+}
+
+/// What the cancel race counted.
+#[derive(Debug)]
+struct CancelRun {
+    jobs: u64,
+    cancelled_by_operator: u64,
+    /// Handlers started (a job cancelled between its claim and the worker's fetch of
+    /// it never starts).
+    started: u64,
+    signalled: u64,
+    /// Cancelled jobs whose handler's late completion was stored anyway.
+    overwritten: u64,
+    max_signal_ms: i64,
+    report: WorkerReport,
+}
+
+/// 64 jobs, eight workers (half without a change stream: they learn of the cancel from
+/// their heartbeat); an operator cancels every job as soon as it runs. Each handler
+/// waits for its cancellation signal, then returns a late completion.
+async fn cancel_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Result<CancelRun> {
+    const JOBS: u64 = 64;
+    let q = open(
+        &t.db,
+        &t.client,
+        name,
+        opts.lease_ttl(Duration::from_secs(3)),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
+        .await?;
+    let cancelled_at: Arc<Mutex<HashMap<ObjectId, Instant>>> = Arc::default();
+    let signalled = Arc::new(AtomicU64::new(0));
+    let started_handlers = Arc::new(AtomicU64::new(0));
+    let max_signal_ms = Arc::new(AtomicI64::new(0));
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let (at, sig, max, st) = (
+            Arc::clone(&cancelled_at),
+            Arc::clone(&signalled),
+            Arc::clone(&max_signal_ms),
+            Arc::clone(&started_handlers),
+        );
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(4)
+            .heartbeat_every(Duration::from_millis(500))
+            .change_stream(w % 2 == 0);
+        workers.push(Worker::spawn(q.clone(), wo, move |job| {
+            let (at, sig, max, st) = (
+                Arc::clone(&at),
+                Arc::clone(&sig),
+                Arc::clone(&max),
+                Arc::clone(&st),
+            );
+            async move {
+                st.fetch_add(1, Ordering::Relaxed);
+                tokio::select! {
+                    () = job.cancellation().cancelled() => {
+                        sig.fetch_add(1, Ordering::Relaxed);
+                        let since = at.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id()).copied();
+                        if let Some(since) = since {
+                            let ms = i64::try_from(since.elapsed().as_millis()).unwrap_or(i64::MAX);
+                            max.fetch_max(ms, Ordering::Relaxed);
+                        }
+                        // The late completion: refused by the fence.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok(Bson::String("late".into()))
+                    }
+                    () = tokio::time::sleep(Duration::from_secs(20)) => Ok(Bson::String("never signalled".into())),
+                }
+            }
+        })?);
+    }
+    // The operator: cancel every job once it runs.
+    let started = Instant::now();
+    let mut cancelled_by_operator = 0;
+    while cancelled_by_operator < JOBS && started.elapsed() < Duration::from_secs(60) {
+        for d in all(&coll, doc! { "state": "running" }).await? {
+            let id = d.get_object_id("_id")?;
+            cancelled_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, Instant::now());
+            if let docwarden::queue::CancelOutcome::Cancelled { was } = q.cancel(id).await? {
+                assert_eq!(was, JobState::Running);
+                cancelled_by_operator += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every signal, then every late completion written (or refused).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    while signalled.load(Ordering::Relaxed) < started_handlers.load(Ordering::Relaxed)
+        && started.elapsed() < Duration::from_secs(60)
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = stop(workers).await;
+    Ok(CancelRun {
+        jobs: JOBS,
+        cancelled_by_operator,
+        started: started_handlers.load(Ordering::Relaxed),
+        signalled: signalled.load(Ordering::Relaxed),
+        overwritten: count(&coll, doc! { "state": "succeeded" }).await?,
+        max_signal_ms: max_signal_ms.load(Ordering::Relaxed),
+        report,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_running_jobs_signals_their_handlers_and_refuses_late_completions()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_cancel").await?;
+    let run = cancel_race(&t, "jobs", QueueOptions::default()).await?;
+    eprintln!("cancel: {run:?}");
+    assert_eq!(
+        run.cancelled_by_operator, run.jobs,
+        "every job cancelled while running"
+    );
+    assert!(
+        run.started >= run.jobs / 2,
+        "{} handlers started",
+        run.started
+    );
+    assert_eq!(
+        run.signalled, run.started,
+        "every started handler signalled"
+    );
+    assert_eq!(
+        run.report.cancelled, run.started,
+        "workers counted the signals"
+    );
+    assert_eq!(run.overwritten, 0, "late completions stored");
+    assert_eq!(
+        run.report.lease_lost, run.started,
+        "late completions refused by the fence"
+    );
+    assert_eq!(
+        count(
+            &t.db.collection::<Document>("jobs"),
+            doc! { "state": "cancelled" }
+        )
+        .await?,
+        run.jobs
+    );
+    // Heartbeat every 500 ms (the change stream is faster): one heartbeat plus slack.
+    assert!(
+        run.max_signal_ms < 1_250,
+        "a signal took {} ms (more than one heartbeat)",
+        run.max_signal_ms
+    );
+
+    // Control: the final transitions without `state: "running"` in their fence: the
+    // handlers' late completions overwrite the operator's cancel.
+    let control = cancel_race(
+        &t,
+        "control",
+        QueueOptions::default().unsafe_without(Safeguard::TransitionFence),
+    )
+    .await?;
+    eprintln!("cancel control: {control:?}");
+    assert!(
+        control.overwritten > 0,
+        "the control must store late completions over cancelled jobs"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn snoozed_jobs_run_again_later_without_using_an_attempt() -> anyhow::Result<()> {
+    const JOBS: u64 = 200;
+    const SNOOZES: i64 = 2;
+    let t = TestDb::new("queue_lifecycle_snooze").await?;
+    // One attempt each: a snooze that used one would leave `attempts` above 1.
+    let q = open(
+        &t.db,
+        &t.client,
+        "jobs",
+        QueueOptions::default().max_attempts(1),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
+        .await?;
+    let runs = Arc::new(AtomicU64::new(0));
+    let early = Arc::new(AtomicU64::new(0));
+    let last_run: Arc<Mutex<HashMap<ObjectId, Instant>>> = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let (runs, early, last) = (Arc::clone(&runs), Arc::clone(&early), Arc::clone(&last_run));
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(4);
+        workers.push(Worker::spawn(q.clone(), wo, move |job| {
+            let (runs, early, last) = (Arc::clone(&runs), Arc::clone(&early), Arc::clone(&last));
+            async move {
+                runs.fetch_add(1, Ordering::Relaxed);
+                let before = last
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(job.id(), Instant::now());
+                if before.is_some_and(|b| b.elapsed() < Duration::from_millis(180)) {
+                    early.fetch_add(1, Ordering::Relaxed);
+                }
+                if job.job.snoozes < SNOOZES {
+                    snooze(Duration::from_millis(200))
+                } else {
+                    Ok(Bson::Int64(job.job.snoozes))
+                }
+            }
+        })?);
+    }
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        JOBS,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let report = stop(workers).await;
+    let one_attempt = count(
+        &coll,
+        doc! { "state": "succeeded", "attempts": 1, "snoozes": SNOOZES },
+    )
+    .await?;
+    let runs = runs.load(Ordering::Relaxed);
+    let early = early.load(Ordering::Relaxed);
+    eprintln!("snooze: runs {runs}, early {early}, {report:?}");
+    assert_eq!(
+        one_attempt, JOBS,
+        "succeeded with one attempt and two snoozes"
+    );
+    assert_eq!(runs, JOBS * 3);
+    assert_eq!(report.snoozed, JOBS * 2);
+    assert_eq!(report.succeeded, JOBS);
+    assert_eq!(early, 0, "a snoozed job ran before its time");
+    Ok(())
+}
+
+/// Eight enqueuers race `enqueue` of 50 keys with a uniqueness window of 10 minutes
+/// while eight workers complete the jobs at once; returns (jobs stored, keys with more
+/// than one job inside one window).
+async fn window_race(t: &TestDb, name: &str, opts: QueueOptions) -> anyhow::Result<(u64, u64)> {
+    const KEYS: i64 = 50;
+    let window = Duration::from_secs(600);
+    let q = open(&t.db, &t.client, name, opts).await?;
+    let coll = q.collection().clone();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(4)
+            .poll(Duration::from_millis(5), Duration::from_millis(20));
+        workers.push(Worker::spawn(q.clone(), wo, |_job| async {
+            Ok(Bson::Null)
+        })?);
+    }
+    let mut enqueuers = tokio::task::JoinSet::new();
+    for e in 0..8_u64 {
+        let q = q.clone();
+        enqueuers.spawn(async move {
+            for round in 0..4_u64 {
+                for k in 0..KEYS {
+                    // Stagger the racers a little, so reads and inserts interleave.
+                    tokio::time::sleep(Duration::from_millis((e * 3 + round) % 7)).await;
+                    let opts = EnqueueOptions::default()
+                        .dedupe_key(format!("k{k}"))
+                        .unique_window(window);
+                    q.enqueue(doc! { "k": k }, &opts).await?;
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = enqueuers.join_next().await {
+        r??;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop(workers).await;
+    let w = i64::try_from(window.as_millis())?;
+    let docs = all(&coll, doc! {}).await?;
+    let mut by_key_slot: HashMap<(i64, i64), u64> = HashMap::new();
+    for d in &docs {
+        let k = d.get_document("payload")?.get_i64("k")?;
+        let created = d.get_datetime("created_at")?.timestamp_millis();
+        *by_key_slot
+            .entry((k, created - created.rem_euclid(w)))
+            .or_default() += 1;
+    }
+    let violations = by_key_slot.values().filter(|n| **n > 1).count();
+    Ok((docs.len() as u64, violations as u64))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_uniqueness_window_allows_one_job_per_key_per_window_finished_or_not()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_window").await?;
+    let (jobs, violations) = window_race(&t, "jobs", QueueOptions::default()).await?;
+    eprintln!("window: {jobs} jobs, {violations} keys with two in a window");
+    assert_eq!(violations, 0);
+    assert!((50..=100).contains(&jobs), "{jobs} jobs for 50 keys");
+
+    // Control: the window checked by a read before the insert (no unique slot): once
+    // the first job finished, a racer that read before it existed inserts a second.
+    let (jobs, violations) = window_race(
+        &t,
+        "control",
+        QueueOptions::default().unsafe_without(Safeguard::UniqueSlot),
+    )
+    .await?;
+    eprintln!("window control: {jobs} jobs, {violations} keys with two in a window");
+    assert!(
+        violations > 0,
+        "the control must store two jobs of a key in a window"
+    );
+    Ok(())
+}
+
+/// Eight enqueuers replace the payloads of 20 keys while eight workers run them; each
+/// handler records the payload it got. Returns (jobs, created, replaced, jobs whose
+/// stored payload differs from what their handler ran).
+async fn replace_race(
+    t: &TestDb,
+    name: &str,
+    opts: QueueOptions,
+) -> anyhow::Result<(u64, u64, u64, u64)> {
+    const KEYS: i64 = 20;
+    let q = open(&t.db, &t.client, name, opts).await?;
+    let coll = q.collection().clone();
+    let seen: Arc<Mutex<HashMap<ObjectId, Bson>>> = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let seen = Arc::clone(&seen);
+        // Fast polls: a job is claimed as soon as it is due (no change-stream event
+        // announces that), while the replacers are still at it.
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(2)
+            .poll(Duration::from_millis(5), Duration::from_millis(20));
+        workers.push(Worker::spawn(q.clone(), wo, move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(job.id(), job.payload().clone());
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                Ok(job.payload().clone())
+            }
+        })?);
+    }
+    let created = Arc::new(AtomicU64::new(0));
+    let replaced = Arc::new(AtomicU64::new(0));
+    let mut enqueuers = tokio::task::JoinSet::new();
+    for e in 0..8_i64 {
+        let (q, created, replaced) = (q.clone(), Arc::clone(&created), Arc::clone(&replaced));
+        enqueuers.spawn(async move {
+            // Jobs are due 300 ms after their creation; the replacers go on for 1.5 s,
+            // so they race the claims of due jobs.
+            let started = Instant::now();
+            let mut round = 0_i64;
+            while started.elapsed() < Duration::from_millis(1_500) {
+                round += 1;
+                for k in 0..KEYS {
+                    let opts = EnqueueOptions::default()
+                        .dedupe_key(format!("k{k}"))
+                        .on_duplicate(OnDuplicate::Replace)
+                        .delay(Duration::from_millis(300));
+                    match q
+                        .enqueue(doc! { "k": k, "by": e, "round": round }, &opts)
+                        .await?
+                    {
+                        Enqueued::Created(_) => created.fetch_add(1, Ordering::Relaxed),
+                        Enqueued::Replaced(_) => replaced.fetch_add(1, Ordering::Relaxed),
+                        _ => 0,
+                    };
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    let t0 = Instant::now();
+    while let Some(r) = enqueuers.join_next().await {
+        r??;
+    }
+    eprintln!("enqueued in {:?}", t0.elapsed());
+    let jobs = count(&coll, doc! {}).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        jobs,
+        Duration::from_secs(60),
+    )
+    .await?;
+    stop(workers).await;
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut rewritten = 0;
+    for d in all(&coll, doc! {}).await? {
+        let id = d.get_object_id("_id")?;
+        if seen.get(&id) != d.get("payload") {
+            rewritten += 1;
+        }
+    }
+    Ok((
+        jobs,
+        created.load(Ordering::Relaxed),
+        replaced.load(Ordering::Relaxed),
+        rewritten,
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replace_rewrites_only_jobs_that_have_not_started() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_replace").await?;
+    let (jobs, created, replaced, rewritten) =
+        replace_race(&t, "jobs", QueueOptions::default()).await?;
+    eprintln!(
+        "replace: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start"
+    );
+    assert_eq!(jobs, created, "every stored job is a created one");
+    assert!(replaced > 0, "some enqueues replaced a waiting job");
+    assert_eq!(rewritten, 0, "a started job's payload was replaced");
+
+    let (jobs, created, replaced, rewritten) = replace_race(
+        &t,
+        "control",
+        QueueOptions::default().unsafe_without(Safeguard::ReplaceRecheck),
+    )
+    .await?;
+    eprintln!(
+        "replace control: {jobs} jobs, {created} created, {replaced} replaced, {rewritten} rewritten after start"
+    );
+    assert!(rewritten > 0, "the control must rewrite started jobs");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn debounce_runs_a_burst_once_after_the_last_enqueue() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_debounce").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let runs: Arc<Mutex<Vec<(Instant, Bson)>>> = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let runs = Arc::clone(&runs);
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .poll(Duration::from_millis(10), Duration::from_millis(50));
+        workers.push(Worker::spawn(q.clone(), wo, move |job| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((Instant::now(), job.payload().clone()));
+                Ok(Bson::Null)
+            }
+        })?);
+    }
+    let delay = Duration::from_millis(400);
+    let last_enqueue = Arc::new(Mutex::new(Instant::now()));
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let mut enqueuers = tokio::task::JoinSet::new();
+    for e in 0..8_i64 {
+        let (q, last, outcomes) = (q.clone(), Arc::clone(&last_enqueue), Arc::clone(&outcomes));
+        enqueuers.spawn(async move {
+            for i in 0..40_i64 {
+                let opts = EnqueueOptions::default()
+                    .dedupe_key("burst")
+                    .on_duplicate(OnDuplicate::Debounce)
+                    .delay(delay);
+                let o = q.enqueue(doc! { "by": e, "i": i }, &opts).await?;
+                *last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                outcomes.lock().unwrap_or_else(|p| p.into_inner()).push(o);
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = enqueuers.join_next().await {
+        r??;
+    }
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    stop(workers).await;
+    let runs = runs.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let created = outcomes.iter().filter(|o| o.created().is_some()).count();
+    let replaced = outcomes
+        .iter()
+        .filter(|o| matches!(o, Enqueued::Replaced(_)))
+        .count();
+    let last = *last_enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    eprintln!(
+        "debounce: {} enqueues, {created} created, {replaced} replaced, {} runs",
+        outcomes.len(),
+        runs.len()
+    );
+    assert_eq!(outcomes.len(), 320);
+    assert_eq!(
+        (created, replaced),
+        (1, 319),
+        "one job, every other enqueue debounced into it"
+    );
+    assert_eq!(runs.len(), 1, "the burst ran once");
+    // Due `delay` after the last enqueue (less the few ms the clock bound allows).
+    assert!(
+        runs[0].0 + Duration::from_millis(50) >= last + delay,
+        "ran {:?} before the last enqueue's delay ended",
+        (last + delay).saturating_duration_since(runs[0].0)
+    );
+    assert_eq!(count(&coll, doc! {}).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn follow_up_runs_once_more_after_the_current_run() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_follow_up").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let running = Arc::new(AtomicUsize::new(0));
+    let overlap = Arc::new(AtomicU64::new(0));
+    let starts: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let (running, overlap, starts) = (
+            Arc::clone(&running),
+            Arc::clone(&overlap),
+            Arc::clone(&starts),
+        );
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .poll(Duration::from_millis(10), Duration::from_millis(50));
+        workers.push(Worker::spawn(q.clone(), wo, move |_job| {
+            let (running, overlap, starts) = (
+                Arc::clone(&running),
+                Arc::clone(&overlap),
+                Arc::clone(&starts),
+            );
+            async move {
+                if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                    overlap.fetch_add(1, Ordering::Relaxed);
+                }
+                starts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Instant::now());
+                tokio::time::sleep(Duration::from_millis(80)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok(Bson::Null)
+            }
+        })?);
+    }
+    let last_enqueue = Arc::new(Mutex::new(Instant::now()));
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let mut enqueuers = tokio::task::JoinSet::new();
+    for e in 0..8_i64 {
+        let (q, last, outcomes) = (q.clone(), Arc::clone(&last_enqueue), Arc::clone(&outcomes));
+        enqueuers.spawn(async move {
+            for i in 0..60_i64 {
+                let opts = EnqueueOptions::default()
+                    .dedupe_key("refresh")
+                    .on_duplicate(OnDuplicate::FollowUp);
+                let o = q.enqueue(doc! { "by": e, "i": i }, &opts).await?;
+                *last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                outcomes.lock().unwrap_or_else(|p| p.into_inner()).push(o);
+                tokio::time::sleep(Duration::from_millis(15)).await;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = enqueuers.join_next().await {
+        r??;
+    }
+    let last = *last_enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop(workers).await;
+    let starts = starts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let created = i64::try_from(outcomes.iter().filter(|o| o.created().is_some()).count())?;
+    let follow_ups_asked = outcomes
+        .iter()
+        .filter(|o| matches!(o, Enqueued::FollowUp(_)))
+        .count();
+    let docs = all(&coll, doc! {}).await?;
+    let follow_ups_run: i64 = docs.iter().map(|d| int(d, "follow_ups")).sum();
+    let unfinished = count(&coll, doc! { "state": { "$ne": "succeeded" } }).await?;
+    eprintln!(
+        "follow-up: {} enqueues, {created} created, {follow_ups_asked} follow-ups asked, {} runs, {follow_ups_run} follow-up runs",
+        outcomes.len(),
+        starts.len()
+    );
+    assert_eq!(
+        overlap.load(Ordering::Relaxed),
+        0,
+        "two runs of the key at once"
+    );
+    assert_eq!(unfinished, 0);
+    assert_eq!(
+        i64::try_from(starts.len())?,
+        created + follow_ups_run,
+        "every run is a created job or one follow-up"
+    );
+    assert!(follow_ups_run >= 2, "follow-ups ran");
+    assert!(
+        starts.iter().any(|s| *s >= last),
+        "no run started after the last enqueue"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn progress_and_results_are_fenced_and_size_limited() -> anyhow::Result<()> {
+    const JOBS: u64 = 160;
+    let t = TestDb::new("queue_lifecycle_progress").await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        "jobs",
+        QueueOptions::default()
+            .lease_ttl(Duration::from_millis(600))
+            .reap_interval(Duration::from_millis(50)),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
+        .await?;
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let qq = q.clone();
+        let wo = WorkerOptions::default()
+            .name(format!("w{w}"))
+            .concurrency(4)
+            .heartbeat_every(Duration::from_millis(150));
+        workers.push(Worker::spawn(q.clone(), wo, move |job| {
+            let q = qq.clone();
+            async move {
+                for step in 1..=3_i64 {
+                    q.progress(&job, doc! { "step": step, "of": 3_i64 }).await?;
+                }
+                Ok(
+                    doc! { "i": job.payload().as_document().and_then(|d| d.get_i64("i").ok()) }
+                        .into(),
+                )
+            }
+        })?);
+    }
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        JOBS,
+        Duration::from_secs(60),
+    )
+    .await?;
+    stop(workers).await;
+    let done = count(
+        &coll,
+        doc! { "state": "succeeded", "progress.step": 3_i64, "result.i": { "$exists": true } },
+    )
+    .await?;
+    let consistent = all(&coll, doc! {})
+        .await?
+        .iter()
+        .filter(|d| {
+            d.get_document("result")
+                .ok()
+                .and_then(|r| r.get_i64("i").ok())
+                == d.get_document("payload")
+                    .ok()
+                    .and_then(|p| p.get_i64("i").ok())
+        })
+        .count() as u64;
+    assert_eq!((done, consistent), (JOBS, JOBS));
+
+    // Size limits: typed errors, nothing written.
+    q.enqueue(doc! { "big": true }, &EnqueueOptions::default())
+        .await?;
+    let job = q
+        .claim("solo")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let big = Bson::String("x".repeat(MAX_PROGRESS_BYTES));
+    let r = q.progress(&job, big).await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput {
+                what: "progress",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let huge = Bson::String("x".repeat(docwarden::queue::MAX_RESULT_BYTES));
+    let r = q.complete(&job, huge).await;
+    assert!(
+        matches!(r, Err(Error::InvalidInput { what: "result", .. })),
+        "{r:?}"
+    );
+    // Fenced: once the lease expired and was swept, progress is refused.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    q.reap_expired().await?;
+    let r = q.progress(&job, 1_i64).await;
+    assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
+    let stored = q
+        .get(job.id())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(stored.progress, None);
+    Ok(())
+}
+
+/// Whether the server runs multi-document transactions (a replica set does; a
+/// standalone refuses them).
+async fn transactions_supported(client: &Client, db: &Database) -> anyhow::Result<bool> {
+    let probe = db.collection::<Document>("txn_probe");
+    let mut s = client.start_session().await?;
+    s.start_transaction().await?;
+    match probe.insert_one(doc! { "p": 1 }).session(&mut s).await {
+        Ok(_) => {
+            s.commit_transaction().await?;
+            Ok(true)
+        }
+        Err(e) => {
+            eprintln!("transactions refused: {e}");
+            Ok(false)
+        }
+    }
+}
+
+/// Eight tasks each run 25 transactions that insert an order and enqueue its job
+/// (inside the transaction with `enqueue_in`, or outside it for the control), and commit
+/// the even ones, abort the odd ones, while eight workers run the jobs. Returns (orders
+/// committed, jobs stored, jobs whose order was aborted, jobs run).
+async fn transactional_race(
+    t: &TestDb,
+    name: &str,
+    inside: bool,
+) -> anyhow::Result<(u64, u64, u64, u64)> {
+    let q = open(&t.db, &t.client, name, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let orders_name = format!("{name}_orders");
+    // Created before the transactions: creating a collection inside concurrent
+    // transactions conflicts.
+    t.db.create_collection(&orders_name).await?;
+    let orders = t.db.collection::<Document>(&orders_name);
+    let ran = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let ran = Arc::clone(&ran);
+        let wo = WorkerOptions::default().name(format!("w{w}"));
+        workers.push(Worker::spawn(q.clone(), wo, move |_job| {
+            let ran = Arc::clone(&ran);
+            async move {
+                ran.fetch_add(1, Ordering::Relaxed);
+                Ok(Bson::Null)
+            }
+        })?);
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for e in 0..8_i64 {
+        let (q, orders, client) = (q.clone(), orders.clone(), t.client.clone());
+        tasks.spawn(async move {
+            for i in 0..25_i64 {
+                let n = e * 100 + i;
+                let mut s = client.start_session().await?;
+                s.start_transaction().await?;
+                orders.insert_one(doc! { "_id": n }).session(&mut s).await?;
+                if inside {
+                    q.enqueue_in(&mut s, doc! { "order": n }, &EnqueueOptions::default())
+                        .await?;
+                } else {
+                    q.enqueue(doc! { "order": n }, &EnqueueOptions::default())
+                        .await?;
+                }
+                if n % 2 == 0 {
+                    s.commit_transaction().await?;
+                } else {
+                    s.abort_transaction().await?;
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    let committed = count(&orders, doc! {}).await?;
+    let jobs = count(&coll, doc! {}).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        jobs,
+        Duration::from_secs(60),
+    )
+    .await?;
+    stop(workers).await;
+    let mut orphans = 0;
+    for d in all(&coll, doc! {}).await? {
+        let n = d.get_document("payload")?.get_i64("order")?;
+        if count(&orders, doc! { "_id": n }).await? == 0 {
+            orphans += 1;
+        }
+    }
+    Ok((committed, jobs, orphans, ran.load(Ordering::Relaxed)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_enqueued_in_a_transaction_exists_iff_the_transaction_commits() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_lifecycle_txn").await?;
+    if !transactions_supported(&t.client, &t.db).await? {
+        docwarden_testkit::skip(
+            "a_job_enqueued_in_a_transaction_exists_iff_the_transaction_commits",
+            "the server refuses multi-document transactions",
+        );
+        return Ok(());
+    }
+    let (committed, jobs, orphans, ran) = transactional_race(&t, "jobs", true).await?;
+    eprintln!("enqueue_in: {committed} committed, {jobs} jobs, {orphans} orphans, {ran} runs");
+    // n = 100·e + i, i in 0..25: 13 even (committed) and 12 odd (aborted) per task.
+    assert_eq!(committed, 104);
+    assert_eq!((jobs, orphans, ran), (104, 0, 104));
+
+    // Control: the same transactions with the job enqueued outside them: the aborted
+    // orders' jobs exist (and run).
+    let (committed, jobs, orphans, ran) = transactional_race(&t, "control", false).await?;
+    eprintln!("enqueue outside: {committed} committed, {jobs} jobs, {orphans} orphans, {ran} runs");
+    assert_eq!((committed, jobs), (104, 200));
+    assert_eq!(orphans, 96, "the control must leave jobs of aborted orders");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stalls_are_counted_once_per_takeover_and_max_stalls_buries_the_job() -> anyhow::Result<()>
+{
+    const JOBS: u64 = 40;
+    const MAX_STALLS: u32 = 2;
+    let t = TestDb::new("queue_lifecycle_stalls").await?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_millis(300))
+        .reap_interval(Duration::from_millis(20))
+        .max_attempts(10)
+        .max_stalls(MAX_STALLS);
+    let q = open(&t.db, &t.client, "jobs", opts.clone()).await?;
+    let coll = q.collection().clone();
+    q.enqueue_many((0..JOBS).map(|i| (doc! { "i": i.cast_signed() }, EnqueueOptions::default())))
+        .await?;
+    // Eight claimers, each with its own handle (so their sweeps race), claim jobs and
+    // abandon them: every lease expires and is taken over by some sweep.
+    let claims = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..8 {
+        let h = open(&t.db, &t.client, "jobs", opts.clone()).await?;
+        let (claims, coll) = (Arc::clone(&claims), coll.clone());
+        tasks.spawn(async move {
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(60) {
+                if count(&coll, doc! { "state": "dead" }).await? == JOBS {
+                    break;
+                }
+                match h.claim_batch(&format!("w{w}"), 4).await? {
+                    batch if batch.is_empty() => {
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                    }
+                    batch => {
+                        claims.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    let docs = all(&coll, doc! {}).await?;
+    let buried = docs
+        .iter()
+        .filter(|d| {
+            d.get_str("state") == Ok("dead")
+                && int(d, "stalls") == i64::from(MAX_STALLS) + 1
+                && int(d, "attempts") == i64::from(MAX_STALLS) + 1
+                && d.get_str("last_error")
+                    .is_ok_and(|e| e.starts_with("stalled"))
+        })
+        .count() as u64;
+    let miscounted = docs
+        .iter()
+        .filter(|d| int(d, "stalls") != int(d, "attempts"))
+        .count();
+    let claims = claims.load(Ordering::Relaxed);
+    eprintln!(
+        "stalls: {claims} claims, {buried} buried after {} stalls, {miscounted} miscounted",
+        MAX_STALLS + 1
+    );
+    assert_eq!(miscounted, 0, "stalls != abandoned claims");
+    assert_eq!(buried, JOBS);
+    assert_eq!(claims, JOBS * u64::from(MAX_STALLS + 1));
+    Ok(())
+}
+
+#[tokio::test]
+async fn uniqueness_policies_one_enqueue_at_a_time() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_policies").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let replace = EnqueueOptions::default()
+        .dedupe_key("r")
+        .on_duplicate(OnDuplicate::Replace);
+    let first = q.enqueue(doc! { "v": 1 }, &replace).await?;
+    let id = first
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("{first:?}"))?;
+    assert_eq!(
+        q.enqueue(doc! { "v": 2 }, &replace).await?,
+        Enqueued::Replaced(id)
+    );
+    let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(job.payload, Bson::Document(doc! { "v": 2 }));
+    // Running: kept.
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let again = q.enqueue(doc! { "v": 3 }, &replace).await?;
+    assert!(
+        matches!(again, Enqueued::Duplicate { existing: Some(e), .. } if e == id),
+        "{again:?}"
+    );
+    // Follow-up on the running job: completes into one more run.
+    let follow = replace.clone().on_duplicate(OnDuplicate::FollowUp);
+    assert_eq!(
+        q.enqueue(doc! { "v": 4 }, &follow).await?,
+        Enqueued::FollowUp(id)
+    );
+    assert_eq!(
+        q.enqueue(doc! { "v": 5 }, &follow).await?,
+        Enqueued::FollowUp(id)
+    );
+    q.complete(&claimed, "first run").await?;
+    let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (
+            job.state,
+            job.payload.clone(),
+            job.attempts,
+            job.follow_ups,
+            job.follow_up.clone()
+        ),
+        (JobState::Ready, Bson::Document(doc! { "v": 5 }), 0, 1, None)
+    );
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    q.complete(&claimed, "second run").await?;
+    let job = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!((job.state, job.follow_ups), (JobState::Succeeded, 1));
+    // Finished: a new enqueue creates a new job (MongoDB frees the key of a finished
+    // job; the embedded surrogate keeps it, see docs/queue.md).
+    if docwarden::capabilities::probe_partial_index_updates(&t.client)
+        .await?
+        .is_supported()
+    {
+        let next = q.enqueue(doc! { "v": 6 }, &replace).await?;
+        assert!(next.created().is_some(), "{next:?}");
+    } else {
+        eprintln!("surrogate: a finished job's dedupe key stays taken; not asserted");
+    }
+    // Window: finished or not, one per key per window.
+    let windowed = EnqueueOptions::default()
+        .dedupe_key("w")
+        .unique_window(Duration::from_secs(600));
+    let claimed_id = q.enqueue(1_i64, &windowed).await?.created();
+    assert!(claimed_id.is_some());
+    let claimed = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    q.complete(&claimed, Bson::Null).await?;
+    let again = q.enqueue(2_i64, &windowed).await?;
+    assert!(
+        matches!(again, Enqueued::Duplicate { existing: Some(e), .. } if Some(e) == claimed_id),
+        "{again:?}"
+    );
+    Ok(())
+}

@@ -71,6 +71,9 @@ pub enum Op {
     /// copy of a lease its holder already released, renewed by a second task under the
     /// same owner id (it must be refused).
     Renew,
+    /// The control's blind re-send of a write whose reply was lost: a fenced `$inc`
+    /// ([`Counters::increment`]), sent as if the first had not run.
+    Resend,
 }
 
 impl Op {
@@ -85,6 +88,7 @@ impl Op {
             Op::Abandon => "abandon",
             Op::Release => lease::RELEASE_OP,
             Op::Renew => lease::RENEW_OP,
+            Op::Resend => "resend",
         }
     }
 }
@@ -200,6 +204,23 @@ impl Counters {
             .await
     }
 
+    /// The fenced increment of counter `key` (`$inc`): not idempotent, unlike
+    /// [`Counters::write`]. Only the control's blind re-send of a write whose reply was
+    /// lost uses it: if the first write ran, the counter is incremented twice.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn increment(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(lease, doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
+            .await
+    }
+
     /// The final read: every counter's value.
     ///
     /// # Errors
@@ -265,14 +286,34 @@ pub fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>)
 /// write was accepted, no holder's validity claim overlapped a newer holder, no released
 /// or superseded lease was renewed or released again, and each
 /// final counter equals its acknowledged increments (give or take the uncertain ones,
-/// [`tally`]).
+/// [`tally`]). A counter above them on which some write was re-sent after a lost reply
+/// ([`Op::Resend`]) is reported as `duplicated-update` (an increment applied twice)
+/// rather than `unacknowledged-update`.
 #[must_use]
 pub fn check(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation> {
     let (acknowledged, uncertain) = tally(events);
     let mut violations = lease::check_tokens(events);
     violations.extend(lease::check_validity(events));
     violations.extend(lease::check_dead_leases(events));
-    violations.extend(lease::check_counters(&acknowledged, &uncertain, finals));
+    let resent: BTreeMap<&str, usize> = events
+        .iter()
+        .filter(|e| e.op == Op::Resend.as_str() && e.outcome != docwarden::check::OpOutcome::Failed)
+        .fold(BTreeMap::new(), |mut m, e| {
+            *m.entry(e.key.as_str()).or_default() += 1;
+            m
+        });
+    violations.extend(
+        lease::check_counters(&acknowledged, &uncertain, finals)
+            .into_iter()
+            .map(|v| match resent.get(v.key.as_str()) {
+                Some(n) if v.kind == "unacknowledged-update" => Violation::new(
+                    "duplicated-update",
+                    v.key.clone(),
+                    format!("{}; {n} write(s) re-sent after a lost reply", v.detail),
+                ),
+                _ => v,
+            }),
+    );
     violations
 }
 

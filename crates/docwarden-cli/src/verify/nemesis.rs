@@ -62,7 +62,7 @@ async fn fail_points(
         if !ctx.has(fault) {
             continue;
         }
-        let data = match fault {
+        let mut data = match fault {
             Fault::FailpointNetwork => doc! { "closeConnection": true },
             Fault::FailpointNotprimary => {
                 // NotWritablePrimary or ShutdownInProgress: both retryable.
@@ -82,6 +82,12 @@ async fn fail_points(
                 "blockTimeMS": rng.random_range(50..200_i32),
             },
         };
+        // Every other round, the first included, the errors hit only `update`s (the
+        // fenced writes: counters, touches, effects, the worker's completions), which the
+        // far more frequent `findAndModify`s (renewals, claims) would otherwise take.
+        if fault != Fault::FailpointLatency && round.is_multiple_of(2) {
+            data.insert("failCommands", vec!["update"]);
+        }
         let start = ctx.history.now_us();
         // Three hits per window: a stall of every worker at once would leave nobody to
         // take the stalled leases over.

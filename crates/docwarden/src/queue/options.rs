@@ -72,6 +72,10 @@ pub enum Safeguard {
     /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
     /// writes the lease to the candidate ids whatever their state.
     BatchRecheck,
+    /// Claims sweep expired leases back to `retrying` (`reap_interval`), so that the jobs
+    /// of a worker that died are run again. Off: no sweep; a dead worker's jobs stay
+    /// `running` for ever.
+    Rescue,
 }
 
 impl Default for QueueOptions {

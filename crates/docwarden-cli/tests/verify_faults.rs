@@ -85,12 +85,83 @@ fn control(module: &str, faults: &[&str], seconds: &str) -> anyhow::Result<serde
     Ok(json)
 }
 
+/// The control run of `module` under `faults` fails, with violations of `kinds` among
+/// them: those the faults' safeguard, switched off, lets through. (The control switches
+/// its other safeguards off too, and a fault may bite through them as well.)
+fn control_of(
+    module: &str,
+    faults: &[&str],
+    seconds: &str,
+    kinds: &[&str],
+) -> anyhow::Result<serde_json::Value> {
+    let json = control(module, faults, seconds)?;
+    let mut found = 0;
+    for kind in kinds {
+        found += violations_of(&json, kind)?;
+    }
+    assert!(
+        found > 0,
+        "{module} under {faults:?}: no violation of {kinds:?}\n{json:#}"
+    );
+    Ok(json)
+}
+
 #[test]
 fn process_faults_break_nothing_and_their_control_loses_updates() -> anyhow::Result<()> {
     safe("locks", &["pause", "kill"], "4")?;
     // Fencing off: a paused holder's write lands after its lease was taken over.
     control("locks", &["pause", "kill"], "4")?;
+    // `kill` alone. Queue, rescue off: the jobs a killed worker held stay running.
+    control_of("queue", &["kill"], "4", &["stuck-job"])?;
+    // Locks: the aborted task's in-flight operations recorded as failed; its release, or
+    // its write, landed all the same.
+    control_of(
+        "locks",
+        &["kill"],
+        "4",
+        &["overlapping-leases", "unacknowledged-update"],
+    )?;
     Ok(())
+}
+
+/// What the settlement control (an unknown outcome guessed, not read back) lets through:
+/// in locks a counter below its acknowledged increments (a write taken as applied that
+/// did not run) or above them (a blind re-send of an increment that had run); in the
+/// queue an effect applied twice by one claim, a job completed without its effect — and,
+/// since the control's effects are not fenced either, a guessed effect re-sent after the
+/// lease moved on.
+const SETTLEMENT_LOCKS: [&str; 2] = ["lost-update", "duplicated-update"];
+const SETTLEMENT_QUEUE: [&str; 6] = [
+    "duplicate-effect",
+    "lost-job",
+    "state-mismatch",
+    "effect-after-finish",
+    "stale-effect",
+    "phantom-completion",
+];
+
+#[test]
+fn the_worker_settles_every_retry_fault_and_every_kill() -> anyhow::Result<()> {
+    if skip_on_external(
+        "the_worker_settles_every_retry_fault_and_every_kill",
+        "restart, stepdown, reset and the fail points need the embedded server",
+    ) {
+        return Ok(());
+    }
+    // The real Worker settles every lost reply by reading back, and rescues the jobs of
+    // killed workers (the locks' safe runs are in the tests of each class).
+    safe(
+        "queue",
+        &[
+            "kill",
+            "restart",
+            "stepdown",
+            "reset",
+            "failpoint-network",
+            "failpoint-notprimary",
+        ],
+        "8",
+    )
 }
 
 #[test]
@@ -130,6 +201,10 @@ fn server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes()
         violations_of(&json, "token-not-increasing")? + violations_of(&json, "lost-update")? > 0,
         "no acknowledged write lost: {json:#}"
     );
+    // Settlement off: the writes refused during the stepdown (NotWritablePrimary) are
+    // guessed applied, or re-sent blindly.
+    control_of("locks", &["stepdown"], "6", &SETTLEMENT_LOCKS)?;
+    control_of("queue", &["stepdown"], "6", &SETTLEMENT_QUEUE)?;
     Ok(())
 }
 
@@ -152,6 +227,9 @@ fn network_faults_break_nothing_and_their_control_accepts_late_writes() -> anyho
         violations_of(&json, "stale-write-accepted")? + violations_of(&json, "lost-update")? > 0,
         "no late write accepted: {json:#}"
     );
+    // Settlement off: an effect whose reply the reset cut off is re-sent blindly (applied
+    // twice if it had run) or guessed applied (the job completed without it).
+    control_of("queue", &["reset"], "6", &SETTLEMENT_QUEUE)?;
     Ok(())
 }
 
@@ -174,6 +252,14 @@ fn fail_points_break_nothing_and_their_controls_fail() -> anyhow::Result<()> {
     // `failpoint-latency` land after their lease; they bite there only now and then: see
     // docs/verify.md.)
     control("sequence", &all, "4")?;
+    // Settlement off, in locks: a counter write refused or cut off by the fail point (it
+    // never ran) guessed applied, or re-sent blindly. (8 s: two rounds aimed at updates.)
+    control_of(
+        "locks",
+        &["failpoint-network", "failpoint-notprimary"],
+        "8",
+        &SETTLEMENT_LOCKS,
+    )?;
     Ok(())
 }
 

@@ -213,10 +213,10 @@ impl Fault {
                 "the TCP proxy blackholes every open connection for 3 s (1.5 queue leases)"
             }
             Fault::FailpointNetwork => {
-                "failCommand closeConnection on findAndModify/update/insert (indeterminate)"
+                "failCommand closeConnection: every other round every update for 0.4 s, else 3 findAndModify/update/insert (indeterminate)"
             }
             Fault::FailpointNotprimary => {
-                "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
+                "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress), aimed as failpoint-network"
             }
             Fault::FailpointLatency => {
                 "failCommand blockConnection: writes block 50-200 ms; every other round 2.5 s"

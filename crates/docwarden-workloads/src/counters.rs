@@ -585,4 +585,25 @@ mod tests {
             vec!["lost-update"]
         );
     }
+
+    /// A counter above its acknowledged and uncertain increments is
+    /// `unacknowledged-update`; `duplicated-update` when a write on it was re-sent blindly
+    /// after its outcome was unknown (the control's guess).
+    #[test]
+    fn an_increment_applied_twice_after_a_blind_re_send_is_a_duplicated_update() {
+        let mut events = vec![
+            ev(Op::Touch, "c0", 1, OpOutcome::Ok),
+            ev(Op::Write, "c0", 1, OpOutcome::Ok),
+        ];
+        let finals = BTreeMap::from([("c0".to_owned(), 2)]);
+        let kinds = |events: &[Event]| {
+            check(events, &finals)
+                .iter()
+                .map(|v| v.kind)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kinds(&events), vec!["unacknowledged-update"]);
+        events.push(ev(Op::Resend, "c0", 1, OpOutcome::Ok));
+        assert_eq!(kinds(&events), vec!["duplicated-update"]);
+    }
 }

@@ -105,10 +105,10 @@ impl Write<'_> {
     /// Writes `value`, fenced. Safe: the reply decides; a retryable error (no reply, or
     /// `NotWritablePrimary`…) leaves the outcome unknown: indeterminate, the final read
     /// decides, nothing is re-sent. Control, with that settlement off: a client that
-    /// cannot read back must guess, and it guesses each way half the time — it re-sends
-    /// the increment blindly as a fenced `$inc` (a duplicate if the first ran) and takes
-    /// the re-send's reply, or it takes the write as applied (lost if it did not run). An
-    /// outcome still unknown after the re-send is taken as applied. The second value says
+    /// cannot read back guesses ([`Ctx::guess_resend`]) — it re-sends the increment
+    /// blindly as a fenced `$inc` (a duplicate if the first ran) and takes the re-send's
+    /// reply, or it takes the write as applied (lost if it did not run). An outcome still
+    /// unknown after the re-send is taken as applied. The second value says
     /// why a write was taken as applied without an acknowledgement. The control's client
     /// has `retryWrites=false`, so the driver's own retry hides nothing.
     async fn run(&self, value: i64) -> (docwarden::Result<FenceOutcome>, Option<String>) {
@@ -120,7 +120,7 @@ impl Write<'_> {
             Err(err) if self.ctx.mode == Mode::Control && err.is_retryable() => err.to_string(),
             _ => return (first, None),
         };
-        if rand::random_bool(0.5) {
+        if !first.as_ref().err().is_some_and(Ctx::guess_resend) {
             return (first, Some(format!("{err} (guessed applied)")));
         }
         let token = self.lease.token.get();

@@ -212,8 +212,8 @@ impl Handler {
     /// Writes the effect of `job`. Safe: the reply decides; a retryable error leaves the
     /// outcome unknown (the handler fails, the job runs again under a new claim, and the
     /// final read decides whether this claim's effect landed). Control, with that
-    /// settlement off: a handler that cannot read back must guess, and it guesses each way
-    /// half the time — it re-sends the same claim's effect blindly (a `$push`, not
+    /// settlement off: a handler that cannot read back guesses ([`Ctx::guess_resend`]) —
+    /// it re-sends the same claim's effect blindly (a `$push`, not
     /// idempotent: a duplicate if the first ran) and takes the re-send's reply, or it
     /// takes the effect as applied (lost if it did not run) and the job is completed. An
     /// outcome still unknown after the re-send is taken as applied. The second value says
@@ -225,7 +225,7 @@ impl Handler {
             Err(err) if self.mode == Mode::Control && err.is_retryable() => err.to_string(),
             _ => return (first, None),
         };
-        if rand::random_bool(0.5) {
+        if !first.as_ref().err().is_some_and(Ctx::guess_resend) {
             return (first, Some(format!("{err} (guessed applied)")));
         }
         let token = job.lease.token.to_string();

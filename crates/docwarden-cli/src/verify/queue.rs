@@ -363,9 +363,16 @@ fn record_report(history: &History, process: Process, succeeded: u64) {
 }
 
 /// Finishes every job still unfinished with a fault-free, fenced worker, until none is
-/// left or a limit of 4 leases + 20 s.
+/// left or a limit of 4 leases + 20 s (2 leases without rescue).
 async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
-    let limit = Instant::now() + jobs::LEASE * 4 + Duration::from_secs(20);
+    // Without rescue (the `kill` control) a killed worker's jobs never finish: waiting
+    // for them proves nothing, two leases let the live ones end.
+    let patience = if options(ctx).unsafe_without == Some(Safeguard::Rescue) {
+        jobs::LEASE * 2
+    } else {
+        jobs::LEASE * 4 + Duration::from_secs(20)
+    };
+    let limit = Instant::now() + patience;
     let handler = Arc::new(Handler {
         history: Arc::clone(&ctx.history),
         coll: queue.collection().clone(),

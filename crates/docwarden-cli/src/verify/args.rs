@@ -272,7 +272,7 @@ impl Fault {
             | Fault::Stepdown
             | Fault::FailpointNetwork
             | Fault::FailpointNotprimary => {
-                "settlement: an unknown outcome is guessed, not read back (a blind non-idempotent re-send, or taken as applied; retryWrites=false)"
+                "settlement: an unknown outcome is guessed, not read back (refused: taken as applied; no reply: re-sent blindly, non-idempotent, or taken as applied; retryWrites=false)"
             }
             Fault::Crash => {
                 "durability: the server runs without --sync-on-commit (and settlement, as restart)"

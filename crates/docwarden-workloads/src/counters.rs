@@ -71,6 +71,9 @@ pub enum Op {
     /// copy of a lease its holder already released, renewed by a second task under the
     /// same owner id (it must be refused).
     Renew,
+    /// The control's blind re-send of a write whose reply was lost: a fenced `$inc`
+    /// ([`Counters::increment`]), sent as if the first had not run.
+    Resend,
 }
 
 impl Op {
@@ -85,6 +88,7 @@ impl Op {
             Op::Abandon => "abandon",
             Op::Release => lease::RELEASE_OP,
             Op::Renew => lease::RENEW_OP,
+            Op::Resend => "resend",
         }
     }
 }
@@ -200,6 +204,23 @@ impl Counters {
             .await
     }
 
+    /// The fenced increment of counter `key` (`$inc`): not idempotent, unlike
+    /// [`Counters::write`]. Only the control's blind re-send of a write whose reply was
+    /// lost uses it: if the first write ran, the counter is incremented twice.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn increment(
+        &self,
+        fence: &Fence,
+        lease: &Lease,
+        key: &str,
+    ) -> docwarden::Result<FenceOutcome> {
+        fence
+            .apply(lease, doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
+            .await
+    }
+
     /// The final read: every counter's value.
     ///
     /// # Errors
@@ -265,14 +286,34 @@ pub fn tally(events: &[Event]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>)
 /// write was accepted, no holder's validity claim overlapped a newer holder, no released
 /// or superseded lease was renewed or released again, and each
 /// final counter equals its acknowledged increments (give or take the uncertain ones,
-/// [`tally`]).
+/// [`tally`]). A counter above them on which some write was re-sent after a lost reply
+/// ([`Op::Resend`]) is reported as `duplicated-update` (an increment applied twice)
+/// rather than `unacknowledged-update`.
 #[must_use]
 pub fn check(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation> {
     let (acknowledged, uncertain) = tally(events);
     let mut violations = lease::check_tokens(events);
     violations.extend(lease::check_validity(events));
     violations.extend(lease::check_dead_leases(events));
-    violations.extend(lease::check_counters(&acknowledged, &uncertain, finals));
+    let resent: BTreeMap<&str, usize> = events
+        .iter()
+        .filter(|e| e.op == Op::Resend.as_str() && e.outcome != docwarden::check::OpOutcome::Failed)
+        .fold(BTreeMap::new(), |mut m, e| {
+            *m.entry(e.key.as_str()).or_default() += 1;
+            m
+        });
+    violations.extend(
+        lease::check_counters(&acknowledged, &uncertain, finals)
+            .into_iter()
+            .map(|v| match resent.get(v.key.as_str()) {
+                Some(n) if v.kind == "unacknowledged-update" => Violation::new(
+                    "duplicated-update",
+                    v.key.clone(),
+                    format!("{}; {n} write(s) re-sent after a lost reply", v.detail),
+                ),
+                _ => v,
+            }),
+    );
     violations
 }
 
@@ -543,5 +584,26 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec!["lost-update"]
         );
+    }
+
+    /// A counter above its acknowledged and uncertain increments is
+    /// `unacknowledged-update`; `duplicated-update` when a write on it was re-sent blindly
+    /// after its outcome was unknown (the control's guess).
+    #[test]
+    fn an_increment_applied_twice_after_a_blind_re_send_is_a_duplicated_update() {
+        let mut events = vec![
+            ev(Op::Touch, "c0", 1, OpOutcome::Ok),
+            ev(Op::Write, "c0", 1, OpOutcome::Ok),
+        ];
+        let finals = BTreeMap::from([("c0".to_owned(), 2)]);
+        let kinds = |events: &[Event]| {
+            check(events, &finals)
+                .iter()
+                .map(|v| v.kind)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kinds(&events), vec!["unacknowledged-update"]);
+        events.push(ev(Op::Resend, "c0", 1, OpOutcome::Ok));
+        assert_eq!(kinds(&events), vec!["duplicated-update"]);
     }
 }

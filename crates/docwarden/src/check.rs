@@ -22,7 +22,8 @@ pub use history::{Entry, Event, History, OpOutcome};
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Violation {
     /// The kind, stable for scripts: `token-not-increasing`, `stale-write-accepted`,
-    /// `overlapping-leases`, `lost-update`, `lost-add`, `lost-job`, `duplicate-effect`,
+    /// `overlapping-leases`, `lost-update`, `unacknowledged-update`, `duplicated-update`,
+    /// `lost-add`, `lost-job`, `duplicate-effect`,
     /// `stale-effect`, `effect-after-finish`, `phantom-completion`, `stuck-job`,
     /// `state-mismatch`, `duplicate-document`, `invariant-broken`.
     pub kind: &'static str,

@@ -213,10 +213,10 @@ impl Fault {
                 "the TCP proxy blackholes every open connection for 3 s (1.5 queue leases)"
             }
             Fault::FailpointNetwork => {
-                "failCommand closeConnection on findAndModify/update/insert (indeterminate)"
+                "failCommand closeConnection: every other round every update for 0.4 s, else 3 findAndModify/update/insert (indeterminate)"
             }
             Fault::FailpointNotprimary => {
-                "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress)"
+                "failCommand errorCode 10107 (NotWritablePrimary) / 91 (ShutdownInProgress), aimed as failpoint-network"
             }
             Fault::FailpointLatency => {
                 "failCommand blockConnection: writes block 50-200 ms; every other round 2.5 s"
@@ -254,8 +254,11 @@ impl Fault {
     /// client clocks, read-then-write, unsequenced applies).
     pub(super) fn control(self) -> &'static str {
         match self {
-            Fault::Pause | Fault::Kill | Fault::Sigstop | Fault::Partition | Fault::Latency => {
+            Fault::Pause | Fault::Sigstop | Fault::Partition | Fault::Latency => {
                 "fencing: a holder that outlived its lease still writes"
+            }
+            Fault::Kill => {
+                "rescue (queue: expired leases never swept back, a killed worker's jobs stay running); locks: an aborted task's in-flight writes counted as failed"
             }
             Fault::Sigkill => {
                 "indeterminate outcomes: a killed process's in-flight writes counted as failed"
@@ -264,16 +267,20 @@ impl Fault {
             Fault::Step | Fault::Drift => {
                 "monotonic projection: the server sample is projected on the wall clock"
             }
-            Fault::Restart | Fault::Reset | Fault::Stepdown => {
-                "idempotent retries: unfenced, unsequenced writes retried after errors"
+            Fault::Restart
+            | Fault::Reset
+            | Fault::Stepdown
+            | Fault::FailpointNetwork
+            | Fault::FailpointNotprimary => {
+                "settlement: an unknown outcome is guessed, not read back (refused: taken as applied; no reply: re-sent blindly, non-idempotent, or taken as applied; retryWrites=false)"
             }
-            Fault::Crash => "durability: the server runs without --sync-on-commit",
+            Fault::Crash => {
+                "durability: the server runs without --sync-on-commit (and settlement, as restart)"
+            }
             Fault::SlowReply => {
                 "fencing (the lock workload's control): a holder past its lease writes"
             }
-            Fault::FailpointNetwork | Fault::FailpointNotprimary | Fault::FailpointLatency => {
-                "idempotent retries: unsequenced applies redelivered after a lost reply"
-            }
+            Fault::FailpointLatency => "fencing: a write stalled past its lease still lands",
         }
     }
 

@@ -284,6 +284,24 @@ impl Ctx {
         }
     }
 
+    /// The control's guess about a write whose outcome is unknown (`err`, retryable), with
+    /// the settlement off: no read-back. Refused by the server (`NotWritablePrimary`,
+    /// `ShutdownInProgress`…): taken as applied ("the driver retries those"). No reply at
+    /// all (the connection closed or reset, no server): half the time re-sent blindly,
+    /// half the time taken as applied.
+    pub(super) fn guess_resend(err: &docwarden::Error) -> bool {
+        let no_reply = matches!(
+            err,
+            docwarden::Error::Database { source } if matches!(
+                *source.kind,
+                mongodb::error::ErrorKind::Io(_)
+                    | mongodb::error::ErrorKind::ServerSelection { .. }
+                    | mongodb::error::ErrorKind::ConnectionPoolCleared { .. }
+            )
+        );
+        no_reply && rand::random_bool(0.5)
+    }
+
     /// Records an operation's outcome from a `Result`: `Ok` → Ok, a retryable/network error
     /// → Indeterminate, any other error → Failed.
     pub(super) fn outcome_of<T>(result: &docwarden::Result<T>) -> OpOutcome {

@@ -91,6 +91,62 @@ fn classify(r: &docwarden::Result<FenceOutcome>, e: Event) -> Event {
     }
 }
 
+/// One holder's counter write, and what the control does when its outcome is unknown.
+struct Write<'a> {
+    ctx: &'a Ctx,
+    process: Process,
+    counters: &'a Counters,
+    fence: &'a docwarden::lock::Fence,
+    lease: &'a Lease,
+    key: &'a str,
+}
+
+impl Write<'_> {
+    /// Writes `value`, fenced. Safe: the reply decides; a retryable error (no reply, or
+    /// `NotWritablePrimary`…) leaves the outcome unknown: indeterminate, the final read
+    /// decides, nothing is re-sent. Control, with that settlement off: a client that
+    /// cannot read back guesses ([`Ctx::guess_resend`]) — it re-sends the increment
+    /// blindly as a fenced `$inc` (a duplicate if the first ran) and takes the re-send's
+    /// reply, or it takes the write as applied (lost if it did not run). An outcome still
+    /// unknown after the re-send is taken as applied. The second value says
+    /// why a write was taken as applied without an acknowledgement. The control's client
+    /// has `retryWrites=false`, so the driver's own retry hides nothing.
+    async fn run(&self, value: i64) -> (docwarden::Result<FenceOutcome>, Option<String>) {
+        let first = self
+            .counters
+            .write(self.fence, self.lease, self.key, value)
+            .await;
+        let err = match &first {
+            Err(err) if self.ctx.mode == Mode::Control && err.is_retryable() => err.to_string(),
+            _ => return (first, None),
+        };
+        if !first.as_ref().err().is_some_and(Ctx::guess_resend) {
+            return (first, Some(format!("{err} (guessed applied)")));
+        }
+        let token = self.lease.token.get();
+        let again = self
+            .ctx
+            .history
+            .record(
+                self.process.id(),
+                Op::Resend.as_str(),
+                self.key,
+                self.counters.increment(self.fence, self.lease, self.key),
+                |r, e| classify(r, e.token(token)),
+            )
+            .await;
+        match again {
+            Err(e) if e.is_retryable() => (
+                Err(e),
+                Some(format!(
+                    "{err}, re-sent blindly, again unknown (guessed applied)"
+                )),
+            ),
+            again => (again, None),
+        }
+    }
+}
+
 /// The stale copies of released leases a worker's keep-alive task renews, by resource.
 type StaleCopies = Arc<Mutex<BTreeMap<String, Lease>>>;
 
@@ -350,14 +406,29 @@ async fn holder(
             // or read delivered late, still writes — the second safeguard it turns off,
             // besides fencing.
             if left.is_some() || ctx.mode == Mode::Control {
+                let write = Write {
+                    ctx,
+                    process,
+                    counters: &counters,
+                    fence: &fence,
+                    lease: &lease,
+                    key: &key,
+                };
                 h.record(
                     p,
                     Op::Write.as_str(),
                     &key,
-                    counters.write(&fence, &lease, &key, value + 1),
-                    |r, e| classify(r, e.token(token).value(value + 1)),
+                    write.run(value + 1),
+                    |(r, assumed), e| {
+                        let e = e.token(token).value(value + 1);
+                        match assumed {
+                            Some(note) => e.detail(format!("assumed applied: {note}")),
+                            None => classify(r, e),
+                        }
+                    },
                 )
                 .await
+                .0
                 .ok();
             } else {
                 h.push(

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use mongodb::Client;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, Document, doc};
 
 use docwarden_workloads::Process;
 use rand::{Rng, SeedableRng};
@@ -62,7 +62,7 @@ async fn fail_points(
         if !ctx.has(fault) {
             continue;
         }
-        let data = match fault {
+        let mut data = match fault {
             Fault::FailpointNetwork => doc! { "closeConnection": true },
             Fault::FailpointNotprimary => {
                 // NotWritablePrimary or ShutdownInProgress: both retryable.
@@ -82,10 +82,20 @@ async fn fail_points(
                 "blockTimeMS": rng.random_range(50..200_i32),
             },
         };
-        let start = ctx.history.now_us();
         // Three hits per window: a stall of every worker at once would leave nobody to
-        // take the stalled leases over.
-        fail_point(client, doc! { "times": 3 }.into(), data).await?;
+        // take the stalled leases over. But every other round, the first included, the
+        // errors hit every `update` for the whole window (the fenced writes: counters,
+        // touches, effects; and the workers' claims, completions, heartbeats and sweeps),
+        // so that the writes an application makes are hit, not only the far more frequent
+        // renewals and claims that would otherwise take the three.
+        let mode = if fault != Fault::FailpointLatency && round.is_multiple_of(2) {
+            data.insert("failCommands", vec!["update"]);
+            Bson::from("alwaysOn")
+        } else {
+            doc! { "times": 3 }.into()
+        };
+        let start = ctx.history.now_us();
+        fail_point(client, mode, data).await?;
         tokio::time::sleep(window).await;
         client
             .database("admin")

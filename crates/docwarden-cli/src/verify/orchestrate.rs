@@ -202,10 +202,13 @@ async fn open_session(args: &Args, faults: &[Fault]) -> anyhow::Result<crate::co
     })
 }
 
-/// The workers' URI: `uri` with the application name the fail points match, and under
+/// The workers' URI: `uri` with the application name the fail points match, under
 /// `crash` with `journal=true` (writes acknowledged only once journaled: the client's half
-/// of durability; the server's half is `--sync-on-commit`, see `open_session`).
-fn worker_uri(uri: &str, journal: bool) -> String {
+/// of durability; the server's half is `--sync-on-commit`, see `open_session`), and in a
+/// control run with `retryWrites=false` (the control settles no unknown outcome; the
+/// driver's own retry of a write whose reply was lost, deduplicated by the server, must
+/// not hide that).
+fn worker_uri(uri: &str, journal: bool, control: bool) -> String {
     let sep = if uri.contains('?') {
         "&"
     } else if uri
@@ -217,9 +220,10 @@ fn worker_uri(uri: &str, journal: bool) -> String {
         "/?"
     };
     format!(
-        "{uri}{sep}appName={}{}",
+        "{uri}{sep}appName={}{}{}",
         nemesis::WORKER_APP,
-        if journal { "&journal=true" } else { "" }
+        if journal { "&journal=true" } else { "" },
+        if control { "&retryWrites=false" } else { "" }
     )
 }
 
@@ -241,6 +245,7 @@ async fn run_module(
             .as_ref()
             .map_or_else(|| direct_uri.clone(), proxy::Proxy::uri),
         args.faults.contains(&Fault::Crash),
+        args.args.control,
     );
     let client = docwarden_server::connect(&uri, Duration::from_secs(10)).await?;
     let db_name = format!(
@@ -263,7 +268,7 @@ async fn run_module(
         db: client.database(&db_name),
         server_uri: direct_uri.clone(),
         client: client.clone(),
-        history: Arc::new(History::new()),
+        history: Arc::new(History::new().abandoned_as(in_flight(args.args.control))),
         faults: args.faults.clone(),
         mode: Mode::control_if(args.args.control),
         workers: args.args.workers,
@@ -304,6 +309,17 @@ async fn run_module(
         violations,
         events,
     })
+}
+
+/// How a history records an operation whose task was aborted (`kill`): indeterminate;
+/// in a control run failed, what a client that takes "no reply" for "not applied"
+/// believes (as the supervisor records a SIGKILLed process's in-flight operations).
+pub(super) fn in_flight(control: bool) -> docwarden::check::OpOutcome {
+    if control {
+        docwarden::check::OpOutcome::Failed
+    } else {
+        docwarden::check::OpOutcome::Indeterminate
+    }
 }
 
 /// The lease a `sigstop` must outlive (the workloads without leases get short stops).

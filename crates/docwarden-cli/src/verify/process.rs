@@ -127,7 +127,9 @@ fn emit(entry: &Entry) {
 /// Runs one worker process: `docwarden verify-worker`.
 pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let origin = origin_instant(args.origin_us)?;
-    let history = Arc::new(History::streaming(origin, emit));
+    let history = Arc::new(
+        History::streaming(origin, emit).abandoned_as(super::orchestrate::in_flight(args.control)),
+    );
     let client = connect(
         &args.uri,
         args.slot,
@@ -332,11 +334,7 @@ fn spawn(
     let stdout = child.stdout.take().context("a worker's stdout")?;
     let stdin = child.stdin.take().context("a worker's stdin")?;
     let (tx, activity) = watch::channel(Activity::default());
-    let in_flight = if ctx.mode == Mode::Control {
-        OpOutcome::Failed
-    } else {
-        OpOutcome::Indeterminate
-    };
+    let in_flight = super::orchestrate::in_flight(ctx.mode == Mode::Control);
     let reader = tokio::spawn(read(
         Arc::clone(&ctx.history),
         process,

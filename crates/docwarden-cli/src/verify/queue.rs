@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use docwarden::check::{History, OpOutcome, Violation};
 use docwarden::lock::FenceOutcome;
-use docwarden::queue::{ClaimedJob, HandlerResult, JobQueue, Worker, WorkerOptions};
+use docwarden::queue::{
+    ClaimedJob, HandlerResult, JobQueue, QueueOptions, Safeguard, Worker, WorkerOptions,
+};
 use docwarden_workloads::jobs::{self, Op, Producer};
 use docwarden_workloads::{Mode, Process};
 use mongodb::Collection;
@@ -77,8 +79,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     LISTENERS.lock().unwrap_or_else(|e| e.into_inner()).clear();
     let producer_clock =
         docwarden::clock::TimeSource::server(ctx.client.clone(), Default::default())?;
-    let queue =
-        JobQueue::open(&ctx.db, COLLECTION, producer_clock, jobs::runtime_options()).await?;
+    let queue = JobQueue::open(&ctx.db, COLLECTION, producer_clock, options(&ctx)).await?;
     // Jobs are produced during the first 60 % of the run; workers go on until the
     // deadline, then the drain finishes what is left.
     let produce_until = Instant::now() + ctx.duration.mul_f64(0.6);
@@ -104,6 +105,19 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         operations: u64::try_from(events.len()).unwrap_or(u64::MAX),
         violations,
     })
+}
+
+/// The queue's options: [`jobs::runtime_options`]. The control under `kill` switches
+/// rescue off ([`Safeguard::Rescue`]): expired leases are never swept back, so the jobs a
+/// killed worker held stay `running` (`stuck-job`), the drain's included. (Only under
+/// `kill`: the other controls need rescue to hand a paused holder's job to another.)
+fn options(ctx: &Ctx) -> QueueOptions {
+    let options = jobs::runtime_options();
+    if ctx.mode == Mode::Control && ctx.has(Fault::Kill) {
+        options.unsafe_without(Safeguard::Rescue)
+    } else {
+        options
+    }
 }
 
 /// The producer: batches of [`BATCH`] jobs while the backlog is small, so that re-claims
@@ -174,32 +188,93 @@ impl Handler {
             let _ = plan.windows.send((start, self.history.now_us()));
         }
         let token = job.lease.token.to_string();
-        let outcome = self
+        let (outcome, assumed) = self
             .history
             .record(
                 p,
                 Op::Effect.as_str(),
                 &id,
-                jobs::effect(&self.coll, &job, self.mode),
-                |r, e| {
-                    let e = e.token(job.job.attempts);
-                    match r {
-                        Ok(FenceOutcome::Applied) => e.detail(token.clone()),
-                        Ok(other) => e
-                            .outcome(OpOutcome::Failed)
-                            .detail(format!("{token} {other:?}")),
-                        Err(err) => e
-                            .outcome(Ctx::outcome_of(r))
-                            .detail(format!("{token} {err}")),
-                    }
-                },
+                self.effect(&job),
+                |(r, assumed), e| classify_effect(r, assumed.as_deref(), &token, &job, e),
             )
-            .await?;
+            .await;
+        if assumed.is_some() {
+            return Ok(jobs::completion_result(&job));
+        }
+        let outcome = outcome?;
         if outcome.is_applied() {
             Ok(jobs::completion_result(&job))
         } else {
             Err(format!("the effect was refused: {outcome:?}").into())
         }
+    }
+
+    /// Writes the effect of `job`. Safe: the reply decides; a retryable error leaves the
+    /// outcome unknown (the handler fails, the job runs again under a new claim, and the
+    /// final read decides whether this claim's effect landed). Control, with that
+    /// settlement off: a handler that cannot read back guesses ([`Ctx::guess_resend`]) —
+    /// it re-sends the same claim's effect blindly (a `$push`, not
+    /// idempotent: a duplicate if the first ran) and takes the re-send's reply, or it
+    /// takes the effect as applied (lost if it did not run) and the job is completed. An
+    /// outcome still unknown after the re-send is taken as applied. The second value says
+    /// why an effect was taken as applied without an acknowledgement. The control's client
+    /// has `retryWrites=false`.
+    async fn effect(&self, job: &ClaimedJob) -> (docwarden::Result<FenceOutcome>, Option<String>) {
+        let first = jobs::effect(&self.coll, job, self.mode).await;
+        let err = match &first {
+            Err(err) if self.mode == Mode::Control && err.is_retryable() => err.to_string(),
+            _ => return (first, None),
+        };
+        if !first.as_ref().err().is_some_and(Ctx::guess_resend) {
+            return (first, Some(format!("{err} (guessed applied)")));
+        }
+        let token = job.lease.token.to_string();
+        let again = self
+            .history
+            .record(
+                self.process.id(),
+                Op::Effect.as_str(),
+                &job.id().to_hex(),
+                jobs::effect(&self.coll, job, self.mode),
+                |r, e| {
+                    let e = classify_effect(r, None, &token, job, e);
+                    let detail = format!("{} (a blind re-send)", e.detail);
+                    e.detail(detail)
+                },
+            )
+            .await;
+        match again {
+            Err(e) if e.is_retryable() => (
+                Err(e),
+                Some(format!(
+                    "{err}, re-sent blindly, again unknown (guessed applied)"
+                )),
+            ),
+            again => (again, None),
+        }
+    }
+}
+
+/// The history's record of an effect write: the claim's token first in the detail, its
+/// attempt as the token; assumed applied (`assumed`, the control's reason) is recorded
+/// as applied.
+fn classify_effect(
+    r: &docwarden::Result<FenceOutcome>,
+    assumed: Option<&str>,
+    token: &str,
+    job: &ClaimedJob,
+    e: docwarden::check::Event,
+) -> docwarden::check::Event {
+    let e = e.token(job.job.attempts);
+    match (r, assumed) {
+        (_, Some(note)) => e.detail(format!("{token} assumed applied: {note}")),
+        (Ok(FenceOutcome::Applied), None) => e.detail(token.to_owned()),
+        (Ok(other), None) => e
+            .outcome(OpOutcome::Failed)
+            .detail(format!("{token} {other:?}")),
+        (Err(err), None) => e
+            .outcome(Ctx::outcome_of(r))
+            .detail(format!("{token} {err}")),
     }
 }
 
@@ -234,7 +309,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let queue = JobQueue::new(
         ctx.db.collection(COLLECTION),
         ctx.clock(process)?,
-        jobs::runtime_options(),
+        options(ctx),
     )?;
     let (windows, mut paused) = mpsc::unbounded_channel();
     let handler = Arc::new(Handler {
@@ -288,9 +363,16 @@ fn record_report(history: &History, process: Process, succeeded: u64) {
 }
 
 /// Finishes every job still unfinished with a fault-free, fenced worker, until none is
-/// left or a limit of 4 leases + 20 s.
+/// left or a limit of 4 leases + 20 s (2 leases without rescue).
 async fn drain(ctx: &Ctx, queue: &JobQueue) -> anyhow::Result<()> {
-    let limit = Instant::now() + jobs::LEASE * 4 + Duration::from_secs(20);
+    // Without rescue (the `kill` control) a killed worker's jobs never finish: waiting
+    // for them proves nothing, two leases let the live ones end.
+    let patience = if options(ctx).unsafe_without == Some(Safeguard::Rescue) {
+        jobs::LEASE * 2
+    } else {
+        jobs::LEASE * 4 + Duration::from_secs(20)
+    };
+    let limit = Instant::now() + patience;
     let handler = Arc::new(Handler {
         history: Arc::clone(&ctx.history),
         coll: queue.collection().clone(),

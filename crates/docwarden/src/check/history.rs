@@ -117,6 +117,8 @@ pub struct History {
     events: Mutex<Vec<Event>>,
     next_id: AtomicU64,
     sink: Option<Sink>,
+    /// The outcome of an operation dropped before it completed.
+    abandoned: OpOutcome,
 }
 
 impl std::fmt::Debug for History {
@@ -146,7 +148,7 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
             let mut event = event
-                .outcome(OpOutcome::Indeterminate)
+                .outcome(self.history.abandoned)
                 .detail("abandoned mid-operation");
             event.end_us = self.history.now_us();
             self.history.complete(Some(self.id), event);
@@ -168,7 +170,19 @@ impl History {
             events: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
             sink: None,
+            abandoned: OpOutcome::Indeterminate,
         }
+    }
+
+    /// A control's history: an operation dropped before it completed (its task aborted)
+    /// is recorded with `outcome` instead of [`OpOutcome::Indeterminate`]. With
+    /// [`OpOutcome::Failed`] it records what a client that takes "no reply" for "not
+    /// applied" believes; the checkers must then find the writes that landed all the same.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn abandoned_as(mut self, outcome: OpOutcome) -> Self {
+        self.abandoned = outcome;
+        self
     }
 
     /// An empty history whose clock started at `origin` and which, besides recording,
@@ -305,6 +319,15 @@ mod tests {
             matches!(&entries[1], Entry::Complete { id: Some(0), event } if event.token == Some(9))
         );
         assert!(matches!(&entries[2], Entry::Complete { id: None, event } if event.op == "claim"));
+    }
+
+    #[tokio::test]
+    async fn a_control_history_records_an_abandoned_operation_as_failed() {
+        let h = History::new().abandoned_as(OpOutcome::Failed);
+        let pending = h.record(1, "write", "r", std::future::pending::<()>(), |_, e| e);
+        let timed_out = tokio::time::timeout(std::time::Duration::from_millis(10), pending).await;
+        assert!(timed_out.is_err());
+        assert_eq!(h.events()[0].outcome, OpOutcome::Failed);
     }
 
     #[tokio::test]

@@ -444,6 +444,9 @@ impl JobQueue {
     /// retry, refused or cut off), the failure is logged and the claim goes on; the next
     /// sweep is due after `reap_interval` like after a successful one.
     async fn maybe_reap(&self) {
+        if self.inner.options.unsafe_without == Some(Safeguard::Rescue) {
+            return;
+        }
         let every = self.inner.options.reap_interval;
         {
             let mut last = self

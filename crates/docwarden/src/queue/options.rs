@@ -90,6 +90,10 @@ pub enum Safeguard {
     /// write). Off: they read the key's waiting job, then write it by `_id` alone
     /// (20 ms apart), and can rewrite a job a worker has claimed meanwhile.
     ReplaceRecheck,
+    /// Claims sweep expired leases back to `retrying` (`reap_interval`), so that the jobs
+    /// of a worker that died are run again. Off: no sweep; a dead worker's jobs stay
+    /// `running` for ever.
+    Rescue,
 }
 
 impl Default for QueueOptions {

@@ -53,8 +53,9 @@ impl JobQueue {
     /// when `run_at` may have passed by the server's clock (`now.latest()`): a job can
     /// start up to the clock bound (milliseconds) early, and a job enqueued "now" by one
     /// client is at once claimable by every other.
-    pub(crate) fn due_filter(now: &ServerTime) -> Document {
+    pub(crate) fn due_filter(&self, now: &ServerTime) -> Document {
         doc! {
+            field::QUEUE: self.queue_value(),
             field::STATE: { "$in": claimable_states() },
             field::RUN_AT: { "$lte": now.latest() },
         }
@@ -121,7 +122,7 @@ impl JobQueue {
             let Some(head) = self
                 .inner
                 .coll
-                .find_one(Self::due_filter(&now))
+                .find_one(self.due_filter(&now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .await?
@@ -140,7 +141,7 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one_and_update(Self::due_filter(&now), update)
+            .find_one_and_update(self.due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .return_document(ReturnDocument::After)
@@ -154,7 +155,7 @@ impl JobQueue {
         let r = self
             .inner
             .coll
-            .update_one(Self::due_filter(&now), update)
+            .update_one(self.due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .await?;
@@ -196,7 +197,7 @@ impl JobQueue {
     /// claimable states, each an equality on `state` and an `$in` on `partition` (the
     /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION)), with the due
     /// condition beside it: never a top-level `$expr`, never a hint.
-    pub(crate) fn partition_filter(partitions: &[i64], now: &ServerTime) -> Document {
+    pub(crate) fn partition_filter(&self, partitions: &[i64], now: &ServerTime) -> Document {
         let keys: Vec<Bson> = partitions
             .iter()
             .map(|p| Bson::Int64(*p))
@@ -204,7 +205,13 @@ impl JobQueue {
             .collect();
         let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
             .iter()
-            .map(|s| doc! { field::STATE: s.as_str(), field::PARTITION: { "$in": keys.clone() } })
+            .map(|s| {
+                doc! {
+                    field::STATE: s.as_str(),
+                    field::QUEUE: self.queue_value(),
+                    field::PARTITION: { "$in": keys.clone() },
+                }
+            })
             .collect();
         doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
     }
@@ -235,7 +242,7 @@ impl JobQueue {
             let ids: Vec<Bson> = self
                 .inner
                 .coll
-                .find(Self::partition_filter(&partitions, &now))
+                .find(self.partition_filter(&partitions, &now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .limit(limit)
@@ -254,7 +261,7 @@ impl JobQueue {
             }
             let token = validate::random_id();
             let mut filter = doc! { field::ID: { "$in": ids.clone() } };
-            filter.extend(Self::due_filter(&now));
+            filter.extend(self.due_filter(&now));
             match self.inner.options.unsafe_without {
                 Some(Safeguard::BatchRecheck) => {
                     // Control only: the candidates are written whatever their state now.
@@ -331,7 +338,7 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let token = validate::random_id();
         let mut filter = doc! { field::ID: id.clone() };
-        filter.extend(Self::due_filter(&now));
+        filter.extend(self.due_filter(&now));
         let update = Self::claim_update(
             owner,
             &token,
@@ -391,7 +398,7 @@ impl JobQueue {
     /// many were moved.
     async fn bury_malformed(&self, ids: Option<Vec<Bson>>) -> Result<usize> {
         let now = self.inner.time.now().await?;
-        let mut filter = Self::due_filter(&now);
+        let mut filter = self.due_filter(&now);
         if let Some(ids) = ids {
             filter.insert(field::ID, doc! { "$in": ids });
         }
@@ -486,6 +493,7 @@ impl JobQueue {
                 doc! {
                     field::STATE: JobState::Running.as_str(),
                     field::LEASE_UNTIL: { "$lt": cutoff },
+                    field::QUEUE: self.queue_value(),
                 },
                 Bson::String(LEASE_EXPIRED_REASON.into()),
                 &now,
@@ -502,7 +510,7 @@ impl JobQueue {
                 // by its first indexed field read `docwarden_lease_expiry` (running jobs
                 // only) instead of scanning the collection.
                 doc! { "$and": [
-                    Self::unreadable_lease_filter(),
+                    self.unreadable_lease_filter(),
                     { "$or": [
                         { field::UPDATED_AT: { "$lt": quiet_since } },
                         { field::UPDATED_AT: { "$not": { "$type": "date" } } },
@@ -529,7 +537,7 @@ impl JobQueue {
             .inner
             .coll
             .update_many(
-                Self::undatable_filter(),
+                self.undatable_filter(),
                 vec![doc! { "$set": {
                     field::STATE: JobState::Dead.as_str(),
                     field::LAST_ERROR: { "$concat": [
@@ -552,18 +560,20 @@ impl JobQueue {
     }
 
     /// Claimable jobs that can never be due: `run_at` is not a date.
-    pub(crate) fn undatable_filter() -> Document {
+    pub(crate) fn undatable_filter(&self) -> Document {
         doc! {
             field::STATE: { "$in": claimable_states() },
             field::RUN_AT: { "$not": { "$type": "date" } },
+            field::QUEUE: self.queue_value(),
         }
     }
 
     /// Running jobs whose `lease.until` is not a date.
-    pub(crate) fn unreadable_lease_filter() -> Document {
+    pub(crate) fn unreadable_lease_filter(&self) -> Document {
         doc! {
             field::STATE: JobState::Running.as_str(),
             field::LEASE_UNTIL: { "$not": { "$type": "date" } },
+            field::QUEUE: self.queue_value(),
         }
     }
 

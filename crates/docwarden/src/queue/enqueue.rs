@@ -41,7 +41,7 @@ impl Enqueued {
 
 impl JobQueue {
     /// Builds the document of a new job (validated, size-checked).
-    async fn new_job(&self, payload: Bson, opts: &EnqueueOptions) -> Result<Document> {
+    pub(super) async fn new_job(&self, payload: Bson, opts: &EnqueueOptions) -> Result<Document> {
         opts.validate()?;
         let now = self.inner.time.now().await?;
         let run_at = match opts.run_at {
@@ -66,6 +66,9 @@ impl JobQueue {
         };
         if let Some(key) = &opts.dedupe_key {
             d.insert(field::DEDUPE_KEY, key.clone());
+        }
+        if let Some(q) = &self.inner.options.queue {
+            d.insert(field::QUEUE, q.clone());
         }
         let mut bytes = Vec::new();
         d.to_writer(&mut bytes)

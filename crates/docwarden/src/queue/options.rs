@@ -54,6 +54,12 @@ pub struct QueueOptions {
     /// collection's. On a replica set use [`WriteConcern::majority()`], so that a failover
     /// cannot roll back an acknowledged enqueue, claim or completion.
     pub write_concern: Option<WriteConcern>,
+    /// The named queue of this handle (format 3): enqueue stores it in the job's `queue`
+    /// field, and every claim, sweep and operator command matches it, so several
+    /// queues share one collection and its indexes, each with its own options
+    /// document. `None` (the default, also what `"default"` means) is the default queue,
+    /// whose jobs carry no `queue` field (jobs of formats 1 and 2 belong to it).
+    pub queue: Option<String>,
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
     pub unsafe_without: Option<Safeguard>,
@@ -72,6 +78,13 @@ pub enum Safeguard {
     /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
     /// writes the lease to the candidate ids whatever their state.
     BatchRecheck,
+    /// A schedule's job for tick `T` gets the deterministic `_id` of (schedule, `T`), so a
+    /// second enqueue of one tick is a duplicate-key no-op. Off: a random `_id`, so two
+    /// schedulers that race for one tick both enqueue it.
+    ScheduleTickId,
+    /// A worker checks the queue's control document (pause) before every claim. Off: it
+    /// claims from a paused queue.
+    PauseCheck,
 }
 
 impl Default for QueueOptions {
@@ -85,6 +98,7 @@ impl Default for QueueOptions {
             claim_strategy: ClaimStrategy::FindOneAndUpdate,
             partitions: 256,
             write_concern: None,
+            queue: None,
             unsafe_without: None,
         }
     }
@@ -127,6 +141,12 @@ impl QueueOptions {
         self.write_concern = Some(write_concern);
         self
     }
+    /// Sets [`QueueOptions::queue`] (`"default"` is the default queue).
+    pub fn queue(mut self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.queue = (name != crate::format::schedule::DEFAULT_QUEUE).then_some(name);
+        self
+    }
     /// Switches one safeguard off: for a test's control only.
     #[doc(hidden)]
     pub fn unsafe_without(mut self, safeguard: Safeguard) -> Self {
@@ -141,6 +161,9 @@ impl QueueOptions {
         }
         crate::backoff::Backoff::new(self.retry_base, self.retry_max)?;
         validate::duration_ms("reap interval", self.reap_interval)?;
+        if let Some(q) = &self.queue {
+            validate::name("queue name", q)?;
+        }
         if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
             return Err(Error::invalid(
                 "partitions",
@@ -261,6 +284,13 @@ pub struct WorkerOptions {
     /// Whether to listen to a change stream for new jobs (falls back to polling when the
     /// server refuses). Default true.
     pub change_stream: bool,
+    /// Whether the worker also runs the queue's scheduler (periodic jobs, see
+    /// [`JobQueue::schedule`](super::JobQueue::schedule)): one pass over the queue's
+    /// schedules every [`WorkerOptions::schedule_every`]. Any number of workers may run
+    /// it; each tick is enqueued once. Default false.
+    pub run_schedules: bool,
+    /// Period of the worker's scheduler passes. Default 200 ms.
+    pub schedule_every: Duration,
 }
 
 impl Default for WorkerOptions {
@@ -275,6 +305,8 @@ impl Default for WorkerOptions {
             poll_max: Duration::from_secs(1),
             shutdown_deadline: Duration::from_secs(10),
             change_stream: true,
+            run_schedules: false,
+            schedule_every: Duration::from_millis(200),
         }
     }
 }
@@ -322,8 +354,20 @@ impl WorkerOptions {
         self
     }
 
+    /// Sets [`WorkerOptions::run_schedules`].
+    pub fn run_schedules(mut self, on: bool) -> Self {
+        self.run_schedules = on;
+        self
+    }
+    /// Sets [`WorkerOptions::schedule_every`].
+    pub fn schedule_every(mut self, every: Duration) -> Self {
+        self.schedule_every = every;
+        self
+    }
+
     pub(crate) fn validate(&self, lease_ttl: Duration) -> Result<()> {
         validate::name("worker name", &self.name)?;
+        validate::duration_ms("scheduler period", self.schedule_every)?;
         validate::positive("concurrency", self.concurrency)?;
         validate::positive("batch size", self.batch_size)?;
         if let Some(hb) = self.heartbeat_every {

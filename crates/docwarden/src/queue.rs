@@ -56,18 +56,18 @@ mod transition;
 mod worker;
 
 pub use crate::token::JobToken;
+pub use control::{PauseOutcome, QueueControl};
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
-pub use control::{PauseOutcome, QueueControl};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
-pub use schedule::{
-    MAX_CATCH_UP, MissedTicks, Schedule, ScheduleSpec, Scheduled, Scheduler, SchedulerReport,
-    TickOutcome, tick_job_id,
-};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{
     ClaimStrategy, EnqueueOptions, MAX_PARTITIONS, QueueOptions, RunAt, WorkerOptions,
+};
+pub use schedule::{
+    MAX_CATCH_UP, MissedTicks, Schedule, ScheduleSpec, Scheduled, Scheduler, SchedulerReport,
+    TickOutcome, tick_job_id,
 };
 pub use transition::FailOutcome;
 pub use worker::{HandlerResult, Worker, WorkerReport};

@@ -26,7 +26,9 @@ pub mod control {
     pub const UPDATED_AT: &str = "updated_at";
 
     /// Every field of the control document, `_id` excepted.
-    pub const ALL: [&str; 7] = [QUEUE, PAUSED, PAUSED_AT, RESUMED_AT, BY, VERSION, UPDATED_AT];
+    pub const ALL: [&str; 7] = [
+        QUEUE, PAUSED, PAUSED_AT, RESUMED_AT, BY, VERSION, UPDATED_AT,
+    ];
 }
 
 /// The `_id` of the control document of queue `queue` (the default queue's name is

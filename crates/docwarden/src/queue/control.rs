@@ -2,10 +2,11 @@
 //!
 //! **Guarantee:** [`JobQueue::pause`] is one single-document upsert of the queue's
 //! control document (`_id: "control:<queue>"`, `paused: true`, `paused_at` server
-//! time). Every [`Worker`](super::Worker) of the queue watches that document (a change
-//! stream on the meta collection, and a re-read every `poll_max` as the fallback) and
-//! starts no claim while it reads `paused: true`, so no claim starts later than one
-//! wake-up (the change-stream event, at most `poll_max`) after the pause was written.
+//! time). Every [`Worker`](super::Worker) of the queue re-reads that document every
+//! `poll_max` (and, with [`WorkerOptions::watch_control`](super::WorkerOptions::watch_control),
+//! also on a change-stream event on it) and starts no claim while it reads
+//! `paused: true`, so no claim starts later than one wake-up (`poll_max`, or the
+//! change-stream event) after the pause was written.
 //! Jobs already claimed (running or waiting in a worker) finish; [`JobQueue::resume`]
 //! lets the workers claim again the same way. The state survives restarts: it is in
 //! the database, and a worker reads it before its first claim.

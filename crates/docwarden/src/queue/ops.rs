@@ -131,9 +131,7 @@ impl JobQueue {
                 field::QUEUE: self.queue_value(),
             })
             .await?;
-        stats.unreadable_leases = coll
-            .count_documents(self.unreadable_lease_filter())
-            .await?;
+        stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
         stats.undatable = coll.count_documents(self.undatable_filter()).await?;
         Ok(stats)
     }

@@ -398,7 +398,9 @@ fn next_tick(spec: &ScheduleSpec, anchor: DateTime, last: DateTime) -> Option<Da
             let every = ms_of(*d).max(1);
             let a = anchor.timestamp_millis();
             let k = (last.timestamp_millis().saturating_sub(a)).div_euclid(every) + 1;
-            Some(DateTime::from_millis(a.saturating_add(k.saturating_mul(every))))
+            Some(DateTime::from_millis(
+                a.saturating_add(k.saturating_mul(every)),
+            ))
         }
         ScheduleSpec::Cron { expr, timezone } => {
             let cron = parse_cron(expr).ok()?;
@@ -666,7 +668,9 @@ pub(crate) async fn run_scheduler(
         match queue.run_due_ticks().await {
             Ok(r) => {
                 counters.enqueued.fetch_add(r.enqueued, Ordering::Relaxed);
-                counters.duplicates.fetch_add(r.duplicates, Ordering::Relaxed);
+                counters
+                    .duplicates
+                    .fetch_add(r.duplicates, Ordering::Relaxed);
                 counters.skipped.fetch_add(r.skipped, Ordering::Relaxed);
             }
             Err(e) => {
@@ -766,7 +770,11 @@ mod tests {
         let (t, skipped) = due_ticks(&spec, at(0), at(1_000), at(3_500), 1)?;
         assert_eq!(t, vec![at(3_000)]);
         assert_eq!(skipped, 1);
-        assert!(due_ticks(&spec, at(0), at(3_000), at(3_999), 5)?.0.is_empty());
+        assert!(
+            due_ticks(&spec, at(0), at(3_000), at(3_999), 5)?
+                .0
+                .is_empty()
+        );
         assert_eq!(next_tick(&spec, at(0), at(3_000)), Some(at(4_000)));
         Ok(())
     }

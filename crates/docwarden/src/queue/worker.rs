@@ -352,7 +352,7 @@ async fn supervise(
                 ctx.queue.clone(),
                 paused,
                 ctx.options.poll_max,
-                ctx.options.change_stream,
+                ctx.options.change_stream && ctx.options.watch_control,
                 stop_listening.clone(),
             )
             .in_current_span(),

@@ -17,6 +17,9 @@ async fn open(t: &TestDb, opts: QueueOptions) -> anyhow::Result<JobQueue> {
     Ok(JobQueue::open(&t.db, "jobs", time, opts).await?)
 }
 
+/// (queue the worker serves, queue stored on the job) per handled job id.
+type Seen = HashMap<ObjectId, Vec<(String, String)>>;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn eight_workers_on_three_queues_claim_only_their_own_jobs() -> anyhow::Result<()> {
     let t = TestDb::new("queue_named_isolation").await?;
@@ -45,7 +48,7 @@ async fn eight_workers_on_three_queues_claim_only_their_own_jobs() -> anyhow::Re
     coll.insert_one(d).await?;
 
     // (queue the worker serves, queue stored on the job) per handled job id.
-    let seen: Arc<Mutex<HashMap<ObjectId, Vec<(String, String)>>>> = Arc::default();
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let mut workers = Vec::new();
     for w in 0..8 {
         let q = match w % 3 {
@@ -99,7 +102,10 @@ async fn eight_workers_on_three_queues_claim_only_their_own_jobs() -> anyhow::Re
     for w in workers {
         w.shutdown().await;
     }
-    let seen = seen.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let seen: Seen = seen
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
     let handled = u64::try_from(seen.len())?;
     let twice = seen.values().filter(|v| v.len() > 1).count();
     let foreign = seen

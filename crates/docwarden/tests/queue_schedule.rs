@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::format::{field, schedule as sf};
+use docwarden::queue::format::{field, schedule_field as sf};
 use docwarden::queue::{
     JobQueue, MissedTicks, QueueOptions, Safeguard, Schedule, ScheduleSpec, Scheduler,
 };

@@ -47,7 +47,7 @@ pub const SCHEDULES_SUFFIX: &str = ".schedules";
 
 /// Fields of a schedule document (one per schedule, `_id` = the schedule's name, unique
 /// per queue collection).
-pub mod schedule {
+pub mod schedule_field {
     /// The schedule's name (also its `_id`).
     pub const ID: &str = "_id";
     /// The named queue its jobs go to (absent or `null`: the default queue).
@@ -95,7 +95,7 @@ pub mod schedule {
     ];
 }
 
-/// The stored missed-tick policies ([`schedule::MISSED`]).
+/// The stored missed-tick policies ([`schedule_field::MISSED`]).
 pub mod missed {
     /// Enqueue only the latest due tick.
     pub const SKIP: &str = "skip";

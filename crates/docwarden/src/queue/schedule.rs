@@ -35,7 +35,7 @@ use super::JobQueue;
 use super::job::field;
 use super::options::{EnqueueOptions, RunAt, Safeguard};
 use crate::error::{Error, Result, is_duplicate_key};
-use crate::format::schedule::{SCHEDULES_SUFFIX, missed, schedule as sf};
+use crate::format::schedule::{SCHEDULES_SUFFIX, missed, schedule_field as sf};
 use crate::validate;
 
 /// Most ticks one catch-up enqueues ([`MissedTicks::CatchUp`]).

@@ -59,6 +59,8 @@ pub(super) enum Module {
     Queue,
     Sequence,
     Guard,
+    /// Periodic jobs (issue 15): every tick enqueued once.
+    Schedule,
     All,
 }
 
@@ -71,6 +73,7 @@ impl Module {
                 Module::Queue,
                 Module::Sequence,
                 Module::Guard,
+                Module::Schedule,
             ],
             m => vec![m],
         }
@@ -83,6 +86,7 @@ impl Module {
             Module::Queue => "queue",
             Module::Sequence => "sequence",
             Module::Guard => "guard",
+            Module::Schedule => "schedule",
             Module::All => "all",
         }
     }

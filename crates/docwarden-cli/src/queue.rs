@@ -358,7 +358,11 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     args.queue,
                     args.db,
                     args.collection,
-                    if control.paused { "paused" } else { "running" }
+                    if control.paused {
+                        "paused"
+                    } else {
+                        "not paused"
+                    }
                 );
                 if rows.is_empty() {
                     println!("no schedules");

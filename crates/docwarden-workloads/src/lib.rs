@@ -26,9 +26,9 @@ pub mod counters;
 pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
-pub mod schedule;
 mod process;
 mod run;
+pub mod schedule;
 pub mod seed_claim;
 
 pub use process::Process;

@@ -82,8 +82,12 @@ pub fn worker_options(name: String) -> WorkerOptions {
 pub async fn setup(queue: &JobQueue) -> docwarden::Result<()> {
     queue
         .schedule(
-            &Schedule::new(SCHEDULE, ScheduleSpec::every(EVERY)?, doc! { "tick": true })
-                .missed(MissedTicks::CatchUp(CATCH_UP)),
+            &Schedule::new(
+                SCHEDULE,
+                ScheduleSpec::every(EVERY)?,
+                doc! { "periodic": true },
+            )
+            .missed(MissedTicks::CatchUp(CATCH_UP)),
         )
         .await
 }

@@ -73,10 +73,17 @@ impl Module {
                 Module::Queue,
                 Module::Sequence,
                 Module::Guard,
-                Module::Schedule,
             ],
             m => vec![m],
         }
+    }
+
+    /// Every single module: the four of `all`, and `schedule` (periodic jobs, issue 15),
+    /// which runs on its own (`docwarden verify schedule`) and is not part of `all`.
+    pub(super) fn each() -> Vec<Module> {
+        let mut every = Module::All.expand();
+        every.push(Module::Schedule);
+        every
     }
 
     /// The name in summaries, reports and database names.
@@ -86,7 +93,7 @@ impl Module {
             Module::Queue => "queue",
             Module::Sequence => "sequence",
             Module::Guard => "guard",
-            Module::Schedule => "schedule",
+            Module::Schedule => "schedule", // not a stored field: the module name
             Module::All => "all",
         }
     }

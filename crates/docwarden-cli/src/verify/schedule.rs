@@ -14,6 +14,7 @@ use docwarden_workloads::Process;
 use docwarden_workloads::schedule::{self as workload, Op};
 use mongodb::bson::Bson;
 
+use super::args::Module;
 use super::context::{Ctx, Findings};
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
@@ -27,7 +28,7 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     .await?;
     workload::setup(&queue).await?;
     let c = Arc::clone(&ctx);
-    ctx.supervise("schedule", move |process| {
+    ctx.supervise(Module::Schedule.name(), move |process| {
         let ctx = Arc::clone(&c);
         async move { worker(&ctx, process).await }
     })
@@ -51,10 +52,11 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let observed = workload::observe(&queue).await?;
     let violations = workload::check(&observed, read_at);
     let jobs: u64 = observed.per_tick.values().sum();
-    println!(
-        "schedule: {} ticks, {jobs} jobs",
-        (observed.last_tick_ms - observed.anchor_ms)
-            / i64::try_from(workload::EVERY.as_millis()).unwrap_or(1000)
+    tracing::info!(
+        ticks = (observed.last_tick_ms - observed.anchor_ms)
+            / i64::try_from(workload::EVERY.as_millis()).unwrap_or(1000),
+        jobs,
+        "schedule read back"
     );
     Ok(Findings {
         operations: jobs,

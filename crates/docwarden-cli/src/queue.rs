@@ -1,12 +1,17 @@
 //! `docwarden queue`: operate a job queue collection — stats, list, retry dead jobs,
-//! cancel a job, purge finished jobs.
+//! cancel a job, purge finished jobs, pause and resume a named queue, list schedules.
+//! Every command acts on one named queue of the collection (`--queue`, default
+//! `default`).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::queue::format::field;
-use docwarden::queue::{CancelOutcome, JobListFilter, JobQueue, JobState, QueueOptions};
+use docwarden::queue::{
+    CancelOutcome, JobListFilter, JobQueue, JobState, MissedTicks, PauseOutcome, QueueOptions,
+    ScheduleSpec,
+};
 use mongodb::bson::{Bson, Document, oid::ObjectId};
 
 use crate::conn::ConnArgs;
@@ -24,6 +29,9 @@ pub(crate) struct Args {
     /// The queue collection.
     #[arg(long, default_value = "jobs", global = true)]
     collection: String,
+    /// The named queue in the collection (`default`: jobs without a queue name).
+    #[arg(long, default_value = "default", global = true)]
+    queue: String,
     /// Print JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -64,6 +72,22 @@ enum QueueCommand {
         #[arg(long)]
         older_than: String,
     },
+    /// Pause the queue: workers start no new claim from it within one wake-up; running
+    /// jobs finish. Persisted in the database until `resume`.
+    Pause {
+        /// Who pauses (stored in the control document).
+        #[arg(long, default_value = "docwarden-cli")]
+        by: String,
+    },
+    /// Resume a paused queue.
+    Resume {
+        /// Who resumes (stored in the control document).
+        #[arg(long, default_value = "docwarden-cli")]
+        by: String,
+    },
+    /// The queue's periodic schedules: spec, missed-tick policy, last and next tick;
+    /// and whether the queue is paused.
+    Schedules,
 }
 
 /// Parses an age like `30s`, `15m`, `12h`, `7d` (also used by the dashboard's purge).
@@ -112,6 +136,24 @@ fn summary(d: &Document) -> serde_json::Value {
     })
 }
 
+/// Prints the queue's control state after a pause or resume.
+async fn print_control(queue: &JobQueue, outcome: &str, json: bool) -> anyhow::Result<()> {
+    let c = queue.control().await?;
+    if json {
+        crate::output::print_json(&serde_json::json!({
+            "queue": c.queue,
+            "outcome": outcome,
+            "paused": c.paused,
+            "paused_at": c.paused_at.map(|t| render(&Bson::DateTime(t))),
+            "resumed_at": c.resumed_at.map(|t| render(&Bson::DateTime(t))),
+            "by": c.by,
+        }))?;
+    } else {
+        println!("queue {}: {outcome}", c.queue);
+    }
+    Ok(())
+}
+
 fn render(b: &Bson) -> String {
     match b {
         Bson::String(s) => s.clone(),
@@ -145,14 +187,19 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         QueueCommand::Purge { older_than } => {
             parse_age(older_than)?;
         }
+        QueueCommand::Pause { by } | QueueCommand::Resume { by } => {
+            docwarden::validate::name("--by", by)?;
+        }
+        QueueCommand::Schedules => {}
     }
+    docwarden::validate::name("queue", &args.queue)?;
     let session = args.conn.open(args.json).await?;
     let db = session.client.database(&args.db);
     let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
     let queue = JobQueue::new(
         db.collection(&args.collection),
         time,
-        QueueOptions::default(),
+        QueueOptions::default().queue(args.queue.as_str()),
     )?;
     match args.command {
         QueueCommand::Stats => {
@@ -160,7 +207,10 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             if args.json {
                 crate::output::print_json(&stats)?;
             } else {
-                println!("{} jobs in {}.{}", stats.total, args.db, args.collection);
+                println!(
+                    "{} jobs in {}.{} (queue {})",
+                    stats.total, args.db, args.collection, args.queue
+                );
                 for state in JobState::ALL {
                     let n = stats.by_state.get(state.as_str()).copied().unwrap_or(0);
                     println!("  {:<10} {n:>10}", state.as_str());
@@ -295,6 +345,83 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 crate::output::print_json(&serde_json::json!({ "purged": n }))?;
             } else {
                 println!("{n} finished job(s) purged");
+            }
+        }
+        QueueCommand::Pause { by } => {
+            let text = match queue.pause(&by).await? {
+                PauseOutcome::AlreadyPaused => "already paused",
+                _ => "paused",
+            };
+            print_control(&queue, text, args.json).await?;
+        }
+        QueueCommand::Resume { by } => {
+            let text = match queue.resume(&by).await? {
+                PauseOutcome::NotPaused => "not paused",
+                _ => "resumed",
+            };
+            print_control(&queue, text, args.json).await?;
+        }
+        QueueCommand::Schedules => {
+            let control = queue.control().await?;
+            let schedules = queue.schedules().await?;
+            let rows: Vec<serde_json::Value> = schedules
+                .iter()
+                .map(|s| {
+                    let (kind, spec) = match &s.spec {
+                        ScheduleSpec::Every(d) => ("every", format!("{} ms", d.as_millis())),
+                        ScheduleSpec::Cron { expr, timezone } => {
+                            ("cron", format!("{expr} ({timezone})"))
+                        }
+                        _ => ("other", s.spec.to_string()),
+                    };
+                    let missed = match s.missed {
+                        MissedTicks::Skip => "skip".to_owned(),
+                        MissedTicks::CatchUp(n) => format!("catch up {n}"),
+                        _ => "other".to_owned(),
+                    };
+                    serde_json::json!({
+                        "name": s.name,
+                        "kind": kind,
+                        "spec": spec,
+                        "missed": missed,
+                        "last": render(&Bson::DateTime(s.last_tick)),
+                        "next": s.next_tick.map(|t| render(&Bson::DateTime(t))),
+                    })
+                })
+                .collect();
+            if args.json {
+                crate::output::print_json(&serde_json::json!({
+                    "queue": args.queue,
+                    "paused": control.paused,
+                    "schedules": rows,
+                }))?;
+            } else {
+                println!(
+                    "queue {} of {}.{}: {}",
+                    args.queue,
+                    args.db,
+                    args.collection,
+                    if control.paused {
+                        "paused"
+                    } else {
+                        "not paused"
+                    }
+                );
+                if rows.is_empty() {
+                    println!("no schedules");
+                }
+                for r in &rows {
+                    let s = |k: &str| r.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+                    println!(
+                        "  {:<20} {:<5} {:<28} {:<12} last {:<24} next {}",
+                        s("name"),
+                        s("kind"),
+                        s("spec"),
+                        s("missed"),
+                        s("last"),
+                        s("next")
+                    );
+                }
             }
         }
     }

@@ -37,6 +37,7 @@ mod process;
 mod proxy;
 mod queue;
 mod report;
+mod schedule;
 mod sequence;
 mod summary;
 

@@ -13,6 +13,7 @@
 //! | [`enrollment`] | 001, enroll/unenroll messages | `sequence` |
 //! | [`jobs`] | 002, job producers and the queue effect | `queue` |
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
+//! | [`schedule`] | — , periodic jobs (issue 15) | `queue` (schedules) |
 //! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
 //!
 //! Every history event names its process with a typed [`Process`] and its operation with
@@ -27,6 +28,7 @@ pub mod jobs;
 pub mod on_call;
 mod process;
 mod run;
+pub mod schedule;
 pub mod seed_claim;
 
 pub use process::Process;

@@ -7,3 +7,4 @@
 
 pub mod job;
 pub mod lock;
+pub mod schedule;

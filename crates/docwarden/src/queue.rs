@@ -46,14 +46,17 @@ use crate::error::{Error, Result};
 use crate::validate;
 
 mod claim;
+mod control;
 mod enqueue;
 pub(crate) mod job;
 mod ops;
 mod options;
+mod schedule;
 mod transition;
 mod worker;
 
 pub use crate::token::JobToken;
+pub use control::{PauseOutcome, QueueControl};
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
@@ -64,6 +67,10 @@ pub use options::{
 };
 // Issue 15, job lifecycle: uniqueness policies, snooze, progress and result limits.
 pub use options::OnDuplicate;
+pub use schedule::{
+    MAX_CATCH_UP, MissedTicks, Schedule, ScheduleSpec, Scheduled, Scheduler, SchedulerReport,
+    TickOutcome, tick_job_id,
+};
 pub use transition::FailOutcome;
 pub use transition::{MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, Snooze, snooze};
 pub use worker::{HandlerResult, Worker, WorkerReport};
@@ -78,20 +85,29 @@ use job::{claimable_states, field, unfinished_states};
 pub mod format {
     pub use super::{index, meta};
     pub use crate::format::job::*;
+    pub use crate::format::schedule::*;
 }
 
 /// Index names, so `explain` output and `docs/queue.md` can refer to them.
 pub mod index {
-    /// Due jobs in claim order: `{priority: -1, run_at: 1}`, partial on
-    /// `state ∈ {ready, retrying}`.
-    pub const CLAIM: &str = "docwarden_claim";
-    /// Due jobs by partition in claim order: `{state: 1, partition: 1, priority: -1,
-    /// run_at: 1}` (equality fields, then the sort, then the range), partial on `state`
-    /// in the string range `[ready, retrying]` (the claimable states, see
-    /// [`crate::format::job::CLAIMABLE_LOW`]). A batch claim asks `{$or: [{state:
-    /// "ready", partition: {$in: ps}}, {state: "retrying", partition: {$in: ps}}],
-    /// run_at: {$lte: now}}`, which every server answers from this index's prefixes.
-    pub const CLAIM_PARTITION: &str = "docwarden_claim_partition";
+    /// Due jobs of one queue in claim order: `{queue: 1, priority: -1, run_at: 1}`
+    /// (format 3: the queue name, an equality, first), partial on
+    /// `state ∈ {ready, retrying}`. Format 2 named it `docwarden_claim` without `queue`
+    /// (see [`LEGACY`]).
+    pub const CLAIM: &str = "docwarden_claim_q";
+    /// Due jobs by queue and partition in claim order: `{state: 1, queue: 1, partition:
+    /// 1, priority: -1, run_at: 1}` (equality fields, then the sort, then the range),
+    /// partial on `state` in the string range `[ready, retrying]` (the claimable states,
+    /// see [`crate::format::job::CLAIMABLE_LOW`]). A batch claim asks `{$or: [{state:
+    /// "ready", queue: q, partition: {$in: ps}}, {state: "retrying", queue: q,
+    /// partition: {$in: ps}}], run_at: {$lte: now}}`, which every server answers from
+    /// this index's prefixes (`q` is `null` for the default queue: its jobs carry no
+    /// `queue` field). Format 2 named it `docwarden_claim_partition` without `queue`.
+    pub const CLAIM_PARTITION: &str = "docwarden_claim_partition_q";
+    /// The claim indexes of format 2 (without `queue`). `ensure_indexes` leaves them in
+    /// place, since workers of format 2 still hint them; drop them once every worker
+    /// runs format 3 (`docs/queue.md`, "Upgrading to format 3").
+    pub const LEGACY: [&str; 2] = ["docwarden_claim", "docwarden_claim_partition"];
     /// Running jobs by lease expiry: `{"lease.until": 1}`, partial on `state: running`.
     pub const LEASE_EXPIRY: &str = "docwarden_lease_expiry";
     /// Running jobs by token: `{"lease.token": 1}`, partial on `state: running`. Created
@@ -120,7 +136,11 @@ pub mod meta {
     pub const OPTIONS_ID: &str = "options";
     /// Version of the job and options document formats described in `docs/queue.md`
     /// (2: jobs carry a `partition`; jobs of format 1, without one, stay claimable;
-    /// 3: the same documents, without the `docwarden_lease_token` index).
+    /// 3: no `docwarden_lease_token` index (claimed jobs are read back by `_id`); named
+    /// queues — jobs carry a `queue` (absent for the default queue), the claim indexes
+    /// start with it, each named queue has its own options document
+    /// `options:<queue>` and control document `control:<queue>` (pause) in the meta
+    /// collection, and schedules live in `<collection>.schedules`).
     pub const FORMAT: i64 = 3;
 }
 
@@ -222,13 +242,60 @@ impl JobQueue {
         Ok(queue)
     }
 
+    /// The name of this handle's queue (`"default"` for the default queue).
+    pub fn queue_name(&self) -> &str {
+        self.inner
+            .options
+            .queue
+            .as_deref()
+            .unwrap_or(crate::format::schedule::DEFAULT_QUEUE)
+    }
+
+    /// A handle on another named queue of the same collection, with the same time
+    /// source and `options` (validated); `"default"` is the default queue. Call
+    /// [`JobQueue::store_options`] on it to publish its options.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name or options.
+    pub fn named(&self, queue: &str, options: QueueOptions) -> Result<JobQueue> {
+        JobQueue::new(
+            self.inner.coll.clone(),
+            self.inner.time.clone(),
+            options.queue(queue),
+        )
+    }
+
+    /// The value of the job's `queue` field for this handle's queue: `null` for the
+    /// default queue (which matches the absent field too), the name otherwise.
+    pub(crate) fn queue_value(&self) -> mongodb::bson::Bson {
+        match &self.inner.options.queue {
+            Some(q) => mongodb::bson::Bson::String(q.clone()),
+            None => mongodb::bson::Bson::Null,
+        }
+    }
+
+    /// The meta collection (`<collection>.meta`: options and control documents).
+    pub(crate) fn meta(&self) -> &Collection<Document> {
+        &self.inner.meta
+    }
+
+    /// `_id` of this queue's options document: `options` for the default queue,
+    /// `options:<queue>` for a named one.
+    fn options_id(queue: Option<&str>) -> String {
+        match queue {
+            None => meta::OPTIONS_ID.to_owned(),
+            Some(q) => format!("{}{q}", crate::format::schedule::OPTIONS_ID_PREFIX),
+        }
+    }
+
     /// The options document: what a worker in another language needs to behave like
     /// this handle (lease TTL, retry delays, sweep cut-off margin, default attempts).
     pub fn options_document(&self) -> Document {
         let o = &self.inner.options;
         let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         doc! {
-            field::ID: meta::OPTIONS_ID,
+            field::ID: Self::options_id(o.queue.as_deref()),
+            field::QUEUE: self.queue_name(),
             "format": meta::FORMAT,
             "lease_ttl_ms": self.inner.ttl_ms,
             "max_attempts": i64::from(o.max_attempts),
@@ -253,7 +320,10 @@ impl JobQueue {
         d.insert(field::UPDATED_AT, self.inner.time.now().await?.estimate());
         self.inner
             .meta
-            .replace_one(doc! { field::ID: meta::OPTIONS_ID }, d)
+            .replace_one(
+                doc! { field::ID: Self::options_id(self.inner.options.queue.as_deref()) },
+                d,
+            )
             .upsert(true)
             .await?;
         Ok(())
@@ -265,9 +335,23 @@ impl JobQueue {
     /// # Errors
     /// A database error.
     pub async fn stored_options(db: &Database, name: &str) -> Result<Option<Document>> {
+        Self::stored_options_of(db, name, crate::format::schedule::DEFAULT_QUEUE).await
+    }
+
+    /// The options document stored for the named queue `queue` of collection `name`
+    /// (`"default"`: the default queue), if any.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn stored_options_of(
+        db: &Database,
+        name: &str,
+        queue: &str,
+    ) -> Result<Option<Document>> {
+        let queue = (queue != crate::format::schedule::DEFAULT_QUEUE).then_some(queue);
         Ok(db
             .collection::<Document>(&format!("{name}{}", meta::COLLECTION_SUFFIX))
-            .find_one(doc! { field::ID: meta::OPTIONS_ID })
+            .find_one(doc! { field::ID: Self::options_id(queue) })
             .await?)
     }
 
@@ -279,7 +363,7 @@ impl JobQueue {
         let running = doc! { field::STATE: job::JobState::Running.as_str() };
         let models = vec![
             IndexModel::builder()
-                .keys(doc! { field::PRIORITY: -1, field::RUN_AT: 1 })
+                .keys(doc! { field::QUEUE: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
                 .options(
                     IndexOptions::builder()
                         .name(index::CLAIM.to_owned())
@@ -290,7 +374,13 @@ impl JobQueue {
                 )
                 .build(),
             IndexModel::builder()
-                .keys(doc! { field::STATE: 1, field::PARTITION: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
+                .keys(doc! {
+                    field::STATE: 1,
+                    field::QUEUE: 1,
+                    field::PARTITION: 1,
+                    field::PRIORITY: -1,
+                    field::RUN_AT: 1,
+                })
                 .options(
                     IndexOptions::builder()
                         .name(index::CLAIM_PARTITION.to_owned())

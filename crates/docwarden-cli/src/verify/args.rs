@@ -59,6 +59,8 @@ pub(super) enum Module {
     Queue,
     Sequence,
     Guard,
+    /// Periodic jobs (issue 15): every tick enqueued once.
+    Schedule,
     All,
 }
 
@@ -76,6 +78,14 @@ impl Module {
         }
     }
 
+    /// Every single module: the four of `all`, and `schedule` (periodic jobs, issue 15),
+    /// which runs on its own (`docwarden verify schedule`) and is not part of `all`.
+    pub(super) fn each() -> Vec<Module> {
+        let mut every = Module::All.expand();
+        every.push(Module::Schedule);
+        every
+    }
+
     /// The name in summaries, reports and database names.
     pub(super) fn name(self) -> &'static str {
         match self {
@@ -83,6 +93,7 @@ impl Module {
             Module::Queue => "queue",
             Module::Sequence => "sequence",
             Module::Guard => "guard",
+            Module::Schedule => "schedule", // not a stored field: the module name
             Module::All => "all",
         }
     }

@@ -254,6 +254,7 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
         Module::Queue => queue::worker(ctx, process).await,
         Module::Sequence => sequence::worker(ctx, process).await,
         Module::Guard => guard::worker(ctx, process).await,
+        Module::Schedule => super::schedule::worker(ctx, process).await,
         Module::All => anyhow::bail!("a worker process runs one module"),
     }
 }
@@ -376,7 +377,7 @@ impl Aim {
                 entry: Some(counters::Op::Touch.as_str()),
                 commit: Some(counters::Op::Write.as_str()),
             },
-            Module::Sequence | Module::Guard | Module::All => Aim {
+            Module::Sequence | Module::Guard | Module::Schedule | Module::All => Aim {
                 entry: None,
                 commit: None,
             },

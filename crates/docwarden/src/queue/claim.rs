@@ -57,8 +57,9 @@ impl JobQueue {
     /// when `run_at` may have passed by the server's clock (`now.latest()`): a job can
     /// start up to the clock bound (milliseconds) early, and a job enqueued "now" by one
     /// client is at once claimable by every other.
-    pub(crate) fn due_filter(now: &ServerTime) -> Document {
+    pub(crate) fn due_filter(&self, now: &ServerTime) -> Document {
         doc! {
+            field::QUEUE: self.queue_value(),
             field::STATE: { "$in": claimable_states() },
             field::RUN_AT: { "$lte": now.latest() },
         }
@@ -125,7 +126,7 @@ impl JobQueue {
             let Some(head) = self
                 .inner
                 .coll
-                .find_one(Self::due_filter(&now))
+                .find_one(self.due_filter(&now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .await?
@@ -144,7 +145,7 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one_and_update(Self::due_filter(&now), update)
+            .find_one_and_update(self.due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .return_document(ReturnDocument::After)
@@ -158,7 +159,7 @@ impl JobQueue {
         let r = self
             .inner
             .coll
-            .update_one(Self::due_filter(&now), update)
+            .update_one(self.due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .await?;
@@ -206,7 +207,7 @@ impl JobQueue {
     /// claimable states, each an equality on `state` and an `$in` on `partition` (the
     /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION)), with the due
     /// condition beside it: never a top-level `$expr`, never a hint.
-    pub(crate) fn partition_filter(partitions: &[i64], now: &ServerTime) -> Document {
+    pub(crate) fn partition_filter(&self, partitions: &[i64], now: &ServerTime) -> Document {
         let keys: Vec<Bson> = partitions
             .iter()
             .map(|p| Bson::Int64(*p))
@@ -214,7 +215,13 @@ impl JobQueue {
             .collect();
         let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
             .iter()
-            .map(|s| doc! { field::STATE: s.as_str(), field::PARTITION: { "$in": keys.clone() } })
+            .map(|s| {
+                doc! {
+                    field::STATE: s.as_str(),
+                    field::QUEUE: self.queue_value(),
+                    field::PARTITION: { "$in": keys.clone() },
+                }
+            })
             .collect();
         doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
     }
@@ -246,7 +253,7 @@ impl JobQueue {
             let ids: Vec<Bson> = self
                 .inner
                 .coll
-                .find(Self::partition_filter(&partitions, &now))
+                .find(self.partition_filter(&partitions, &now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .limit(limit)
@@ -265,7 +272,7 @@ impl JobQueue {
             }
             let token = validate::random_id();
             let mut filter = doc! { field::ID: { "$in": ids.clone() } };
-            filter.extend(Self::due_filter(&now));
+            filter.extend(self.due_filter(&now));
             match self.inner.options.unsafe_without {
                 Some(Safeguard::BatchRecheck) => {
                     // Control only: the candidates are written whatever their state now.
@@ -343,7 +350,7 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let token = validate::random_id();
         let mut filter = doc! { field::ID: id.clone() };
-        filter.extend(Self::due_filter(&now));
+        filter.extend(self.due_filter(&now));
         let update = Self::claim_update(
             owner,
             &token,
@@ -405,7 +412,7 @@ impl JobQueue {
     /// many were moved.
     async fn bury_malformed(&self, ids: Option<Vec<Bson>>) -> Result<usize> {
         let now = self.inner.time.now().await?;
-        let mut filter = Self::due_filter(&now);
+        let mut filter = self.due_filter(&now);
         if let Some(ids) = ids {
             filter.insert(field::ID, doc! { "$in": ids });
         }
@@ -503,6 +510,7 @@ impl JobQueue {
                 doc! {
                     field::STATE: JobState::Running.as_str(),
                     field::LEASE_UNTIL: { "$lt": cutoff },
+                    field::QUEUE: self.queue_value(),
                 },
                 Bson::String(LEASE_EXPIRED_REASON.into()),
                 &now,
@@ -519,7 +527,7 @@ impl JobQueue {
                 // by its first indexed field read `docwarden_lease_expiry` (running jobs
                 // only) instead of scanning the collection.
                 doc! { "$and": [
-                    Self::unreadable_lease_filter(),
+                    self.unreadable_lease_filter(),
                     { "$or": [
                         { field::UPDATED_AT: { "$lt": quiet_since } },
                         { field::UPDATED_AT: { "$not": { "$type": "date" } } },
@@ -546,7 +554,7 @@ impl JobQueue {
             .inner
             .coll
             .update_many(
-                Self::undatable_filter(),
+                self.undatable_filter(),
                 vec![doc! { "$set": {
                     field::STATE: JobState::Dead.as_str(),
                     field::LAST_ERROR: { "$concat": [
@@ -569,18 +577,20 @@ impl JobQueue {
     }
 
     /// Claimable jobs that can never be due: `run_at` is not a date.
-    pub(crate) fn undatable_filter() -> Document {
+    pub(crate) fn undatable_filter(&self) -> Document {
         doc! {
             field::STATE: { "$in": claimable_states() },
             field::RUN_AT: { "$not": { "$type": "date" } },
+            field::QUEUE: self.queue_value(),
         }
     }
 
     /// Running jobs whose `lease.until` is not a date.
-    pub(crate) fn unreadable_lease_filter() -> Document {
+    pub(crate) fn unreadable_lease_filter(&self) -> Document {
         doc! {
             field::STATE: JobState::Running.as_str(),
             field::LEASE_UNTIL: { "$not": { "$type": "date" } },
+            field::QUEUE: self.queue_value(),
         }
     }
 

@@ -64,7 +64,7 @@ impl Enqueued {
 
 impl JobQueue {
     /// Builds the document of a new job (validated, size-checked).
-    async fn new_job(&self, payload: Bson, opts: &EnqueueOptions) -> Result<Document> {
+    pub(super) async fn new_job(&self, payload: Bson, opts: &EnqueueOptions) -> Result<Document> {
         opts.validate()?;
         let now = self.inner.time.now().await?;
         let run_at = match opts.run_at {
@@ -104,6 +104,9 @@ impl JobQueue {
         }
         if let Some(n) = self.inner.options.max_stalls {
             d.insert(field::MAX_STALLS, i64::from(n));
+        }
+        if let Some(q) = &self.inner.options.queue {
+            d.insert(field::QUEUE, q.clone());
         }
         let mut bytes = Vec::new();
         d.to_writer(&mut bytes)

@@ -96,6 +96,7 @@ impl JobQueue {
         let mut stats = QueueStats::default();
         let mut groups = coll
             .aggregate(vec![
+                doc! { "$match": { field::QUEUE: self.queue_value() } },
                 doc! { "$group": { "_id": "$state", "n": { "$sum": 1 } } },
             ])
             .await?;
@@ -115,7 +116,7 @@ impl JobQueue {
         }
         let now = self.inner.time.now().await?;
         let oldest = coll
-            .find_one(Self::due_filter(&now))
+            .find_one(self.due_filter(&now))
             .sort(doc! { field::RUN_AT: 1 })
             .projection(doc! { field::RUN_AT: 1 })
             .await?;
@@ -127,12 +128,11 @@ impl JobQueue {
             .count_documents(doc! {
                 field::STATE: JobState::Running.as_str(),
                 field::LEASE_UNTIL: { "$lt": cutoff },
+                field::QUEUE: self.queue_value(),
             })
             .await?;
-        stats.unreadable_leases = coll
-            .count_documents(Self::unreadable_lease_filter())
-            .await?;
-        stats.undatable = coll.count_documents(Self::undatable_filter()).await?;
+        stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
+        stats.undatable = coll.count_documents(self.undatable_filter()).await?;
         Ok(stats)
     }
 
@@ -146,10 +146,11 @@ impl JobQueue {
         if filter.limit < 1 {
             return Err(Error::invalid("limit", "must be at least 1"));
         }
-        let query = match filter.state {
+        let mut query = match filter.state {
             Some(s) => doc! { field::STATE: s.as_str() },
             None => doc! {},
         };
+        query.insert(field::QUEUE, self.queue_value());
         Ok(self
             .inner
             .coll
@@ -169,7 +170,8 @@ impl JobQueue {
     /// A database error.
     pub async fn retry_dead(&self, ids: Option<&[ObjectId]>) -> Result<u64> {
         let now = self.inner.time.now().await?.estimate();
-        let mut filter = doc! { field::STATE: JobState::Dead.as_str() };
+        let mut filter =
+            doc! { field::STATE: JobState::Dead.as_str(), field::QUEUE: self.queue_value() };
         if let Some(ids) = ids {
             filter.insert(field::ID, doc! { "$in": ids.to_vec() });
         }
@@ -285,6 +287,7 @@ impl JobQueue {
             .delete_many(doc! {
                 field::STATE: { "$in": finished_states() },
                 field::FINISHED_AT: { "$lt": cutoff },
+                field::QUEUE: self.queue_value(),
             })
             .await?;
         Ok(r.deleted_count)
@@ -321,13 +324,13 @@ impl JobQueue {
         let name = self.inner.coll.name();
         let mut find = doc! {
             "find": name,
-            "filter": Self::due_filter(&now),
+            "filter": self.due_filter(&now),
             "sort": Self::claim_sort(),
             "limit": 1,
         };
         let mut fam = doc! {
             "findAndModify": name,
-            "query": Self::due_filter(&now),
+            "query": self.due_filter(&now),
             "sort": Self::claim_sort(),
             "update": { "$set": { "explain": true } },
         };

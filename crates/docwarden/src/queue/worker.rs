@@ -159,6 +159,9 @@ struct Ctx {
     /// Signalled by the change-stream listener when a job was cancelled: the heartbeat
     /// runs at once, so a held job's handler gets its signal within one event.
     check_now: Arc<Notify>,
+    /// Whether the queue is paused (its control document, watched by
+    /// `control::watch_pause`); `None` when the pause check is switched off (control).
+    paused: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Ctx {
@@ -236,6 +239,9 @@ impl Worker {
         let listener_alive = Arc::new(());
         let listener_probe = Arc::downgrade(&listener_alive);
         let handler: BoxHandler = Arc::new(move |job| Box::pin(handler(job)));
+        // "Paused" until the control document was read once: never claim before.
+        let (paused_tx, paused_rx) = tokio::sync::watch::channel(true);
+        let pause_check = queue.options().unsafe_without != Some(super::Safeguard::PauseCheck);
         let ctx = Arc::new(Ctx {
             queue,
             options,
@@ -251,10 +257,11 @@ impl Worker {
             finished: AtomicU64::new(0),
             slot_freed: Notify::new(),
             check_now: Arc::new(Notify::new()),
+            paused: pause_check.then_some(paused_rx),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
-        let task = tokio::spawn(supervise(ctx, shutdown.clone()).instrument(span));
+        let task = tokio::spawn(supervise(ctx, shutdown.clone(), paused_tx).instrument(span));
         Ok(Worker {
             owner,
             shutdown,
@@ -328,7 +335,11 @@ type Handoff = (ClaimedJob, CancellationToken);
 /// A final transition queued for the writer.
 type Final = (ClaimedJob, Transition);
 
-async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
+async fn supervise(
+    ctx: Arc<Ctx>,
+    shutdown: CancellationToken,
+    paused: tokio::sync::watch::Sender<bool>,
+) {
     let notify = Arc::new(Notify::new());
     let (woke_tx, mut woke_rx) = mpsc::channel::<Bson>(64);
     let stop_listening = shutdown.child_token();
@@ -345,6 +356,29 @@ async fn supervise(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 stop_listening.clone(),
                 alive,
                 Arc::clone(&ctx.check_now),
+            )
+            .in_current_span(),
+        );
+    }
+    if ctx.paused.is_some() {
+        background.spawn(
+            super::control::watch_pause(
+                ctx.queue.clone(),
+                paused,
+                ctx.options.poll_max,
+                ctx.options.change_stream && ctx.options.watch_control,
+                stop_listening.clone(),
+            )
+            .in_current_span(),
+        );
+    }
+    if ctx.options.run_schedules {
+        background.spawn(
+            super::schedule::run_scheduler(
+                ctx.queue.clone(),
+                ctx.options.schedule_every,
+                Arc::default(),
+                stop_listening.clone(),
             )
             .in_current_span(),
         );
@@ -447,6 +481,21 @@ async fn claim_loop(
     loop {
         if shutdown.is_cancelled() {
             return;
+        }
+        // A paused queue: no claim starts until it is resumed (`control.rs`).
+        let paused_now = ctx.paused.as_ref().is_some_and(|p| *p.borrow());
+        if paused_now && let Some(paused) = &ctx.paused {
+            let mut rx = paused.clone();
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                ok = async { rx.wait_for(|p| !*p).await.is_ok() } => {
+                    if !ok {
+                        tokio::time::sleep(o.poll_max).await;
+                    }
+                }
+            }
+            continue;
         }
         // Reserve the slots this claim fills, so that concurrent claim loops never hold
         // more than the handlers plus the prefetch.
@@ -873,7 +922,7 @@ async fn listen(
     };
     let pipeline = vec![
         doc! { "$match": { "$or": [
-            { "operationType": "insert" },
+            { "operationType": "insert", "fullDocument.queue": queue.queue_value() },
             { "updateDescription.updatedFields.state": {
                 "$in": [JobState::Ready.as_str(), JobState::Retrying.as_str(), JobState::Cancelled.as_str()]
             } },

@@ -14,6 +14,7 @@
 //! | [`jobs`] | 002, job producers and the queue effect | `queue` |
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
 //! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
+//! | [`semaphore`] | issue 16, N holders per resource | `lock::Semaphore` |
 //!
 //! Every history event names its process with a typed [`Process`] and its operation with
 //! the workload's own `Op` enum (`as_str()` is what the history and the report show).
@@ -28,6 +29,7 @@ pub mod on_call;
 mod process;
 mod run;
 pub mod seed_claim;
+pub mod semaphore;
 
 pub use process::Process;
 pub use run::{Mode, RunConfig, RunReport, run_tasks};

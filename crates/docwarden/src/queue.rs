@@ -48,20 +48,24 @@ use crate::validate;
 mod claim;
 mod enqueue;
 pub(crate) mod job;
+mod limit;
 mod ops;
 mod options;
+mod rate;
 mod transition;
 mod worker;
 
 pub use crate::token::JobToken;
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
+pub use limit::{JobLimits, LimitOptions, fairness_partition};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{
     ClaimStrategy, EnqueueOptions, MAX_PARTITIONS, QueueOptions, RunAt, WorkerOptions,
 };
+pub use rate::RateRecord;
 pub use transition::FailOutcome;
 pub use worker::{HandlerResult, Worker, WorkerReport};
 
@@ -130,6 +134,8 @@ struct Inner {
     next_partition: AtomicU32,
     /// How many partitions one batch claim reads (adapts to the backlog).
     span: AtomicU32,
+    /// Concurrency and rate limits: semaphores, rate documents, permits held (`queue/limit.rs`).
+    limits: limit::Limits,
 }
 
 /// A handle on one queue (one collection). Cheap to clone.
@@ -175,8 +181,10 @@ impl JobQueue {
         } else {
             collection
         };
+        let limits = limit::Limits::new(&collection, &time, &options)?;
         Ok(Self {
             inner: Arc::new(Inner {
+                limits,
                 coll: collection,
                 meta,
                 time,

@@ -60,12 +60,25 @@ impl JobQueue {
         }
     }
 
+    /// The plain claims' filter: due, and without `limits` (a limited job is claimed only
+    /// by [`JobQueue::claim_limited`], after its permits: `queue/limit.rs`).
+    pub(crate) fn plain_due_filter(now: &ServerTime) -> Document {
+        let mut f = Self::due_filter(now);
+        f.insert(field::LIMITS, Bson::Null);
+        f
+    }
+
     /// The claim order: highest priority first, then oldest `run_at`.
     pub(crate) fn claim_sort() -> Document {
         doc! { field::PRIORITY: -1, field::RUN_AT: 1 }
     }
 
-    fn claim_update(owner: &str, token: &str, until: DateTime, now: DateTime) -> Document {
+    pub(super) fn claim_update(
+        owner: &str,
+        token: &str,
+        until: DateTime,
+        now: DateTime,
+    ) -> Document {
         doc! {
             "$set": {
                 field::STATE: JobState::Running.as_str(),
@@ -121,7 +134,7 @@ impl JobQueue {
             let Some(head) = self
                 .inner
                 .coll
-                .find_one(Self::due_filter(&now))
+                .find_one(Self::plain_due_filter(&now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .await?
@@ -140,7 +153,7 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one_and_update(Self::due_filter(&now), update)
+            .find_one_and_update(Self::plain_due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .return_document(ReturnDocument::After)
@@ -154,7 +167,7 @@ impl JobQueue {
         let r = self
             .inner
             .coll
-            .update_one(Self::due_filter(&now), update)
+            .update_one(Self::plain_due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .await?;
@@ -206,7 +219,7 @@ impl JobQueue {
             .iter()
             .map(|s| doc! { field::STATE: s.as_str(), field::PARTITION: { "$in": keys.clone() } })
             .collect();
-        doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
+        doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() }, field::LIMITS: Bson::Null }
     }
 
     /// Claims up to `k` due jobs with one lease token, in three round trips whatever
@@ -254,7 +267,7 @@ impl JobQueue {
             }
             let token = validate::random_id();
             let mut filter = doc! { field::ID: { "$in": ids.clone() } };
-            filter.extend(Self::due_filter(&now));
+            filter.extend(Self::plain_due_filter(&now));
             match self.inner.options.unsafe_without {
                 Some(Safeguard::BatchRecheck) => {
                     // Control only: the candidates are written whatever their state now.
@@ -331,7 +344,7 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let token = validate::random_id();
         let mut filter = doc! { field::ID: id.clone() };
-        filter.extend(Self::due_filter(&now));
+        filter.extend(Self::plain_due_filter(&now));
         let update = Self::claim_update(
             owner,
             &token,
@@ -352,7 +365,7 @@ impl JobQueue {
 
     /// Parses a freshly claimed document; a malformed one is moved to `dead` (fenced by
     /// our token) with the reason, and `None` is returned.
-    async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
+    pub(super) async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
                 Some(lease) if lease.token.as_str() == token => Ok(Some(ClaimedJob { job, lease })),

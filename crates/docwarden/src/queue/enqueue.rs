@@ -67,6 +67,7 @@ impl JobQueue {
         if let Some(key) = &opts.dedupe_key {
             d.insert(field::DEDUPE_KEY, key.clone());
         }
+        self.apply_limits(&mut d, opts)?;
         let mut bytes = Vec::new();
         d.to_writer(&mut bytes)
             .map_err(|e| Error::invalid("payload", format!("cannot be encoded as BSON: {e}")))?;

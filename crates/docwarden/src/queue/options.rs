@@ -5,6 +5,7 @@ use std::time::Duration;
 use mongodb::bson::DateTime;
 use mongodb::options::WriteConcern;
 
+use super::limit::{JobLimits, LimitOptions};
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -57,6 +58,9 @@ pub struct QueueOptions {
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
     pub unsafe_without: Option<Safeguard>,
+    /// Concurrency and rate limits this handle honours (`queue/limit.rs`). Default: none,
+    /// and the handle never claims a limited job.
+    pub limits: LimitOptions,
 }
 
 /// A safeguard of the queue that a test's control switches off to show that the test
@@ -72,6 +76,12 @@ pub enum Safeguard {
     /// The batch claim's `updateMany` re-checks the claim filter per document. Off: it
     /// writes the lease to the candidate ids whatever their state.
     BatchRecheck,
+    /// A limited claim takes the permits its job's concurrency key and queue limit name.
+    /// Off: it claims limited jobs without permits.
+    ConcurrencyLimit,
+    /// A limited claim is admitted by the rate document of its job's rate key. Off: every
+    /// start is admitted (and recorded).
+    RateLimit,
 }
 
 impl Default for QueueOptions {
@@ -86,6 +96,7 @@ impl Default for QueueOptions {
             partitions: 256,
             write_concern: None,
             unsafe_without: None,
+            limits: LimitOptions::default(),
         }
     }
 }
@@ -125,6 +136,11 @@ impl QueueOptions {
     /// Sets [`QueueOptions::write_concern`] (for example [`WriteConcern::majority()`]).
     pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
         self.write_concern = Some(write_concern);
+        self
+    }
+    /// Sets [`QueueOptions::limits`].
+    pub fn limits(mut self, limits: LimitOptions) -> Self {
+        self.limits = limits;
         self
     }
     /// Switches one safeguard off: for a test's control only.
@@ -175,6 +191,8 @@ pub struct EnqueueOptions {
     pub max_attempts: Option<u32>,
     /// At most one unfinished job per key (enforced by a unique partial index).
     pub dedupe_key: Option<String>,
+    /// Concurrency key, rate key and fairness key (`queue/limit.rs`).
+    pub limits: JobLimits,
 }
 
 impl Default for EnqueueOptions {
@@ -184,6 +202,7 @@ impl Default for EnqueueOptions {
             run_at: RunAt::Now,
             max_attempts: None,
             dedupe_key: None,
+            limits: JobLimits::default(),
         }
     }
 }
@@ -215,7 +234,27 @@ impl EnqueueOptions {
         self
     }
 
+    /// At most N jobs of `key` run at once (N: [`LimitOptions::key_concurrency`] or
+    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)).
+    pub fn concurrency_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.concurrency_key = Some(key.into());
+        self
+    }
+    /// At most N starts of `key` per interval ([`LimitOptions::rate`] or
+    /// [`JobQueue::set_rate_limit`](super::JobQueue::set_rate_limit)).
+    pub fn rate_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.rate_key = Some(key.into());
+        self
+    }
+    /// Jobs of one fairness key (a tenant) share one claim partition, so tenants take
+    /// turns ([`super::fairness_partition`]).
+    pub fn fairness_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.fairness_key = Some(key.into());
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
+        self.limits.validate()?;
         if self.max_attempts == Some(0) {
             return Err(Error::invalid("max attempts", "must be at least 1"));
         }

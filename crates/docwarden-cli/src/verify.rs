@@ -30,6 +30,7 @@
 mod args;
 mod context;
 mod guard;
+mod limits;
 mod locks;
 mod nemesis;
 mod orchestrate;
@@ -37,6 +38,7 @@ mod process;
 mod proxy;
 mod queue;
 mod report;
+mod semaphore;
 mod sequence;
 mod summary;
 

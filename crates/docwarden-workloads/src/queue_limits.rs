@@ -433,3 +433,113 @@ mod tests {
         assert_eq!(check_rate(&[0, 500, 1000], 1, 500), (0, 1));
     }
 }
+
+/// The history operations of the verify workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A handler ran: key, `value` = start (latest server ms after it started), detail = end
+    /// (earliest server ms before it returned).
+    Run,
+    /// A job started: key, `value` = the claim's server time (`updated_at`).
+    Start,
+}
+
+impl Op {
+    /// The name in histories and reports.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Op::Run => "run",
+            Op::Start => "start",
+        }
+    }
+}
+
+/// Enqueues the verify jobs: `jobs_per_key` jobs of each of `keys` keys, limited by
+/// concurrency key or by rate key.
+///
+/// # Errors
+/// A database error.
+pub async fn enqueue_verify(
+    q: &JobQueue,
+    keys: usize,
+    jobs_per_key: usize,
+    rate: bool,
+) -> anyhow::Result<()> {
+    let run = LimitRun {
+        keys,
+        jobs_per_key,
+        ..LimitRun::default()
+    };
+    enqueue(q, &run, rate).await
+}
+
+/// The key of a job's payload (verify handlers name their events by it).
+pub fn job_key(payload: &Bson) -> String {
+    key_of(payload)
+}
+
+/// The verify checker of the concurrency workload: handlers of one key running at one
+/// server instant beyond `limit` (`over-concurrency-limit`), from [`Op::Run`] events.
+pub fn concurrency_violations(
+    events: &[docwarden::check::Event],
+    limit: usize,
+) -> Vec<docwarden::check::Violation> {
+    let mut by_key: HashMap<&str, Vec<crate::semaphore::Holding>> = HashMap::new();
+    for e in events.iter().filter(|e| e.op == Op::Run.as_str()) {
+        let (Some(start_ms), Ok(end_ms)) = (e.value, e.detail.parse::<i64>()) else {
+            continue;
+        };
+        by_key
+            .entry(e.key.as_str())
+            .or_default()
+            .push(crate::semaphore::Holding {
+                token: 0,
+                sent_ms: start_ms,
+                start_ms,
+                end_ms,
+            });
+    }
+    let mut out = Vec::new();
+    for (key, holdings) in by_key {
+        let c = crate::semaphore::check(&holdings, limit);
+        for _ in 0..c.overlaps {
+            out.push(docwarden::check::Violation::new(
+                "over-concurrency-limit",
+                key,
+                format!(
+                    "{} jobs of the key ran at one server instant (limit {limit})",
+                    c.max_holders
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// The verify checker of the rate workload: starts of one key beyond `limit` in a window
+/// of `interval_ms − RATE_SLACK_MS` (`over-rate-limit`), from [`Op::Start`] events.
+pub fn rate_violations(
+    events: &[docwarden::check::Event],
+    limit: usize,
+    interval_ms: i64,
+) -> Vec<docwarden::check::Violation> {
+    let mut by_key: HashMap<&str, Vec<i64>> = HashMap::new();
+    for e in events.iter().filter(|e| e.op == Op::Start.as_str()) {
+        if let Some(v) = e.value {
+            by_key.entry(e.key.as_str()).or_default().push(v);
+        }
+    }
+    let mut out = Vec::new();
+    for (key, starts) in by_key {
+        let (v, most) = check_rate(&starts, limit, interval_ms - RATE_SLACK_MS);
+        for _ in 0..v {
+            out.push(docwarden::check::Violation::new(
+                "over-rate-limit",
+                key,
+                format!("{most} starts in one window (limit {limit} per {interval_ms} ms)"),
+            ));
+        }
+    }
+    out
+}

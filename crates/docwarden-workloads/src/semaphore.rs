@@ -255,3 +255,102 @@ mod tests {
         assert_eq!(check(&concurrent, 2).token_regressions, 0);
     }
 }
+
+/// The history operations of the verify workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A permit granted: token, `value` = start (server ms), detail `sent_ms expiry_ms`.
+    Permit,
+    /// A permit given back: token, `value` = end (server ms).
+    Release,
+}
+
+impl Op {
+    /// The name in histories and reports.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Op::Permit => "permit",
+            Op::Release => "release-permit",
+        }
+    }
+}
+
+/// The history event of a granted permit (see [`Op::Permit`]).
+pub fn permit_event(
+    process: u32,
+    at_us: u64,
+    token: i64,
+    sent_ms: i64,
+    start_ms: i64,
+    expiry_ms: i64,
+) -> docwarden::check::Event {
+    docwarden::check::Event::new(process, Op::Permit.as_str(), RESOURCE, at_us, at_us)
+        .token(token)
+        .value(start_ms)
+        .detail(format!("{sent_ms} {expiry_ms}"))
+}
+
+/// The history event of a released permit (see [`Op::Release`]).
+pub fn release_event(process: u32, at_us: u64, token: i64, end_ms: i64) -> docwarden::check::Event {
+    docwarden::check::Event::new(process, Op::Release.as_str(), RESOURCE, at_us, at_us)
+        .token(token)
+        .value(end_ms)
+}
+
+/// The holdings of a history: each permit event, ended by its release event or, without
+/// one (a killed or paused holder), by its expiry.
+pub fn holdings(events: &[docwarden::check::Event]) -> Vec<Holding> {
+    let ends: std::collections::HashMap<i64, i64> = events
+        .iter()
+        .filter(|e| e.op == Op::Release.as_str())
+        .filter_map(|e| Some((e.token?, e.value?)))
+        .collect();
+    events
+        .iter()
+        .filter(|e| e.op == Op::Permit.as_str())
+        .filter_map(|e| {
+            let token = e.token?;
+            let start_ms = e.value?;
+            let mut parts = e.detail.split(' ').map(str::parse::<i64>);
+            let sent_ms = parts.next()?.ok()?;
+            let expiry_ms = parts.next()?.ok()?;
+            let end_ms = ends.get(&token).map_or(expiry_ms, |e| (*e).min(expiry_ms));
+            Some(Holding {
+                token,
+                sent_ms,
+                start_ms,
+                end_ms,
+            })
+        })
+        .collect()
+}
+
+/// The verify checker: more than `permits` holders at one instant
+/// (`semaphore-over-capacity`, one per holding that started beyond), tokens out of
+/// real-time order (`token-not-increasing`).
+pub fn violations(
+    events: &[docwarden::check::Event],
+    permits: usize,
+) -> Vec<docwarden::check::Violation> {
+    let c = check(&holdings(events), permits);
+    let mut out = Vec::new();
+    for _ in 0..c.overlaps {
+        out.push(docwarden::check::Violation::new(
+            "semaphore-over-capacity",
+            RESOURCE,
+            format!(
+                "{} holders at one server instant (permits {permits})",
+                c.max_holders
+            ),
+        ));
+    }
+    for _ in 0..c.token_regressions {
+        out.push(docwarden::check::Violation::new(
+            "token-not-increasing",
+            RESOURCE,
+            "a permit granted after another returned carries a lower token",
+        ));
+    }
+    out
+}

@@ -59,6 +59,12 @@ pub(super) enum Module {
     Queue,
     Sequence,
     Guard,
+    /// The semaphore (issue 16): never more than N holders (not part of `all`).
+    Semaphore,
+    /// Queue concurrency limits (issue 15): never more than N running per key.
+    Limits,
+    /// Queue rate limits (issue 15): never more than N starts per interval per key.
+    Rate,
     All,
 }
 
@@ -83,6 +89,9 @@ impl Module {
             Module::Queue => "queue",
             Module::Sequence => "sequence",
             Module::Guard => "guard",
+            Module::Semaphore => "semaphore",
+            Module::Limits => "limits",
+            Module::Rate => "rate",
             Module::All => "all",
         }
     }

@@ -252,6 +252,9 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
         Module::Queue => queue::worker(ctx, process).await,
         Module::Sequence => sequence::worker(ctx, process).await,
         Module::Guard => guard::worker(ctx, process).await,
+        Module::Semaphore => super::semaphore::worker(ctx, process).await,
+        Module::Limits => super::limits::worker(ctx, process, false).await,
+        Module::Rate => super::limits::worker(ctx, process, true).await,
         Module::All => anyhow::bail!("a worker process runs one module"),
     }
 }
@@ -378,7 +381,12 @@ impl Aim {
                 entry: Some(counters::Op::Touch.as_str()),
                 commit: Some(counters::Op::Write.as_str()),
             },
-            Module::Sequence | Module::Guard | Module::All => Aim {
+            Module::Sequence
+            | Module::Guard
+            | Module::Semaphore
+            | Module::Limits
+            | Module::Rate
+            | Module::All => Aim {
                 entry: None,
                 commit: None,
             },

@@ -183,7 +183,7 @@ impl JobQueue {
 
     /// The partitions the next batch claim of this handle reads: `span` consecutive
     /// ones from a rotating cursor, so concurrent claimers of one handle start apart.
-    fn next_partitions(&self) -> (Vec<i64>, bool) {
+    pub(super) fn next_partitions(&self) -> (Vec<i64>, bool) {
         let total = self.inner.options.partitions;
         let span = self.inner.span.load(Ordering::Relaxed).clamp(1, total);
         let first = self.inner.next_partition.fetch_add(span, Ordering::Relaxed) % total;
@@ -193,7 +193,7 @@ impl JobQueue {
 
     /// Widens (the partitions read held fewer than `k` due jobs) or narrows (they held
     /// at least `k`) the span of the next batch claims.
-    fn adapt_span(&self, found: usize, k: usize) {
+    pub(super) fn adapt_span(&self, found: usize, k: usize) {
         let total = self.inner.options.partitions;
         let span = self.inner.span.load(Ordering::Relaxed);
         let next = if found < k {

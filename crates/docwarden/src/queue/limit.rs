@@ -21,9 +21,9 @@
 //!
 //! **Guarantee:** at any server instant at most N jobs of a key (and at most the queue limit
 //! of limited jobs) hold a valid lease. **Limits:** a handle without [`LimitOptions`] never
-//! claims limited jobs (it cannot bypass a limit, it only leaves the jobs to others); the
-//! candidate read of a limited claim is sorted over all due limited jobs (its cost grows
-//! with that backlog, unlike the partitioned plain claim).
+//! claims limited jobs (it cannot bypass a limit, it only leaves the jobs to others). The
+//! candidates of a limited claim are read from a few rotating partitions, like the plain
+//! batch claim's, so a claim's cost does not grow with the backlog.
 //!
 //! **Fairness:** an enqueue with a fairness key stores `partition = fnv1a64(key) mod
 //! partitions` instead of a random partition, so all jobs of a tenant share one partition
@@ -205,8 +205,9 @@ enum Attempt {
     Gone,
 }
 
-/// How many candidate rounds one limited claim reads (each excludes the keys found full).
-const ROUNDS: usize = 4;
+/// How many candidate rounds one limited claim reads (each reads the next partitions and
+/// excludes the keys found full).
+const ROUNDS: usize = 10;
 
 impl JobQueue {
     /// Whether this handle claims limited jobs ([`LimitOptions`]).
@@ -274,11 +275,12 @@ impl JobQueue {
         let limit = i64::try_from(k.saturating_mul(4)).unwrap_or(i64::MAX);
         for _ in 0..ROUNDS {
             let now = self.inner.time.now().await?;
-            let mut filter = doc! {
-                field::LIMITS: { "$type": "object" },
-                field::STATE: { "$in": claimable_states() },
-                field::RUN_AT: { "$lte": now.latest() },
-            };
+            // The due limited jobs of a few partitions (rotating, widening while they hold
+            // fewer than asked), like the plain batch claim: the read's cost does not grow
+            // with the whole backlog.
+            let (partitions, everything) = self.next_partitions();
+            let mut filter = Self::partition_filter(&partitions, &now);
+            filter.insert(field::LIMITS, doc! { "$type": "object" });
             if !full_keys.is_empty() {
                 filter.insert(field::LIMITS_KEY, doc! { "$nin": full_keys.clone() });
             }
@@ -295,8 +297,12 @@ impl JobQueue {
                 .await?
                 .try_collect()
                 .await?;
+            self.adapt_span(candidates.len(), k);
             if candidates.is_empty() {
-                break;
+                if everything {
+                    break;
+                }
+                continue;
             }
             let mut progress = false;
             for c in candidates {
@@ -329,7 +335,7 @@ impl JobQueue {
                     Attempt::Gone => {}
                 }
             }
-            if !progress || out.len() >= k {
+            if (!progress && everything) || out.len() >= k {
                 break;
             }
         }

@@ -6,10 +6,10 @@
 //!   its key running at once (in this process, where every worker runs) and records a
 //!   violation when it starts beyond `N`. `Mode::Control` claims limited jobs without
 //!   permits ([`Safeguard::ConcurrencyLimit`]).
-//! - **Rate**: jobs of one key, at most `N` starts per interval; every handler records the
-//!   claim's server time (`updated_at`, stamped right after the start was admitted), and
-//!   the checker counts windows shorter than the interval (less a slack for the clock
-//!   bound) that hold more than `N` starts. `Mode::Control` admits every start
+//! - **Rate**: jobs of a few keys, at most `N` starts per interval; every handler records
+//!   the server time its start was admitted (`limits.admitted_at`, the rate document's
+//!   `$$NOW`), and the checker counts windows of the interval that hold more than `N`
+//!   starts. `Mode::Control` admits every start
 //!   ([`Safeguard::RateLimit`]).
 //! - **Fairness**: one tenant's backlog and another tenant's single job, both with fairness
 //!   keys; the run measures how long the single job waits.
@@ -257,9 +257,32 @@ pub fn check_rate(starts: &[i64], limit: usize, window_ms: i64) -> (u64, u64) {
     )
 }
 
-/// Slack subtracted from the rate interval in the check: the claim's `updated_at` is a
-/// server-time estimate taken right after the admission (bound plus a few ms).
-pub const RATE_SLACK_MS: i64 = 50;
+/// Slack subtracted from the rate interval in the check: none, the admission times are
+/// the server's own (`$$NOW`, stored by the claim in `limits.admitted_at`).
+pub const RATE_SLACK_MS: i64 = 0;
+
+/// The server time (`$$NOW`, milliseconds) the rate document admitted the last start of
+/// job `id`, read from the job document (`limits.admitted_at`).
+///
+/// # Errors
+/// A database error.
+pub async fn admitted_at(
+    coll: &mongodb::Collection<mongodb::bson::Document>,
+    id: mongodb::bson::oid::ObjectId,
+) -> anyhow::Result<Option<i64>> {
+    use docwarden::queue::format::field;
+    let d = coll
+        .find_one(doc! { field::ID: id })
+        .projection(doc! { field::LIMITS: 1 })
+        .await?;
+    Ok(d.and_then(|d| {
+        d.get_document(field::LIMITS)
+            .ok()?
+            .get_datetime(field::limits::ADMITTED_AT)
+            .ok()
+            .map(|t| t.timestamp_millis())
+    }))
+}
 
 /// The rate run: jobs of `keys` rate keys, `limit` starts per `interval` each.
 ///
@@ -282,19 +305,21 @@ pub async fn run_rate(
         let handle = JobQueue::open(db, name, time.clone(), options.clone()).await?;
         let (starts, done) = (starts.clone(), done.clone());
         let hold = run.hold;
+        let coll = q.collection().clone();
         workers.push(Worker::spawn(
             handle,
             worker_options(&run, w),
             move |job| {
-                let (starts, done) = (starts.clone(), done.clone());
+                let (starts, done, coll) = (starts.clone(), done.clone(), coll.clone());
                 async move {
                     let key = key_of(job.payload());
+                    let at = admitted_at(&coll, job.id()).await?.unwrap_or(i64::MIN);
                     starts
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .entry(key)
                         .or_default()
-                        .push(job.job.updated_at.timestamp_millis());
+                        .push(at);
                     tokio::time::sleep(hold).await;
                     done.fetch_add(1, Ordering::Relaxed);
                     Ok(Bson::Null)

@@ -5,9 +5,9 @@
 //! - `limits`: concurrency keys, 2 running jobs per key. Each handler records its running
 //!   interval in server time (inner bounds); checked: never more than 2 of one key at one
 //!   server instant. The control claims without permits.
-//! - `rate`: rate keys, 4 starts per 500 ms per key. Each handler records its claim's server
-//!   time; checked: never more than 4 starts of one key in a window of the interval (less
-//!   the clock slack). The control admits every start.
+//! - `rate`: rate keys, 4 starts per 500 ms per key. Each handler records the server time
+//!   its start was admitted (`limits.admitted_at`); checked: never more than 4 starts of
+//!   one key in a window of the interval. The control admits every start.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +75,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
     let q = JobQueue::new(ctx.db.collection(QUEUE), time.clone(), options(ctx, rate))?;
     let history = Arc::clone(&ctx.history);
     let id = process.id();
+    let coll = ctx.db.collection(QUEUE);
     let w = Worker::spawn(
         q,
         WorkerOptions::default()
@@ -83,15 +84,17 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
             .batch_size(4)
             .poll(Duration::from_millis(5), Duration::from_millis(50)),
         move |job| {
-            let (history, time) = (Arc::clone(&history), time.clone());
+            let (history, time, coll) = (Arc::clone(&history), time.clone(), coll.clone());
             async move {
                 let key = queue_limits::job_key(job.payload());
                 let at = history.now_us();
                 if rate {
-                    history.push(
-                        docwarden::check::Event::new(id, Op::Start.as_str(), &key, at, at)
-                            .value(job.job.updated_at.timestamp_millis()),
-                    );
+                    if let Some(admitted) = queue_limits::admitted_at(&coll, job.id()).await? {
+                        history.push(
+                            docwarden::check::Event::new(id, Op::Start.as_str(), &key, at, at)
+                                .value(admitted),
+                        );
+                    }
                     return Ok(Bson::Null);
                 }
                 let start = time.now().await?.latest().timestamp_millis();

@@ -49,10 +49,12 @@ pub mod field {
     pub const LIMITS_KEY: &str = "limits.key";
     /// Its rate key ([`limits::RATE`]).
     pub const LIMITS_RATE: &str = "limits.rate";
+    /// When its last start was admitted ([`limits::ADMITTED_AT`]).
+    pub const LIMITS_ADMITTED_AT: &str = "limits.admitted_at";
 
     /// Every field name and dotted path of the job document docwarden writes, `_id`
     /// excepted (it is MongoDB's, not docwarden's).
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
         STATE,
         PAYLOAD,
         PRIORITY,
@@ -73,6 +75,7 @@ pub mod field {
         LIMITS,
         LIMITS_KEY,
         LIMITS_RATE,
+        LIMITS_ADMITTED_AT,
     ];
 
     /// Keys inside the [`LIMITS`] sub-document.
@@ -86,6 +89,9 @@ pub mod field {
         /// The rate key (string): at most `limit` starts per `interval_ms` of this key,
         /// counted in the document `_id: <rate key>` of `<queue>.rates`.
         pub const RATE: &str = "rate";
+        /// Server time (`$$NOW`) the rate document admitted the job's last start, written
+        /// by the claim that followed.
+        pub const ADMITTED_AT: &str = "admitted_at";
     }
 
     /// Keys inside the [`LEASE`] sub-document.

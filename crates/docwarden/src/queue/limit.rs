@@ -299,7 +299,9 @@ impl JobQueue {
                 .await?;
             self.adapt_span(candidates.len(), k);
             if candidates.is_empty() {
-                if everything {
+                // Widen only while no key was found full: once one is, the rest of the
+                // backlog may well be of full keys, and reading on would cost O(backlog).
+                if everything || !full_keys.is_empty() || !full_rates.is_empty() {
                     break;
                 }
                 continue;
@@ -394,12 +396,17 @@ impl JobQueue {
                 field::RUN_AT: { "$lte": now.latest() },
                 field::LIMITS: { "$type": "object" },
             };
-            let update = Self::claim_update(
+            let mut update = Self::claim_update(
                 me.id(),
                 &token,
                 now.plus_ms(self.inner.ttl_ms),
                 now.estimate(),
             );
+            if let Some(at) = start.as_ref().and_then(|s| s.at)
+                && let Ok(set) = update.get_document_mut("$set")
+            {
+                set.insert(field::LIMITS_ADMITTED_AT, at);
+            }
             let d = self
                 .inner
                 .coll

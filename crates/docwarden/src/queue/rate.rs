@@ -37,6 +37,8 @@ pub(crate) struct RateLimiter {
 pub(crate) struct Start {
     pub(crate) key: String,
     pub(crate) id: String,
+    /// The server's `$$NOW` of the admission.
+    pub(crate) at: Option<mongodb::bson::DateTime>,
 }
 
 /// A rate key as stored (see [`JobQueue::rate_status`](super::JobQueue::rate_status)).
@@ -103,18 +105,14 @@ impl RateLimiter {
                 Ok(None) => return Ok(None),
                 Err(e) => return Err(e.into()),
             };
-            let admitted = after
-                .get_array(field::STARTS)
-                .map(|s| {
-                    s.iter().any(|s| {
-                        s.as_document()
-                            .and_then(|s| s.get_str(field::start::ID).ok())
-                            == Some(id.as_str())
-                    })
-                })
-                .unwrap_or(false);
-            return Ok(admitted.then(|| Start {
+            let mine = after.get_array(field::STARTS).ok().and_then(|s| {
+                s.iter()
+                    .filter_map(Bson::as_document)
+                    .find(|s| s.get_str(field::start::ID).ok() == Some(id.as_str()))
+            });
+            return Ok(mine.map(|s| Start {
                 key: key.to_owned(),
+                at: s.get_datetime(field::start::AT).ok().copied(),
                 id,
             }));
         }

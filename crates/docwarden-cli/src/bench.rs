@@ -27,6 +27,7 @@ use mongodb::{Client, Database};
 use crate::conn::ConnArgs;
 
 mod guard;
+mod limits;
 mod locks;
 mod queue;
 mod sequence;
@@ -175,7 +176,7 @@ pub(crate) struct Args {
     #[arg(long)]
     stages: bool,
     /// Run only these modules' rows (comma separated: guard, locks, queue, sequence,
-    /// wakeup); the reference row always runs.
+    /// wakeup, limits); the reference row always runs.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -271,6 +272,9 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
     }
     if on("wakeup") {
         rows.extend(wakeup::run(_db, _load).await?);
+    }
+    if on("limits") {
+        rows.extend(limits::run(_db, _load).await?);
     }
     Ok(rows)
 }

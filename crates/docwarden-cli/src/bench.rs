@@ -273,7 +273,7 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
     if on("wakeup") {
         rows.extend(wakeup::run(_db, _load).await?);
     }
-    if on("limits") {
+    if on(limits::NAME) {
         rows.extend(limits::run(_db, _load).await?);
     }
     Ok(rows)

@@ -14,6 +14,9 @@ use mongodb::bson::{Bson, doc};
 
 use super::{BenchRow, Load, measure};
 
+/// The module name for `--only`.
+pub(crate) const NAME: &str = "limits"; // not a stored field: the module name
+
 /// Jobs claimed per call.
 const BATCH: usize = 8;
 /// Tenants (keys) the backlog is spread over.

@@ -90,7 +90,7 @@ impl Module {
             Module::Sequence => "sequence",
             Module::Guard => "guard",
             Module::Semaphore => "semaphore",
-            Module::Limits => "limits",
+            Module::Limits => "limits", // not a stored field: the module name
             Module::Rate => "rate",
             Module::All => "all",
         }

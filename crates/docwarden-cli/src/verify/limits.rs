@@ -20,6 +20,8 @@ use mongodb::bson::Bson;
 use super::context::{Ctx, Findings};
 
 const QUEUE: &str = "verify_limits";
+/// The module name (`supervise` finds the worker by it).
+const MODULE: &str = "limits"; // not a stored field: the module name
 const KEYS: usize = 3;
 const JOBS_PER_KEY: usize = 5_000;
 /// The job lease (what a `sigstop` must outlive).
@@ -52,7 +54,7 @@ pub(super) async fn run(ctx: Arc<Ctx>, rate: bool) -> anyhow::Result<Findings> {
     .await?;
     queue_limits::enqueue_verify(&q, KEYS, JOBS_PER_KEY, rate).await?;
     let c = Arc::clone(&ctx);
-    ctx.supervise(if rate { "rate" } else { "limits" }, move |process| {
+    ctx.supervise(if rate { "rate" } else { MODULE }, move |process| {
         let ctx = Arc::clone(&c);
         async move { worker(&ctx, process, rate).await }
     })

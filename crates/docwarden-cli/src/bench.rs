@@ -27,6 +27,7 @@ use mongodb::{Client, Database};
 use crate::conn::ConnArgs;
 
 mod guard;
+mod limits;
 mod locks;
 mod queue;
 mod sequence;
@@ -178,7 +179,7 @@ pub(crate) struct Args {
     #[arg(long)]
     stages: bool,
     /// Run only these modules' rows (comma separated: guard, locks, queue, sequence,
-    /// wakeup); the reference row always runs.
+    /// wakeup, limits); the reference row always runs.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Batch size of the queue `Worker` rows (jobs per claim; default: the library's).
@@ -278,6 +279,9 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
     }
     if on("wakeup") {
         rows.extend(wakeup::run(_db, _load).await?);
+    }
+    if on(limits::NAME) {
+        rows.extend(limits::run(_db, _load).await?);
     }
     Ok(rows)
 }

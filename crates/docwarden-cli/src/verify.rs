@@ -30,6 +30,7 @@
 mod args;
 mod context;
 mod guard;
+mod limits;
 mod locks;
 mod nemesis;
 mod orchestrate;
@@ -38,6 +39,7 @@ mod proxy;
 mod queue;
 mod report;
 mod schedule;
+mod semaphore;
 mod sequence;
 mod summary;
 

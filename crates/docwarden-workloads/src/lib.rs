@@ -15,6 +15,8 @@
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
 //! | [`schedule`] | — , periodic jobs (issue 15) | `queue` (schedules) |
 //! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
+//! | [`semaphore`] | issue 16, N holders per resource | `lock::Semaphore` |
+//! | [`queue_limits`] | issue 15, concurrency and rate limits, fairness | `queue` limits |
 //!
 //! Every history event names its process with a typed [`Process`] and its operation with
 //! the workload's own `Op` enum (`as_str()` is what the history and the report show).
@@ -27,9 +29,11 @@ pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
 mod process;
+pub mod queue_limits;
 mod run;
 pub mod schedule;
 pub mod seed_claim;
+pub mod semaphore;
 
 pub use process::Process;
 pub use run::{Mode, RunConfig, RunReport, run_tasks};

@@ -12,7 +12,8 @@
 //! an uncontended acquire is one write and a release one write; see
 //! `lock/collection.rs` and `docs/locks.md` for the argument and its one assumption: the
 //! counter collection is never deleted or rolled back). [`DocumentLocks`] hands out a random lock id
-//! per acquisition and fences the releasing write by it.
+//! per acquisition and fences the releasing write by it. A [`Semaphore`] admits N
+//! holders per resource, each [`Permit`] with its own fencing token (`lock/semaphore.rs`).
 //!
 //! **Fencing, one shape for every holder:** [`Fence::apply`]`(&holder, filter, update)`
 //! returns a [`FenceOutcome`] for any [`Fenced`] holder. A [`Lease`] fences any document,
@@ -37,6 +38,7 @@ mod collection;
 mod document;
 mod fence;
 mod lease;
+mod semaphore;
 mod watchdog;
 
 /// The stored lock formats (field names), typed.
@@ -50,4 +52,5 @@ pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, Docum
 pub use fence::FenceCondition;
 pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};
 pub use lease::{Lease, Owner};
+pub use semaphore::{HolderRecord, Permit, Semaphore, SemaphoreOptions, SemaphoreRecord};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

@@ -49,8 +49,10 @@ mod claim;
 mod control;
 mod enqueue;
 pub(crate) mod job;
+mod limit;
 mod ops;
 mod options;
+mod rate;
 mod schedule;
 mod transition;
 mod worker;
@@ -59,6 +61,7 @@ pub use crate::token::JobToken;
 pub use control::{PauseOutcome, QueueControl};
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
+pub use limit::{JobLimits, LimitOptions, fairness_partition};
 pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
@@ -67,6 +70,7 @@ pub use options::{
 };
 // Issue 15, job lifecycle: uniqueness policies, snooze, progress and result limits.
 pub use options::OnDuplicate;
+pub use rate::RateRecord;
 pub use schedule::{
     MAX_CATCH_UP, MissedTicks, Schedule, ScheduleSpec, Scheduled, Scheduler, SchedulerReport,
     TickOutcome, tick_job_id,
@@ -160,6 +164,8 @@ struct Inner {
     next_partition: AtomicU32,
     /// How many partitions one batch claim reads (adapts to the backlog).
     span: AtomicU32,
+    /// Concurrency and rate limits: semaphores, rate documents, permits held (`queue/limit.rs`).
+    limits: limit::Limits,
 }
 
 /// A handle on one queue (one collection). Cheap to clone.
@@ -205,8 +211,10 @@ impl JobQueue {
         } else {
             collection
         };
+        let limits = limit::Limits::new(&collection, &time, &options)?;
         Ok(Self {
             inner: Arc::new(Inner {
+                limits,
                 coll: collection,
                 meta,
                 time,

@@ -61,6 +61,12 @@ pub(super) enum Module {
     Guard,
     /// Periodic jobs (issue 15): every tick enqueued once.
     Schedule,
+    /// The semaphore (issue 16): never more than N holders (not part of `all`).
+    Semaphore,
+    /// Queue concurrency limits (issue 15): never more than N running per key.
+    Limits,
+    /// Queue rate limits (issue 15): never more than N starts per interval per key.
+    Rate,
     All,
 }
 
@@ -79,10 +85,16 @@ impl Module {
     }
 
     /// Every single module: the four of `all`, and `schedule` (periodic jobs, issue 15),
-    /// which runs on its own (`docwarden verify schedule`) and is not part of `all`.
+    /// `semaphore`, `limits` and `rate` (issues 15, 16), which run on their own
+    /// (`docwarden verify schedule`, …) and are not part of `all`.
     pub(super) fn each() -> Vec<Module> {
         let mut every = Module::All.expand();
-        every.push(Module::Schedule);
+        every.extend([
+            Module::Schedule,
+            Module::Semaphore,
+            Module::Limits,
+            Module::Rate,
+        ]);
         every
     }
 
@@ -94,6 +106,9 @@ impl Module {
             Module::Sequence => "sequence",
             Module::Guard => "guard",
             Module::Schedule => "schedule", // not a stored field: the module name
+            Module::Semaphore => "semaphore",
+            Module::Limits => "limits", // not a stored field: the module name
+            Module::Rate => "rate",
             Module::All => "all",
         }
     }

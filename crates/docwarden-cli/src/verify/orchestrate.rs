@@ -12,7 +12,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::args::{Args, Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, Findings, WorkloadResult};
-use super::{guard, locks, nemesis, proxy, queue, report, schedule, sequence, summary};
+use super::{
+    guard, limits, locks, nemesis, proxy, queue, report, schedule, semaphore, sequence, summary,
+};
 
 /// Runs `docwarden verify`.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -329,6 +331,8 @@ fn lease(module: Module) -> Duration {
         Module::Locks => locks::TTL,
         // A stopped scheduler misses ticks that the others must enqueue.
         Module::Schedule => docwarden_workloads::schedule::EVERY * 2,
+        Module::Semaphore => semaphore::TTL,
+        Module::Limits | Module::Rate => limits::LEASE,
         Module::Sequence | Module::Guard | Module::All => Duration::from_millis(300),
     }
 }
@@ -341,6 +345,9 @@ async fn dispatch(module: Module, ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         Module::Sequence => sequence::run(ctx).await,
         Module::Guard => guard::run(ctx).await,
         Module::Schedule => schedule::run(ctx).await,
+        Module::Semaphore => semaphore::run(ctx).await,
+        Module::Limits => limits::run(ctx, false).await,
+        Module::Rate => limits::run(ctx, true).await,
         Module::All => anyhow::bail!("`all` is expanded into the four modules before this point"),
     }
 }

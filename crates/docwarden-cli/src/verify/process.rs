@@ -255,6 +255,9 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
         Module::Sequence => sequence::worker(ctx, process).await,
         Module::Guard => guard::worker(ctx, process).await,
         Module::Schedule => super::schedule::worker(ctx, process).await,
+        Module::Semaphore => super::semaphore::worker(ctx, process).await,
+        Module::Limits => super::limits::worker(ctx, process, false).await,
+        Module::Rate => super::limits::worker(ctx, process, true).await,
         Module::All => anyhow::bail!("a worker process runs one module"),
     }
 }
@@ -377,7 +380,13 @@ impl Aim {
                 entry: Some(counters::Op::Touch.as_str()),
                 commit: Some(counters::Op::Write.as_str()),
             },
-            Module::Sequence | Module::Guard | Module::Schedule | Module::All => Aim {
+            Module::Sequence
+            | Module::Guard
+            | Module::Schedule
+            | Module::Semaphore
+            | Module::Limits
+            | Module::Rate
+            | Module::All => Aim {
                 entry: None,
                 commit: None,
             },

@@ -90,7 +90,21 @@ pub mod field {
     /// also the name of the module in command names, metric labels and workload names,
     /// so the no-literal scan of the CLI cannot forbid the word; code that reads the
     /// field still goes through [`QUEUE`].
-    pub const ALL: [&str; 26] = [
+
+    /// The job's limits (`queue/limit.rs`, `docs/queue.md` "Limits and fairness"): a
+    /// sub-document `{key, queue, rate}`, absent on a job without limits. A job that has
+    /// it is claimed only after the permits and the rate start it names were granted.
+    pub const LIMITS: &str = "limits";
+    /// Its concurrency key ([`limits::KEY`]).
+    pub const LIMITS_KEY: &str = "limits.key";
+    /// Its rate key ([`limits::RATE`]).
+    pub const LIMITS_RATE: &str = "limits.rate";
+    /// When its last start was admitted ([`limits::ADMITTED_AT`]).
+    pub const LIMITS_ADMITTED_AT: &str = "limits.admitted_at";
+
+    /// Every field name and dotted path of the job document docwarden writes, `_id`
+    /// excepted (it is MongoDB's, not docwarden's).
+    pub const ALL: [&str; 30] = [
         STATE,
         PAYLOAD,
         PRIORITY,
@@ -117,7 +131,27 @@ pub mod field {
         FOLLOW_UPS,
         SCHEDULE,
         TICK,
+        LIMITS,
+        LIMITS_KEY,
+        LIMITS_RATE,
+        LIMITS_ADMITTED_AT,
     ];
+
+    /// Keys inside the [`LIMITS`] sub-document.
+    pub mod limits {
+        /// The concurrency key (string): at most N jobs of this key run at once, N being
+        /// the `permits` of the semaphore document `key:<key>` in `<queue>.limits`.
+        pub const KEY: &str = "key";
+        /// `true`: the job counts against the queue's own concurrency limit (the
+        /// semaphore document `queue` in `<queue>.limits`).
+        pub const QUEUE: &str = "queue";
+        /// The rate key (string): at most `limit` starts per `interval_ms` of this key,
+        /// counted in the document `_id: <rate key>` of `<queue>.rates`.
+        pub const RATE: &str = "rate";
+        /// Server time (`$$NOW`) the rate document admitted the job's last start, written
+        /// by the claim that followed.
+        pub const ADMITTED_AT: &str = "admitted_at";
+    }
 
     /// Keys inside the [`LEASE`] sub-document.
     pub mod lease {
@@ -233,4 +267,41 @@ mod tests {
             assert_eq!(inside, claimable, "{s}");
         }
     }
+}
+
+/// The rate documents of a queue, in `<queue>.rates` (`queue/rate.rs`).
+pub mod rate {
+    /// Suffix of the rate collection's name after the queue collection's.
+    pub const COLLECTION_SUFFIX: &str = ".rates";
+    /// The document's `_id`: the rate key.
+    pub const ID: &str = "_id";
+    /// Starts allowed per interval (int64).
+    pub const LIMIT: &str = "limit";
+    /// The interval in milliseconds (int64).
+    pub const INTERVAL_MS: &str = "interval_ms";
+    /// The admitted starts, `[{at, id}]`; an admission drops those with `at ≤ $$NOW −
+    /// interval_ms` and appends one only while fewer than `limit` remain.
+    pub const STARTS: &str = "starts";
+    /// Every field of a rate document, `_id` excepted.
+    pub const ALL: [&str; 3] = [LIMIT, INTERVAL_MS, STARTS];
+
+    /// Fields of one element of `starts`.
+    pub mod start {
+        /// Server time (`$$NOW`) of the admission.
+        pub const AT: &str = "at";
+        /// The admission's random id (taken back by it after a failed claim).
+        pub const ID: &str = "id";
+    }
+}
+
+/// The concurrency semaphores of a queue, in `<queue>.limits` (a
+/// [`crate::lock::Semaphore`]; document fields in [`super::lock::semaphore`]).
+pub mod limit {
+    /// Suffix of the semaphore collection's name after the queue collection's.
+    pub const COLLECTION_SUFFIX: &str = ".limits";
+    /// The semaphore resource of a concurrency key is this prefix and the key.
+    pub const KEY_PREFIX: &str = "key:";
+    /// The semaphore resource of the default queue's own concurrency limit; a named
+    /// queue's is this, `:` and its name.
+    pub const QUEUE_RESOURCE: &str = "queue";
 }

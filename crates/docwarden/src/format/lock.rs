@@ -32,6 +32,46 @@ pub mod collection {
     ];
 }
 
+/// Fields of a semaphore document in a [`crate::lock::Semaphore`] (`_id` is the resource).
+/// The counter collection `<name>.tokens` holds `{_id: resource, token}` (the top of the
+/// last reserved block), as for the lock collection.
+pub mod semaphore {
+    /// The document's `_id`: the resource.
+    pub const ID: &str = "_id";
+    /// How many holders the resource admits (int64; the handle's default when missing).
+    pub const PERMITS: &str = "permits";
+    /// The holders: an array of `{owner, token, acquisition, acquired_at, until}`.
+    pub const HOLDERS: &str = "holders";
+    /// The last fencing token handed out (int64).
+    pub const TOKEN: &str = "token";
+    /// The top of the token block reserved in the counter: a permit takes `token + 1`
+    /// only while `token < ceiling`.
+    pub const CEILING: &str = "ceiling";
+    /// A refill's random nonce between marking the document and committing a new block.
+    pub const REFILL: &str = "refill";
+
+    /// Every field docwarden writes in a semaphore document, `_id` excepted.
+    pub const ALL: [&str; 5] = [PERMITS, HOLDERS, TOKEN, CEILING, REFILL];
+
+    /// Fields of one element of `holders`.
+    pub mod holder {
+        /// The holder's owner id.
+        pub const OWNER: &str = "owner";
+        /// The permit's fencing token (int64, strictly increasing per resource).
+        pub const TOKEN: &str = "token";
+        /// The random nonce of the acquire that added this holder.
+        pub const ACQUISITION: &str = "acquisition";
+        /// Server time the permit was granted.
+        pub const ACQUIRED_AT: &str = "acquired_at";
+        /// Server time the permit expires unless renewed; an acquire drops the holder
+        /// once `until` is before server time minus the clock bound and skew margin.
+        pub const UNTIL: &str = "until";
+
+        /// Every field of a holder.
+        pub const ALL: [&str; 5] = [OWNER, TOKEN, ACQUISITION, ACQUIRED_AT, UNTIL];
+    }
+}
+
 /// Default fields of a document lock ([`crate::lock::DocumentLockOptions`]).
 pub mod document {
     /// The random lock id of the holder (`null` when unlocked).

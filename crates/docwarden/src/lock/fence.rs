@@ -112,9 +112,16 @@ mod sealed {
     impl Sealed for super::Lease {}
     impl Sealed for super::DocumentGuard {}
     impl Sealed for super::ClaimedJob {}
+    impl Sealed for super::super::semaphore::Permit {}
 }
 
 impl Fenced for Lease {
+    fn fence_condition(&self) -> FenceCondition {
+        FenceCondition::Token(self.token.get())
+    }
+}
+
+impl Fenced for super::semaphore::Permit {
     fn fence_condition(&self) -> FenceCondition {
         FenceCondition::Token(self.token.get())
     }

@@ -65,12 +65,25 @@ impl JobQueue {
         }
     }
 
+    /// The plain claims' filter: due, and without `limits` (a limited job is claimed only
+    /// by [`JobQueue::claim_limited`], after its permits: `queue/limit.rs`).
+    pub(crate) fn plain_due_filter(&self, now: &ServerTime) -> Document {
+        let mut f = self.due_filter(now);
+        f.insert(field::LIMITS, Bson::Null);
+        f
+    }
+
     /// The claim order: highest priority first, then oldest `run_at`.
     pub(crate) fn claim_sort() -> Document {
         doc! { field::PRIORITY: -1, field::RUN_AT: 1 }
     }
 
-    fn claim_update(owner: &str, token: &str, until: DateTime, now: DateTime) -> Document {
+    pub(super) fn claim_update(
+        owner: &str,
+        token: &str,
+        until: DateTime,
+        now: DateTime,
+    ) -> Document {
         doc! {
             "$set": {
                 field::STATE: JobState::Running.as_str(),
@@ -126,7 +139,7 @@ impl JobQueue {
             let Some(head) = self
                 .inner
                 .coll
-                .find_one(self.due_filter(&now))
+                .find_one(self.plain_due_filter(&now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .await?
@@ -145,7 +158,7 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one_and_update(self.due_filter(&now), update)
+            .find_one_and_update(self.plain_due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .return_document(ReturnDocument::After)
@@ -159,7 +172,7 @@ impl JobQueue {
         let r = self
             .inner
             .coll
-            .update_one(self.due_filter(&now), update)
+            .update_one(self.plain_due_filter(&now), update)
             .sort(Self::claim_sort())
             .hint(claim_hint())
             .await?;
@@ -181,7 +194,7 @@ impl JobQueue {
 
     /// The partitions the next batch claim of this handle reads: `span` consecutive
     /// ones from a rotating cursor, so concurrent claimers of one handle start apart.
-    fn next_partitions(&self) -> (Vec<i64>, bool) {
+    pub(super) fn next_partitions(&self) -> (Vec<i64>, bool) {
         let total = self.inner.options.partitions;
         let span = self.inner.span.load(Ordering::Relaxed).clamp(1, total);
         let first = self.inner.next_partition.fetch_add(span, Ordering::Relaxed) % total;
@@ -191,7 +204,7 @@ impl JobQueue {
 
     /// Widens (the partitions read held fewer than `k` due jobs) or narrows (they held
     /// at least `k`) the span of the next batch claims.
-    fn adapt_span(&self, found: usize, k: usize) {
+    pub(super) fn adapt_span(&self, found: usize, k: usize) {
         let total = self.inner.options.partitions;
         let span = self.inner.span.load(Ordering::Relaxed);
         let next = if found < k {
@@ -223,7 +236,7 @@ impl JobQueue {
                 }
             })
             .collect();
-        doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() } }
+        doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() }, field::LIMITS: Bson::Null }
     }
 
     /// Claims up to `k` due jobs with one lease token, in three round trips whatever
@@ -272,7 +285,7 @@ impl JobQueue {
             }
             let token = validate::random_id();
             let mut filter = doc! { field::ID: { "$in": ids.clone() } };
-            filter.extend(self.due_filter(&now));
+            filter.extend(self.plain_due_filter(&now));
             match self.inner.options.unsafe_without {
                 Some(Safeguard::BatchRecheck) => {
                     // Control only: the candidates are written whatever their state now.
@@ -350,7 +363,7 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let token = validate::random_id();
         let mut filter = doc! { field::ID: id.clone() };
-        filter.extend(self.due_filter(&now));
+        filter.extend(self.plain_due_filter(&now));
         let update = Self::claim_update(
             owner,
             &token,
@@ -371,7 +384,7 @@ impl JobQueue {
 
     /// Parses a freshly claimed document; a malformed one is moved to `dead` (fenced by
     /// our token) with the reason, and `None` is returned.
-    async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
+    pub(super) async fn accept(&self, d: Document, token: &str) -> Result<Option<ClaimedJob>> {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
                 Some(lease) if lease.token.as_str() == token => {

@@ -108,6 +108,7 @@ impl JobQueue {
         if let Some(q) = &self.inner.options.queue {
             d.insert(field::QUEUE, q.clone());
         }
+        self.apply_limits(&mut d, opts)?;
         let mut bytes = Vec::new();
         d.to_writer(&mut bytes)
             .map_err(|e| Error::invalid("payload", format!("cannot be encoded as BSON: {e}")))?;

@@ -5,6 +5,7 @@ use std::time::Duration;
 use mongodb::bson::DateTime;
 use mongodb::options::WriteConcern;
 
+use super::limit::{JobLimits, LimitOptions};
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -69,6 +70,9 @@ pub struct QueueOptions {
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
     pub unsafe_without: Option<Safeguard>,
+    /// Concurrency and rate limits this handle honours (`queue/limit.rs`). Default: none,
+    /// and the handle never claims a limited job.
+    pub limits: LimitOptions,
 }
 
 /// A safeguard of the queue that a test's control switches off to show that the test
@@ -107,6 +111,12 @@ pub enum Safeguard {
     /// A worker checks the queue's control document (pause) before every claim. Off: it
     /// claims from a paused queue.
     PauseCheck,
+    /// A limited claim takes the permits its job's concurrency key and queue limit name.
+    /// Off: it claims limited jobs without permits.
+    ConcurrencyLimit,
+    /// A limited claim is admitted by the rate document of its job's rate key. Off: every
+    /// start is admitted (and recorded).
+    RateLimit,
 }
 
 impl Default for QueueOptions {
@@ -123,6 +133,7 @@ impl Default for QueueOptions {
             max_stalls: None,
             queue: None,
             unsafe_without: None,
+            limits: LimitOptions::default(),
         }
     }
 }
@@ -168,6 +179,11 @@ impl QueueOptions {
     pub fn queue(mut self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.queue = (name != crate::format::schedule::DEFAULT_QUEUE).then_some(name);
+        self
+    }
+    /// Sets [`QueueOptions::limits`].
+    pub fn limits(mut self, limits: LimitOptions) -> Self {
+        self.limits = limits;
         self
     }
     /// Switches one safeguard off: for a test's control only.
@@ -235,6 +251,8 @@ pub struct EnqueueOptions {
     /// What an enqueue does when the key already has an unfinished job. Default
     /// [`OnDuplicate::Keep`].
     pub on_duplicate: OnDuplicate,
+    /// Concurrency key, rate key and fairness key (`queue/limit.rs`).
+    pub limits: JobLimits,
 }
 
 /// What an enqueue with a dedupe key does when the key already has an unfinished job
@@ -267,6 +285,7 @@ impl Default for EnqueueOptions {
             dedupe_key: None,
             unique_window: None,
             on_duplicate: OnDuplicate::Keep,
+            limits: JobLimits::default(),
         }
     }
 }
@@ -308,6 +327,24 @@ impl EnqueueOptions {
         self.on_duplicate = policy;
         self
     }
+    /// At most N jobs of `key` run at once (N: [`LimitOptions::key_concurrency`] or
+    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)).
+    pub fn concurrency_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.concurrency_key = Some(key.into());
+        self
+    }
+    /// At most N starts of `key` per interval ([`LimitOptions::rate`] or
+    /// [`JobQueue::set_rate_limit`](super::JobQueue::set_rate_limit)).
+    pub fn rate_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.rate_key = Some(key.into());
+        self
+    }
+    /// Jobs of one fairness key (a tenant) share one claim partition, so tenants take
+    /// turns ([`super::fairness_partition`]).
+    pub fn fairness_key(mut self, key: impl Into<String>) -> Self {
+        self.limits.fairness_key = Some(key.into());
+        self
+    }
 
     pub(crate) fn validate(&self) -> Result<()> {
         if let Some(w) = self.unique_window {
@@ -325,6 +362,7 @@ impl EnqueueOptions {
         if self.on_duplicate != OnDuplicate::Keep && self.dedupe_key.is_none() {
             return Err(Error::invalid("on duplicate", "needs a dedupe key"));
         }
+        self.limits.validate()?;
         if self.max_attempts == Some(0) {
             return Err(Error::invalid("max attempts", "must be at least 1"));
         }

@@ -605,6 +605,10 @@ async fn claim_loop(
 /// One claim of up to `want` jobs: a batch claim, or the strict single claim when the
 /// worker's batch size is 1.
 async fn claim(ctx: &Ctx, want: usize) -> Result<Vec<ClaimedJob>> {
+    if ctx.queue.claims_limited() {
+        // Limited jobs after their permits, then plain ones (`queue/limit.rs`).
+        return ctx.queue.claim_with_limits(&ctx.owner, want).await;
+    }
     if ctx.options.batch_size == 1 {
         Ok(ctx.queue.claim(&ctx.owner).await?.into_iter().collect())
     } else {
@@ -642,7 +646,10 @@ async fn run_slot(
                     return;
                 }
             }
-            None => ctx.forget(&job.id()),
+            None => {
+                ctx.forget(&job.id());
+                ctx.queue.release_permits(&job).await;
+            }
         }
     }
 }
@@ -724,6 +731,7 @@ async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
         let outcomes = settle_batch(&ctx.queue, &batch).await;
         for ((job, t), outcome) in batch.iter().zip(outcomes) {
             ctx.forget(&job.id());
+            ctx.queue.release_permits(job).await;
             count(&ctx.counters, t, outcome);
         }
     }
@@ -813,10 +821,12 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
         if jobs.is_empty() {
             continue;
         }
+        // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
+        let permits = ctx.queue.renew_permits(&jobs).await;
         match ctx.queue.heartbeat_detail(&jobs).await {
             Ok(held) => {
-                for (job, still) in jobs.iter().zip(held) {
-                    if still == Held::Yes {
+                for ((job, still), permit) in jobs.iter().zip(held).zip(permits) {
+                    if still == Held::Yes && permit {
                         continue;
                     }
                     let gone = ctx
@@ -832,6 +842,7 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                         Counters::bump(&ctx.counters.cancelled);
                         tracing::info!(job = %job.id(), "job cancelled while running; handler signalled");
                     } else {
+                        // The lease, or the permit that must outlive it, is lost.
                         lost.cancel();
                         Counters::bump(&ctx.counters.lease_lost);
                     }

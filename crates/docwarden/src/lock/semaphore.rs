@@ -1,0 +1,855 @@
+//! Counting semaphores: at most N holders ("permits") per resource, each permit a fenced
+//! lease with its own fencing token.
+//!
+//! **One document per resource** in `<name>`: `{_id: resource, permits: N, holders:
+//! [{owner, token, acquisition, acquired_at, until}], token, ceiling}` (field names in
+//! [`crate::format::lock::semaphore`]). An acquire is one atomic `findOneAndUpdate` by
+//! `_id` whose pipeline first drops the holders whose `until` is before the cut-off (server
+//! time minus the clock bound and the skew margin, from the [`TimeSource`]), then appends
+//! the new holder with `token + 1` only while fewer than `permits` holders remain and the
+//! document's token block has a token left (`token < ceiling`). Renew is one `updateOne` on
+//! the holder's array element (`$elemMatch` on owner, token and a still certainly valid
+//! `until`); release is one `$pull` of `(owner, token)`.
+//!
+//! **Tokens strictly increase per resource**, across release, expiry, crashes and deletion
+//! of the document, the way [`super::LockCollection`] keeps them: tokens are handed out from
+//! a block `(ceiling − block, ceiling]` reserved in the counter collection `<name>.tokens`,
+//! which nothing deletes. When the document is missing or its block is used up, a refill
+//! (1) marks the document with a random `refill` nonce (upsert), (2) raises the counter by a
+//! block above the document's token, (3) commits the new ceiling compare-and-set on the
+//! nonce. Between (1) and (3) no other refill can commit and the document cannot be
+//! replaced without losing the nonce, so the new block starts above every token handed out.
+//!
+//! **N changes at run time** ([`Semaphore::set_permits`]): growing admits at once;
+//! shrinking drops nobody, and no new permit is granted until fewer than N hold.
+//!
+//! **Limits:** a permit is a promise about time: a holder paused past `until` still believes
+//! it holds; its writes must be fenced ([`super::Fence::apply`] with the [`Permit`], by token
+//! order per target document). Tokens of one semaphore resource are comparable with each
+//! other only. The counter collection must never be deleted or rolled back (majority write
+//! concern on a replica set), as for the lock collection.
+
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::{CollectionOptions, IndexOptions, ReturnDocument, WriteConcern};
+use mongodb::{Collection, Database, IndexModel};
+use tracing::instrument;
+
+use super::lease::{Lease, Owner};
+use crate::backoff::Backoff;
+use crate::clock::{ServerTime, TimeSource};
+use crate::error::{self, Error, Result};
+use crate::format::lock::semaphore as field;
+use crate::token::FencingToken;
+use crate::validate;
+
+/// Tokens reserved per counter write.
+const TOKEN_BLOCK: i64 = 1_000_000;
+
+/// How many times one `try_acquire` refills a block before it gives up (each refill that
+/// loses to a racing refill leaves a fresh block behind, so the next attempt is fast).
+const MAX_ROUNDS: usize = 8;
+
+/// Options of a [`Semaphore`], validated once by [`Semaphore::new`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SemaphoreOptions {
+    /// Permits of a resource whose document stores none yet (set a resource's own number
+    /// with [`Semaphore::set_permits`]). Default 1.
+    pub default_permits: u32,
+    /// First delay of a blocking [`Semaphore::acquire`] retry. Default 5 ms.
+    pub backoff_base: Duration,
+    /// Largest delay between blocking acquire retries. Default 250 ms.
+    pub backoff_max: Duration,
+    /// Write concern for the semaphore and token collections; `None` inherits.
+    pub write_concern: Option<WriteConcern>,
+    token_block: i64,
+    /// Test controls only: the acquire counts every holder as expired.
+    unsafe_ignore_expiry: bool,
+}
+
+impl Default for SemaphoreOptions {
+    fn default() -> Self {
+        Self {
+            default_permits: 1,
+            backoff_base: Duration::from_millis(5),
+            backoff_max: Duration::from_millis(250),
+            write_concern: None,
+            token_block: TOKEN_BLOCK,
+            unsafe_ignore_expiry: false,
+        }
+    }
+}
+
+impl SemaphoreOptions {
+    /// Sets [`SemaphoreOptions::default_permits`].
+    pub fn default_permits(mut self, n: u32) -> Self {
+        self.default_permits = n;
+        self
+    }
+
+    /// Sets [`SemaphoreOptions::backoff_base`] and [`SemaphoreOptions::backoff_max`].
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max;
+        self
+    }
+
+    /// Sets [`SemaphoreOptions::write_concern`].
+    pub fn write_concern(mut self, write_concern: WriteConcern) -> Self {
+        self.write_concern = Some(write_concern);
+        self
+    }
+
+    /// Tokens reserved per refill (default 1,000,000); `1` makes every acquire refill.
+    #[doc(hidden)]
+    pub fn token_block(mut self, block: i64) -> Self {
+        self.token_block = block;
+        self
+    }
+
+    /// Test controls only, **unsafe**: the acquire counts every holder as expired, so it
+    /// admits whatever the number of valid holders. Shows what the expiry check prevents.
+    #[doc(hidden)]
+    pub fn unsafe_ignore_expiry(mut self) -> Self {
+        self.unsafe_ignore_expiry = true;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        validate_permits(self.default_permits)?;
+        Backoff::new(self.backoff_base, self.backoff_max)?;
+        if self.token_block < 1 {
+            return Err(Error::invalid("token_block", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+fn validate_permits(n: u32) -> Result<i64> {
+    if n == 0 {
+        return Err(Error::invalid("permits", "must be at least 1"));
+    }
+    Ok(i64::from(n))
+}
+
+/// One permit of a [`Semaphore`]: the value a holder keeps to renew, release and fence
+/// writes ([`super::Fence::apply`]; it fences by token order like a [`Lease`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Permit {
+    /// The semaphore resource (the document's `_id`).
+    pub resource: String,
+    /// The holder's owner id.
+    pub owner: String,
+    /// The fencing token of this permit: strictly increasing per resource.
+    pub token: FencingToken,
+    /// Server time (estimated) when the permit was granted.
+    pub acquired_at: DateTime,
+    /// Server time (estimated) when the permit expires unless renewed.
+    pub expires_at: DateTime,
+}
+
+impl Permit {
+    /// Whether the permit is still certainly valid at `now`, `margin_ms` included.
+    pub fn is_certainly_valid(&self, now: &ServerTime, margin_ms: i64) -> bool {
+        now.certainly_before(self.expires_at, margin_ms)
+    }
+
+    /// The permit as a [`Lease`] on its resource (same token and times), for code written
+    /// against leases.
+    pub fn as_lease(&self) -> Lease {
+        Lease {
+            resource: self.resource.clone(),
+            owner: self.owner.clone(),
+            token: self.token,
+            acquired_at: self.acquired_at,
+            expires_at: self.expires_at,
+        }
+    }
+}
+
+/// One holder of a semaphore, as stored, for listing.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct HolderRecord {
+    /// The holder's owner id (`""` if not a string).
+    pub owner: String,
+    /// Its fencing token (`None` if not an int64).
+    pub token: Option<FencingToken>,
+    /// When it was granted (server time).
+    #[serde(serialize_with = "super::collection::as_rfc3339")]
+    pub acquired_at: Option<DateTime>,
+    /// When it expires unless renewed (server time); not a date counts as expired.
+    #[serde(serialize_with = "super::collection::as_rfc3339")]
+    pub expires_at: Option<DateTime>,
+    /// Whether it has certainly expired (the next acquire drops it).
+    pub expired: bool,
+}
+
+/// A semaphore resource as stored, for listing (`docwarden locks list`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SemaphoreRecord {
+    /// The resource (the document's `_id`; extended JSON if not a string).
+    pub resource: String,
+    /// Permits of the resource (`None` if the document stores none: the handle's default
+    /// applies).
+    pub permits: Option<i64>,
+    /// The holders stored, expired ones included until the next acquire drops them.
+    pub holders: Vec<HolderRecord>,
+    /// The last token handed out, if any.
+    pub token: Option<FencingToken>,
+}
+
+impl SemaphoreRecord {
+    /// How many holders are not certainly expired.
+    pub fn live(&self) -> usize {
+        self.holders.iter().filter(|h| !h.expired).count()
+    }
+}
+
+/// Counting semaphores with fencing tokens, one document per resource.
+///
+/// ```no_run
+/// # async fn example(db: mongodb::Database, client: mongodb::Client) -> docwarden::Result<()> {
+/// use std::time::Duration;
+/// use docwarden::clock::{ClockOptions, TimeSource};
+/// use docwarden::lock::{Owner, Semaphore, SemaphoreOptions};
+///
+/// let time = TimeSource::server(client, ClockOptions::default())?;
+/// let sem = Semaphore::open(&db, "api.sem", time, SemaphoreOptions::default().default_permits(4)).await?;
+/// let me = Owner::random();
+/// if let Some(permit) = sem.try_acquire(&me, "partner-api", Duration::from_secs(10)).await? {
+///     // … call the API, fence writes with `permit` …
+///     sem.release(&permit).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Semaphore {
+    docs: Collection<Document>,
+    tokens: Collection<Document>,
+    time: TimeSource,
+    options: SemaphoreOptions,
+    default_permits: i64,
+}
+
+impl Semaphore {
+    /// A handle on the semaphore collection `collection` and its counter collection
+    /// `<name>.tokens`, without touching the server: it only validates.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad collection name or options.
+    pub fn new(
+        collection: Collection<Document>,
+        time: TimeSource,
+        options: SemaphoreOptions,
+    ) -> Result<Self> {
+        validate::collection_name("semaphore collection", collection.name())?;
+        options.validate()?;
+        let db = collection.client().database(&collection.namespace().db);
+        let coll_options = CollectionOptions::builder()
+            .write_concern(
+                options
+                    .write_concern
+                    .clone()
+                    .or_else(|| collection.write_concern().cloned()),
+            )
+            .read_concern(collection.read_concern().cloned())
+            .selection_criteria(collection.selection_criteria().cloned())
+            .build();
+        let name = collection.name();
+        Ok(Self {
+            docs: db.collection_with_options(name, coll_options.clone()),
+            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
+            time,
+            default_permits: i64::from(options.default_permits),
+            options,
+        })
+    }
+
+    /// Opens the semaphore collection `name` of `db` ([`Semaphore::new`]), runs the
+    /// preflight checks and creates the index `{holders.owner: 1}` (listing and releasing
+    /// by owner).
+    ///
+    /// # Errors
+    /// As [`Semaphore::new`]; [`Error::Incompatible`] from [`crate::preflight::check`]; a
+    /// database error.
+    pub async fn open(
+        db: &Database,
+        name: &str,
+        time: TimeSource,
+        options: SemaphoreOptions,
+    ) -> Result<Self> {
+        validate::collection_name("semaphore collection", name)?;
+        let this = Self::new(db.collection(name), time, options)?;
+        crate::preflight::check(&this.docs).await?;
+        crate::preflight::check(&this.tokens).await?;
+        this.ensure_indexes().await?;
+        Ok(this)
+    }
+
+    /// Creates the index (idempotent).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn ensure_indexes(&self) -> Result<()> {
+        let key = format!("{}.{}", field::HOLDERS, field::holder::OWNER);
+        self.docs
+            .create_index(
+                IndexModel::builder()
+                    .keys(doc! { key: 1 })
+                    .options(
+                        IndexOptions::builder()
+                            .name("holders_owner".to_owned())
+                            .build(),
+                    )
+                    .build(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The semaphore collection's name.
+    pub fn name(&self) -> &str {
+        self.docs.name()
+    }
+
+    /// The time source every expiry decision uses.
+    pub fn time(&self) -> &TimeSource {
+        &self.time
+    }
+
+    /// Tries once to take a permit of `resource` for `ttl`. `Ok(None)` when `permits`
+    /// holders that are not certainly expired hold it (contention is not an error).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad resource or owner or a zero ttl; a database error.
+    #[instrument(skip(self, owner), fields(collection = %self.docs.name()))]
+    pub async fn try_acquire(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+    ) -> Result<Option<Permit>> {
+        validate::name("resource", resource)?;
+        validate::name("owner", owner.id())?;
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        for _ in 0..MAX_ROUNDS {
+            let now = self.time.now().await?;
+            let cutoff = now.expired_before(self.time.skew_margin_ms());
+            let nonce = validate::random_id();
+            let acquired_at = now.estimate();
+            let expires_at = now.plus_ms(ttl_ms);
+            let update = acquire_pipeline(
+                &AcquireArgs {
+                    owner: owner.id(),
+                    nonce: &nonce,
+                    acquired_at,
+                    expires_at,
+                    cutoff,
+                    default_permits: self.default_permits,
+                },
+                self.options.unsafe_ignore_expiry,
+            );
+            let after = self
+                .docs
+                .find_one_and_update(doc! { field::ID: resource }, update)
+                .return_document(ReturnDocument::After)
+                .await?;
+            let Some(after) = after else {
+                // No document yet (or deleted): create it with a fresh block.
+                self.refill(resource).await?;
+                continue;
+            };
+            match admitted(&after, &nonce) {
+                Admission::Granted(token) => {
+                    tracing::debug!(resource, token, "permit acquired");
+                    return Ok(Some(Permit {
+                        resource: resource.to_owned(),
+                        owner: owner.id().to_owned(),
+                        token: FencingToken::new(token),
+                        acquired_at,
+                        expires_at,
+                    }));
+                }
+                Admission::Full => return Ok(None),
+                Admission::Exhausted => self.refill(resource).await?,
+            }
+        }
+        tracing::debug!(resource, "no permit after racing refills");
+        Ok(None)
+    }
+
+    /// Takes a permit of `resource` for `ttl`, retrying with jittered backoff until one is
+    /// granted or `wait` has passed (`Ok(None)`).
+    ///
+    /// # Errors
+    /// As [`Semaphore::try_acquire`].
+    pub async fn acquire(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Permit>> {
+        let deadline = Instant::now().checked_add(wait);
+        let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        loop {
+            if let Some(p) = self.try_acquire(owner, resource, ttl).await? {
+                return Ok(Some(p));
+            }
+            let delay = backoff.next_delay();
+            let delay = match deadline {
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Ok(None);
+                    }
+                    delay.min(deadline - now)
+                }
+                None => delay,
+            };
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// A new token block for `resource` (the three steps in the module docs). Racing
+    /// refills: the last marker wins, the others commit nothing.
+    async fn refill(&self, resource: &str) -> Result<()> {
+        let nonce = validate::random_id();
+        let marked = match self
+            .docs
+            .find_one_and_update(
+                doc! { field::ID: resource },
+                doc! {
+                    "$set": { field::REFILL: &nonce },
+                    "$setOnInsert": { field::PERMITS: self.default_permits, field::HOLDERS: [] },
+                },
+            )
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await
+        {
+            Ok(Some(d)) => d,
+            // A racing first upsert: the document exists now; the caller tries again.
+            Ok(None) => return Ok(()),
+            Err(e) if error::is_duplicate_key(&e) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let previous = match marked.get(field::TOKEN) {
+            Some(Bson::Int64(t)) => *t,
+            _ => 0,
+        };
+        let block = self.options.token_block;
+        let overflow = || Error::Malformed {
+            id: resource.to_owned(),
+            reason: "fencing token overflow".into(),
+        };
+        previous.checked_add(block).ok_or_else(overflow)?;
+        let ceiling = self.reserve(resource, previous, block).await?;
+        let base = ceiling.checked_sub(block).ok_or_else(overflow)?;
+        let committed = self
+            .docs
+            .update_one(
+                doc! { field::ID: resource, field::REFILL: &nonce },
+                commit_pipeline(base, ceiling),
+            )
+            .await?;
+        tracing::debug!(
+            resource,
+            ceiling,
+            committed = committed.matched_count,
+            "token block"
+        );
+        Ok(())
+    }
+
+    /// Raises the counter `<name>.tokens` by one block above `previous`; the new value.
+    async fn reserve(&self, resource: &str, previous: i64, block: i64) -> Result<i64> {
+        for attempt in 1..=3 {
+            let answer = self
+                .tokens
+                .find_one_and_update(
+                    doc! { field::ID: resource },
+                    vec![doc! { "$set": { field::TOKEN: { "$add": [
+                        { "$max": [ { "$ifNull": [ format!("${}", field::TOKEN), 0_i64 ] }, previous ] },
+                        block,
+                    ] } } }],
+                )
+                .upsert(true)
+                .return_document(ReturnDocument::After)
+                .await;
+            match answer {
+                Ok(Some(c)) => {
+                    return c.get_i64(field::TOKEN).map_err(|e| Error::Malformed {
+                        id: resource.to_owned(),
+                        reason: format!("semaphore token counter: {e}"),
+                    });
+                }
+                Ok(None) if attempt < 3 => {}
+                Err(e) if attempt < 3 && error::is_duplicate_key(&e) => {}
+                Ok(None) => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(Error::Malformed {
+            id: resource.to_owned(),
+            reason: "semaphore token counter upsert returned nothing".into(),
+        })
+    }
+
+    /// Extends `permit` to `ttl` from now (server time), only while it is still certainly
+    /// valid and still stored.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the permit expired, was released or dropped; a database error.
+    #[instrument(skip(self, permit), fields(resource = %permit.resource, token = permit.token.get()))]
+    pub async fn renew(&self, permit: &mut Permit, ttl: Duration) -> Result<()> {
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let now = self.time.now().await?;
+        let valid_after = DateTime::from_millis(
+            now.estimate_ms
+                .saturating_add(now.bound_ms)
+                .saturating_add(self.time.skew_margin_ms()),
+        );
+        let expires_at = now.plus_ms(ttl_ms);
+        let until = format!("{}.$.{}", field::HOLDERS, field::holder::UNTIL);
+        let mut element = holder_match(permit);
+        element.insert(field::holder::UNTIL, doc! { "$gt": valid_after });
+        let r = self
+            .docs
+            .update_one(
+                doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": element } },
+                doc! { "$set": { until: expires_at } },
+            )
+            .await?;
+        if r.matched_count == 0 {
+            return Err(lost(permit));
+        }
+        permit.expires_at = expires_at;
+        Ok(())
+    }
+
+    /// Gives `permit` back (one `$pull`). Releasing a permit that expired but was not
+    /// dropped yet still frees it.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the permit is no longer stored (dropped as expired,
+    /// released); a database error.
+    #[instrument(skip(self, permit), fields(resource = %permit.resource, token = permit.token.get()))]
+    pub async fn release(&self, permit: &Permit) -> Result<()> {
+        let r = self
+            .docs
+            .update_one(
+                doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": holder_match(permit) } },
+                doc! { "$pull": { field::HOLDERS: holder_match(permit) } },
+            )
+            .await?;
+        if r.modified_count == 0 {
+            return Err(lost(permit));
+        }
+        Ok(())
+    }
+
+    /// Releases every permit `owner` holds in any resource; how many documents changed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad owner id; a database error.
+    pub async fn release_all(&self, owner: &Owner) -> Result<u64> {
+        validate::name("owner", owner.id())?;
+        let key = format!("{}.{}", field::HOLDERS, field::holder::OWNER);
+        let r = self
+            .docs
+            .update_many(
+                doc! { key: owner.id() },
+                doc! { "$pull": { field::HOLDERS: { field::holder::OWNER: owner.id() } } },
+            )
+            .await?;
+        Ok(r.modified_count)
+    }
+
+    /// Sets the number of permits of `resource` (creating its document if needed). Growing
+    /// admits new holders at once; shrinking drops nobody: no new permit is granted until
+    /// fewer than `permits` hold.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad resource or `permits = 0`; a database error.
+    pub async fn set_permits(&self, resource: &str, permits: u32) -> Result<()> {
+        validate::name("resource", resource)?;
+        let n = validate_permits(permits)?;
+        for attempt in 1..=3 {
+            match self
+                .docs
+                .update_one(
+                    doc! { field::ID: resource },
+                    doc! { "$set": { field::PERMITS: n } },
+                )
+                .upsert(true)
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if attempt < 3 && error::is_duplicate_key(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The semaphore of `resource` as stored, `None` if it has no document.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad resource; a database error.
+    pub async fn status(&self, resource: &str) -> Result<Option<SemaphoreRecord>> {
+        validate::name("resource", resource)?;
+        let now = self.time.now().await?;
+        let cutoff = now.expired_before(self.time.skew_margin_ms());
+        Ok(self
+            .docs
+            .find_one(doc! { field::ID: resource })
+            .await?
+            .map(|d| record(&d, cutoff)))
+    }
+
+    /// Every semaphore document (with at least one holder stored if `held_only`), by
+    /// resource; with `owner`, only those `owner` holds a permit of.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list(&self, owner: Option<&str>, held_only: bool) -> Result<Vec<SemaphoreRecord>> {
+        let key = format!("{}.{}", field::HOLDERS, field::holder::OWNER);
+        let mut query = Document::new();
+        if let Some(owner) = owner {
+            query.insert(key, owner);
+        } else if held_only {
+            query.insert(format!("{}.0", field::HOLDERS), doc! { "$exists": true });
+        }
+        let now = self.time.now().await?;
+        let cutoff = now.expired_before(self.time.skew_margin_ms());
+        let docs: Vec<Document> = self
+            .docs
+            .find(query)
+            .sort(doc! { field::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs.iter().map(|d| record(d, cutoff)).collect())
+    }
+}
+
+fn lost(permit: &Permit) -> Error {
+    Error::LeaseLost {
+        resource: permit.resource.clone(),
+        token: permit.token.into(),
+    }
+}
+
+/// The holder element of `permit`: `{owner, token}` (tokens are unique per resource).
+fn holder_match(permit: &Permit) -> Document {
+    doc! { field::holder::OWNER: &permit.owner, field::holder::TOKEN: permit.token }
+}
+
+struct AcquireArgs<'a> {
+    owner: &'a str,
+    nonce: &'a str,
+    acquired_at: DateTime,
+    expires_at: DateTime,
+    cutoff: DateTime,
+    default_permits: i64,
+}
+
+/// The acquire: stage 1 drops the holders whose `until` is before `cutoff` (or not a
+/// date); stage 2 appends the new holder with `token + 1` (and stores that token) only
+/// while fewer than `permits` holders remain and `token < ceiling`. Both stages are one
+/// atomic update of one document.
+fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
+    let holders = format!("${}", field::HOLDERS);
+    let token = format!("${}", field::TOKEN);
+    let ceiling = format!("${}", field::CEILING);
+    let permits = format!("${}", field::PERMITS);
+    let until = format!("$$h.{}", field::holder::UNTIL);
+    let live = if ignore_expiry {
+        Bson::Array(Vec::new())
+    } else {
+        Bson::Document(doc! { "$filter": {
+            "input": { "$cond": [{ "$isArray": &holders }, &holders, []] },
+            "as": "h",
+            "cond": { "$and": [
+                { "$eq": [{ "$type": &until }, "date"] },
+                { "$gte": [&until, a.cutoff] },
+            ] },
+        } })
+    };
+    let admit = doc! { "$and": [
+        { "$eq": [{ "$type": &token }, "long"] },
+        { "$eq": [{ "$type": &ceiling }, "long"] },
+        { "$lt": [&token, &ceiling] },
+        { "$lt": [{ "$size": &holders }, { "$cond": [{ "$isNumber": &permits }, &permits, a.default_permits] }] },
+    ] };
+    let next = doc! { "$add": [&token, 1_i64] };
+    let holder = doc! {
+        field::holder::OWNER: { "$literal": a.owner },
+        field::holder::TOKEN: next.clone(),
+        field::holder::ACQUISITION: { "$literal": a.nonce },
+        field::holder::ACQUIRED_AT: { "$literal": a.acquired_at },
+        field::holder::UNTIL: { "$literal": a.expires_at },
+    };
+    vec![
+        doc! { "$set": { field::HOLDERS: live } },
+        doc! { "$set": {
+            field::HOLDERS: { "$cond": [admit.clone(), { "$concatArrays": [&holders, [holder]] }, &holders] },
+            field::TOKEN: { "$cond": [admit, next, &token] },
+        } },
+    ]
+}
+
+/// Commits a refilled block `(base, ceiling]`: the next token is `base + 1` (never below
+/// the stored token), and the refill marker goes.
+fn commit_pipeline(base: i64, ceiling: i64) -> Vec<Document> {
+    let token = format!("${}", field::TOKEN);
+    vec![doc! { "$set": {
+        field::CEILING: ceiling,
+        field::TOKEN: { "$cond": [
+            { "$eq": [{ "$type": &token }, "long"] },
+            { "$max": [&token, base] },
+            base,
+        ] },
+        field::REFILL: "$$REMOVE",
+    } }]
+}
+
+enum Admission {
+    Granted(i64),
+    Full,
+    Exhausted,
+}
+
+/// What an acquire's returned document says: our holder (by nonce) is in it, or the
+/// semaphore is full, or the block is used up (or the document has none yet).
+fn admitted(after: &Document, nonce: &str) -> Admission {
+    let holders = after
+        .get_array(field::HOLDERS)
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    for h in holders {
+        if let Bson::Document(h) = h
+            && h.get_str(field::holder::ACQUISITION).ok() == Some(nonce)
+            && let Ok(t) = h.get_i64(field::holder::TOKEN)
+        {
+            return Admission::Granted(t);
+        }
+    }
+    let room = match after.get(field::PERMITS) {
+        Some(Bson::Int64(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < *n,
+        Some(Bson::Int32(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < i64::from(*n),
+        _ => true,
+    };
+    if room {
+        Admission::Exhausted
+    } else {
+        Admission::Full
+    }
+}
+
+fn record(d: &Document, cutoff: DateTime) -> SemaphoreRecord {
+    let resource = match d.get(field::ID) {
+        Some(Bson::String(s)) => s.clone(),
+        other => other.map(ToString::to_string).unwrap_or_default(),
+    };
+    let permits = match d.get(field::PERMITS) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    };
+    let holders = d
+        .get_array(field::HOLDERS)
+        .map(|hs| {
+            hs.iter()
+                .filter_map(Bson::as_document)
+                .map(|h| {
+                    let expires_at = h.get_datetime(field::holder::UNTIL).ok().copied();
+                    HolderRecord {
+                        owner: h
+                            .get_str(field::holder::OWNER)
+                            .unwrap_or_default()
+                            .to_owned(),
+                        token: h.get_i64(field::holder::TOKEN).ok().map(FencingToken::new),
+                        acquired_at: h.get_datetime(field::holder::ACQUIRED_AT).ok().copied(),
+                        expires_at,
+                        expired: expires_at.is_none_or(|e| e < cutoff),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    SemaphoreRecord {
+        resource,
+        permits,
+        holders,
+        token: d.get_i64(field::TOKEN).ok().map(FencingToken::new),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated() {
+        assert!(SemaphoreOptions::default().validate().is_ok());
+        assert!(
+            SemaphoreOptions::default()
+                .default_permits(0)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            SemaphoreOptions::default()
+                .backoff(Duration::ZERO, Duration::from_secs(1))
+                .validate()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn admission_is_read_from_the_document() {
+        let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
+        assert!(matches!(admitted(&d, "n"), Admission::Granted(5)));
+        assert!(matches!(admitted(&d, "m"), Admission::Full));
+        let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
+        assert!(matches!(admitted(&e, "m"), Admission::Exhausted));
+    }
+
+    #[test]
+    fn the_acquire_drops_expired_holders_before_counting() {
+        let p = acquire_pipeline(
+            &AcquireArgs {
+                owner: "o",
+                nonce: "n",
+                acquired_at: DateTime::from_millis(1),
+                expires_at: DateTime::from_millis(2),
+                cutoff: DateTime::from_millis(0),
+                default_permits: 3,
+            },
+            false,
+        );
+        assert_eq!(p.len(), 2, "drop, then admit");
+        let control = acquire_pipeline(
+            &AcquireArgs {
+                owner: "o",
+                nonce: "n",
+                acquired_at: DateTime::from_millis(1),
+                expires_at: DateTime::from_millis(2),
+                cutoff: DateTime::from_millis(0),
+                default_permits: 3,
+            },
+            true,
+        );
+        assert_eq!(
+            control[0],
+            doc! { "$set": { "holders": [] } },
+            "the control drops every holder"
+        );
+    }
+}

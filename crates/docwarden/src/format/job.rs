@@ -85,12 +85,6 @@ pub mod field {
     /// absent for jobs not enqueued by a schedule.
     pub const TICK: &str = "tick";
 
-    /// Every field name and dotted path of the job document docwarden writes, `_id`
-    /// excepted (it is MongoDB's, not docwarden's), and [`QUEUE`] excepted: `queue` is
-    /// also the name of the module in command names, metric labels and workload names,
-    /// so the no-literal scan of the CLI cannot forbid the word; code that reads the
-    /// field still goes through [`QUEUE`].
-
     /// The job's limits (`queue/limit.rs`, `docs/queue.md` "Limits and fairness"): a
     /// sub-document `{key, queue, rate}`, absent on a job without limits. A job that has
     /// it is claimed only after the permits and the rate start it names were granted.
@@ -103,7 +97,10 @@ pub mod field {
     pub const LIMITS_ADMITTED_AT: &str = "limits.admitted_at";
 
     /// Every field name and dotted path of the job document docwarden writes, `_id`
-    /// excepted (it is MongoDB's, not docwarden's).
+    /// excepted (it is MongoDB's, not docwarden's), and [`QUEUE`] excepted: `queue` is
+    /// also the name of the module in command names, metric labels and workload names,
+    /// so the no-literal scan of the CLI cannot forbid the word; code that reads the
+    /// field still goes through [`QUEUE`].
     pub const ALL: [&str; 30] = [
         STATE,
         PAYLOAD,

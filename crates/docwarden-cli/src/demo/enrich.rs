@@ -4,16 +4,31 @@
 //! The network here is closed, so the demo starts its own small geo service on
 //! 127.0.0.1 (hand-written HTTP/1.1 over tokio) with configurable latency and failure
 //! rate, and the workers call it over real HTTP. One worker is killed mid-run; its jobs
-//! are re-claimed after their lease. Configure with environment variables:
+//! are re-claimed after their lease.
+//!
+//! Two queue features a real deployment of this seed needs: the geo service takes at most
+//! [`GEO_CONCURRENCY`] calls at once, so every job carries the concurrency key `geo` and
+//! the database grants at most that many permits across all workers (the service counts
+//! the calls it sees at once: more than the limit is a violation); and a periodic job,
+//! scheduled every second, writes a progress snapshot — every worker runs the scheduler,
+//! and each tick must be enqueued exactly once (a tick with two jobs is a violation).
+//! Configure with environment variables:
 //! `DOCWARDEN_ENRICH_MESSAGES` (200), `DOCWARDEN_ENRICH_WORKERS` (4),
 //! `DOCWARDEN_ENRICH_LATENCY_MS` (20), `DOCWARDEN_ENRICH_FAILURE_RATE` (0.1).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::queue::format::field;
-use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions, Worker, WorkerOptions};
+use futures::TryStreamExt;
+
+use docwarden::queue::{
+    EnqueueOptions, JobQueue, JobState, LimitOptions, QueueOptions, Schedule, ScheduleSpec, Worker,
+    WorkerOptions,
+};
 use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -56,6 +71,23 @@ impl Config {
     }
 }
 
+/// Calls the geo service may serve at once, across all workers (a concurrency limit).
+pub(crate) const GEO_CONCURRENCY: u32 = 3;
+
+/// The concurrency key every enrichment job carries.
+const GEO_KEY: &str = "geo";
+
+/// The periodic job's schedule name and period.
+const PROGRESS_SCHEDULE: &str = "enrich-progress";
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Calls in flight at the geo service now, and the most seen at once.
+#[derive(Default)]
+struct InFlight {
+    now: AtomicUsize,
+    max: AtomicUsize,
+}
+
 const COUNTRIES: [(&str, &str); 6] = [
     ("France", "Paris"),
     ("Japan", "Tokyo"),
@@ -70,6 +102,7 @@ async fn geo_service(
     listener: TcpListener,
     latency: Duration,
     failure_rate: f64,
+    in_flight: Arc<InFlight>,
     stop: CancellationToken,
 ) {
     loop {
@@ -80,6 +113,7 @@ async fn geo_service(
                 Err(_) => continue,
             },
         };
+        let in_flight = Arc::clone(&in_flight);
         tokio::spawn(async move {
             let mut buf = Vec::with_capacity(512);
             let mut chunk = [0_u8; 512];
@@ -92,8 +126,11 @@ async fn geo_service(
             let text = String::from_utf8_lossy(&buf);
             let path = text.split_whitespace().nth(1).unwrap_or("/");
             let ip = path.strip_prefix("/json/").unwrap_or("").to_owned();
+            let now = in_flight.now.fetch_add(1, Ordering::SeqCst) + 1;
+            in_flight.max.fetch_max(now, Ordering::SeqCst);
             let jitter = latency.mul_f64(0.5 + rand::random::<f64>());
             tokio::time::sleep(jitter).await;
+            in_flight.now.fetch_sub(1, Ordering::SeqCst);
             let (status, body) = if ip.is_empty() {
                 (
                     "404 Not Found",
@@ -170,13 +207,17 @@ pub(crate) async fn run(
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let stop = CancellationToken::new();
+    let in_flight = Arc::new(InFlight::default());
     let service = tokio::spawn(geo_service(
         listener,
         cfg.latency,
         cfg.failure_rate,
+        Arc::clone(&in_flight),
         stop.clone(),
     ));
-    crate::demo::narrate!("   geo service on http://{addr}/json/<ip>");
+    crate::demo::narrate!(
+        "   geo service on http://{addr}/json/<ip>; it takes at most {GEO_CONCURRENCY} calls at once"
+    );
 
     // The messages, as in the seed: `location: null` marks one still to enrich.
     let messages = db.collection::<Document>("message");
@@ -193,15 +234,32 @@ pub(crate) async fn run(
             .lease_ttl(Duration::from_secs(3))
             .reap_interval(Duration::from_millis(250))
             .retry_delays(Duration::from_millis(100), Duration::from_secs(2))
-            .max_attempts(8),
+            .max_attempts(8)
+            .limits(LimitOptions::default().key_concurrency(GEO_CONCURRENCY)),
     )
     .await?;
+    queue
+        .schedule(&Schedule::new(
+            PROGRESS_SCHEDULE,
+            ScheduleSpec::every(PROGRESS_EVERY)?,
+            doc! { "snapshot": true },
+        ))
+        .await?;
+    crate::demo::narrate!(
+        "   concurrency limit: every job carries the key `{GEO_KEY}`; the database grants at most {GEO_CONCURRENCY} running at once across all workers"
+    );
+    crate::demo::narrate!(
+        "   periodic job `{PROGRESS_SCHEDULE}` every {} s (a progress snapshot); every worker runs the scheduler, each tick is enqueued once",
+        PROGRESS_EVERY.as_secs()
+    );
     let jobs = docs.iter().map(|d| {
         let id = d.get("_id").cloned().unwrap_or(Bson::Null);
         let key = format!("message-{id}");
         (
             doc! { "message": id, "ip": d.get("originatingIp").cloned().unwrap_or(Bson::Null) },
-            EnqueueOptions::default().dedupe_key(key),
+            EnqueueOptions::default()
+                .dedupe_key(key)
+                .concurrency_key(GEO_KEY),
         )
     });
     queue.enqueue_many(jobs).await?;
@@ -216,11 +274,19 @@ pub(crate) async fn run(
             WorkerOptions::default()
                 .name(format!("enricher{w}"))
                 .concurrency(4)
-                .poll(Duration::from_millis(20), Duration::from_millis(500)),
+                .poll(Duration::from_millis(20), Duration::from_millis(500))
+                .run_schedules(true),
             move |job| {
                 let messages = messages.clone();
                 async move {
                     let p = job.payload().as_document().cloned().unwrap_or_default();
+                    if p.get_bool("snapshot").unwrap_or(false) {
+                        // The periodic job: a snapshot of how many messages are enriched.
+                        let enriched = messages
+                            .count_documents(doc! { "location": { "$ne": Bson::Null } })
+                            .await?;
+                        return Ok(Bson::Int64(i64::try_from(enriched).unwrap_or(i64::MAX)));
+                    }
                     let ip = p
                         .get_str("ip")
                         .map_err(|e| format!("payload: {e}"))?
@@ -253,15 +319,21 @@ pub(crate) async fn run(
         tokio::time::sleep(Duration::from_millis(500)).await;
         let stats = queue.stats().await?;
         let get = |s: JobState| stats.by_state.get(s.as_str()).copied().unwrap_or(0);
-        let finished = get(JobState::Succeeded) + get(JobState::Dead) + get(JobState::Cancelled);
+        let finished = messages
+            .count_documents(doc! { "location": { "$ne": Bson::Null } })
+            .await?
+            + coll
+                .count_documents(doc! { field::STATE: JobState::Dead.as_str() })
+                .await?;
         crate::demo::narrate!(
-            "   {:>5.1}s  succeeded {:>4}  running {:>3}  retrying {:>3}  ready {:>4}  dead {}",
+            "   {:>5.1}s  succeeded {:>4}  running {:>3}  retrying {:>3}  ready {:>4}  dead {}  geo calls at once: max {}",
             started.elapsed().as_secs_f64(),
             get(JobState::Succeeded),
             get(JobState::Running),
             get(JobState::Retrying),
             get(JobState::Ready),
-            get(JobState::Dead)
+            get(JobState::Dead),
+            in_flight.max.load(Ordering::SeqCst)
         );
         if !killed && get(JobState::Running) > 0 && get(JobState::Succeeded) >= total / 4 {
             let victim = workers.remove(0);
@@ -297,6 +369,38 @@ pub(crate) async fn run(
         .count_documents(doc! { field::STATE: JobState::Dead.as_str() })
         .await?;
     let lost = total.saturating_sub(enriched).saturating_sub(dead);
+    // The concurrency limit, as the geo service saw it.
+    let max_calls = in_flight.max.load(Ordering::SeqCst);
+    let over_limit = u64::from(max_calls > GEO_CONCURRENCY as usize);
+    // The periodic job: one job per tick.
+    let ticks: Vec<Document> = coll
+        .aggregate(vec![
+            doc! { "$match": { field::SCHEDULE: PROGRESS_SCHEDULE } },
+            doc! { "$group": { "_id": format!("${}", field::TICK), "jobs": { "$sum": 1 } } },
+        ])
+        .await?
+        .try_collect()
+        .await?;
+    let tick_count = u64::try_from(ticks.len())?;
+    let twice = u64::try_from(
+        ticks
+            .iter()
+            .filter(|t| {
+                t.get_i32("jobs")
+                    .map(i64::from)
+                    .or_else(|_| t.get_i64("jobs"))
+                    .unwrap_or(0)
+                    > 1
+            })
+            .count(),
+    )?;
+    crate::demo::narrate!(
+        "   concurrency limit: at most {max_calls} geo calls at once (limit {GEO_CONCURRENCY}){}",
+        if over_limit > 0 { " — VIOLATED" } else { "" }
+    );
+    crate::demo::narrate!(
+        "   periodic job `{PROGRESS_SCHEDULE}`: {tick_count} ticks enqueued, {twice} enqueued twice"
+    );
     crate::demo::narrate!("   final documents:");
     let mut by_country = std::collections::BTreeMap::<String, u64>::new();
     let mut cursor = messages.find(doc! {}).await?;
@@ -327,7 +431,7 @@ pub(crate) async fn run(
     Ok(vec![ScenarioReport {
         scenario: "enrich",
         operations: total,
-        violations: lost + duplicated + running,
+        violations: lost + duplicated + running + over_limit + twice,
         elapsed: started.elapsed(),
     }])
 }

@@ -79,12 +79,11 @@ async fn setup(test: &str) -> anyhow::Result<(TestDb, String, Document)> {
 }
 
 async fn effects(t: &TestDb) -> anyhow::Result<Vec<i64>> {
-    let d = t
-        .db
-        .collection::<Document>("effects")
-        .find_one(doc! { "_id": 1 })
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("document 1 is gone"))?;
+    let d =
+        t.db.collection::<Document>("effects")
+            .find_one(doc! { "_id": 1 })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("document 1 is gone"))?;
     Ok(d.get_array("effects")?
         .iter()
         .filter_map(Bson::as_i64)
@@ -108,7 +107,10 @@ async fn a_write_retried_after_it_ran_is_not_executed_again() -> anyhow::Result<
     }
     let found = effects(&t).await?;
     println!("10 writes, each sent twice: effects {found:?}");
-    println!("replies to the first write and its retry: {:?} / {:?}", replies[0], replies[1]);
+    println!(
+        "replies to the first write and its retry: {:?} / {:?}",
+        replies[0], replies[1]
+    );
     if found.len() != 10 {
         docwarden_testkit::skip(
             test,

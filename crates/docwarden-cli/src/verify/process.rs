@@ -135,6 +135,7 @@ fn bracket<T>(
     mut other: impl FnMut() -> T,
 ) -> anyhow::Result<Bracket<T>> {
     let mut best: Option<Bracket<T>> = None;
+    let mut first_us = None;
     for _ in 0..TIME_BASE_TRIES {
         let before = monotonic()?;
         let value = other();
@@ -144,6 +145,7 @@ fn bracket<T>(
             value,
             after,
         };
+        first_us.get_or_insert(b.after - b.before);
         if best
             .as_ref()
             .is_none_or(|best| b.error_us() < best.error_us())
@@ -158,6 +160,14 @@ fn bracket<T>(
         }
     }
     let best = best.context("no clock reading")?;
+    if let Some(first) = first_us.filter(|us| *us > TIME_BASE_TIGHT_US) {
+        tracing::debug!(
+            target: "docwarden::time_base",
+            first_us = first,
+            error_us = best.error_us(),
+            "the first clock reads stalled: taken again"
+        );
+    }
     if best.error_us() > TIME_BASE_WARN_US {
         tracing::warn!(
             error_us = best.error_us(),

@@ -23,7 +23,8 @@ pub use history::{Entry, Event, History, OpOutcome};
 pub struct Violation {
     /// The kind, stable for scripts: `token-not-increasing`, `stale-write-accepted`,
     /// `overlapping-leases`, `lost-update`, `unacknowledged-update`, `duplicated-update`,
-    /// `lost-add`, `lost-job`, `duplicate-effect`,
+    /// `lost-add`, `lost-job`, `duplicate-effect`, `retry-executed-twice` (the server ran a
+    /// driver retry twice),
     /// `stale-effect`, `effect-after-finish`, `phantom-completion`, `stuck-job`,
     /// `state-mismatch`, `duplicate-document`, `invariant-broken`.
     pub kind: &'static str,

@@ -96,16 +96,100 @@ fn monotonic_us() -> anyhow::Result<u64> {
     Ok(u64::try_from(Duration::from(now).as_micros()).unwrap_or(u64::MAX))
 }
 
+/// A bracket of [`bracket`] is accepted as soon as it is this tight.
+const TIME_BASE_TIGHT_US: u64 = 20;
+/// How many brackets [`bracket`] tries at most before it keeps the tightest.
+const TIME_BASE_TRIES: usize = 200;
+/// A time base less certain than this is reported (a warning in the worker's log).
+const TIME_BASE_WARN_US: u64 = 1_000;
+
+/// A reading of another clock between two readings of `CLOCK_MONOTONIC`: the other
+/// reading was taken at some instant in `before..=after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Bracket<T> {
+    before: u64,
+    value: T,
+    after: u64,
+}
+
+impl<T> Bracket<T> {
+    /// The monotonic instant taken for the other reading: the middle, off by at most
+    /// [`Bracket::error_us`].
+    fn mid(&self) -> u64 {
+        self.before + (self.after - self.before) / 2
+    }
+    fn error_us(&self) -> u64 {
+        (self.after - self.before).div_ceil(2)
+    }
+}
+
+/// Reads `other` between two readings of `monotonic`, again and again until the two are
+/// at most [`TIME_BASE_TIGHT_US`] apart (at most [`TIME_BASE_TRIES`] times; the tightest
+/// wins). Translating between two clocks by reading one and then the other is off by
+/// however long the thread stalled between the reads — a preemption or a page fault on a
+/// loaded machine, tens of milliseconds and more, always in the same direction — which
+/// shifted a whole worker process's history early (issue 13: 105 false violations, all
+/// naming that process). A bracket bounds the error, and a stalled one is taken again.
+fn bracket<T>(
+    mut monotonic: impl FnMut() -> anyhow::Result<u64>,
+    mut other: impl FnMut() -> T,
+) -> anyhow::Result<Bracket<T>> {
+    let mut best: Option<Bracket<T>> = None;
+    let mut first_us = None;
+    for _ in 0..TIME_BASE_TRIES {
+        let before = monotonic()?;
+        let value = other();
+        let after = monotonic()?.max(before);
+        let b = Bracket {
+            before,
+            value,
+            after,
+        };
+        first_us.get_or_insert(b.after - b.before);
+        if best
+            .as_ref()
+            .is_none_or(|best| b.error_us() < best.error_us())
+        {
+            best = Some(b);
+        }
+        if best
+            .as_ref()
+            .is_some_and(|b| b.after - b.before <= TIME_BASE_TIGHT_US)
+        {
+            break;
+        }
+    }
+    let best = best.context("no clock reading")?;
+    if let Some(first) = first_us.filter(|us| *us > TIME_BASE_TIGHT_US) {
+        tracing::debug!(
+            target: "docwarden::time_base",
+            first_us = first,
+            error_us = best.error_us(),
+            "the first clock reads stalled: taken again"
+        );
+    }
+    if best.error_us() > TIME_BASE_WARN_US {
+        tracing::warn!(
+            error_us = best.error_us(),
+            "the run's time base is uncertain: the clock reads kept stalling"
+        );
+    }
+    Ok(best)
+}
+
 /// The origin of `history` in microseconds of `CLOCK_MONOTONIC`.
 fn origin_us(history: &History) -> anyhow::Result<u64> {
-    let since = u64::try_from(history.origin().elapsed().as_micros()).unwrap_or(u64::MAX);
-    Ok(monotonic_us()?.saturating_sub(since))
+    let since = bracket(monotonic_us, || {
+        u64::try_from(history.origin().elapsed().as_micros()).unwrap_or(u64::MAX)
+    })?;
+    Ok(since.mid().saturating_sub(since.value))
 }
 
 /// The [`Instant`] of an origin in microseconds of `CLOCK_MONOTONIC`.
 fn origin_instant(origin_us: u64) -> anyhow::Result<Instant> {
-    let ago = Duration::from_micros(monotonic_us()?.saturating_sub(origin_us));
-    Instant::now()
+    let now = bracket(monotonic_us, Instant::now)?;
+    let ago = Duration::from_micros(now.mid().saturating_sub(origin_us));
+    now.value
         .checked_sub(ago)
         .context("the run's origin is before this machine's monotonic clock began")
 }
@@ -653,4 +737,112 @@ async fn run(ctx: &Ctx, module: Module) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use docwarden::check::lease;
+
+    use super::*;
+
+    /// One fake clock read as both clocks (so the true offset is 0): each read takes 1 µs,
+    /// and the thread stalls `stall_us` right after its first read of the other clock (a
+    /// preemption or a page fault on a loaded machine).
+    fn stalled_clock(stall_us: u64) -> (impl FnMut() -> anyhow::Result<u64>, impl FnMut() -> u64) {
+        let now = std::rc::Rc::new(Cell::new(1_000_000_u64));
+        let stalled = std::rc::Rc::new(Cell::new(false));
+        let mono = {
+            let now = std::rc::Rc::clone(&now);
+            move || {
+                let t = now.get();
+                now.set(t + 1);
+                Ok(t)
+            }
+        };
+        let other = move || {
+            let t = now.get();
+            now.set(t + 1);
+            if !stalled.replace(true) {
+                now.set(now.get() + stall_us);
+            }
+            t
+        };
+        (mono, other)
+    }
+
+    /// Issue 13: a worker's time base came from one read of each clock, so a stall between
+    /// them shifted every event of that process by the stall. With `TIME_BASE_TRIES = 1`
+    /// (one bracket) this fails: "time base off by 25000 µs" (the single unbracketed read of
+    /// before the fix is off by the whole stall, 50 ms).
+    #[test]
+    fn a_stall_between_the_clock_reads_does_not_shift_the_time_base() -> anyhow::Result<()> {
+        let (mono, other) = stalled_clock(50_000);
+        let b = bracket(mono, other)?;
+        let off = b.mid().abs_diff(b.value);
+        assert!(
+            off <= TIME_BASE_TIGHT_US,
+            "time base off by {off} µs (bracket {b:?})"
+        );
+        assert!(off <= b.error_us());
+        Ok(())
+    }
+
+    #[test]
+    fn the_time_base_round_trips_between_processes() -> anyhow::Result<()> {
+        let history = History::new();
+        std::thread::sleep(Duration::from_millis(5));
+        // What the supervisor passes, and what the worker makes of it.
+        let origin = origin_instant(origin_us(&history)?)?;
+        let off = if origin > history.origin() {
+            origin - history.origin()
+        } else {
+            history.origin() - origin
+        };
+        assert!(off < Duration::from_millis(1), "origin off by {off:?}");
+        Ok(())
+    }
+
+    /// The signature seen in issue 13 — every stale write, overlap and token regression
+    /// naming one process — is what one worker's time base shifted early by a few
+    /// milliseconds produces in a clean history.
+    #[test]
+    fn one_process_shifted_early_looks_like_stale_writes_by_everyone_else() {
+        let op = |p: u32, op: &str, s: u64, e: u64, token: i64| {
+            Event::new(p, op, "counter-0", s, e).token(token)
+        };
+        // Process 3 holds token 1, writes and releases; process 5 then acquires token 2
+        // and touches, 100 µs after process 3's write ended.
+        let clean = |shift: u64| {
+            let early = |e: Event| Event {
+                start_us: e.start_us.saturating_sub(shift),
+                end_us: e.end_us.saturating_sub(shift),
+                ..e
+            };
+            vec![
+                op(3, "acquire", 10_000, 10_500, 1),
+                op(3, "touch", 10_600, 11_000, 1),
+                op(3, "write", 11_500, 12_000, 1),
+                op(3, "release", 12_000, 12_100, 1),
+                early(op(5, "acquire", 12_200, 12_600, 2)),
+                early(op(5, "touch", 12_700, 13_000, 2)),
+                early(op(5, "write", 13_100, 13_500, 2)),
+            ]
+        };
+        assert!(lease::check_tokens(&clean(0)).is_empty());
+        let found = lease::check_tokens(&clean(5_000));
+        let kinds: Vec<&str> = found.iter().map(|v| v.kind).collect();
+        assert_eq!(
+            kinds,
+            vec!["token-not-increasing", "stale-write-accepted"],
+            "{found:?}"
+        );
+        // Off by one token, the newer one process 5's, the accused the honest process 3.
+        assert!(
+            found[1].detail.contains("token 2 from process 5"),
+            "{found:?}"
+        );
+        assert!(found.iter().all(|v| v.detail.starts_with("process 3 ")));
+    }
 }

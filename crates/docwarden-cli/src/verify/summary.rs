@@ -1,5 +1,7 @@
 //! The run's summary: a table on stdout, or JSON with `--json`.
 
+use docwarden::check::queue::RETRY_EXECUTED_TWICE;
+
 use super::args::Fault;
 use super::context::WorkloadResult;
 
@@ -12,12 +14,14 @@ pub(super) fn print(
     faults: &[Fault],
     total: usize,
 ) -> anyhow::Result<()> {
+    let by_server = by_server(results);
     if json {
         return crate::output::print_json(&serde_json::json!({
             "seed": seed,
             "control": control,
             "faults": faults.iter().map(|f| f.name()).collect::<Vec<_>>(),
             "violations": total,
+            "violations_by_server": by_server,
             "workloads": results,
         }));
     }
@@ -30,7 +34,23 @@ pub(super) fn print(
             format!("verify: {total} violation(s)")
         }
     );
+    if by_server > 0 {
+        println!(
+            "  of which {by_server} {RETRY_EXECUTED_TWICE}: the server executed a driver's retry of a write twice \
+             (retryable-write deduplication failed), a fault of the server, not of docwarden; see docs/surrogate.md"
+        );
+    }
     Ok(())
+}
+
+/// The violations the checkers attribute to the server rather than to docwarden or the
+/// workload: [`RETRY_EXECUTED_TWICE`] (counted among the violations all the same: the
+/// run's at-most-once effect was broken, whoever broke it).
+fn by_server(results: &[WorkloadResult]) -> usize {
+    results
+        .iter()
+        .filter_map(|r| r.violations_by_kind.get(RETRY_EXECUTED_TWICE))
+        .sum()
 }
 
 fn counts(map: &std::collections::BTreeMap<&'static str, impl std::fmt::Display>) -> String {

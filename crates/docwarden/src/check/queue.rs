@@ -87,6 +87,13 @@ pub fn check_jobs(jobs: &BTreeMap<String, JobObservation>) -> Vec<Violation> {
 /// The history's name of a handler starting on a claimed job: `key` is the job id (hex),
 /// `detail` the claim's token, `token` the claim's attempt number.
 pub const HANDLE_OP: &str = "handle";
+/// The kind of a violation [`check_runtime`] attributes to the server: a claim's effect
+/// applied more times than its handler sent it, so the server executed a retry of the
+/// driver (same `lsid` and `txnNumber`) more than once, which MongoDB's retryable writes
+/// forbid. Seen on `secantusd-rs` when the retry races the first attempt (a connection
+/// reset) or follows a crash (`docs/surrogate.md`).
+pub const RETRY_EXECUTED_TWICE: &str = "retry-executed-twice";
+
 /// The history's name of a handler's effect write: `key` is the job id, `detail` starts
 /// with the claim's token, `token` is the attempt. Ok: applied; Failed: refused (fenced
 /// off); Indeterminate: unknown (the final read decides).
@@ -158,6 +165,12 @@ pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Ve
             .or_insert(e.start_us);
         *at = (*at).max(e.start_us);
     }
+    // How many times each claim's handler sent its effect (a control's blind re-send is a
+    // second send), whatever came of it.
+    let mut sends: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.op == EFFECT_OP) {
+        *sends.entry((e.key.as_str(), event_token(e))).or_default() += 1;
+    }
     let mut violations = Vec::new();
     let mut succeeded = 0_u64;
     for (id, job) in jobs {
@@ -168,11 +181,28 @@ pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Ve
         for effect in &job.effects {
             let token = effect.token.as_str();
             if seen.contains(&token) {
-                violations.push(Violation::new(
-                    "duplicate-effect",
-                    id.clone(),
-                    format!("the effect of claim {token} was applied twice"),
-                ));
+                // The k-th application of this claim's effect (k ≥ 2): the handler's own
+                // sends explain the first `sent`; beyond them only the driver can have sent
+                // it again — its retry after a lost reply, which the server must execute at
+                // most once (MongoDB's retryable writes).
+                let k = seen.iter().filter(|t| **t == token).count() + 1;
+                let sent = sends.get(&(id.as_str(), token)).copied().unwrap_or(0);
+                violations.push(if sent > 0 && k > sent {
+                    Violation::new(
+                        RETRY_EXECUTED_TWICE,
+                        id.clone(),
+                        format!(
+                            "the effect of claim {token} was applied {k} times but its handler sent it {sent} time(s): the server executed the driver's retry of it again (its retryable-write deduplication failed: a server fault, not docwarden's; see docs/surrogate.md)"
+                        ),
+                    )
+                } else {
+                    Violation::new(
+                        "duplicate-effect",
+                        id.clone(),
+                        format!("the effect of claim {token} was applied twice"),
+                    )
+                });
+                seen.push(token);
                 continue;
             }
             seen.push(token);
@@ -454,6 +484,36 @@ mod tests {
                 "duplicate-effect",
                 "phantom-completion"
             ]
+        );
+    }
+
+    /// Issue 13: a safe queue run under `reset` or `crash` now and then found one effect
+    /// applied twice by a claim whose handler sent it once, reported as `duplicate-effect`
+    /// as if docwarden or the handler had re-sent it. Only the driver's retry can have, and
+    /// the server executed it again: it is named as that.
+    #[test]
+    fn an_effect_applied_more_often_than_it_was_sent_is_the_servers_retry() {
+        let jobs = BTreeMap::from([(
+            "j".to_owned(),
+            record(JobState::Succeeded, &["t1", "t1"], Some("t1")),
+        )]);
+        // Safe: one send, its reply lost and retried by the driver under the hood.
+        let once = vec![
+            handle(1, "j", "t1", 10),
+            effect(1, "j", "t1", 11, 40, OpOutcome::Ok),
+        ];
+        let found = check_runtime(&jobs, &once);
+        assert_eq!(kinds(&found), vec![RETRY_EXECUTED_TWICE], "{found:?}");
+        assert!(found[0].detail.contains("sent it 1 time"), "{found:?}");
+        // Control: the handler re-sent it blindly itself — the workload's duplicate.
+        let twice = vec![
+            handle(1, "j", "t1", 10),
+            effect(1, "j", "t1", 11, 40, OpOutcome::Indeterminate),
+            effect(1, "j", "t1", 41, 45, OpOutcome::Ok),
+        ];
+        assert_eq!(
+            kinds(&check_runtime(&jobs, &twice)),
+            vec!["duplicate-effect"]
         );
     }
 }

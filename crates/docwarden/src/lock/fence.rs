@@ -112,6 +112,7 @@ mod sealed {
     impl Sealed for super::Lease {}
     impl Sealed for super::DocumentGuard {}
     impl Sealed for super::ClaimedJob {}
+    impl Sealed for crate::lock::Leadership {}
 }
 
 impl Fenced for Lease {

@@ -15,6 +15,7 @@ use tokio::sync::Mutex;
 const WAITERS: usize = 8;
 const HANDOFFS: usize = 120;
 const RESOURCE: &str = "handoff";
+const HOLD: Duration = Duration::from_millis(20);
 
 /// Percentile `p` (0..=100) of sorted latencies.
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
@@ -76,8 +77,9 @@ async fn handoffs(t: &TestDb, options: LockOptions) -> anyhow::Result<(Vec<Durat
                     }
                     handed.send_replace(s.1);
                 }
-                // Hold briefly so that the others are waiting when it is released.
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                // Hold a while, as real work does: the others are waiting (polling waiters
+                // have backed off) when it is released.
+                tokio::time::sleep(HOLD).await;
                 let mut s = state.lock().await;
                 s.3 -= 1;
                 let before = s.1;

@@ -438,7 +438,13 @@ impl RwLocks {
                 }
                 return Ok(None);
             };
-            if lease.remaining_ms(&now) < ttl_ms / 2 {
+            // Renew while the intent is still certainly valid (the renewal requires it):
+            // a third of the ttl before it stops being so.
+            let renew_below = ttl_ms
+                .saturating_div(3)
+                .saturating_add(now.bound_ms)
+                .saturating_add(self.margin());
+            if lease.remaining_ms(&now) < renew_below {
                 match self.locks.renew(&mut lease, ttl).await {
                     Ok(()) => {}
                     Err(Error::LeaseLost { .. }) => return Ok(None),

@@ -29,6 +29,7 @@
 
 mod args;
 mod context;
+mod election;
 mod guard;
 mod locks;
 mod nemesis;
@@ -37,6 +38,7 @@ mod process;
 mod proxy;
 mod queue;
 mod report;
+mod rwlock;
 mod sequence;
 mod summary;
 

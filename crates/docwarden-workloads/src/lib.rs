@@ -13,6 +13,8 @@
 //! | [`enrollment`] | 001, enroll/unenroll messages | `sequence` |
 //! | [`jobs`] | 002, job producers and the queue effect | `queue` |
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
+//! | [`election`] | issue 16, leader election with fenced writes | `lock` (election) |
+//! | [`rwlock`] | issue 16, many readers or one writer | `lock` (rw locks) |
 //! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
 //!
 //! Every history event names its process with a typed [`Process`] and its operation with
@@ -22,11 +24,13 @@
 //! run fails, and `docwarden::Result` where the caller classifies the library's outcome.
 
 pub mod counters;
+pub mod election;
 pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
 mod process;
 mod run;
+pub mod rwlock;
 pub mod seed_claim;
 
 pub use process::Process;

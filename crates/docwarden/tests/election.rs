@@ -31,6 +31,9 @@ async fn election(t: &TestDb, lock: LockOptions, ttl: Duration) -> anyhow::Resul
     )?)
 }
 
+/// A leadership: (term, elected at, confirmed valid at the end of its work).
+type Held = (i64, Instant, Option<Instant>);
+
 /// What a run of racing campaigners saw.
 #[derive(Debug, Default)]
 struct Counts {
@@ -57,7 +60,7 @@ async fn race(e: Election, fence: Fence, ttl: Duration) -> anyhow::Result<Counts
         .insert_one(doc! { "_id": "log", "terms": [] })
         .await?;
     // (term, elected at, certainly valid until (checked at the end of its work))
-    let held: Arc<Mutex<Vec<(i64, Instant, Option<Instant>)>>> = Arc::default();
+    let held: Arc<Mutex<Vec<Held>>> = Arc::default();
     let stale: Arc<Mutex<(usize, usize)>> = Arc::default();
     let mut tasks = Vec::new();
     for racer in 0..RACERS {

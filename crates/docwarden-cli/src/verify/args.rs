@@ -59,6 +59,10 @@ pub(super) enum Module {
     Queue,
     Sequence,
     Guard,
+    /// Leader election (issue 16); not part of `all`.
+    Election,
+    /// Read/write locks (issue 16); not part of `all`.
+    Rwlock,
     All,
 }
 
@@ -83,6 +87,8 @@ impl Module {
             Module::Queue => "queue",
             Module::Sequence => "sequence",
             Module::Guard => "guard",
+            Module::Election => "election",
+            Module::Rwlock => "rwlock",
             Module::All => "all",
         }
     }

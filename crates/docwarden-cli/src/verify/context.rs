@@ -227,10 +227,10 @@ impl Ctx {
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
         if self.workers_as == WorkersAs::Processes {
-            let module = Module::All
-                .expand()
-                .into_iter()
-                .find(|m| m.name() == workload);
+            let module = <Module as clap::ValueEnum>::value_variants()
+                .iter()
+                .copied()
+                .find(|m| *m != Module::All && m.name() == workload);
             match module {
                 Some(module) => process::supervise(self, module).await,
                 None => tracing::error!(workload, "no module of this name: no workers ran"),

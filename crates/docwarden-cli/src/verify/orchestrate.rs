@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::args::{Args, Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, Findings, WorkloadResult};
-use super::{guard, locks, nemesis, proxy, queue, report, sequence, summary};
+use super::{election, guard, locks, nemesis, proxy, queue, report, rwlock, sequence, summary};
 
 /// Runs `docwarden verify`.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -311,6 +311,8 @@ fn lease(module: Module) -> Duration {
     match module {
         Module::Queue => docwarden_workloads::jobs::LEASE,
         Module::Locks => locks::TTL,
+        Module::Election => election::TTL,
+        Module::Rwlock => rwlock::TTL,
         Module::Sequence | Module::Guard | Module::All => Duration::from_millis(300),
     }
 }
@@ -322,6 +324,8 @@ async fn dispatch(module: Module, ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         Module::Queue => queue::run(ctx).await,
         Module::Sequence => sequence::run(ctx).await,
         Module::Guard => guard::run(ctx).await,
+        Module::Election => election::run(ctx).await,
+        Module::Rwlock => rwlock::run(ctx).await,
         Module::All => anyhow::bail!("`all` is expanded into the four modules before this point"),
     }
 }

@@ -35,7 +35,7 @@ use tokio::task::JoinHandle;
 
 use super::args::{Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, FAULT_OP, Slot};
-use super::{guard, locks, queue, sequence};
+use super::{election, guard, locks, queue, rwlock, sequence};
 
 /// The hidden subcommand that runs one worker process.
 pub(crate) const SUBCOMMAND: &str = "verify-worker";
@@ -252,6 +252,8 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
         Module::Queue => queue::worker(ctx, process).await,
         Module::Sequence => sequence::worker(ctx, process).await,
         Module::Guard => guard::worker(ctx, process).await,
+        Module::Election => election::worker(ctx, process).await,
+        Module::Rwlock => rwlock::worker(ctx, process).await,
         Module::All => anyhow::bail!("a worker process runs one module"),
     }
 }
@@ -377,6 +379,14 @@ impl Aim {
             Module::Locks => Aim {
                 entry: Some(counters::Op::Touch.as_str()),
                 commit: Some(counters::Op::Write.as_str()),
+            },
+            Module::Election => Aim {
+                entry: Some(docwarden_workloads::election::Op::Hold.as_str()),
+                commit: Some(docwarden_workloads::election::Op::Write.as_str()),
+            },
+            Module::Rwlock => Aim {
+                entry: Some(docwarden_workloads::rwlock::Op::Write.as_str()),
+                commit: None,
             },
             Module::Sequence | Module::Guard | Module::All => Aim {
                 entry: None,

@@ -160,6 +160,22 @@ impl Election {
         Self::new(locks, name, options)
     }
 
+    /// Every election of the lock collection `locks` with a leader (expired terms
+    /// included, marked), by name: what `docwarden locks list` shows.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list(locks: &LockCollection) -> Result<Vec<Leader>> {
+        let records = locks.list(&LockListFilter::default()).await?;
+        Ok(records
+            .into_iter()
+            .map(|r| {
+                let name = r.resource.clone();
+                Leader::from_record(&name, r)
+            })
+            .collect())
+    }
+
     /// The election's name.
     pub fn name(&self) -> &str {
         &self.name

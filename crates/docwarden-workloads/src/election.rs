@@ -104,7 +104,8 @@ impl Leaders {
 
     /// One campaign and, if won, up to three fenced writes and a resignation. With
     /// `pause`, the leader stops renewing after its first write, sleeps `pause`, and writes
-    /// once more with its old term (what a process stopped past its term does).
+    /// once more with its old term (what a process stopped past its term does). Returns
+    /// whether it paused (only a leader does).
     ///
     /// # Errors
     /// Only what the history cannot record (none: errors become events).
@@ -114,7 +115,7 @@ impl Leaders {
         process: u32,
         owner: &Owner,
         pause: Option<Duration>,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<bool> {
         let won = history
             .record(
                 process,
@@ -129,9 +130,17 @@ impl Leaders {
             )
             .await;
         let Ok(Some(leader)) = won else {
-            return Ok(());
+            return Ok(false);
         };
         let term = leader.term().get();
+        // The watchdog vouches for the term once it has read the server time.
+        for _ in 0..50 {
+            match leader.valid_until() {
+                Some(until) if until > Instant::now() => break,
+                None => break,
+                Some(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        }
         for i in 0..3 {
             let Some(until) = leader.valid_until() else {
                 break;
@@ -154,7 +163,7 @@ impl Leaders {
                 leader.abandon();
                 tokio::time::sleep(pause).await;
                 self.write(history, process, &lease, term).await;
-                return Ok(());
+                return Ok(true);
             }
             self.write(history, process, &leader, term).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -175,7 +184,7 @@ impl Leaders {
             )
             .await
             .ok();
-        Ok(())
+        Ok(false)
     }
 
     async fn write<H: docwarden::lock::Fenced + ?Sized>(

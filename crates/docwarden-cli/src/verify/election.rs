@@ -58,12 +58,12 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let owner = Owner::random();
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {
-        let pause = (ctx.has(Fault::Pause) && rng.random_bool(0.2)).then_some(TTL * 2);
+        let pause = (ctx.has(Fault::Pause) && rng.random_bool(0.3)).then_some(TTL * 2);
         let start = ctx.history.now_us();
-        leaders
+        let paused = leaders
             .round(&ctx.history, process.id(), &owner, pause)
             .await?;
-        if pause.is_some() {
+        if paused {
             ctx.injected(Fault::Pause, process, start, ctx.history.now_us());
         }
         tokio::time::sleep(Duration::from_millis(rng.random_range(1..20))).await;

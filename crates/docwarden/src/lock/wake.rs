@@ -69,13 +69,9 @@ impl Wake {
     /// `$match` condition on the change event, for example
     /// [`Wake::freed_lock`]); nothing is opened until [`Wake::arm`].
     pub(crate) fn new(coll: &Collection<Document>, id: &str, matching: Document) -> Self {
-        let pipeline = vec![
-            doc! { "$match": { "$and": [{ "documentKey._id": id }, matching] } },
-            doc! { "$project": { "operationType": 1, "documentKey": 1 } },
-        ];
         Self {
             coll: coll.clone(),
-            pipeline,
+            pipeline: pipeline(id, matching),
             stream: Stream::Closed,
         }
     }
@@ -148,20 +144,32 @@ impl Wake {
     }
 }
 
+/// The change stream's pipeline: the one document first (so the server filters by key),
+/// then the caller's condition; only the fields a wake-up needs.
+fn pipeline(id: &str, matching: Document) -> Vec<Document> {
+    vec![
+        doc! { "$match": { "$and": [{ "documentKey._id": id }, matching] } },
+        doc! { "$project": { "operationType": 1, "documentKey": 1 } },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_stream_matches_the_document_first() {
-        let coll = mongodb::Client::with_options(mongodb::options::ClientOptions::default())
-            .map(|c| c.database("d").collection::<Document>("c"));
-        let Ok(coll) = coll else { return };
-        let w = Wake::new(&coll, "r", Wake::freed_lock());
+        let p = pipeline("r", Wake::freed_lock());
         assert_eq!(
-            w.pipeline[0],
+            p[0],
             doc! { "$match": { "$and": [{ "documentKey._id": "r" }, Wake::freed_lock()] } }
         );
-        assert!(!w.is_listening());
+        assert_eq!(
+            Wake::freed_lock(),
+            doc! { "$or": [
+                { "operationType": { "$in": ["delete", "replace", "invalidate"] } },
+                { "updateDescription.updatedFields.owner": null },
+            ] }
+        );
     }
 }

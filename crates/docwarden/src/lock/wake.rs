@@ -24,6 +24,9 @@ use mongodb::change_stream::ChangeStream;
 use mongodb::change_stream::event::ChangeStreamEvent;
 use mongodb::error::ErrorKind;
 
+/// How long the server holds one `getMore` of a waiter's change stream without events.
+const MAX_AWAIT: Duration = Duration::from_millis(50);
+
 /// The state of a waiter's change stream.
 enum Stream {
     /// Not opened yet (or closed after an error: it is opened again by the next `arm`).
@@ -98,7 +101,17 @@ impl Wake {
         if !matches!(self.stream, Stream::Closed) {
             return false;
         }
-        match self.coll.watch().pipeline(self.pipeline.clone()).await {
+        // A short server-side wait per getMore: a waiter that stops waiting (it acquired,
+        // or gave up) drops its stream while a getMore may be in flight, and that
+        // getMore holds a pooled connection until it returns; with the server's default
+        // of 1 s, many short waits exhaust the pool. Events still arrive at once.
+        match self
+            .coll
+            .watch()
+            .pipeline(self.pipeline.clone())
+            .max_await_time(MAX_AWAIT)
+            .await
+        {
             Ok(stream) => {
                 self.stream = Stream::Open(Box::new(stream));
                 true

@@ -1,13 +1,21 @@
-//! `docwarden locks`: list held leases of a lock collection, and release every lease of an
-//! owner (for example after a process died holding them).
+//! `docwarden locks`: list what is held — leases of a lock collection, leaders of
+//! elections, read/write locks — and release everything an owner holds (for example after
+//! a process died holding it).
+//!
+//! Each kind of lock is one [`Section`] of the listing and one [`Released`] count of the
+//! release: [`list_sections`] and [`release_everywhere`] call one function per kind, so a
+//! new kind is added with one call in each.
 
 use std::process::ExitCode;
 
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::format as lock_format;
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, LockCollection, LockListFilter, LockOptions, Owner,
+    DocumentLockOptions, DocumentLocks, Election, LockCollection, LockListFilter, LockOptions,
+    Owner, RwLockOptions, RwLocks,
 };
+use mongodb::Database;
+use mongodb::bson::DateTime;
 
 use crate::conn::ConnArgs;
 
@@ -25,12 +33,20 @@ pub(crate) struct Args {
     /// `documents`, the entity collection whose documents carry the locks.
     #[arg(long, default_value = "locks", global = true)]
     collection: String,
+    /// The lock collection of the elections (`docwarden::lock::Election`).
+    #[arg(long, default_value = lock_format::ELECTIONS, global = true)]
+    elections: String,
+    /// The collection of the read/write locks (`docwarden::lock::RwLocks`).
+    #[arg(long, default_value = lock_format::RWLOCKS, global = true)]
+    rwlocks: String,
 }
 
 #[derive(Debug, clap::Subcommand)]
 enum LocksCommand {
-    /// List held leases (expired ones are marked; anyone may take those over). Lock
-    /// documents docwarden did not write are listed as malformed, with the reason.
+    /// List held leases, election leaders (term, holder, expiry) and read/write locks
+    /// (writer, readers); expired ones are marked (anyone may take those over). Lock
+    /// documents docwarden did not write are listed as malformed, with the reason. JSON:
+    /// one array per kind (`leases`, `elections`, `rwlocks`).
     List {
         /// Only leases of this owner id.
         #[arg(long)]
@@ -59,7 +75,8 @@ enum LocksCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Release every lease held by an owner id; prints how many were released.
+    /// Release everything an owner id holds — leases, leaderships, read and write locks;
+    /// prints how many were released, per kind.
     Release {
         /// The owner id whose leases are released.
         #[arg(long)]
@@ -107,6 +124,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     docwarden::validate::collection_name("collection", &args.collection)?;
+    docwarden::validate::collection_name("elections collection", &args.elections)?;
+    docwarden::validate::collection_name("rwlocks collection", &args.rwlocks)?;
     let session = args.conn.open(quiet).await?;
     let db = session.client.database(&args.db);
     let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
@@ -149,7 +168,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let locks = LockCollection::open(&db, &args.collection, time, LockOptions::default()).await?;
+    let locks =
+        LockCollection::open(&db, &args.collection, time.clone(), LockOptions::default()).await?;
     match args.command {
         LocksCommand::List {
             owner,
@@ -164,61 +184,303 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 docwarden::validate::name("resource", &resource)?;
                 filter = filter.resource(resource);
             }
-            let records = locks.list(&filter).await?;
+            let kinds = Kinds {
+                db: &db,
+                time: &time,
+                locks: &locks,
+                elections: &args.elections,
+                rwlocks: &args.rwlocks,
+            };
+            let sections = list_sections(&kinds, &filter).await?;
             if json {
-                crate::output::print_json(&records)?;
-            } else if records.is_empty() {
-                println!("no held leases in {}.{}", args.db, args.collection);
+                let map: serde_json::Map<String, serde_json::Value> = sections
+                    .into_iter()
+                    .map(|s| (s.key.to_owned(), s.json))
+                    .collect();
+                crate::output::print_json(&map)?;
             } else {
-                println!(
-                    "{:<32} {:<32} {:>8} {:<26} state",
-                    "resource",
-                    lock_format::collection::OWNER,
-                    lock_format::collection::TOKEN,
-                    "expires at (server)"
-                );
-                for r in &records {
-                    let expires = r.expires_at.map_or_else(
-                        || "-".to_owned(),
-                        |e| e.try_to_rfc3339_string().unwrap_or_else(|_| e.to_string()),
-                    );
-                    let mut state = (if r.expired { "expired" } else { "held" }).to_owned();
-                    if let Some(why) = &r.malformed {
-                        state.push_str(&format!(" (malformed: {why})"));
+                for (i, s) in sections.iter().enumerate() {
+                    if i > 0 {
+                        println!();
                     }
-                    println!(
-                        "{:<32} {:<32} {:>8} {:<26} {}",
-                        r.resource,
-                        r.owner,
-                        r.token.map_or_else(
-                            || lock_format::collection::PENDING.to_owned(),
-                            |t| t.to_string()
-                        ),
-                        expires,
-                        state
-                    );
-                }
-                let malformed = records.iter().filter(|r| r.malformed.is_some()).count();
-                if malformed > 0 {
-                    println!(
-                        "{malformed} lock document(s) were not written by docwarden (edited by hand?); \
-                         one whose expires_at is not a date counts as expired and the next acquire takes it over"
-                    );
+                    if s.lines.is_empty() {
+                        println!("no {} in {}.{}", s.title, args.db, s.collection);
+                    } else {
+                        println!("{} in {}.{}:", s.title, args.db, s.collection);
+                        for line in &s.lines {
+                            println!("{line}");
+                        }
+                    }
                 }
             }
         }
         LocksCommand::Release { owner, json } => {
             let owner = Owner::from_existing(owner)?;
-            let released = locks.release_all(&owner).await?;
+            let kinds = Kinds {
+                db: &db,
+                time: &time,
+                locks: &locks,
+                elections: &args.elections,
+                rwlocks: &args.rwlocks,
+            };
+            let released = release_everywhere(&kinds, &owner).await?;
+            let total: u64 = released.iter().map(|r| r.count).sum();
             if json {
-                crate::output::print_json(
-                    &serde_json::json!({ (lock_format::collection::OWNER): owner.id(), "released": released }),
-                )?;
+                let by_kind: serde_json::Map<String, serde_json::Value> = released
+                    .iter()
+                    .map(|r| (r.key.to_owned(), r.count.into()))
+                    .collect();
+                crate::output::print_json(&serde_json::json!({
+                    (lock_format::collection::OWNER): owner.id(),
+                    "released": total,
+                    "by_kind": by_kind,
+                }))?;
             } else {
-                println!("released {released} lease(s) of owner {owner}");
+                let parts: Vec<String> = released
+                    .iter()
+                    .map(|r| format!("{} {}", r.count, r.key))
+                    .collect();
+                println!(
+                    "released {total} lease(s) of owner {owner} ({})",
+                    parts.join(", ")
+                );
             }
         }
         LocksCommand::Documents { .. } => {}
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where each kind of lock lives, for [`list_sections`] and [`release_everywhere`].
+pub(crate) struct Kinds<'a> {
+    db: &'a Database,
+    time: &'a TimeSource,
+    /// The lock collection of plain leases (opened: indexes exist).
+    locks: &'a LockCollection,
+    elections: &'a str,
+    rwlocks: &'a str,
+}
+
+impl Kinds<'_> {
+    /// A handle on another lock collection, without creating it or its indexes (listing
+    /// and releasing must not create collections that are not used).
+    fn lock_collection(&self, name: &str) -> anyhow::Result<LockCollection> {
+        Ok(LockCollection::new(
+            self.db.collection(name),
+            self.time.clone(),
+            LockOptions::default(),
+        )?)
+    }
+}
+
+/// One kind of lock in `docwarden locks list`: its JSON array and its human lines.
+pub(crate) struct Section {
+    /// The JSON key (`leases`, `elections`, `rwlocks`).
+    key: &'static str,
+    /// What is listed, for the human output (`held leases`).
+    title: &'static str,
+    /// The collection it was read from.
+    collection: String,
+    /// The records as JSON.
+    json: serde_json::Value,
+    /// The human output: a header line, then one line per holder; empty if none.
+    lines: Vec<String>,
+}
+
+/// One kind of lock in `docwarden locks release`: how many were released.
+pub(crate) struct Released {
+    /// The JSON key (`leases`, `elections`, `rwlocks`).
+    key: &'static str,
+    count: u64,
+}
+
+/// Every section of the listing, one call per kind of lock.
+async fn list_sections(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Vec<Section>> {
+    Ok(vec![
+        leases_section(kinds, filter).await?,
+        elections_section(kinds, filter).await?,
+        rwlocks_section(kinds, filter).await?,
+    ])
+}
+
+/// Releases what `owner` holds, one call per kind of lock.
+async fn release_everywhere(kinds: &Kinds<'_>, owner: &Owner) -> anyhow::Result<Vec<Released>> {
+    let rwlocks = RwLocks::new(
+        kinds.lock_collection(kinds.rwlocks)?,
+        RwLockOptions::default(),
+    )?;
+    Ok(vec![
+        Released {
+            key: "leases",
+            count: kinds.locks.release_all(owner).await?,
+        },
+        Released {
+            key: "elections",
+            count: kinds
+                .lock_collection(kinds.elections)?
+                .release_all(owner)
+                .await?,
+        },
+        Released {
+            key: "rwlocks",
+            count: rwlocks.release_all(owner).await?,
+        },
+    ])
+}
+
+fn date(d: Option<DateTime>) -> String {
+    d.map_or_else(
+        || "-".to_owned(),
+        |e| e.try_to_rfc3339_string().unwrap_or_else(|_| e.to_string()),
+    )
+}
+
+fn state(expired: bool) -> &'static str {
+    if expired { "expired" } else { "held" }
+}
+
+async fn leases_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
+    let records = kinds.locks.list(filter).await?;
+    let mut lines = Vec::new();
+    if !records.is_empty() {
+        lines.push(format!(
+            "{:<32} {:<32} {:>8} {:<26} state",
+            "resource",
+            lock_format::collection::OWNER,
+            lock_format::collection::TOKEN,
+            "expires at (server)"
+        ));
+        for r in &records {
+            let mut st = state(r.expired).to_owned();
+            if let Some(why) = &r.malformed {
+                st.push_str(&format!(" (malformed: {why})"));
+            }
+            lines.push(format!(
+                "{:<32} {:<32} {:>8} {:<26} {}",
+                r.resource,
+                r.owner,
+                r.token.map_or_else(
+                    || lock_format::collection::PENDING.to_owned(),
+                    |t| t.to_string()
+                ),
+                date(r.expires_at),
+                st
+            ));
+        }
+        let malformed = records.iter().filter(|r| r.malformed.is_some()).count();
+        if malformed > 0 {
+            lines.push(format!(
+                "{malformed} lock document(s) were not written by docwarden (edited by hand?); \
+                 one whose expires_at is not a date counts as expired and the next acquire takes it over"
+            ));
+        }
+    }
+    Ok(Section {
+        key: "leases",
+        title: "held leases",
+        collection: kinds.locks.name().to_owned(),
+        json: serde_json::to_value(&records)?,
+        lines,
+    })
+}
+
+async fn elections_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
+    let locks = kinds.lock_collection(kinds.elections)?;
+    let leaders: Vec<_> = Election::list(&locks)
+        .await?
+        .into_iter()
+        .filter(|l| filter.owner.as_ref().is_none_or(|o| *o == l.owner))
+        .filter(|l| filter.resource.as_ref().is_none_or(|r| *r == l.election))
+        .collect();
+    let mut lines = Vec::new();
+    if !leaders.is_empty() {
+        lines.push(format!(
+            "{:<32} {:<32} {:>8} {:<26} state",
+            "election", "leader", "term", "expires at (server)"
+        ));
+        for l in &leaders {
+            lines.push(format!(
+                "{:<32} {:<32} {:>8} {:<26} {}",
+                l.election,
+                l.owner,
+                l.term.map_or_else(
+                    || lock_format::collection::PENDING.to_owned(),
+                    |t| t.to_string()
+                ),
+                date(l.expires_at),
+                state(l.expired)
+            ));
+        }
+    }
+    Ok(Section {
+        key: "elections",
+        title: "election leaders",
+        collection: kinds.elections.to_owned(),
+        json: serde_json::to_value(&leaders)?,
+        lines,
+    })
+}
+
+async fn rwlocks_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
+    let rw = RwLocks::new(
+        kinds.lock_collection(kinds.rwlocks)?,
+        RwLockOptions::default(),
+    )?;
+    let records: Vec<_> = rw
+        .list()
+        .await?
+        .into_iter()
+        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
+        .filter(|r| {
+            filter.owner.as_ref().is_none_or(|o| {
+                r.writer.as_ref().is_some_and(|w| w.owner == *o)
+                    || r.readers.iter().any(|x| x.owner == *o)
+            })
+        })
+        .collect();
+    let mut lines = Vec::new();
+    if !records.is_empty() {
+        lines.push(format!(
+            "{:<32} {:<14} {:<32} {:>8} {:<26} state",
+            "resource", "role", "owner", "token", "expires at (server)"
+        ));
+        for r in &records {
+            if let Some(w) = &r.writer {
+                lines.push(format!(
+                    "{:<32} {:<14} {:<32} {:>8} {:<26} {}",
+                    r.resource,
+                    if w.waiting {
+                        "writer waiting"
+                    } else {
+                        "writer"
+                    },
+                    w.owner,
+                    w.token.map_or_else(
+                        || lock_format::collection::PENDING.to_owned(),
+                        |t| t.to_string()
+                    ),
+                    date(w.expires_at),
+                    state(w.expired)
+                ));
+            }
+            for x in &r.readers {
+                lines.push(format!(
+                    "{:<32} {:<14} {:<32} {:>8} {:<26} {}",
+                    r.resource,
+                    "reader",
+                    x.owner,
+                    "-",
+                    date(x.expires_at),
+                    state(x.expired)
+                ));
+            }
+        }
+    }
+    Ok(Section {
+        key: "rwlocks",
+        title: "read/write locks",
+        collection: kinds.rwlocks.to_owned(),
+        json: serde_json::to_value(&records)?,
+        lines,
+    })
 }

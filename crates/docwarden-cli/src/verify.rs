@@ -29,6 +29,7 @@
 
 mod args;
 mod context;
+mod election;
 mod guard;
 mod limits;
 mod locks;
@@ -38,6 +39,7 @@ mod process;
 mod proxy;
 mod queue;
 mod report;
+mod rwlock;
 mod schedule;
 mod semaphore;
 mod sequence;

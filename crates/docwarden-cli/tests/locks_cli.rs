@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden::lock::{
+    Election, ElectionOptions, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Document, doc};
 
@@ -68,9 +70,10 @@ async fn list_and_release_by_owner() -> anyhow::Result<()> {
     locks.try_acquire(&b, "r3", Duration::from_secs(60)).await?;
 
     let all = json(&t, "locks", &["locks", "list", "--json"])?;
-    assert_eq!(all.as_array().map(Vec::len), Some(3));
+    assert_eq!(all["leases"].as_array().map(Vec::len), Some(3));
 
     let mine = json(&t, "locks", &["locks", "list", "--json", "--owner", a.id()])?;
+    let mine = &mine["leases"];
     assert_eq!(mine.as_array().map(Vec::len), Some(2));
     assert_eq!(mine[0]["owner"], a.id());
     assert!(mine[0]["token"].as_i64().is_some());
@@ -123,7 +126,7 @@ async fn list_reports_malformed_lock_documents() -> anyhow::Result<()> {
 
     let all = json(&t, "locks", &["locks", "list", "--json"])
         .context("list failed on a hand-edited lock")?;
-    let rows = all.as_array().context("an array")?;
+    let rows = all["leases"].as_array().context("an array")?;
     assert_eq!(rows.len(), 2, "{all}");
     let bad = rows
         .iter()
@@ -180,5 +183,60 @@ async fn documents_lists_document_locks_with_malformed_ones() -> anyhow::Result<
         &["locks", "documents", "--max-duration-secs", "0"],
     )?;
     assert_eq!(zero.status.code(), Some(2));
+    Ok(())
+}
+
+#[tokio::test]
+async fn list_and_release_cover_leaders_and_rwlocks() -> anyhow::Result<()> {
+    let t = TestDb::new("cli_locks_coordination").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let e = Election::open(
+        &t.db,
+        "elections",
+        "scheduler",
+        time.clone(),
+        ElectionOptions::default().term_ttl(Duration::from_secs(6)),
+    )
+    .await?;
+    let rw = RwLocks::open(&t.db, "rwlocks", time, RwLockOptions::default()).await?;
+    let (a, b) = (Owner::random(), Owner::random());
+    let leader = e.try_campaign(&a).await?.context("elected")?;
+    let ttl = Duration::from_secs(60);
+    rw.try_write(&a, "config", ttl).await?.context("write")?;
+    rw.try_read(&a, "report", ttl).await?.context("read")?;
+    rw.try_read(&b, "report", ttl).await?.context("read")?;
+
+    let all = json(&t, "locks", &["locks", "list", "--json"])?;
+    let leaders = all["elections"].as_array().context("elections")?;
+    assert_eq!(leaders.len(), 1, "{all}");
+    assert_eq!(leaders[0]["election"], "scheduler");
+    assert_eq!(leaders[0]["owner"], a.id());
+    assert_eq!(leaders[0]["term"].as_i64(), Some(leader.term().get()));
+    assert_eq!(leaders[0]["expired"], false);
+    let rwlocks = all["rwlocks"].as_array().context("rwlocks")?;
+    assert_eq!(rwlocks.len(), 2, "{all}");
+    assert_eq!(rwlocks[0]["resource"], "config");
+    assert_eq!(rwlocks[0]["writer"]["owner"], a.id());
+    assert_eq!(rwlocks[1]["readers"].as_array().map(Vec::len), Some(2));
+    let stdout = text(&t, "locks", &["locks", "list"])?;
+    assert!(stdout.contains("election leaders in"), "{stdout}");
+    assert!(stdout.contains("scheduler"), "{stdout}");
+    assert!(stdout.contains("reader"), "{stdout}");
+
+    let released = json(
+        &t,
+        "locks",
+        &["locks", "release", "--owner", a.id(), "--json"],
+    )?;
+    assert_eq!(released["by_kind"]["elections"], 1, "{released}");
+    assert_eq!(released["by_kind"]["rwlocks"], 2, "{released}");
+    assert_eq!(e.leader().await?, None);
+    let left = rw.list().await?;
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].readers.len(), 1);
+    assert_eq!(left[0].readers[0].owner, b.id());
+    // The leader learns it was released by the operator.
+    let lost = tokio::time::timeout(Duration::from_secs(60), leader.lost()).await?;
+    assert_eq!(lost, docwarden::lock::LostReason::TakenOver);
     Ok(())
 }

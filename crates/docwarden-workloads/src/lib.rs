@@ -14,6 +14,8 @@
 //! | [`jobs`] | 002, job producers and the queue effect | `queue` |
 //! | [`counters`] | 003/004, counters under document locks and leases | `lock` |
 //! | [`schedule`] | — , periodic jobs (issue 15) | `queue` (schedules) |
+//! | [`election`] | issue 16, leader election with fenced writes | `lock` (election) |
+//! | [`rwlock`] | issue 16, many readers or one writer | `lock` (rw locks) |
 //! | [`seed_claim`] | 002, the article's own claim loop (bench anchor only) | — |
 //! | [`semaphore`] | issue 16, N holders per resource | `lock::Semaphore` |
 //! | [`queue_limits`] | issue 15, concurrency and rate limits, fairness | `queue` limits |
@@ -25,12 +27,14 @@
 //! run fails, and `docwarden::Result` where the caller classifies the library's outcome.
 
 pub mod counters;
+pub mod election;
 pub mod enrollment;
 pub mod jobs;
 pub mod on_call;
 mod process;
 pub mod queue_limits;
 mod run;
+pub mod rwlock;
 pub mod schedule;
 pub mod seed_claim;
 pub mod semaphore;

@@ -11,9 +11,11 @@
 //! from the client's monotonic clock, so two operations are ordered only when one ended
 //! before the other started; concurrent operations are never counted against each other.
 
+pub mod election;
 pub mod history;
 pub mod lease;
 pub mod queue;
+pub mod rwlock;
 pub mod state;
 
 pub use history::{Entry, Event, History, OpOutcome};
@@ -26,6 +28,7 @@ pub struct Violation {
     /// `lost-add`, `lost-job`, `duplicate-effect`, `retry-executed-twice` (the server ran a
     /// driver retry twice),
     /// `stale-effect`, `effect-after-finish`, `phantom-completion`, `stuck-job`,
+    /// `duplicate-term`, `term-not-increasing`, `two-leaders`, `rw-overlap`,
     /// `state-mismatch`, `duplicate-document`, `invariant-broken`.
     pub kind: &'static str,
     /// The resource, job or document concerned.

@@ -36,9 +36,12 @@
 
 mod collection;
 mod document;
+mod election;
 mod fence;
 mod lease;
+mod rwlock;
 mod semaphore;
+mod wake;
 mod watchdog;
 
 /// The stored lock formats (field names), typed.
@@ -48,9 +51,11 @@ pub use crate::token::FencingToken;
 pub use collection::AcquirePause;
 pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
+pub use election::{Election, ElectionOptions, Leader, Leadership, Observer};
 #[doc(hidden)]
 pub use fence::FenceCondition;
 pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};
 pub use lease::{Lease, Owner};
+pub use rwlock::{ReadLease, RwLockOptions, RwLockRecord, RwLocks, RwReaderRecord, RwWriterRecord};
 pub use semaphore::{HolderRecord, Permit, Semaphore, SemaphoreOptions, SemaphoreRecord};
 pub use watchdog::{LostReason, Watchdog, WatchdogOptions};

@@ -67,6 +67,10 @@ pub(super) enum Module {
     Limits,
     /// Queue rate limits (issue 15): never more than N starts per interval per key.
     Rate,
+    /// Leader election (issue 16); not part of `all`.
+    Election,
+    /// Read/write locks (issue 16); not part of `all`.
+    Rwlock,
     All,
 }
 
@@ -85,7 +89,7 @@ impl Module {
     }
 
     /// Every single module: the four of `all`, and `schedule` (periodic jobs, issue 15),
-    /// `semaphore`, `limits` and `rate` (issues 15, 16), which run on their own
+    /// `semaphore`, `limits`, `rate`, `election` and `rwlock` (issues 15, 16), which run on their own
     /// (`docwarden verify schedule`, …) and are not part of `all`.
     pub(super) fn each() -> Vec<Module> {
         let mut every = Module::All.expand();
@@ -94,6 +98,8 @@ impl Module {
             Module::Semaphore,
             Module::Limits,
             Module::Rate,
+            Module::Election,
+            Module::Rwlock,
         ]);
         every
     }
@@ -109,6 +115,8 @@ impl Module {
             Module::Semaphore => "semaphore",
             Module::Limits => "limits", // not a stored field: the module name
             Module::Rate => "rate",
+            Module::Election => "election",
+            Module::Rwlock => "rwlock",
             Module::All => "all",
         }
     }

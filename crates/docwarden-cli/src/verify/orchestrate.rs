@@ -13,7 +13,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::args::{Args, Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, Findings, WorkloadResult};
 use super::{
-    guard, limits, locks, nemesis, proxy, queue, report, schedule, semaphore, sequence, summary,
+    election, guard, limits, locks, nemesis, proxy, queue, report, rwlock, schedule, semaphore,
+    sequence, summary,
 };
 
 /// Runs `docwarden verify`.
@@ -333,6 +334,8 @@ fn lease(module: Module) -> Duration {
         Module::Schedule => docwarden_workloads::schedule::EVERY * 2,
         Module::Semaphore => semaphore::TTL,
         Module::Limits | Module::Rate => limits::LEASE,
+        Module::Election => election::TTL,
+        Module::Rwlock => rwlock::TTL,
         Module::Sequence | Module::Guard | Module::All => Duration::from_millis(300),
     }
 }
@@ -348,6 +351,8 @@ async fn dispatch(module: Module, ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
         Module::Semaphore => semaphore::run(ctx).await,
         Module::Limits => limits::run(ctx, false).await,
         Module::Rate => limits::run(ctx, true).await,
+        Module::Election => election::run(ctx).await,
+        Module::Rwlock => rwlock::run(ctx).await,
         Module::All => anyhow::bail!("`all` is expanded into the four modules before this point"),
     }
 }

@@ -35,7 +35,7 @@ use tokio::task::JoinHandle;
 
 use super::args::{Fault, FaultArg, Module, WorkersAs};
 use super::context::{Ctx, FAULT_OP, Slot};
-use super::{guard, locks, queue, sequence};
+use super::{election, guard, locks, queue, rwlock, sequence};
 
 /// The hidden subcommand that runs one worker process.
 pub(crate) const SUBCOMMAND: &str = "verify-worker";
@@ -342,6 +342,8 @@ async fn worker(module: Module, ctx: &Ctx, process: Process) -> anyhow::Result<(
         Module::Semaphore => super::semaphore::worker(ctx, process).await,
         Module::Limits => super::limits::worker(ctx, process, false).await,
         Module::Rate => super::limits::worker(ctx, process, true).await,
+        Module::Election => election::worker(ctx, process).await,
+        Module::Rwlock => rwlock::worker(ctx, process).await,
         Module::All => anyhow::bail!("a worker process runs one module"),
     }
 }
@@ -463,6 +465,14 @@ impl Aim {
             Module::Locks => Aim {
                 entry: Some(counters::Op::Touch.as_str()),
                 commit: Some(counters::Op::Write.as_str()),
+            },
+            Module::Election => Aim {
+                entry: Some(docwarden_workloads::election::Op::Hold.as_str()),
+                commit: Some(docwarden_workloads::election::Op::Write.as_str()),
+            },
+            Module::Rwlock => Aim {
+                entry: Some(docwarden_workloads::rwlock::Op::Write.as_str()),
+                commit: None,
             },
             Module::Sequence
             | Module::Guard

@@ -72,6 +72,38 @@ pub mod semaphore {
     }
 }
 
+/// Fields a read/write lock ([`crate::lock::RwLocks`]) adds to a lock document of its
+/// collection. The writer is the lock document's own holder (`owner`, `token`,
+/// `expires_at` of [`collection`]); while it is set and not expired, no reader enters.
+pub mod rwlock {
+    /// The array of read holders: one entry per read acquisition.
+    pub const READERS: &str = "readers";
+    /// In a reader entry: the reader's owner id.
+    pub const READER_OWNER: &str = "owner";
+    /// In a reader entry: the random id of this read acquisition.
+    pub const READER_ID: &str = "id";
+    /// In a reader entry: server time the read lease was acquired.
+    pub const READER_ACQUIRED_AT: &str = "acquired_at";
+    /// In a reader entry: server time the read lease expires unless renewed.
+    pub const READER_EXPIRES_AT: &str = "expires_at";
+
+    /// Every field of a reader entry.
+    pub const READER_ALL: [&str; 4] = [
+        READER_OWNER,
+        READER_ID,
+        READER_ACQUIRED_AT,
+        READER_EXPIRES_AT,
+    ];
+}
+
+/// An election ([`crate::lock::Election`]) is a lock document of [`collection`] whose
+/// `_id` is the election's name: the leader is `owner`, the term is `token`, the term's
+/// expiry is `expires_at`. Its default collection name:
+pub const ELECTIONS: &str = "elections";
+
+/// The default collection of read/write locks ([`crate::lock::RwLocks`]).
+pub const RWLOCKS: &str = "rwlocks";
+
 /// Default fields of a document lock ([`crate::lock::DocumentLockOptions`]).
 pub mod document {
     /// The random lock id of the holder (`null` when unlocked).

@@ -40,6 +40,7 @@ use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
 use super::lease::{Lease, Owner};
+use super::wake::Wake;
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
 use crate::error::{self, Error, Result};
@@ -71,6 +72,9 @@ pub struct LockOptions {
     token_block: i64,
     /// Test controls only: one safeguard switched off (see the `unsafe_*` setters).
     unsafe_control: UnsafeControl,
+    /// Whether a blocking acquire listens for the release (`lock/wake.rs`); `false` only
+    /// in tests that measure the backoff alone.
+    wake: bool,
 }
 
 /// Which single safeguard a control run switches off. Never set outside tests.
@@ -94,6 +98,7 @@ impl Default for LockOptions {
             write_concern: None,
             token_block: TOKEN_BLOCK,
             unsafe_control: UnsafeControl::None,
+            wake: true,
         }
     }
 }
@@ -142,6 +147,14 @@ impl LockOptions {
     #[doc(hidden)]
     pub fn unsafe_token_in_lock_document(mut self) -> Self {
         self.unsafe_control = UnsafeControl::TokenInLockDocument;
+        self
+    }
+
+    /// Test-only: a blocking acquire only backs off (no change-stream wake-up), to
+    /// compare hand-off latencies.
+    #[doc(hidden)]
+    pub fn poll_only(mut self) -> Self {
+        self.wake = false;
         self
     }
 
@@ -395,6 +408,11 @@ impl LockCollection {
         self.locks.name()
     }
 
+    /// The lock documents' collection (for the election's and rw lock's own reads).
+    pub(crate) fn collection(&self) -> &Collection<Document> {
+        &self.locks
+    }
+
     /// The time source every expiry decision uses.
     pub fn time(&self) -> &TimeSource {
         &self.time
@@ -602,8 +620,11 @@ impl LockCollection {
         Ok((committed.matched_count == 1).then_some(token))
     }
 
-    /// Acquires `resource` for `ttl`, retrying with jittered exponential backoff until it
-    /// is acquired or `wait` has passed (`Ok(None)`). A zero `wait` tries once.
+    /// Acquires `resource` for `ttl`, waiting until it is acquired or `wait` has passed
+    /// (`Ok(None)`). A zero `wait` tries once. The waiter retries the moment the lock is
+    /// released (a change stream on the lock document, `lock/wake.rs`), and polls every
+    /// `backoff_max` for a holder whose lease lapses without a release; where change
+    /// streams are refused it retries with jittered exponential backoff.
     ///
     /// # Errors
     /// As [`LockCollection::try_acquire`].
@@ -618,22 +639,33 @@ impl LockCollection {
         // A wait too long to represent waits "forever".
         let deadline = Instant::now().checked_add(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        // Woken by the release itself (a change stream on this lock document), polling
+        // only for expiries, or with the backoff where change streams are refused.
+        let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
         loop {
             if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
                 return Ok(Some(lease));
             }
-            let delay = backoff.next_delay();
-            let delay = match deadline {
+            let remaining = match deadline {
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
                         return Ok(None);
                     }
-                    delay.min(deadline - now)
+                    Some(deadline - now)
                 }
-                None => delay,
+                None => None,
             };
-            tokio::time::sleep(delay).await;
+            if self.options.wake && wake.arm().await {
+                // Just opened: a release before this instant was not seen; try again.
+                continue;
+            }
+            let delay = if wake.is_listening() {
+                self.options.backoff_max
+            } else {
+                backoff.next_delay()
+            };
+            wake.wait(remaining.map_or(delay, |r| delay.min(r))).await;
         }
     }
 

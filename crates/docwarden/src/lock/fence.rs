@@ -113,6 +113,7 @@ mod sealed {
     impl Sealed for super::DocumentGuard {}
     impl Sealed for super::ClaimedJob {}
     impl Sealed for super::super::semaphore::Permit {}
+    impl Sealed for crate::lock::Leadership {}
 }
 
 impl Fenced for Lease {

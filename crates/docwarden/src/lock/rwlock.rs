@@ -1,0 +1,697 @@
+//! Read/write locks: many readers or one writer per resource, with writer preference and
+//! a fenced writer, in one lock document per resource of a lock collection.
+//!
+//! **Format:** the lock document of a [`LockCollection`] (the writer is its holder:
+//! `owner`, `token`, `expires_at`) plus an array `readers` of `{owner, id, acquired_at,
+//! expires_at}` entries, one per read lease (field names in
+//! [`crate::format::lock::rwlock`]).
+//!
+//! **Guarantee:** by the server's clock (with the clock's bound and a skew margin), no
+//! read lease is valid while a write lease is, and no two write leases are valid at once.
+//! A reader enters in one atomic write only while no writer is set or the writer's lease
+//! has certainly expired (then the reader clears it); a writer first registers its intent
+//! (it takes the lock document's lease, which makes new readers wait: **writer
+//! preference**, readers cannot starve a waiting writer), then waits until every reader's
+//! entry has certainly expired or been released, and only then returns its [`Lease`]. The
+//! writer's lease carries a fencing token from the lock collection's counter (strictly
+//! increasing per resource, across deletion of the document); fence its writes with
+//! [`super::Fence::apply`]. A crashed reader's or writer's lease expires by server time.
+//!
+//! **Limits:** like every lease, a read or write lease is a promise about time: a holder
+//! paused past its expiry still believes it holds it. Writes must be fenced (the writer's
+//! token); readers' reads cannot be fenced, so a reader that must not act on data a
+//! writer changed must check [`ReadLease::is_certainly_valid`] after reading. Readers
+//! already inside may renew while a writer waits; a writer waits for them at most its
+//! `wait`. Writers among themselves have no order (whoever takes the lease first).
+
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::IndexOptions;
+use mongodb::{Collection, Database, IndexModel};
+use tracing::instrument;
+
+use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339};
+use super::lease::{Lease, Owner};
+use super::wake::Wake;
+use crate::clock::{ServerTime, TimeSource};
+use crate::error::{self, Error, Result};
+use crate::format::lock::{collection as f, rwlock as rf};
+use crate::token::{FencingToken, JobToken, Token};
+use crate::validate;
+
+/// Options of [`RwLocks`], validated once by [`RwLocks::new`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RwLockOptions {
+    /// How often a waiting reader or writer re-reads the lock when no change arrives (a
+    /// lease that lapses without a release is not a change event; without change streams
+    /// this is the only way). Default 250 ms.
+    pub poll_interval: Duration,
+    control: RwControl,
+}
+
+/// Which single safeguard a control run switches off. Never set outside tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum RwControl {
+    #[default]
+    None,
+    /// The writer does not wait for readers to leave.
+    WriterIgnoresReaders,
+    /// Readers enter whatever the writer (no writer preference, no exclusion).
+    ReadersIgnoreWriter,
+}
+
+impl Default for RwLockOptions {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_millis(250),
+            control: RwControl::None,
+        }
+    }
+}
+
+impl RwLockOptions {
+    /// Sets [`RwLockOptions::poll_interval`].
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// Test controls only, **unsafe**: a writer returns its lease without waiting for the
+    /// readers inside to leave. Shows what the drain prevents.
+    #[doc(hidden)]
+    pub fn unsafe_writer_ignores_readers(mut self) -> Self {
+        self.control = RwControl::WriterIgnoresReaders;
+        self
+    }
+
+    /// Test controls only, **unsafe**: readers enter even while a writer holds or waits
+    /// (no exclusion of the writer, no writer preference). Shows what the check prevents.
+    #[doc(hidden)]
+    pub fn unsafe_readers_ignore_writer(mut self) -> Self {
+        self.control = RwControl::ReadersIgnoreWriter;
+        self
+    }
+}
+
+/// A read lease: one entry in the lock document's `readers`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadLease {
+    /// The locked resource.
+    pub resource: String,
+    /// The reader's owner id.
+    pub owner: String,
+    /// The random id of this read acquisition.
+    pub id: String,
+    /// Server time (estimated) when it was acquired.
+    pub acquired_at: DateTime,
+    /// Server time (estimated) when it expires unless renewed.
+    pub expires_at: DateTime,
+}
+
+impl ReadLease {
+    /// Whether the read lease is still certainly valid at `now`, `margin_ms` included.
+    pub fn is_certainly_valid(&self, now: &ServerTime, margin_ms: i64) -> bool {
+        now.certainly_before(self.expires_at, margin_ms)
+    }
+
+    fn lost(&self) -> Error {
+        Error::LeaseLost {
+            resource: self.resource.clone(),
+            token: Token::Job(JobToken::new(self.id.clone())),
+        }
+    }
+}
+
+/// A read/write lock as stored, for listing ([`RwLocks::list`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RwLockRecord {
+    /// The resource.
+    pub resource: String,
+    /// The writer (holding, or waiting for readers to leave), if any.
+    pub writer: Option<RwWriterRecord>,
+    /// The read holders, expired ones included until the next write removes them.
+    pub readers: Vec<RwReaderRecord>,
+}
+
+/// The writer of a [`RwLockRecord`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RwWriterRecord {
+    /// The writer's owner id.
+    pub owner: String,
+    /// Its fencing token (`None` while its acquire is between steps).
+    pub token: Option<FencingToken>,
+    /// When its lease expires unless renewed (server time).
+    #[serde(serialize_with = "as_rfc3339")]
+    pub expires_at: Option<DateTime>,
+    /// Whether it has certainly expired.
+    pub expired: bool,
+    /// Whether it is still waiting for readers to leave (it holds only its intent).
+    pub waiting: bool,
+}
+
+/// A reader of a [`RwLockRecord`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RwReaderRecord {
+    /// The reader's owner id.
+    pub owner: String,
+    /// When its read lease expires unless renewed (server time).
+    #[serde(serialize_with = "as_rfc3339")]
+    pub expires_at: Option<DateTime>,
+    /// Whether it has certainly expired.
+    pub expired: bool,
+}
+
+/// Read/write locks in one lock collection; see the module docs.
+#[derive(Clone, Debug)]
+pub struct RwLocks {
+    locks: LockCollection,
+    options: RwLockOptions,
+}
+
+impl RwLocks {
+    /// Read/write locks in `locks` (the writers' tokens come from its counter). Only
+    /// validates.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero poll interval.
+    pub fn new(locks: LockCollection, options: RwLockOptions) -> Result<Self> {
+        validate::duration_ms("poll interval", options.poll_interval)?;
+        Ok(Self { locks, options })
+    }
+
+    /// Read/write locks in collection `name` of `db`: [`LockCollection::open`] and an index
+    /// on the readers' owner ids (for [`RwLocks::release_all`]).
+    ///
+    /// # Errors
+    /// As [`RwLocks::new`] and [`LockCollection::open`].
+    pub async fn open(
+        db: &Database,
+        name: &str,
+        time: TimeSource,
+        options: RwLockOptions,
+    ) -> Result<Self> {
+        let locks = LockCollection::open(db, name, time, LockOptions::default()).await?;
+        let this = Self::new(locks, options)?;
+        this.coll()
+            .create_index(
+                IndexModel::builder()
+                    .keys(doc! { format!("{}.{}", rf::READERS, rf::READER_OWNER): 1 })
+                    .options(
+                        IndexOptions::builder()
+                            .name("readers_owner".to_owned())
+                            .build(),
+                    )
+                    .build(),
+            )
+            .await?;
+        Ok(this)
+    }
+
+    /// The lock collection underneath (renew or watch a write lease with it:
+    /// [`LockCollection::renew`], [`super::Watchdog::start`]).
+    pub fn locks(&self) -> &LockCollection {
+        &self.locks
+    }
+
+    fn coll(&self) -> &Collection<Document> {
+        self.locks.collection()
+    }
+
+    fn margin(&self) -> i64 {
+        self.locks.time().skew_margin_ms()
+    }
+
+    /// Tries once to take a read lease on `resource` for `ttl`. `Ok(None)` while a writer
+    /// holds or waits (writer preference) and its lease has not certainly expired.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an invalid resource or owner or a zero ttl; a database
+    /// error.
+    #[instrument(skip(self, owner), fields(collection = %self.coll().name()))]
+    pub async fn try_read(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+    ) -> Result<Option<ReadLease>> {
+        validate::name("resource", resource)?;
+        validate::name("owner", owner.id())?;
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let now = self.locks.time().now().await?;
+        let cutoff = now.expired_before(self.margin());
+        let lease = ReadLease {
+            resource: resource.to_owned(),
+            owner: owner.id().to_owned(),
+            id: validate::random_id(),
+            acquired_at: now.estimate(),
+            expires_at: now.plus_ms(ttl_ms),
+        };
+        let ignore_writer = self.options.control == RwControl::ReadersIgnoreWriter;
+        let filter = if ignore_writer {
+            doc! { "_id": resource }
+        } else {
+            acquire_filter(resource, cutoff)
+        };
+        let update = read_pipeline(&lease, cutoff, !ignore_writer);
+        // A held lock makes the upsert collide with the document on `_id`; so does a
+        // racing first insert of the document: one more try tells them apart.
+        for attempt in 0..2 {
+            match self
+                .coll()
+                .update_one(filter.clone(), update.clone())
+                .upsert(true)
+                .await
+            {
+                Ok(r) if r.matched_count == 1 || r.upserted_id.is_some() => {
+                    tracing::debug!(resource, "read lease taken");
+                    return Ok(Some(lease));
+                }
+                Ok(_) => return Ok(None),
+                Err(e) if error::is_duplicate_key(&e) && attempt == 0 => {}
+                Err(e) if error::is_duplicate_key(&e) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Takes a read lease, waiting until the writer leaves (woken by its release, see
+    /// `lock/wake.rs`) or `wait` has passed (`Ok(None)`).
+    ///
+    /// # Errors
+    /// As [`RwLocks::try_read`].
+    pub async fn read(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<ReadLease>> {
+        let deadline = Instant::now().checked_add(wait);
+        let mut wake = Wake::new(self.coll(), resource, Wake::freed_lock());
+        loop {
+            if let Some(lease) = self.try_read(owner, resource, ttl).await? {
+                return Ok(Some(lease));
+            }
+            let Some(left) = time_left(deadline) else {
+                return Ok(None);
+            };
+            if wake.arm().await {
+                continue;
+            }
+            wake.wait(self.options.poll_interval.min(left)).await;
+        }
+    }
+
+    /// Extends a read lease to `ttl` from now, only while it is certainly valid.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if it expired, was released or its entry removed;
+    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    pub async fn renew_read(&self, lease: &mut ReadLease, ttl: Duration) -> Result<()> {
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let now = self.locks.time().now().await?;
+        let valid_after = DateTime::from_millis(
+            now.estimate_ms
+                .saturating_add(now.bound_ms)
+                .saturating_add(self.margin()),
+        );
+        let expires_at = now.plus_ms(ttl_ms);
+        let filter = doc! {
+            "_id": &lease.resource,
+            rf::READERS: { "$elemMatch": {
+                rf::READER_ID: &lease.id,
+                rf::READER_EXPIRES_AT: { "$gt": valid_after },
+            } },
+        };
+        let this = format!("$$r.{}", rf::READER_ID);
+        let update = vec![doc! { "$set": {
+            rf::READERS: { "$map": {
+                "input": format!("${}", rf::READERS),
+                "as": "r",
+                "in": { "$cond": [
+                    { "$eq": [this, { "$literal": &lease.id }] },
+                    { "$mergeObjects": ["$$r", { rf::READER_EXPIRES_AT: { "$literal": expires_at } }] },
+                    "$$r",
+                ] },
+            } },
+            f::EXPIRES_AT: keep_for_gc(expires_at, false),
+        } }];
+        let r = self.coll().update_one(filter, update).await?;
+        if r.matched_count == 0 {
+            return Err(lease.lost());
+        }
+        lease.expires_at = expires_at;
+        Ok(())
+    }
+
+    /// Releases a read lease (removes its entry): a writer waiting for it proceeds at once.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if its entry is gone (expired and removed by a later reader,
+    /// or released already); a database error.
+    pub async fn release_read(&self, lease: &ReadLease) -> Result<()> {
+        let r = self
+            .coll()
+            .update_one(
+                doc! { "_id": &lease.resource, format!("{}.{}", rf::READERS, rf::READER_ID): &lease.id },
+                doc! { "$pull": { rf::READERS: { rf::READER_ID: &lease.id } } },
+            )
+            .await?;
+        if r.matched_count == 0 {
+            return Err(lease.lost());
+        }
+        Ok(())
+    }
+
+    /// Tries once to take the write lease: `Ok(None)` if another writer holds it or
+    /// readers are inside (then the intent is withdrawn at once).
+    ///
+    /// # Errors
+    /// As [`RwLocks::write`].
+    pub async fn try_write(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>> {
+        self.write(owner, resource, ttl, Duration::ZERO).await
+    }
+
+    /// Takes the write lease on `resource` for `ttl`, waiting at most `wait`: first the
+    /// lock document's lease (the intent, which keeps new readers out), then until every
+    /// reader inside has released or certainly expired, renewing the intent meanwhile. The
+    /// returned [`Lease`] is fenced by its token; renew and release it with
+    /// [`RwLocks::locks`] (or [`RwLocks::release_write`]). `Ok(None)` if `wait` passed (the
+    /// intent is withdrawn) or the intent was taken over while waiting.
+    ///
+    /// # Errors
+    /// As [`LockCollection::acquire`].
+    #[instrument(skip(self, owner), fields(collection = %self.coll().name()))]
+    pub async fn write(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        let deadline = Instant::now().checked_add(wait);
+        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
+            return Ok(None);
+        };
+        if self.options.control == RwControl::WriterIgnoresReaders {
+            return Ok(Some(lease));
+        }
+        let mut wake = Wake::new(
+            self.coll(),
+            resource,
+            doc! { "operationType": { "$in": ["update", "replace", "delete", "invalidate"] } },
+        );
+        loop {
+            let now = self.locks.time().now().await?;
+            let cutoff = now.expired_before(self.margin());
+            let mine = doc! {
+                "_id": resource,
+                f::OWNER: &lease.owner,
+                f::TOKEN: lease.token,
+                f::PENDING: { "$exists": false },
+            };
+            let Some(d) = self.coll().find_one(mine).await? else {
+                tracing::debug!(
+                    resource,
+                    "write intent taken over while readers were inside"
+                );
+                return Ok(None);
+            };
+            let live = live_readers(&d, cutoff);
+            let Some(first_expiry) = live.iter().min().copied() else {
+                tracing::debug!(resource, token = lease.token.get(), "write lease taken");
+                return Ok(Some(lease));
+            };
+            let Some(left) = time_left(deadline) else {
+                if let Err(e) = self.locks.release(&lease).await {
+                    tracing::debug!(error = %e, "withdrawing the write intent");
+                }
+                return Ok(None);
+            };
+            // Renew while the intent is still certainly valid (the renewal requires it):
+            // a third of the ttl before it stops being so.
+            let renew_below = ttl_ms
+                .saturating_div(3)
+                .saturating_add(now.bound_ms)
+                .saturating_add(self.margin());
+            if lease.remaining_ms(&now) < renew_below {
+                match self.locks.renew(&mut lease, ttl).await {
+                    Ok(()) => {}
+                    Err(Error::LeaseLost { .. }) => return Ok(None),
+                    Err(e) => return Err(e),
+                }
+            }
+            if wake.arm().await {
+                continue;
+            }
+            // The first live reader certainly expires this long from now.
+            let until_expiry = first_expiry
+                .timestamp_millis()
+                .saturating_sub(cutoff.timestamp_millis())
+                .saturating_add(1);
+            let until_expiry = Duration::from_millis(u64::try_from(until_expiry).unwrap_or(1));
+            let delay = self
+                .options
+                .poll_interval
+                .min(left)
+                .min(until_expiry)
+                .min(ttl / 3)
+                .max(Duration::from_millis(1));
+            wake.wait(delay).await;
+        }
+    }
+
+    /// Releases a write lease ([`LockCollection::release`]).
+    ///
+    /// # Errors
+    /// As [`LockCollection::release`].
+    pub async fn release_write(&self, lease: &Lease) -> Result<()> {
+        self.locks.release(lease).await
+    }
+
+    /// Releases every read and write lease of `owner`; returns how many lock documents
+    /// were changed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an invalid owner id; a database error.
+    pub async fn release_all(&self, owner: &Owner) -> Result<u64> {
+        let writers = self.locks.release_all(owner).await?;
+        let readers = self
+            .coll()
+            .update_many(
+                doc! { format!("{}.{}", rf::READERS, rf::READER_OWNER): owner.id() },
+                doc! { "$pull": { rf::READERS: { rf::READER_OWNER: owner.id() } } },
+            )
+            .await?;
+        Ok(writers + readers.modified_count)
+    }
+
+    /// Every read/write lock with a writer or readers, by resource.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list(&self) -> Result<Vec<RwLockRecord>> {
+        let now = self.locks.time().now().await?;
+        let cutoff = now.expired_before(self.margin());
+        let docs: Vec<Document> = self
+            .coll()
+            .find(doc! { "$or": [
+                { f::OWNER: { "$ne": Bson::Null } },
+                { format!("{}.0", rf::READERS): { "$exists": true } },
+            ] })
+            .sort(doc! { "_id": 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs.iter().map(|d| rw_record(d, cutoff)).collect())
+    }
+}
+
+fn time_left(deadline: Option<Instant>) -> Option<Duration> {
+    match deadline {
+        None => Some(Duration::MAX),
+        Some(d) => {
+            let now = Instant::now();
+            (now < d).then(|| d - now)
+        }
+    }
+}
+
+/// The expiries of the reader entries that have not certainly expired at `cutoff`
+/// (entries whose expiry is not a date count as expired, like lock documents).
+fn live_readers(d: &Document, cutoff: DateTime) -> Vec<DateTime> {
+    d.get_array(rf::READERS)
+        .map(|readers| {
+            readers
+                .iter()
+                .filter_map(|r| match r {
+                    Bson::Document(r) => r.get_datetime(rf::READER_EXPIRES_AT).ok().copied(),
+                    _ => None,
+                })
+                .filter(|e| *e >= cutoff)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The top-level `expires_at` after a reader's write: while no writer is set it is kept
+/// at least at the reader's expiry (so the TTL index does not collect a lock document
+/// with live readers); a writer's expiry is never touched. `writer_cleared`: this write
+/// clears the writer (then the reader's expiry applies whatever the old owner).
+fn keep_for_gc(expires_at: DateTime, writer_cleared: bool) -> Document {
+    let owner = format!("${}", f::OWNER);
+    let current = format!("${}", f::EXPIRES_AT);
+    let later = doc! { "$cond": [
+        { "$and": [
+            { "$eq": [{ "$type": &current }, "date"] },
+            { "$gt": [&current, { "$literal": expires_at }] },
+        ] },
+        &current,
+        { "$literal": expires_at },
+    ] };
+    if writer_cleared {
+        return later;
+    }
+    doc! { "$cond": [
+        { "$eq": [{ "$ifNull": [&owner, Bson::Null] }, Bson::Null] },
+        later,
+        &current,
+    ] }
+}
+
+/// A reader's entry: drop the reader entries that certainly expired, add this one, and
+/// (`clear_writer`: the filter admitted the document because its writer is absent or
+/// certainly expired) clear the writer and any acquisition pending, so an expired writer
+/// cannot renew. One stage: every expression reads the document before it.
+fn read_pipeline(lease: &ReadLease, cutoff: DateTime, clear_writer: bool) -> Vec<Document> {
+    let readers = format!("${}", rf::READERS);
+    let expiry = format!("$$r.{}", rf::READER_EXPIRES_AT);
+    let mut set = doc! {
+        rf::READERS: { "$concatArrays": [
+            { "$filter": {
+                "input": { "$cond": [{ "$isArray": &readers }, &readers, []] },
+                "as": "r",
+                "cond": { "$gte": [expiry, { "$literal": cutoff }] },
+            } },
+            [{
+                rf::READER_OWNER: { "$literal": &lease.owner },
+                rf::READER_ID: { "$literal": &lease.id },
+                rf::READER_ACQUIRED_AT: { "$literal": lease.acquired_at },
+                rf::READER_EXPIRES_AT: { "$literal": lease.expires_at },
+            }],
+        ] },
+        f::EXPIRES_AT: keep_for_gc(lease.expires_at, clear_writer),
+    };
+    if clear_writer {
+        set.insert(f::OWNER, Bson::Null);
+        set.insert(f::PENDING, "$$REMOVE");
+    }
+    vec![doc! { "$set": set }]
+}
+
+fn rw_record(d: &Document, cutoff: DateTime) -> RwLockRecord {
+    let text = |v: Option<&Bson>| match v {
+        Some(Bson::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    };
+    let live = live_readers(d, cutoff);
+    let writer = match d.get(f::OWNER) {
+        None | Some(Bson::Null) => None,
+        owner => {
+            let expires_at = d.get_datetime(f::EXPIRES_AT).ok().copied();
+            let expired = expires_at.is_none_or(|e| e < cutoff);
+            Some(RwWriterRecord {
+                owner: text(owner),
+                token: match (d.get(f::PENDING), d.get(f::TOKEN)) {
+                    (None, Some(Bson::Int64(t))) => Some(FencingToken::new(*t)),
+                    _ => None,
+                },
+                expires_at,
+                expired,
+                waiting: !expired && !live.is_empty(),
+            })
+        }
+    };
+    let readers = d
+        .get_array(rf::READERS)
+        .map(|rs| {
+            rs.iter()
+                .filter_map(|r| r.as_document())
+                .map(|r| {
+                    let expires_at = r.get_datetime(rf::READER_EXPIRES_AT).ok().copied();
+                    RwReaderRecord {
+                        owner: text(r.get(rf::READER_OWNER)),
+                        expires_at,
+                        expired: expires_at.is_none_or(|e| e < cutoff),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    RwLockRecord {
+        resource: text(d.get("_id")),
+        writer,
+        readers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_readers_are_those_not_certainly_expired() {
+        let d = doc! { rf::READERS: [
+            { rf::READER_ID: "a", rf::READER_EXPIRES_AT: DateTime::from_millis(100) },
+            { rf::READER_ID: "b", rf::READER_EXPIRES_AT: DateTime::from_millis(300) },
+            { rf::READER_ID: "c", rf::READER_EXPIRES_AT: "soon" },
+        ] };
+        assert_eq!(
+            live_readers(&d, DateTime::from_millis(200)),
+            vec![DateTime::from_millis(300)]
+        );
+    }
+
+    #[test]
+    fn a_reader_clears_an_expired_writer_only_in_the_safe_pipeline() {
+        let lease = ReadLease {
+            resource: "r".into(),
+            owner: "o".into(),
+            id: "i".into(),
+            acquired_at: DateTime::from_millis(0),
+            expires_at: DateTime::from_millis(10),
+        };
+        let safe = read_pipeline(&lease, DateTime::from_millis(0), true);
+        let set = safe[0].get_document("$set").ok();
+        assert_eq!(set.and_then(|s| s.get(f::OWNER)), Some(&Bson::Null));
+        let control = read_pipeline(&lease, DateTime::from_millis(0), false);
+        let set = control[0].get_document("$set").ok();
+        assert_eq!(set.and_then(|s| s.get(f::OWNER)), None);
+    }
+
+    #[test]
+    fn records_show_a_waiting_writer() {
+        let d = doc! {
+            "_id": "r", f::OWNER: "w", f::TOKEN: 3_i64,
+            f::EXPIRES_AT: DateTime::from_millis(1_000),
+            rf::READERS: [{ rf::READER_OWNER: "o", rf::READER_ID: "i", rf::READER_EXPIRES_AT: DateTime::from_millis(500) }],
+        };
+        let r = rw_record(&d, DateTime::from_millis(100));
+        assert_eq!(r.writer.as_ref().map(|w| w.waiting), Some(true));
+        assert_eq!(r.readers.len(), 1);
+        let r = rw_record(&d, DateTime::from_millis(600));
+        assert_eq!(r.writer.as_ref().map(|w| w.waiting), Some(false));
+        assert!(r.readers[0].expired);
+    }
+}

@@ -1,0 +1,252 @@
+//! Read/write locks against the real server (issue 16, item 3): no writer overlaps a
+//! reader or another writer (8 racers, counted inside one process), a waiting writer is
+//! not starved by a stream of readers (writer preference), crashed holders expire by
+//! server time, and the writer's tokens increase and fence. Each concurrency test has a
+//! control: docwarden's own code with one safeguard off.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use docwarden::Error;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{
+    Fence, FenceOptions, FenceOutcome, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+};
+use docwarden_testkit::TestDb;
+use mongodb::bson::doc;
+use tokio::sync::Mutex;
+
+const RACERS: usize = 8;
+const ROUNDS: usize = 25;
+const RESOURCE: &str = "shared";
+
+async fn rwlocks(t: &TestDb, options: RwLockOptions) -> anyhow::Result<RwLocks> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "rwlocks", time, LockOptions::default()).await?;
+    Ok(RwLocks::new(locks, options)?)
+}
+
+/// (readers inside, writers inside)
+type Inside = Arc<Mutex<(usize, usize)>>;
+
+/// RACERS tasks, ROUNDS each, every fourth round a write: enter (counting who is inside
+/// at that instant), work a few ms, leave, release. Returns (reads, writes, violations:
+/// a writer entering with anyone inside, or a reader entering with a writer inside).
+async fn race(rw: RwLocks) -> anyhow::Result<(usize, usize, usize)> {
+    let inside: Inside = Arc::default();
+    let counts: Arc<Mutex<(usize, usize, usize)>> = Arc::default();
+    let mut tasks = Vec::new();
+    for racer in 0..RACERS {
+        let (rw, inside, counts) = (rw.clone(), Arc::clone(&inside), Arc::clone(&counts));
+        tasks.push(tokio::spawn(async move {
+            let owner = Owner::random();
+            let ttl = Duration::from_secs(30);
+            let wait = Duration::from_secs(30);
+            for round in 0..ROUNDS {
+                if (racer + round) % 4 == 0 {
+                    let Some(lease) = rw.write(&owner, RESOURCE, ttl, wait).await? else {
+                        anyhow::bail!("no write lease within 30 s");
+                    };
+                    {
+                        let mut i = inside.lock().await;
+                        let mut c = counts.lock().await;
+                        c.1 += 1;
+                        if i.0 > 0 || i.1 > 0 {
+                            c.2 += 1;
+                        }
+                        i.1 += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(4)).await;
+                    inside.lock().await.1 -= 1;
+                    rw.release_write(&lease).await?;
+                } else {
+                    let Some(lease) = rw.read(&owner, RESOURCE, ttl, wait).await? else {
+                        anyhow::bail!("no read lease within 30 s");
+                    };
+                    {
+                        let mut i = inside.lock().await;
+                        let mut c = counts.lock().await;
+                        c.0 += 1;
+                        if i.1 > 0 {
+                            c.2 += 1;
+                        }
+                        i.0 += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(4)).await;
+                    inside.lock().await.0 -= 1;
+                    rw.release_read(&lease).await?;
+                }
+            }
+            Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let c = *counts.lock().await;
+    Ok(c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_racers_no_writer_overlaps_a_reader_or_a_writer() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_race").await?;
+    let (reads, writes, violations) = race(rwlocks(&t, RwLockOptions::default()).await?).await?;
+    println!("safe: {reads} reads, {writes} writes, {violations} overlaps");
+    assert_eq!(reads + writes, RACERS * ROUNDS);
+    assert_eq!(violations, 0);
+
+    // Control: the writer does not wait for the readers inside.
+    let t = TestDb::new("rwlock_race_no_drain").await?;
+    let rw = rwlocks(&t, RwLockOptions::default().unsafe_writer_ignores_readers()).await?;
+    let (_, _, violations) = race(rw).await?;
+    println!("control (writer ignores readers): {violations} overlaps");
+    assert!(violations > 0, "the control must overlap");
+
+    // Control: readers enter whatever the writer.
+    let t = TestDb::new("rwlock_race_no_exclusion").await?;
+    let rw = rwlocks(&t, RwLockOptions::default().unsafe_readers_ignore_writer()).await?;
+    let (_, _, violations) = race(rw).await?;
+    println!("control (readers ignore the writer): {violations} overlaps");
+    assert!(violations > 0, "the control must overlap");
+    Ok(())
+}
+
+/// Four readers keep the lock read-held without a gap (each re-enters as soon as it
+/// leaves, their reads overlapping); a writer asks for it. Returns how long the writer
+/// waited, or `None` if it gave up after 5 s.
+async fn writer_behind_readers(rw: RwLocks) -> anyhow::Result<Option<Duration>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for i in 0..4_u64 {
+        let (rw, stop) = (rw.clone(), Arc::clone(&stop));
+        readers.push(tokio::spawn(async move {
+            let owner = Owner::random();
+            tokio::time::sleep(Duration::from_millis(i * 25)).await;
+            while !stop.load(Ordering::Relaxed) {
+                let ttl = Duration::from_secs(10);
+                if let Some(l) = rw
+                    .read(&owner, RESOURCE, ttl, Duration::from_secs(10))
+                    .await?
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    rw.release_read(&l).await?;
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let writer = Owner::random();
+    let got = rw
+        .write(
+            &writer,
+            RESOURCE,
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
+        .await?;
+    let waited = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    if let Some(l) = &got {
+        rw.release_write(l).await?;
+    }
+    for r in readers {
+        r.await??;
+    }
+    Ok(got.map(|_| waited))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_writer_is_not_starved_by_readers() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_starve").await?;
+    let waited = writer_behind_readers(rwlocks(&t, RwLockOptions::default()).await?).await?;
+    println!("writer waited {waited:?} behind a stream of readers");
+    let waited = waited.expect("the writer got the lock");
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+
+    // Control: readers ignore the waiting writer (no writer preference): it starves.
+    let t = TestDb::new("rwlock_starve_control").await?;
+    let rw = rwlocks(&t, RwLockOptions::default().unsafe_readers_ignore_writer()).await?;
+    let waited = writer_behind_readers(rw).await?;
+    assert_eq!(waited, None, "the control's writer must starve");
+    Ok(())
+}
+
+#[tokio::test]
+async fn crashed_holders_expire_by_server_time_and_writes_are_fenced() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_crash").await?;
+    let rw = rwlocks(&t, RwLockOptions::default()).await?;
+    let fence = Fence::open(&t.db, "data", FenceOptions::default()).await?;
+    fence
+        .collection()
+        .insert_one(doc! { "_id": "d", "v": 0 })
+        .await?;
+    let (r, w1, w2) = (Owner::random(), Owner::random(), Owner::random());
+    let short = Duration::from_millis(500);
+
+    // A reader crashes holding its lease: the writer gets in once it has expired.
+    let crashed = rw.try_read(&r, RESOURCE, short).await?.expect("free");
+    assert!(
+        rw.try_write(&w1, RESOURCE, short).await?.is_none(),
+        "reader inside"
+    );
+    let started = Instant::now();
+    let first = rw
+        .write(&w1, RESOURCE, short, Duration::from_secs(5))
+        .await?
+        .expect("after the reader's expiry");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let renewed = rw.renew_read(&mut crashed.clone(), short).await;
+    assert!(
+        matches!(renewed, Err(Error::LeaseLost { .. })),
+        "{renewed:?}"
+    );
+    assert_eq!(
+        fence
+            .apply(&first, doc! { "_id": "d" }, doc! { "$set": { "v": 1 } })
+            .await?,
+        FenceOutcome::Applied
+    );
+
+    // The writer crashes (paused past its lease): a reader gets in after its expiry and
+    // clears it; a second writer writes with a higher token; the first is fenced.
+    let reader = rw
+        .read(&r, RESOURCE, short, Duration::from_secs(5))
+        .await?
+        .expect("after the writer's expiry");
+    let renewed = rw.locks().renew(&mut first.clone(), short).await;
+    assert!(
+        matches!(renewed, Err(Error::LeaseLost { .. })),
+        "{renewed:?}"
+    );
+    rw.release_read(&reader).await?;
+    let second = rw
+        .write(&w2, RESOURCE, short, Duration::from_secs(5))
+        .await?
+        .expect("free");
+    assert!(second.token > first.token);
+    assert_eq!(
+        fence
+            .apply(&second, doc! { "_id": "d" }, doc! { "$set": { "v": 2 } })
+            .await?,
+        FenceOutcome::Applied
+    );
+    let stale = fence
+        .apply(&first, doc! { "_id": "d" }, doc! { "$set": { "v": 3 } })
+        .await?;
+    assert!(matches!(stale, FenceOutcome::Stale { .. }), "{stale:?}");
+
+    // Listing and release by owner cover readers and writers.
+    let _reader = rw
+        .try_read(&r, "other", Duration::from_secs(30))
+        .await?
+        .expect("free");
+    let listed = rw.list().await?;
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(rw.release_all(&r).await?, 1);
+    assert_eq!(rw.release_all(&w2).await?, 1);
+    assert!(rw.list().await?.is_empty());
+    Ok(())
+}

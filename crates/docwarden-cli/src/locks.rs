@@ -12,7 +12,7 @@ use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::format as lock_format;
 use docwarden::lock::{
     DocumentLockOptions, DocumentLocks, Election, LockCollection, LockListFilter, LockOptions,
-    Owner, RwLockOptions, RwLocks,
+    Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
 };
 use mongodb::Database;
 use mongodb::bson::DateTime;
@@ -39,14 +39,18 @@ pub(crate) struct Args {
     /// The collection of the read/write locks (`docwarden::lock::RwLocks`).
     #[arg(long, default_value = lock_format::RWLOCKS, global = true)]
     rwlocks: String,
+    /// The collection of the semaphores (`docwarden::lock::Semaphore`).
+    #[arg(long, default_value = lock_format::SEMAPHORES, global = true)]
+    semaphores: String,
 }
 
 #[derive(Debug, clap::Subcommand)]
 enum LocksCommand {
-    /// List held leases, election leaders (term, holder, expiry) and read/write locks
-    /// (writer, readers); expired ones are marked (anyone may take those over). Lock
-    /// documents docwarden did not write are listed as malformed, with the reason. JSON:
-    /// one array per kind (`leases`, `elections`, `rwlocks`).
+    /// List held leases, election leaders (term, holder, expiry), read/write locks
+    /// (writer, readers) and semaphores (holders of permits); expired ones are marked
+    /// (anyone may take those over). Lock documents docwarden did not write are listed as
+    /// malformed, with the reason. JSON: one array per kind (`leases`, `elections`,
+    /// `rwlocks`, `semaphores`).
     List {
         /// Only leases of this owner id.
         #[arg(long)]
@@ -75,7 +79,8 @@ enum LocksCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Release everything an owner id holds — leases, leaderships, read and write locks;
+    /// Release everything an owner id holds — leases, leaderships, read and write locks,
+    /// semaphore permits;
     /// prints how many were released, per kind.
     Release {
         /// The owner id whose leases are released.
@@ -126,6 +131,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     docwarden::validate::collection_name("collection", &args.collection)?;
     docwarden::validate::collection_name("elections collection", &args.elections)?;
     docwarden::validate::collection_name("rwlocks collection", &args.rwlocks)?;
+    docwarden::validate::collection_name("semaphores collection", &args.semaphores)?;
     let session = args.conn.open(quiet).await?;
     let db = session.client.database(&args.db);
     let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
@@ -190,6 +196,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 locks: &locks,
                 elections: &args.elections,
                 rwlocks: &args.rwlocks,
+                semaphores: &args.semaphores,
             };
             let sections = list_sections(&kinds, &filter).await?;
             if json {
@@ -222,6 +229,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 locks: &locks,
                 elections: &args.elections,
                 rwlocks: &args.rwlocks,
+                semaphores: &args.semaphores,
             };
             let released = release_everywhere(&kinds, &owner).await?;
             let total: u64 = released.iter().map(|r| r.count).sum();
@@ -259,9 +267,19 @@ pub(crate) struct Kinds<'a> {
     locks: &'a LockCollection,
     elections: &'a str,
     rwlocks: &'a str,
+    semaphores: &'a str,
 }
 
 impl Kinds<'_> {
+    /// A handle on the semaphore collection, without creating it or its indexes.
+    fn semaphore(&self) -> anyhow::Result<Semaphore> {
+        Ok(Semaphore::new(
+            self.db.collection(self.semaphores),
+            self.time.clone(),
+            SemaphoreOptions::default(),
+        )?)
+    }
+
     /// A handle on another lock collection, without creating it or its indexes (listing
     /// and releasing must not create collections that are not used).
     fn lock_collection(&self, name: &str) -> anyhow::Result<LockCollection> {
@@ -300,6 +318,7 @@ async fn list_sections(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Re
         leases_section(kinds, filter).await?,
         elections_section(kinds, filter).await?,
         rwlocks_section(kinds, filter).await?,
+        semaphores_section(kinds, filter).await?,
     ])
 }
 
@@ -324,6 +343,10 @@ async fn release_everywhere(kinds: &Kinds<'_>, owner: &Owner) -> anyhow::Result<
         Released {
             key: "rwlocks",
             count: rwlocks.release_all(owner).await?,
+        },
+        Released {
+            key: "semaphores",
+            count: kinds.semaphore()?.release_all(owner).await?,
         },
     ])
 }
@@ -480,6 +503,54 @@ async fn rwlocks_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::
         key: "rwlocks",
         title: "read/write locks",
         collection: kinds.rwlocks.to_owned(),
+        json: serde_json::to_value(&records)?,
+        lines,
+    })
+}
+
+async fn semaphores_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
+    let records: Vec<_> = kinds
+        .semaphore()?
+        .list(filter.owner.as_deref(), false)
+        .await?
+        .into_iter()
+        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
+        .collect();
+    let mut lines = Vec::new();
+    if !records.is_empty() {
+        lines.push(format!(
+            "{:<32} {:>9} {:<32} {:>8} {:<26} state",
+            "resource", "permits", "holder", "token", "expires at (server)"
+        ));
+        for r in &records {
+            let permits = format!(
+                "{}/{}",
+                r.live(),
+                r.permits.map_or_else(|| "-".to_owned(), |p| p.to_string())
+            );
+            if r.holders.is_empty() {
+                lines.push(format!(
+                    "{:<32} {:>9} {:<32} {:>8} {:<26} free",
+                    r.resource, permits, "-", "-", "-"
+                ));
+            }
+            for h in &r.holders {
+                lines.push(format!(
+                    "{:<32} {:>9} {:<32} {:>8} {:<26} {}",
+                    r.resource,
+                    permits,
+                    h.owner,
+                    h.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
+                    date(h.expires_at),
+                    state(h.expired)
+                ));
+            }
+        }
+    }
+    Ok(Section {
+        key: "semaphores",
+        title: "semaphores",
+        collection: kinds.semaphores.to_owned(),
         json: serde_json::to_value(&records)?,
         lines,
     })

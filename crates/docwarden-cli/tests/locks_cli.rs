@@ -9,6 +9,7 @@ use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{
     Election, ElectionOptions, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+    Semaphore, SemaphoreOptions,
 };
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Document, doc};
@@ -187,7 +188,7 @@ async fn documents_lists_document_locks_with_malformed_ones() -> anyhow::Result<
 }
 
 #[tokio::test]
-async fn list_and_release_cover_leaders_and_rwlocks() -> anyhow::Result<()> {
+async fn list_and_release_cover_leaders_rwlocks_and_semaphores() -> anyhow::Result<()> {
     let t = TestDb::new("cli_locks_coordination").await?;
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let e = Election::open(
@@ -198,13 +199,26 @@ async fn list_and_release_cover_leaders_and_rwlocks() -> anyhow::Result<()> {
         ElectionOptions::default().term_ttl(Duration::from_secs(6)),
     )
     .await?;
-    let rw = RwLocks::open(&t.db, "rwlocks", time, RwLockOptions::default()).await?;
+    let rw = RwLocks::open(&t.db, "rwlocks", time.clone(), RwLockOptions::default()).await?;
+    let sem = Semaphore::open(
+        &t.db,
+        "semaphores",
+        time,
+        SemaphoreOptions::default().default_permits(3),
+    )
+    .await?;
     let (a, b) = (Owner::random(), Owner::random());
     let leader = e.try_campaign(&a).await?.context("elected")?;
     let ttl = Duration::from_secs(60);
     rw.try_write(&a, "config", ttl).await?.context("write")?;
     rw.try_read(&a, "report", ttl).await?.context("read")?;
     rw.try_read(&b, "report", ttl).await?.context("read")?;
+    sem.try_acquire(&a, "geo-api", ttl)
+        .await?
+        .context("permit")?;
+    sem.try_acquire(&b, "geo-api", ttl)
+        .await?
+        .context("permit")?;
 
     let all = json(&t, "locks", &["locks", "list", "--json"])?;
     let leaders = all["elections"].as_array().context("elections")?;
@@ -218,7 +232,14 @@ async fn list_and_release_cover_leaders_and_rwlocks() -> anyhow::Result<()> {
     assert_eq!(rwlocks[0]["resource"], "config");
     assert_eq!(rwlocks[0]["writer"]["owner"], a.id());
     assert_eq!(rwlocks[1]["readers"].as_array().map(Vec::len), Some(2));
+    let semaphores = all["semaphores"].as_array().context("semaphores")?;
+    assert_eq!(semaphores.len(), 1, "{all}");
+    assert_eq!(semaphores[0]["resource"], "geo-api");
+    assert_eq!(semaphores[0]["permits"].as_i64(), Some(3), "{all}");
+    assert_eq!(semaphores[0]["holders"].as_array().map(Vec::len), Some(2));
     let stdout = text(&t, "locks", &["locks", "list"])?;
+    assert!(stdout.contains("semaphores in"), "{stdout}");
+    assert!(stdout.contains("2/3"), "{stdout}");
     assert!(stdout.contains("election leaders in"), "{stdout}");
     assert!(stdout.contains("scheduler"), "{stdout}");
     assert!(stdout.contains("reader"), "{stdout}");
@@ -230,6 +251,10 @@ async fn list_and_release_cover_leaders_and_rwlocks() -> anyhow::Result<()> {
     )?;
     assert_eq!(released["by_kind"]["elections"], 1, "{released}");
     assert_eq!(released["by_kind"]["rwlocks"], 2, "{released}");
+    assert_eq!(released["by_kind"]["semaphores"], 1, "{released}");
+    let permits = sem.status("geo-api").await?.context("semaphore")?;
+    assert_eq!(permits.live(), 1, "{permits:?}");
+    assert_eq!(permits.holders[0].owner, b.id());
     assert_eq!(e.leader().await?, None);
     let left = rw.list().await?;
     assert_eq!(left.len(), 1, "{left:?}");

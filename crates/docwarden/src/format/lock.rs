@@ -104,6 +104,10 @@ pub const ELECTIONS: &str = "elections";
 /// The default collection of read/write locks ([`crate::lock::RwLocks`]).
 pub const RWLOCKS: &str = "rwlocks";
 
+/// The default collection of semaphores ([`crate::lock::Semaphore`]), as `docwarden locks`
+/// reads it.
+pub const SEMAPHORES: &str = "semaphores";
+
 /// Default fields of a document lock ([`crate::lock::DocumentLockOptions`]).
 pub mod document {
     /// The random lock id of the holder (`null` when unlocked).

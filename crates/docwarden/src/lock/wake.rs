@@ -1,38 +1,86 @@
-//! Wake-ups for blocking acquires: a waiter listens to a change stream on the one document
-//! it waits for and retries the moment that document is freed, instead of backing off.
+//! Wake-ups for blocking acquires: a waiter is told the moment the one document it waits
+//! for is freed and retries then, instead of backing off.
 //!
-//! **Guarantee:** a waiter that has armed its [`Wake`] (the stream is open) and then found
-//! the resource held learns of every later change that matches its filter within the
+//! **Guarantee:** a waiter that has armed its [`Wake`] and then found the resource held
+//! learns of every later change of its document that matches its condition within the
 //! change stream's delivery time (a few milliseconds on the embedded server), and retries
-//! then. A release that happened *before* the stream opened is not delivered; that is why
-//! [`Wake::arm`] reports when it has just opened the stream and the caller must try once
-//! more before it waits.
+//! then. A release that happened *before* the waiter armed is not delivered; that is why
+//! [`Wake::arm`] reports when it has just armed and the caller must try once more before
+//! it waits.
 //!
-//! **Limits:** expiry is not an event (no write happens when a crashed holder's lease
-//! lapses), so a waiter still polls, at the caller's interval, for leases that expire
-//! without a release. Where the server refuses change streams (a standalone server, or a
-//! user without the `changeStream` privilege) the refusal is detected at run time and the
-//! waiter polls with the caller's backoff. Each armed waiter holds one change-stream
-//! cursor for as long as it waits.
+//! **One stream per collection, not per waiter.** All waiters of one process on one
+//! collection (and one condition) share one change-stream listener (a `Hub`): it holds
+//! one cursor and one pooled connection for its `getMore`s, and forwards the key of each
+//! matching change to the waiters, who pick their own document. (A stream per waiter held
+//! a pooled connection per waiter: 16 waiters starved the acquirers of connections.) The
+//! listener stops when its last waiter leaves and is opened again by the next one.
+//!
+//! **Limits:** a wake-up is a hint, never a grant: the waiter's next acquire decides.
+//! Expiry is not an event (no write happens when a crashed holder's lease lapses), so a
+//! waiter still polls, at the caller's interval, for leases that expire without a
+//! release. Where the server refuses change streams (a standalone server, or a user
+//! without the `changeStream` privilege) the refusal is detected at run time, remembered
+//! for the collection, and waiters poll with the caller's backoff. Listeners are shared by
+//! namespace within a process: two clients of two deployments that use the same database
+//! and collection names in one process would share one (their waiters then fall back to
+//! polling, still correct).
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
 use futures::StreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
-use mongodb::change_stream::ChangeStream;
-use mongodb::change_stream::event::ChangeStreamEvent;
 use mongodb::error::ErrorKind;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 
-/// How long the server holds one `getMore` of a waiter's change stream without events.
-const MAX_AWAIT: Duration = Duration::from_millis(50);
+/// How long the server holds one `getMore` of a listener's change stream without events.
+const MAX_AWAIT: Duration = Duration::from_millis(500);
 
-/// The state of a waiter's change stream.
-enum Stream {
-    /// Not opened yet (or closed after an error: it is opened again by the next `arm`).
+/// Changes a listener buffers per waiter before a slow waiter lags (then it retries).
+const CAPACITY: usize = 1024;
+
+/// A shared change-stream listener: one per (namespace, condition) in this process.
+#[derive(Debug)]
+struct Hub {
+    /// The key of each matching change; `None` when the stream was lost.
+    tx: broadcast::Sender<Option<Bson>>,
+    /// Set once the stream is lost: the next waiter opens a new listener.
+    dead: Arc<AtomicBool>,
+    /// Stops the listener task when the last waiter drops the hub.
+    stop: CancellationToken,
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// What the registry knows about one (namespace, condition).
+enum Entry {
+    /// A listener, alive while some waiter holds it.
+    Hub(Weak<Hub>),
+    /// The server refused change streams: waiters poll.
+    Refused,
+}
+
+/// The listeners of this process, by (namespace, condition).
+static HUBS: LazyLock<tokio::sync::Mutex<HashMap<String, Entry>>> =
+    LazyLock::new(|| tokio::sync::Mutex::new(HashMap::new()));
+
+/// The state of one waiter.
+enum State {
+    /// Not armed yet (or disarmed after the listener was lost: re-armed by the next `arm`).
     Closed,
-    /// Open and listening.
-    Open(Box<ChangeStream<ChangeStreamEvent<Document>>>),
+    /// Subscribed to a live listener.
+    Open {
+        _hub: Arc<Hub>,
+        rx: broadcast::Receiver<Option<Bson>>,
+    },
     /// The server refused change streams: poll only.
     Refused,
 }
@@ -40,42 +88,46 @@ enum Stream {
 /// What a [`Wake::wait`] ended with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Woken {
-    /// A matching change to the document arrived.
+    /// A matching change to the document arrived (or may have: the listener lagged or
+    /// was lost).
     Changed,
-    /// The wait's time was up (or no stream is open: the caller's poll interval passed).
+    /// The wait's time was up (or no listener: the caller's poll interval passed).
     TimedOut,
 }
 
 /// One waiter's wake-up on one document; see the module docs.
 pub(crate) struct Wake {
     coll: Collection<Document>,
-    pipeline: Vec<Document>,
-    stream: Stream,
+    id: Bson,
+    matching: Document,
+    state: State,
 }
 
 impl std::fmt::Debug for Wake {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = match self.stream {
-            Stream::Closed => "closed",
-            Stream::Open(_) => "open",
-            Stream::Refused => "refused",
+        let state = match self.state {
+            State::Closed => "closed",
+            State::Open { .. } => "open",
+            State::Refused => "refused",
         };
         f.debug_struct("Wake")
             .field("collection", &self.coll.name())
-            .field("stream", &state)
+            .field("id", &self.id)
+            .field("state", &state)
             .finish()
     }
 }
 
 impl Wake {
     /// A wake-up on changes of document `id` in `coll` that also match `matching` (a
-    /// `$match` condition on the change event, for example
-    /// [`Wake::freed_lock`]); nothing is opened until [`Wake::arm`].
+    /// `$match` condition on the change event, for example [`Wake::freed_lock`]); nothing
+    /// is subscribed until [`Wake::arm`].
     pub(crate) fn new(coll: &Collection<Document>, id: &str, matching: Document) -> Self {
         Self {
             coll: coll.clone(),
-            pipeline: pipeline(id, matching),
-            stream: Stream::Closed,
+            id: Bson::String(id.to_owned()),
+            matching,
+            state: State::Closed,
         }
     }
 
@@ -93,32 +145,84 @@ impl Wake {
         ] }
     }
 
-    /// Opens the change stream if it is not open. Returns `true` when it has *just* been
-    /// opened: a release before that instant was not seen, so the caller must try once
-    /// more before it waits. `false` when it was open already, or cannot be opened (then
-    /// [`Wake::wait`] only sleeps).
+    /// Subscribes to the collection's listener (opening it if none is alive). Returns
+    /// `true` when it has *just* subscribed: a change before that instant was not seen,
+    /// so the caller must try once more before it waits. `false` when it was subscribed
+    /// already, or cannot be (then [`Wake::wait`] only sleeps).
     pub(crate) async fn arm(&mut self) -> bool {
-        if !matches!(self.stream, Stream::Closed) {
+        if !matches!(self.state, State::Closed) {
             return false;
         }
-        // A short server-side wait per getMore: a waiter that stops waiting (it acquired,
-        // or gave up) drops its stream while a getMore may be in flight, and that
-        // getMore holds a pooled connection until it returns; with the server's default
-        // of 1 s, many short waits exhaust the pool. Events still arrive at once.
+        let key = format!("{}|{}", self.coll.namespace(), self.matching);
+        let mut hubs = HUBS.lock().await;
+        if let Some(entry) = hubs.get(&key) {
+            match entry {
+                Entry::Refused => {
+                    self.state = State::Refused;
+                    return false;
+                }
+                Entry::Hub(weak) => {
+                    if let Some(hub) = weak.upgrade()
+                        && !hub.dead.load(Ordering::SeqCst)
+                    {
+                        let rx = hub.tx.subscribe();
+                        self.state = State::Open { _hub: hub, rx };
+                        return true;
+                    }
+                }
+            }
+        }
+        // No live listener: open one (the registry stays locked, so one opens at a time).
         match self
             .coll
             .watch()
-            .pipeline(self.pipeline.clone())
+            .pipeline(pipeline(self.matching.clone()))
             .max_await_time(MAX_AWAIT)
             .await
         {
-            Ok(stream) => {
-                self.stream = Stream::Open(Box::new(stream));
+            Ok(mut stream) => {
+                let (tx, rx) = broadcast::channel(CAPACITY);
+                let dead = Arc::new(AtomicBool::new(false));
+                let stop = CancellationToken::new();
+                let hub = Arc::new(Hub {
+                    tx: tx.clone(),
+                    dead: Arc::clone(&dead),
+                    stop: stop.clone(),
+                });
+                hubs.insert(key, Entry::Hub(Arc::downgrade(&hub)));
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => break,
+                            event = stream.next() => match event {
+                                Some(Ok(e)) => {
+                                    let id = e.document_key.and_then(|k| k.get("_id").cloned());
+                                    if id.is_some() {
+                                        let _ = tx.send(id);
+                                    }
+                                }
+                                Some(Err(e)) => {
+                                    tracing::debug!(error = %e, "wake-up listener interrupted");
+                                    dead.store(true, Ordering::SeqCst);
+                                    let _ = tx.send(None);
+                                    break;
+                                }
+                                None => {
+                                    dead.store(true, Ordering::SeqCst);
+                                    let _ = tx.send(None);
+                                    break;
+                                }
+                            },
+                        }
+                    }
+                });
+                self.state = State::Open { _hub: hub, rx };
                 true
             }
             Err(e) if matches!(*e.kind, ErrorKind::Command(_)) => {
                 tracing::info!(error = %e, collection = %self.coll.name(), "change streams refused; waiters poll");
-                self.stream = Stream::Refused;
+                hubs.insert(key, Entry::Refused);
+                self.state = State::Refused;
                 false
             }
             Err(e) => {
@@ -128,40 +232,42 @@ impl Wake {
         }
     }
 
-    /// Whether a change stream is open (then the caller may wait longer between polls).
+    /// Whether it is subscribed to a listener (then the caller may wait longer between
+    /// polls).
     pub(crate) fn is_listening(&self) -> bool {
-        matches!(self.stream, Stream::Open(_))
+        matches!(self.state, State::Open { .. })
     }
 
-    /// Waits for a matching change, at most `max`. Without an open stream it sleeps `max`.
-    /// An interrupted stream is closed (the next [`Wake::arm`] opens it again) and counts
-    /// as a change, so the caller retries at once.
+    /// Waits for a matching change of its document, at most `max`. Without a listener it
+    /// sleeps `max`. A lost listener disarms the waiter (the next [`Wake::arm`]
+    /// subscribes again) and counts as a change, so the caller retries at once; so does a
+    /// lag (changes dropped for this waiter).
     pub(crate) async fn wait(&mut self, max: Duration) -> Woken {
-        let Stream::Open(stream) = &mut self.stream else {
+        let State::Open { rx, .. } = &mut self.state else {
             tokio::time::sleep(max).await;
             return Woken::TimedOut;
         };
-        match tokio::time::timeout(max, stream.next()).await {
-            Ok(Some(Ok(_))) => Woken::Changed,
-            Ok(Some(Err(e))) => {
-                tracing::debug!(error = %e, "change stream interrupted");
-                self.stream = Stream::Closed;
-                Woken::Changed
+        let deadline = tokio::time::Instant::now() + max;
+        loop {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Err(_) => return Woken::TimedOut,
+                Ok(Ok(Some(id))) if id == self.id => return Woken::Changed,
+                Ok(Ok(Some(_))) => {}
+                Ok(Err(broadcast::error::RecvError::Lagged(_))) => return Woken::Changed,
+                Ok(Ok(None) | Err(broadcast::error::RecvError::Closed)) => {
+                    self.state = State::Closed;
+                    return Woken::Changed;
+                }
             }
-            Ok(None) => {
-                self.stream = Stream::Closed;
-                Woken::Changed
-            }
-            Err(_) => Woken::TimedOut,
         }
     }
 }
 
-/// The change stream's pipeline: the one document first (so the server filters by key),
-/// then the caller's condition; only the fields a wake-up needs.
-fn pipeline(id: &str, matching: Document) -> Vec<Document> {
+/// The listener's pipeline: the caller's condition, and only the fields a wake-up needs
+/// (the event's `_id` is its resume token and stays).
+fn pipeline(matching: Document) -> Vec<Document> {
     vec![
-        doc! { "$match": { "$and": [{ "documentKey._id": id }, matching] } },
+        doc! { "$match": matching },
         doc! { "$project": { "operationType": 1, "documentKey": 1 } },
     ]
 }
@@ -171,11 +277,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_stream_matches_the_document_first() {
-        let p = pipeline("r", Wake::freed_lock());
+    fn the_listener_matches_the_condition_and_keeps_the_key() {
+        let p = pipeline(Wake::freed_lock());
+        assert_eq!(p[0], doc! { "$match": Wake::freed_lock() });
         assert_eq!(
-            p[0],
-            doc! { "$match": { "$and": [{ "documentKey._id": "r" }, Wake::freed_lock()] } }
+            p[1],
+            doc! { "$project": { "operationType": 1, "documentKey": 1 } }
         );
         assert_eq!(
             Wake::freed_lock(),

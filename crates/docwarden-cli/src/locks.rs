@@ -465,7 +465,11 @@ async fn rwlocks_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::
     if !records.is_empty() {
         lines.push(format!(
             "{:<32} {:<14} {:<32} {:>8} {:<26} state",
-            "resource", "role", "owner", "token", "expires at (server)"
+            "resource",
+            "role",
+            lock_format::collection::OWNER,
+            lock_format::collection::TOKEN,
+            "expires at (server)"
         ));
         for r in &records {
             if let Some(w) = &r.writer {
@@ -520,7 +524,11 @@ async fn semaphores_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyho
     if !records.is_empty() {
         lines.push(format!(
             "{:<32} {:>9} {:<32} {:>8} {:<26} state",
-            "resource", "permits", "holder", "token", "expires at (server)"
+            "resource",
+            "permits",
+            "holder",
+            lock_format::collection::TOKEN,
+            "expires at (server)"
         ));
         for r in &records {
             let permits = format!(

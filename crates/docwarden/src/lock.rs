@@ -34,7 +34,7 @@
 //! `w:1` a failover can roll back an acquire or a counter increment; use majority write
 //! concern where that matters. See `docs/locks.md`.
 
-mod collection;
+pub(crate) mod collection;
 mod document;
 mod election;
 mod fence;

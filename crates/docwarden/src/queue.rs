@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use mongodb::bson::{Document, doc};
-use mongodb::options::{CollectionOptions, IndexOptions};
+use mongodb::options::IndexOptions;
 use mongodb::{Collection, Database, IndexModel};
 
 use crate::clock::TimeSource;
@@ -192,16 +192,8 @@ impl JobQueue {
         options.validate()?;
         let ttl_ms = validate::duration_ms("lease ttl", options.lease_ttl)?;
         let db = collection.client().database(&collection.namespace().db);
-        let coll_options = CollectionOptions::builder()
-            .write_concern(
-                options
-                    .write_concern
-                    .clone()
-                    .or_else(|| collection.write_concern().cloned()),
-            )
-            .read_concern(collection.read_concern().cloned())
-            .selection_criteria(collection.selection_criteria().cloned())
-            .build();
+        let coll_options =
+            crate::lock::collection::inherited_options(&collection, options.write_concern.clone());
         let meta = db.collection_with_options(
             &format!("{}{}", collection.name(), meta::COLLECTION_SUFFIX),
             coll_options.clone(),

@@ -290,6 +290,21 @@ pub struct LockCollection {
     pause: Option<Arc<AcquirePause>>,
 }
 
+/// The options of the collections a handle opens next to `collection` (its own, and
+/// companions such as `<name>.tokens`): `write_concern` if given, else the collection's;
+/// the collection's read concern and selection criteria. One definition for the lock
+/// collection, the semaphore and the queue.
+pub(crate) fn inherited_options(
+    collection: &Collection<Document>,
+    write_concern: Option<WriteConcern>,
+) -> CollectionOptions {
+    CollectionOptions::builder()
+        .write_concern(write_concern.or_else(|| collection.write_concern().cloned()))
+        .read_concern(collection.read_concern().cloned())
+        .selection_criteria(collection.selection_criteria().cloned())
+        .build()
+}
+
 impl LockCollection {
     /// A handle on the lock collection `collection` (and its counter collection
     /// `<name>.tokens` in the same database), without touching the server: it only
@@ -308,16 +323,8 @@ impl LockCollection {
         validate::collection_name("lock collection", collection.name())?;
         options.validate()?;
         let db = collection.client().database(&collection.namespace().db);
-        let coll_options = CollectionOptions::builder()
-            .write_concern(
-                options
-                    .write_concern
-                    .clone()
-                    .or_else(|| collection.write_concern().cloned()),
-            )
-            .read_concern(collection.read_concern().cloned())
-            .selection_criteria(collection.selection_criteria().cloned())
-            .build();
+        let coll_options =
+            crate::lock::collection::inherited_options(&collection, options.write_concern.clone());
         let name = collection.name();
         Ok(Self {
             locks: db.collection_with_options(name, coll_options.clone()),

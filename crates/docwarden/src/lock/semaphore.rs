@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::{CollectionOptions, IndexOptions, ReturnDocument, WriteConcern};
+use mongodb::options::{IndexOptions, ReturnDocument, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
@@ -248,16 +248,8 @@ impl Semaphore {
         validate::collection_name("semaphore collection", collection.name())?;
         options.validate()?;
         let db = collection.client().database(&collection.namespace().db);
-        let coll_options = CollectionOptions::builder()
-            .write_concern(
-                options
-                    .write_concern
-                    .clone()
-                    .or_else(|| collection.write_concern().cloned()),
-            )
-            .read_concern(collection.read_concern().cloned())
-            .selection_criteria(collection.selection_criteria().cloned())
-            .build();
+        let coll_options =
+            crate::lock::collection::inherited_options(&collection, options.write_concern.clone());
         let name = collection.name();
         Ok(Self {
             docs: db.collection_with_options(name, coll_options.clone()),

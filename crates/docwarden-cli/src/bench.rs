@@ -49,9 +49,35 @@ pub(crate) struct Load {
     /// The queue `Worker` rows' batch size (`WorkerOptions::batch_size`); `None` keeps the
     /// library's default.
     pub(crate) batch_size: Option<usize>,
+    /// The queue `Worker` rows' backlogs (`None`: 100, 10,000 and 100,000).
+    pub(crate) backlogs: Option<Vec<usize>>,
+    /// The server's process id when it runs on this machine (the embedded server), for
+    /// the server-CPU column.
+    pub(crate) server_pid: Option<u32>,
 }
 
 impl Load {
+    /// CPU time the server process has used so far (user + system), when it runs on this
+    /// machine and `/proc` is readable; the difference of two readings is what a row cost
+    /// the server, which other load on the machine disturbs far less than wall-clock time.
+    pub(crate) fn server_cpu(&self) -> Option<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.server_pid?)).ok()?;
+        // Fields after the command name (which may hold spaces) closed by ')'.
+        let rest = stat.get(stat.rfind(')')? + 2..)?;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        // USER_HZ is 100 on every Linux this runs on.
+        Some(Duration::from_millis(ticks * 10))
+    }
+
+    /// Server CPU microseconds per item between `before` (a [`Load::server_cpu`]
+    /// reading) and now.
+    pub(crate) fn server_cpu_per_op(&self, before: Option<Duration>, ops: u64) -> Option<f64> {
+        let used = self.server_cpu()?.checked_sub(before?)?;
+        #[allow(clippy::cast_precision_loss)]
+        (ops > 0).then(|| used.as_secs_f64() * 1e6 / ops as f64)
+    }
+
     /// Commands started so far; the difference of two readings is the round trips sent
     /// in between.
     pub(crate) fn commands_sent(&self) -> u64 {
@@ -84,6 +110,9 @@ pub(crate) struct BenchRow {
     pub(crate) ratio: f64,
     /// Commands sent to the server per item (driver command monitoring), while measured.
     pub(crate) round_trips_per_op: f64,
+    /// The server process's CPU time per item, microseconds (embedded server only: it
+    /// runs on this machine), while measured.
+    pub(crate) server_cpu_us_per_op: Option<f64>,
 }
 
 /// Runs `op(worker)` on `load.workers` tasks until `load.duration` has passed. Each call
@@ -99,6 +128,7 @@ where
     let op = Arc::new(op);
     let items = Arc::new(AtomicU64::new(0));
     let commands_before = load.commands_sent();
+    let cpu_before = load.server_cpu();
     let started = Instant::now();
     let deadline = started + load.duration;
     let mut tasks = Vec::new();
@@ -135,6 +165,7 @@ where
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
         round_trips_per_op: per_op(commands, ops),
+        server_cpu_us_per_op: load.server_cpu_per_op(cpu_before, ops),
     })
 }
 
@@ -179,12 +210,16 @@ pub(crate) struct Args {
     #[arg(long)]
     stages: bool,
     /// Run only these modules' rows (comma separated: guard, locks, queue, sequence,
-    /// wakeup, limits); the reference row always runs.
+    /// wakeup, limits; `worker` is the queue's `Worker` rows without the seed loop's); the
+    /// reference row always runs.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Batch size of the queue `Worker` rows (jobs per claim; default: the library's).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Backlogs of the queue rows, comma separated [default: 100,10000,100000].
+    #[arg(long, value_delimiter = ',')]
+    backlogs: Vec<usize>,
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -196,6 +231,15 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let session = args.conn.open(args.json).await?;
     let commands = Arc::new(AtomicU64::new(0));
     let client = counting_client(&session.uri(), Duration::from_secs(30), &commands).await?;
+    anyhow::ensure!(
+        args.backlogs.iter().all(|b| *b > 0),
+        "--backlogs must list backlogs of at least 1 job"
+    );
+    let server_pid = if session.embedded() {
+        server_pid(&client).await
+    } else {
+        None
+    };
     let progress = if args.json {
         indicatif::ProgressBar::hidden()
     } else {
@@ -215,6 +259,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             commands: Arc::clone(&commands),
             stages: args.stages,
             batch_size: args.batch_size,
+            backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
+            server_pid,
         };
         let db = client.database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
         let reference = reference(&db, &load).await?;
@@ -239,6 +285,22 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         print!("{}", markdown(&rows));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The server's process id from `serverStatus` (MongoDB and secantusd-rs both report
+/// it); used only for a server this command started on this machine.
+async fn server_pid(client: &Client) -> Option<u32> {
+    let status = client
+        .database("admin")
+        .run_command(doc! { "serverStatus": 1 })
+        .await
+        .ok()?;
+    let pid = match status.get("pid")? {
+        mongodb::bson::Bson::Int64(p) => *p,
+        mongodb::bson::Bson::Int32(p) => i64::from(*p),
+        _ => return None,
+    };
+    u32::try_from(pid).ok()
 }
 
 /// A client to the same server whose every started command increments `commands` (the
@@ -271,8 +333,9 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
     if on("locks") {
         rows.extend(locks::run(_db, _load).await?);
     }
-    if on("queue") {
-        rows.extend(queue::run(_db, _load).await?);
+    if on("queue") || on("worker") {
+        // `worker`: the queue `Worker` rows without the seed loop's anchor rows.
+        rows.extend(queue::run(_db, _load, on("queue")).await?);
     }
     if on("sequence") {
         rows.extend(sequence::run(_db, _load).await?);
@@ -289,11 +352,11 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
 /// The rows as a markdown table.
 pub(crate) fn markdown(rows: &[BenchRow]) -> String {
     let mut out = String::from(
-        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} |\n",
             r.name,
             r.workers,
             r.ops,
@@ -301,7 +364,9 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
             r.p50_us,
             r.p99_us,
             r.ratio,
-            r.round_trips_per_op
+            r.round_trips_per_op,
+            r.server_cpu_us_per_op
+                .map_or_else(|| "—".to_owned(), |us| format!("{us:.0}"))
         ));
     }
     out

@@ -461,3 +461,76 @@ async fn kill_drop_and_shutdown_stop_the_change_stream_listener() -> anyhow::Res
     }
     Ok(())
 }
+
+/// A busy worker closes its change stream (the server pays for every open stream on
+/// every write) and reopens it once a claim finds nothing: a job enqueued afterwards
+/// starts at once, not after a poll. Fails without the reopen (the last step waits for
+/// a 20 s poll) and without the close (the stream stays open while busy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_busy_worker_closes_its_change_stream_and_reopens_it_when_idle() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_stream_busy").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .name("busy")
+            .concurrency(4)
+            .poll(Duration::from_secs(20), Duration::from_secs(30)),
+        |_job| async {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(Bson::Null)
+        },
+    )?;
+    let until = |want: bool, limit: Duration| {
+        let w = &w;
+        async move {
+            let started = Instant::now();
+            while w.change_stream_open() != want {
+                if started.elapsed() > limit {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            true
+        }
+    };
+    assert!(
+        until(true, Duration::from_secs(5)).await,
+        "an idle worker opens its change stream"
+    );
+    Producer::new().enqueue(&q, 3000).await?;
+    assert!(
+        until(false, Duration::from_secs(10)).await,
+        "the stream stayed open while claims kept finding jobs"
+    );
+    let left = count(&coll, doc! { "state": "ready" }).await?;
+    assert!(left > 0, "closed only after the backlog was gone");
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        3000,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert!(
+        until(true, Duration::from_secs(5)).await,
+        "the stream was not reopened once claims found nothing"
+    );
+    let enqueued = Instant::now();
+    Producer::new().enqueue(&q, 1).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        3001,
+        Duration::from_secs(3),
+    )
+    .await?;
+    println!(
+        "closed while busy ({left} jobs still ready), reopened when idle, next job done in {:?}",
+        enqueued.elapsed()
+    );
+    let report = w.shutdown().await;
+    assert_eq!(report.succeeded, 3001);
+    Ok(())
+}

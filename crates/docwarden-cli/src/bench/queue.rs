@@ -120,9 +120,11 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
         async { Ok(Bson::Null) }
     })?;
     let t0 = Instant::now();
+    let cpu_before = load.server_cpu();
     let done_before = worker.report().succeeded;
     tokio::time::sleep(load.duration).await;
     let ops = worker.report().succeeded - done_before;
+    let server_cpu_us_per_op = load.server_cpu_per_op(cpu_before, ops);
     let elapsed = t0.elapsed().as_secs_f64();
     let commands = load.commands_sent() - commands_before;
     let left = u64::try_from(filled)?.saturating_sub(started.load(Ordering::Relaxed));
@@ -146,6 +148,7 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
         round_trips_per_op: per_op(commands, ops),
+        server_cpu_us_per_op,
     })
 }
 
@@ -214,11 +217,15 @@ async fn seed_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Result<
     row
 }
 
-pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
+/// The rows: per backlog the `Worker` and, with `anchor`, the seed loop.
+pub(crate) async fn run(db: &Database, load: &Load, anchor: bool) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
-    for backlog in BACKLOGS {
+    let backlogs = load.backlogs.clone().unwrap_or_else(|| BACKLOGS.to_vec());
+    for backlog in backlogs {
         rows.push(worker_row(db, load, backlog).await?);
-        rows.push(seed_row(db, load, backlog).await?);
+        if anchor {
+            rows.push(seed_row(db, load, backlog).await?);
+        }
         db.collection::<Document>(&format!("bench_queue_{backlog}"))
             .drop()
             .await?;

@@ -122,6 +122,7 @@ async fn one(
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
         round_trips_per_op: super::per_op(commands, samples),
+        server_cpu_us_per_op: None,
     };
     Ok([
         row(name.to_owned(), &hist),

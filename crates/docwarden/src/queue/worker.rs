@@ -19,7 +19,11 @@
 //! never started) and nothing is written for it. Idle workers wake on a change-stream
 //! event for new or released jobs (a new job is claimed by `_id` straight from the
 //! event: one round trip), and otherwise poll with a jittered backoff between
-//! `poll_min` and `poll_max`. Database errors (a restarting server) make the worker back
+//! `poll_min` and `poll_max`. A busy worker (claims kept finding jobs for a second)
+//! closes its change stream, which the server pays for on every write, and reopens it
+//! as soon as a claim finds nothing, then claims once more for the jobs inserted in
+//! between; while it is closed, a job cancelled as it runs is signalled by the next
+//! heartbeat instead of at once. Database errors (a restarting server) make the worker back
 //! off and resume; they never end it. Shutdown stops claiming, releases the jobs still
 //! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
 //! jobs still running so other workers can claim them at once.
@@ -132,6 +136,13 @@ const MAX_CLAIMERS: usize = 1;
 /// Most final transitions written by one bulk.
 const MAX_BULK: usize = 1024;
 
+/// How long claims must keep finding jobs before the worker closes its change stream.
+/// A busy worker claims again as soon as a slot frees, so the stream's wake-ups are
+/// useless then, and the server pays for every stream on every write to the
+/// collection (about 40 µs per job on the embedded server, a fifth of a job's cost:
+/// `docs/benchmarks.md`). The stream is reopened the moment a claim finds nothing.
+const BUSY_STREAM_OFF: Duration = Duration::from_secs(1);
+
 struct Ctx {
     queue: JobQueue,
     options: WorkerOptions,
@@ -162,6 +173,13 @@ struct Ctx {
     /// Whether the queue is paused (its control document, watched by
     /// `control::watch_pause`); `None` when the pause check is switched off (control).
     paused: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Whether the change stream is wanted: set by the claim loop, `true` once a claim
+    /// found nothing due, `false` after claims kept finding jobs for [`BUSY_STREAM_OFF`]
+    /// (see [`listen`]).
+    stream_wanted: tokio::sync::watch::Sender<bool>,
+    /// Whether the listener holds an open change stream now (see
+    /// [`Worker::change_stream_open`]).
+    stream_open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Ctx {
@@ -201,6 +219,7 @@ pub struct Worker {
     task: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
     listener_probe: std::sync::Weak<()>,
+    stream_open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Worker {
@@ -238,6 +257,7 @@ impl Worker {
         let counters = Arc::new(Counters::default());
         let listener_alive = Arc::new(());
         let listener_probe = Arc::downgrade(&listener_alive);
+        let stream_open = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let handler: BoxHandler = Arc::new(move |job| Box::pin(handler(job)));
         // "Paused" until the control document was read once: never claim before.
         let (paused_tx, paused_rx) = tokio::sync::watch::channel(true);
@@ -258,6 +278,8 @@ impl Worker {
             slot_freed: Notify::new(),
             check_now: Arc::new(Notify::new()),
             paused: pause_check.then_some(paused_rx),
+            stream_wanted: tokio::sync::watch::Sender::new(true),
+            stream_open: Arc::clone(&stream_open),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -268,6 +290,7 @@ impl Worker {
             task: Some(task),
             counters,
             listener_probe,
+            stream_open,
         })
     }
 }
@@ -289,6 +312,13 @@ impl Worker {
     #[doc(hidden)]
     pub fn listener_probe(&self) -> std::sync::Weak<()> {
         self.listener_probe.clone()
+    }
+
+    /// Whether the worker's change stream is open now: it is while the worker is idle
+    /// (a claim found nothing), and closed while claims keep finding jobs. For tests.
+    #[doc(hidden)]
+    pub fn change_stream_open(&self) -> bool {
+        self.stream_open.load(Ordering::Relaxed)
     }
 
     /// Graceful shutdown: stop claiming, release the jobs waiting for a handler, wait
@@ -356,6 +386,8 @@ async fn supervise(
                 stop_listening.clone(),
                 alive,
                 Arc::clone(&ctx.check_now),
+                ctx.stream_wanted.subscribe(),
+                Arc::clone(&ctx.stream_open),
             )
             .in_current_span(),
         );
@@ -478,6 +510,9 @@ async fn claim_loop(
         }
     };
     let mut woken: Option<Bson> = None;
+    // Since when claims keep finding jobs (the first loop manages the change stream).
+    let mut busy_since: Option<tokio::time::Instant> = None;
+    let manages_stream = wake.is_some();
     loop {
         if shutdown.is_cancelled() {
             return;
@@ -540,6 +575,13 @@ async fn claim_loop(
             Ok(jobs) if !jobs.is_empty() => {
                 idle.reset();
                 errors.reset();
+                if manages_stream {
+                    let since = *busy_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() >= BUSY_STREAM_OFF {
+                        ctx.stream_wanted
+                            .send_if_modified(|w| std::mem::replace(w, false));
+                    }
+                }
                 // Handlers that have run jobs wait for one while the queue still gave
                 // a full batch: they are faster than claims, so hold more. (Handlers
                 // that never finished a job, say stuck ones, never grow it.)
@@ -561,6 +603,13 @@ async fn claim_loop(
             }
             Ok(_) => {
                 errors.reset();
+                if manages_stream {
+                    busy_since = None;
+                    // Reopened: the listener signals `notify` once the stream is open,
+                    // so a job inserted before that is claimed by the next claim.
+                    ctx.stream_wanted
+                        .send_if_modified(|w| !std::mem::replace(w, true));
+                }
                 ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
                 let delay = idle.next_delay();
                 match wake.as_mut() {
@@ -927,7 +976,16 @@ async fn listen(
     stop: CancellationToken,
     _alive: Arc<()>,
     check_now: Arc<Notify>,
+    mut wanted: tokio::sync::watch::Receiver<bool>,
+    is_open: Arc<std::sync::atomic::AtomicBool>,
 ) {
+    /// Clears `is_open` however the stream ends (closed, failed, task aborted).
+    struct Open(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::Relaxed);
+        }
+    }
     let Ok(mut backoff) = Backoff::new(Duration::from_millis(200), Duration::from_secs(10)) else {
         return;
     };
@@ -942,7 +1000,12 @@ async fn listen(
             "operationType": 1, "documentKey": 1, "updateDescription.updatedFields.state": 1,
         } },
     ];
-    loop {
+    'open: loop {
+        // A busy worker keeps no stream open (`BUSY_STREAM_OFF`).
+        tokio::select! {
+            () = stop.cancelled() => return,
+            r = wanted.wait_for(|w| *w) => if r.is_err() { return },
+        }
         let opened = tokio::select! {
             () = stop.cancelled() => return,
             s = queue.collection().watch().pipeline(pipeline.clone()) => s,
@@ -951,9 +1014,20 @@ async fn listen(
             Ok(mut stream) => {
                 tracing::debug!("listening to the change stream");
                 backoff.reset();
+                is_open.store(true, Ordering::Relaxed);
+                let _open = Open(Arc::clone(&is_open));
+                // Jobs inserted while no stream was open: one claim finds them.
+                notify.notify_one();
                 loop {
                     tokio::select! {
                         () = stop.cancelled() => return,
+                        r = wanted.wait_for(|w| !*w) => {
+                            if r.is_err() {
+                                return;
+                            }
+                            tracing::debug!("busy: change stream closed until a claim finds nothing");
+                            continue 'open;
+                        }
                         ev = stream.next() => match ev {
                             Some(Ok(ev)) => {
                                 let cancelled = ev.update_description.as_ref().is_some_and(|u| {

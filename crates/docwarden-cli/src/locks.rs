@@ -429,7 +429,10 @@ fn state(expired: bool) -> &'static str {
     if expired { "expired" } else { "held" }
 }
 
-async fn leases_section(locks: &LockCollection, filter: &LockListFilter) -> anyhow::Result<Section> {
+async fn leases_section(
+    locks: &LockCollection,
+    filter: &LockListFilter,
+) -> anyhow::Result<Section> {
     let records = locks.list(filter).await?;
     let mut lines = Vec::new();
     if !records.is_empty() {

@@ -186,14 +186,8 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             if let Some(s) = state {
                 parse_state(s)?;
             }
-            anyhow::ensure!(
-                key.as_deref() != Some(""),
-                "--key must not be empty"
-            );
-            anyhow::ensure!(
-                error.as_deref() != Some(""),
-                "--error must not be empty"
-            );
+            anyhow::ensure!(key.as_deref() != Some(""), "--key must not be empty");
+            anyhow::ensure!(error.as_deref() != Some(""), "--error must not be empty");
             anyhow::ensure!(*limit >= 1, "--limit must be at least 1");
         }
         QueueCommand::Retry { ids } => {

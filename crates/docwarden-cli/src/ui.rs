@@ -599,11 +599,7 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
     };
     let mut named = std::collections::BTreeSet::new();
     for name in &catalog.queues {
-        named.extend(
-            data::queue(&s.db, &s.time, name)?
-                .queue_names()
-                .await?,
-        );
+        named.extend(data::queue(&s.db, &s.time, name)?.queue_names().await?);
     }
     let states: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
     s.render(

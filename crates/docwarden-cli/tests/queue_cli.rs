@@ -82,7 +82,10 @@ async fn list_filters_by_key_and_error_text() -> anyhow::Result<()> {
         ("order-2", "timeout (5 s)"),
     ] {
         let id = q
-            .enqueue(doc! { "k": key }, &EnqueueOptions::default().dedupe_key(key))
+            .enqueue(
+                doc! { "k": key },
+                &EnqueueOptions::default().dedupe_key(key),
+            )
             .await?
             .created()
             .ok_or_else(|| anyhow::anyhow!("not created"))?;

@@ -455,7 +455,10 @@ pub(crate) async fn job(
         named: named_of(&d),
         stalls: text(d.get(field::STALLS)),
         snoozes: text(d.get(field::SNOOZES)),
-        progress: d.get(field::PROGRESS).filter(|b| **b != Bson::Null).map(json),
+        progress: d
+            .get(field::PROGRESS)
+            .filter(|b| **b != Bson::Null)
+            .map(json),
         id: id.to_hex(),
         priority: text(d.get(field::PRIORITY)),
         attempts: text(d.get(field::ATTEMPTS)),
@@ -628,7 +631,11 @@ pub(crate) fn kinds_view(
         if let Some(w) = &r.writer {
             rwlocks.push(holder(
                 &r.resource,
-                if w.waiting { "writer waiting" } else { "writer" },
+                if w.waiting {
+                    "writer waiting"
+                } else {
+                    "writer"
+                },
                 &w.owner,
                 Some(token_text(w.token)),
                 w.expires_at,

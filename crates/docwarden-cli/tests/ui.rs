@@ -13,7 +13,7 @@ use docwarden::lock::{
     LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
 };
 use docwarden::queue::format::field;
-use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions};
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions, Worker, WorkerOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, doc, oid::ObjectId};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -521,6 +521,13 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
             doc! { "$set": { field::LAST_ERROR: "SMTP 550: mailbox (b) unavailable" } },
         )
         .await?;
+    // A third named queue, for the pause: three ready jobs.
+    let reports = f.queue.named("reports", QueueOptions::default())?;
+    for i in 0..3 {
+        reports
+            .enqueue(doc! { "report": i }, &EnqueueOptions::default())
+            .await?;
+    }
     let ui = start_ui(&t, &["--documents", "entities"]).await?;
     let token = ui.token.clone().context("no token printed")?;
 
@@ -539,7 +546,7 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
     assert!(!home.contains("paused since"), "{home}");
 
     // Pause without the token, with a wrong one, cross-site: refused, still running.
-    let form = [("queue", "jobs"), ("named", "mail")];
+    let form = [("queue", "jobs"), ("named", "reports")];
     assert_eq!(post(&ui, "pause", &form).await?.status().as_u16(), 401);
     let mut wrong = form.to_vec();
     wrong.push(("token", "0123"));
@@ -549,34 +556,61 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
         .header("sec-fetch-site", "cross-site")
         .form(&[
             ("queue", "jobs"),
-            ("named", "mail"),
+            ("named", "reports"),
             ("token", token.as_str()),
         ])
         .send()
         .await?;
     assert_eq!(r.status().as_u16(), 403);
-    assert!(!mail.is_paused().await?);
+    assert!(!reports.is_paused().await?);
     // With the token: the control document says paused, by the dashboard; the default
     // queue is untouched.
     let mut good = form.to_vec();
     good.push(("token", token.as_str()));
     let r = post(&ui, "pause", &good).await?;
     assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
-    let control = mail.control().await?;
+    let control = reports.control().await?;
     assert!(control.paused, "{control:?}");
     assert_eq!(control.by.as_deref(), Some("docwarden-ui"));
     assert!(control.paused_at.is_some());
     assert!(!f.queue.is_paused().await?);
+    assert!(!mail.is_paused().await?);
+    // A worker of the paused queue claims nothing.
+    let worker = Worker::spawn(
+        reports.clone(),
+        WorkerOptions::default()
+            .name("ui-test-worker")
+            .poll(Duration::from_millis(50), Duration::from_millis(300)),
+        |_job| async move { Ok(Bson::Null) },
+    )?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ready = doc! { field::STATE: JobState::Ready.as_str(), field::QUEUE: "reports" };
+    assert_eq!(
+        reports.collection().count_documents(ready.clone()).await?,
+        3,
+        "a worker claimed from the paused queue"
+    );
     let home = page(&ui, "/").await?;
     assert!(home.contains("paused since"), "{home}");
     assert!(home.contains("Resume queue"), "{home}");
     assert!(home.contains("data-elapsed-ms"), "{home}");
     // Resume: without the token nothing changes; with it the queue runs again.
     assert_eq!(post(&ui, "resume", &form).await?.status().as_u16(), 401);
-    assert!(mail.is_paused().await?);
+    assert!(reports.is_paused().await?);
     let r = post(&ui, "resume", &good).await?;
     assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
-    assert!(!mail.is_paused().await?);
+    assert!(!reports.is_paused().await?);
+    // The worker takes the jobs now.
+    let done = doc! { field::STATE: JobState::Succeeded.as_str(), field::QUEUE: "reports" };
+    let started = std::time::Instant::now();
+    while reports.collection().count_documents(done.clone()).await? < 3 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "the resumed queue's jobs did not run"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    worker.shutdown().await;
     let home = page(&ui, "/").await?;
     assert!(home.contains("running (resumed) since"), "{home}");
     assert!(!home.contains("Resume queue"), "{home}");
@@ -604,6 +638,31 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
     let job = page(&ui, &format!("/jobs/jobs/{}", bounced.to_hex())).await?;
     assert!(job.contains("named=mail"), "{job}");
     assert!(job.contains("SMTP 550"), "{job}");
+    mail.collection()
+        .update_one(
+            doc! { field::ID: bounced },
+            doc! { "$set": { field::STATE: JobState::Dead.as_str() } },
+        )
+        .await?;
+    let job = page(&ui, &format!("/jobs/jobs/{}", bounced.to_hex())).await?;
+    assert!(
+        job.contains("<input type=\"hidden\" name=\"named\" value=\"mail\">"),
+        "{job}"
+    );
+    let id = bounced.to_hex();
+    let r = post(
+        &ui,
+        "retry",
+        &[
+            ("queue", "jobs"),
+            ("named", "mail"),
+            ("id", id.as_str()),
+            ("token", token.as_str()),
+        ],
+    )
+    .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(state_of(&f, bounced).await?, JobState::Ready.as_str());
 
     // The locks page: every kind, the HTML owner id as text.
     let locks = page(&ui, "/locks").await?;
@@ -944,6 +1003,16 @@ async fn live_updates_arrive_by_change_stream_and_by_polling() -> anyhow::Result
                 &EnqueueOptions::default(),
             )
             .await?;
+        next_event(&mut events, &mut buf, "change").await?;
+        // A pause (a write to the meta collection, no job changes) is heard too, so the
+        // queue page shows "paused since" without a reload; then the resume.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        buf.clear();
+        f.queue.pause("live-test").await?;
+        next_event(&mut events, &mut buf, "change").await?;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        buf.clear();
+        f.queue.resume("live-test").await?;
         next_event(&mut events, &mut buf, "change").await?;
     }
     Ok(())

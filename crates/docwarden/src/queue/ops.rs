@@ -50,11 +50,15 @@ pub struct JobListFilter {
     /// their uniqueness window (`unique_slot` is `<key>@<window start>`), or as their
     /// concurrency or rate key (`limits.key`, `limits.rate`). A fairness key is not
     /// stored (only the partition it hashes to), so it cannot be listed by. Exact,
-    /// case-sensitive match. `None`: any.
+    /// case-sensitive match (the window key as an anchored prefix of `unique_slot`).
+    /// `None`: any.
     pub key: Option<String>,
     /// Only jobs whose `last_error` contains this text, case-insensitively (a literal:
-    /// regular-expression characters in it are escaped). `None`: any. This criterion is
-    /// not indexed: the server scans the queue's jobs that pass the others.
+    /// regular-expression characters in it are escaped). `None`: any.
+    ///
+    /// Neither criterion has an index of its own, and the listing sorts by `updated_at`,
+    /// which no index serves: a listing reads the queue's jobs (what an operator's look
+    /// needs, not a hot path).
     pub error_contains: Option<String>,
     /// At most this many (newest `updated_at` first). Default 50.
     pub limit: i64,
@@ -230,7 +234,9 @@ impl JobQueue {
 
     /// The names of the queues in this handle's collection, sorted with `default`
     /// first: the default queue (always), every string `queue` value stored on a job
-    /// (one indexed `distinct`), and every queue with an options or control document in
+    /// (one `distinct` over the collection: the claim indexes that start with `queue` are
+    /// partial, so finished jobs are read too), and every queue with an options or
+    /// control document in
     /// the meta collection (a named queue that has no job yet, or was paused before its
     /// first job). Open one with [`JobQueue::named`].
     ///

@@ -11,8 +11,9 @@ use std::process::ExitCode;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::format as lock_format;
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, Election, LockCollection, LockListFilter, LockOptions,
-    Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
+    DocumentLockOptions, DocumentLocks, Election, Leader, LockCollection, LockListFilter,
+    LockOptions, Owner, RwLockOptions, RwLockRecord, RwLocks, Semaphore, SemaphoreOptions,
+    SemaphoreRecord,
 };
 use mongodb::Database;
 use mongodb::bson::DateTime;
@@ -193,12 +194,11 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             let kinds = Kinds {
                 db: &db,
                 time: &time,
-                locks: &locks,
                 elections: &args.elections,
                 rwlocks: &args.rwlocks,
                 semaphores: &args.semaphores,
             };
-            let sections = list_sections(&kinds, &filter).await?;
+            let sections = list_sections(&kinds, &locks, &filter).await?;
             if json {
                 let map: serde_json::Map<String, serde_json::Value> = sections
                     .into_iter()
@@ -226,12 +226,11 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             let kinds = Kinds {
                 db: &db,
                 time: &time,
-                locks: &locks,
                 elections: &args.elections,
                 rwlocks: &args.rwlocks,
                 semaphores: &args.semaphores,
             };
-            let released = release_everywhere(&kinds, &owner).await?;
+            let released = release_everywhere(&kinds, &locks, &owner).await?;
             let total: u64 = released.iter().map(|r| r.count).sum();
             if json {
                 let by_kind: serde_json::Map<String, serde_json::Value> = released
@@ -259,15 +258,74 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Where each kind of lock lives, for [`list_sections`] and [`release_everywhere`].
+/// Where the elections, read/write locks and semaphores live, for [`holdings`],
+/// [`list_sections`] and [`release_everywhere`] (the plain leases' lock collection is
+/// passed on its own: the dashboard shows several).
 pub(crate) struct Kinds<'a> {
-    db: &'a Database,
-    time: &'a TimeSource,
-    /// The lock collection of plain leases (opened: indexes exist).
-    locks: &'a LockCollection,
-    elections: &'a str,
-    rwlocks: &'a str,
-    semaphores: &'a str,
+    /// The database of the collections.
+    pub(crate) db: &'a Database,
+    /// The server's clock.
+    pub(crate) time: &'a TimeSource,
+    /// The lock collection of the elections.
+    pub(crate) elections: &'a str,
+    /// The collection of the read/write locks.
+    pub(crate) rwlocks: &'a str,
+    /// The collection of the semaphores.
+    pub(crate) semaphores: &'a str,
+}
+
+/// What is held besides plain leases, read through the library's list functions
+/// ([`Election::list`], [`RwLocks::list`], [`Semaphore::list`]) and filtered by owner and
+/// resource: the one reader behind `docwarden locks list` and the dashboard's locks page.
+#[derive(Debug, Default, serde::Serialize)]
+pub(crate) struct Holdings {
+    /// Election leaders (expired terms included, marked).
+    pub(crate) elections: Vec<Leader>,
+    /// Read/write locks with a writer or readers.
+    pub(crate) rwlocks: Vec<RwLockRecord>,
+    /// Semaphores (every document, with its holders).
+    pub(crate) semaphores: Vec<SemaphoreRecord>,
+}
+
+/// Reads the [`Holdings`] of `kinds` that match `filter` (owner, resource).
+pub(crate) async fn holdings(
+    kinds: &Kinds<'_>,
+    filter: &LockListFilter,
+) -> anyhow::Result<Holdings> {
+    let elections = Election::list(&kinds.lock_collection(kinds.elections)?)
+        .await?
+        .into_iter()
+        .filter(|l| filter.owner.as_ref().is_none_or(|o| *o == l.owner))
+        .filter(|l| filter.resource.as_ref().is_none_or(|r| *r == l.election))
+        .collect();
+    let rw = RwLocks::new(
+        kinds.lock_collection(kinds.rwlocks)?,
+        RwLockOptions::default(),
+    )?;
+    let rwlocks = rw
+        .list()
+        .await?
+        .into_iter()
+        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
+        .filter(|r| {
+            filter.owner.as_ref().is_none_or(|o| {
+                r.writer.as_ref().is_some_and(|w| w.owner == *o)
+                    || r.readers.iter().any(|x| x.owner == *o)
+            })
+        })
+        .collect();
+    let semaphores = kinds
+        .semaphore()?
+        .list(filter.owner.as_deref(), false)
+        .await?
+        .into_iter()
+        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
+        .collect();
+    Ok(Holdings {
+        elections,
+        rwlocks,
+        semaphores,
+    })
 }
 
 impl Kinds<'_> {
@@ -313,17 +371,26 @@ pub(crate) struct Released {
 }
 
 /// Every section of the listing, one call per kind of lock.
-async fn list_sections(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Vec<Section>> {
+async fn list_sections(
+    kinds: &Kinds<'_>,
+    locks: &LockCollection,
+    filter: &LockListFilter,
+) -> anyhow::Result<Vec<Section>> {
+    let held = holdings(kinds, filter).await?;
     Ok(vec![
-        leases_section(kinds, filter).await?,
-        elections_section(kinds, filter).await?,
-        rwlocks_section(kinds, filter).await?,
-        semaphores_section(kinds, filter).await?,
+        leases_section(locks, filter).await?,
+        elections_section(kinds, held.elections)?,
+        rwlocks_section(kinds, held.rwlocks)?,
+        semaphores_section(kinds, held.semaphores)?,
     ])
 }
 
 /// Releases what `owner` holds, one call per kind of lock.
-async fn release_everywhere(kinds: &Kinds<'_>, owner: &Owner) -> anyhow::Result<Vec<Released>> {
+async fn release_everywhere(
+    kinds: &Kinds<'_>,
+    locks: &LockCollection,
+    owner: &Owner,
+) -> anyhow::Result<Vec<Released>> {
     let rwlocks = RwLocks::new(
         kinds.lock_collection(kinds.rwlocks)?,
         RwLockOptions::default(),
@@ -331,7 +398,7 @@ async fn release_everywhere(kinds: &Kinds<'_>, owner: &Owner) -> anyhow::Result<
     Ok(vec![
         Released {
             key: "leases",
-            count: kinds.locks.release_all(owner).await?,
+            count: locks.release_all(owner).await?,
         },
         Released {
             key: "elections",
@@ -362,8 +429,11 @@ fn state(expired: bool) -> &'static str {
     if expired { "expired" } else { "held" }
 }
 
-async fn leases_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
-    let records = kinds.locks.list(filter).await?;
+async fn leases_section(
+    locks: &LockCollection,
+    filter: &LockListFilter,
+) -> anyhow::Result<Section> {
+    let records = locks.list(filter).await?;
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(
@@ -401,20 +471,13 @@ async fn leases_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::R
     Ok(Section {
         key: "leases",
         title: "held leases",
-        collection: kinds.locks.name().to_owned(),
+        collection: locks.name().to_owned(),
         json: serde_json::to_value(&records)?,
         lines,
     })
 }
 
-async fn elections_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
-    let locks = kinds.lock_collection(kinds.elections)?;
-    let leaders: Vec<_> = Election::list(&locks)
-        .await?
-        .into_iter()
-        .filter(|l| filter.owner.as_ref().is_none_or(|o| *o == l.owner))
-        .filter(|l| filter.resource.as_ref().is_none_or(|r| *r == l.election))
-        .collect();
+fn elections_section(kinds: &Kinds<'_>, leaders: Vec<Leader>) -> anyhow::Result<Section> {
     let mut lines = Vec::new();
     if !leaders.is_empty() {
         lines.push(format!(
@@ -444,23 +507,7 @@ async fn elections_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow
     })
 }
 
-async fn rwlocks_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
-    let rw = RwLocks::new(
-        kinds.lock_collection(kinds.rwlocks)?,
-        RwLockOptions::default(),
-    )?;
-    let records: Vec<_> = rw
-        .list()
-        .await?
-        .into_iter()
-        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
-        .filter(|r| {
-            filter.owner.as_ref().is_none_or(|o| {
-                r.writer.as_ref().is_some_and(|w| w.owner == *o)
-                    || r.readers.iter().any(|x| x.owner == *o)
-            })
-        })
-        .collect();
+fn rwlocks_section(kinds: &Kinds<'_>, records: Vec<RwLockRecord>) -> anyhow::Result<Section> {
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(
@@ -512,14 +559,7 @@ async fn rwlocks_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::
     })
 }
 
-async fn semaphores_section(kinds: &Kinds<'_>, filter: &LockListFilter) -> anyhow::Result<Section> {
-    let records: Vec<_> = kinds
-        .semaphore()?
-        .list(filter.owner.as_deref(), false)
-        .await?
-        .into_iter()
-        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
-        .collect();
+fn semaphores_section(kinds: &Kinds<'_>, records: Vec<SemaphoreRecord>) -> anyhow::Result<Section> {
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(

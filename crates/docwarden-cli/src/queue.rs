@@ -47,6 +47,13 @@ enum QueueCommand {
         /// Only jobs in this state (ready, running, succeeded, retrying, dead, cancelled).
         #[arg(long)]
         state: Option<String>,
+        /// Only jobs with this key: dedupe key, uniqueness-window key, concurrency key or
+        /// rate key (exact match).
+        #[arg(long)]
+        key: Option<String>,
+        /// Only jobs whose last error contains this text (case-insensitive, literal).
+        #[arg(long)]
+        error: Option<String>,
         /// At most this many.
         #[arg(long, default_value_t = 20)]
         limit: i64,
@@ -170,10 +177,17 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     docwarden::validate::name("database", &args.db)?;
     match &args.command {
         QueueCommand::Stats => {}
-        QueueCommand::List { state, limit } => {
+        QueueCommand::List {
+            state,
+            limit,
+            key,
+            error,
+        } => {
             if let Some(s) = state {
                 parse_state(s)?;
             }
+            anyhow::ensure!(key.as_deref() != Some(""), "--key must not be empty");
+            anyhow::ensure!(error.as_deref() != Some(""), "--error must not be empty");
             anyhow::ensure!(*limit >= 1, "--limit must be at least 1");
         }
         QueueCommand::Retry { ids } => {
@@ -239,10 +253,21 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        QueueCommand::List { state, limit } => {
+        QueueCommand::List {
+            state,
+            limit,
+            key,
+            error,
+        } => {
             let mut filter = JobListFilter::default().limit(limit);
             if let Some(s) = state {
                 filter = filter.state(parse_state(&s)?);
+            }
+            if let Some(k) = key {
+                filter = filter.key(k);
+            }
+            if let Some(e) = error {
+                filter = filter.error_contains(e);
             }
             let jobs: Vec<serde_json::Value> =
                 queue.list(&filter).await?.iter().map(summary).collect();

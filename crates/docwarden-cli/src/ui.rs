@@ -1,20 +1,24 @@
 //! `docwarden ui`: a web dashboard for the queues and lock collections of one database,
 //! with actions, live updates and Prometheus metrics.
 //!
-//! Pages: queues (counts by state, finished jobs and latency per minute, the oldest due
-//! job's wait), the job list (filters: queue, state, dedupe key or id, text in the last
-//! error), a job (payload, attempts, lease, last error, result, the stored document),
-//! locks and leases (holder, token, expiry counting down), and past `verify` reports
-//! (`--reports DIR`). `GET /metrics` serves Prometheus text (see [`metrics`]); `GET
-//! /events` pushes a change notification (see [`live`]).
+//! Pages: queues (one card per named queue of each queue collection: counts by state,
+//! finished jobs and latency per minute, the oldest due job's wait, whether it is paused
+//! and since when), the job list (filters: collection, named queue, state, key or id, text
+//! in the last error — the library's [`docwarden::queue::JobListFilter`]), a job (payload,
+//! attempts, stalls, lease, last error, progress, result, the stored document), locks
+//! (leases, election leaders and terms, read/write locks' writer and readers, semaphores'
+//! permits and holders, and with `--documents` the document locks of entity collections;
+//! holder, token, expiry counting down), and past `verify` reports (`--reports DIR`).
+//! `GET /metrics` serves Prometheus text (see [`metrics`]); `GET /events` pushes a change
+//! notification (see [`live`]).
 //!
 //! **Guarantee:** every value read from the database is HTML-escaped by the templates
 //! (auto-escaping is on for every `.html` template, and the pages' Content-Security-Policy
 //! forbids inline scripts besides); reads never write; the actions (retry dead jobs,
-//! cancel, purge) are POSTs that need the token printed at start and are refused
-//! cross-site (see [`guard`]). **Limits:** pausing a queue is not offered (the library has
-//! no pause yet); only the last error of a job is stored, so the "history" of errors is
-//! that one; plain HTTP: bind to loopback (the default).
+//! cancel, purge, pause and resume a queue) are POSTs that need the token printed at start
+//! and are refused cross-site (see [`guard`]). **Limits:** only the last error of a job is
+//! stored (the job format has no error history), so the page shows that one with the
+//! attempts and transition times; plain HTTP: bind to loopback (the default).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -29,7 +33,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::{CancelOutcome, JobState};
+use docwarden::queue::{CancelOutcome, JobState, PauseOutcome};
 use minijinja::context;
 use mongodb::bson::oid::ObjectId;
 use mongodb::{Client, Database};
@@ -66,6 +70,22 @@ pub(crate) struct Args {
     /// `l.tokens` counter collection.
     #[arg(long = "locks")]
     locks: Vec<String>,
+    /// The lock collection of the elections (`docwarden::lock::Election`), shown as
+    /// leaders and terms.
+    #[arg(long, default_value = docwarden::lock::format::ELECTIONS)]
+    elections: String,
+    /// The collection of the read/write locks (`docwarden::lock::RwLocks`).
+    #[arg(long, default_value = docwarden::lock::format::RWLOCKS)]
+    rwlocks: String,
+    /// The collection of the semaphores (`docwarden::lock::Semaphore`).
+    #[arg(long, default_value = docwarden::lock::format::SEMAPHORES)]
+    semaphores: String,
+    /// Entity collections that use document locks (`docwarden::lock::DocumentLocks`,
+    /// default fields `lock_id`/`lock_time`, 30 s validity): their locked documents are
+    /// shown on the locks page (repeatable; none by default, as finding them reads the
+    /// collection).
+    #[arg(long = "documents")]
+    documents: Vec<String>,
     /// A directory of `docwarden verify` HTML reports to list and serve.
     #[arg(long)]
     reports: Option<PathBuf>,
@@ -87,6 +107,10 @@ pub(crate) struct UiConfig {
     pub(crate) locks: Vec<String>,
     /// Verify reports directory.
     pub(crate) reports: Option<PathBuf>,
+    /// The collections of the elections, read/write locks and semaphores.
+    pub(crate) kinds: KindNames,
+    /// Entity collections whose document locks are shown.
+    pub(crate) documents: Vec<String>,
     /// Poll for changes instead of watching a change stream (tests of the fallback).
     pub(crate) poll_only: bool,
 }
@@ -100,8 +124,41 @@ impl UiConfig {
             queues: Vec::new(),
             locks: Vec::new(),
             reports: None,
+            kinds: KindNames::default(),
+            documents: Vec::new(),
             poll_only: false,
         }
+    }
+}
+
+/// Where the elections, read/write locks and semaphores live (the defaults of
+/// `docwarden locks`).
+#[derive(Debug, Clone)]
+pub(crate) struct KindNames {
+    /// The elections' lock collection.
+    pub(crate) elections: String,
+    /// The read/write locks' collection.
+    pub(crate) rwlocks: String,
+    /// The semaphores' collection.
+    pub(crate) semaphores: String,
+}
+
+impl Default for KindNames {
+    fn default() -> Self {
+        Self {
+            elections: docwarden::lock::format::ELECTIONS.to_owned(),
+            rwlocks: docwarden::lock::format::RWLOCKS.to_owned(),
+            semaphores: docwarden::lock::format::SEMAPHORES.to_owned(),
+        }
+    }
+}
+
+impl KindNames {
+    /// Whether `name` is one of these collections (not a plain lease collection).
+    fn contains(&self, name: &str) -> bool {
+        [&self.elections, &self.rwlocks, &self.semaphores]
+            .iter()
+            .any(|n| n.as_str() == name)
     }
 }
 
@@ -133,6 +190,8 @@ struct AppState {
     templates: minijinja::Environment<'static>,
     token: Option<String>,
     reports: Option<PathBuf>,
+    kinds: KindNames,
+    documents: Vec<String>,
     live: Arc<live::Live>,
     loopback: bool,
 }
@@ -218,6 +277,8 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
         templates: templates()?,
         token: token.clone(),
         reports: cfg.reports,
+        kinds: cfg.kinds,
+        documents: cfg.documents,
         live,
         loopback: addr.ip().is_loopback(),
     });
@@ -251,6 +312,8 @@ fn router(state: Shared) -> axum::Router {
         .route("/actions/retry", post(action_retry))
         .route("/actions/cancel", post(action_cancel))
         .route("/actions/purge", post(action_purge))
+        .route("/actions/pause", post(action_pause))
+        .route("/actions/resume", post(action_resume))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             protect,
@@ -349,7 +412,13 @@ impl AppState {
         Ok(self.time.now().await?.estimate_ms)
     }
 
-    async fn queue_named(&self, name: &str) -> Result<docwarden::queue::JobQueue, UiError> {
+    /// A handle on the named queue `named` (the default queue when `None` or empty) of
+    /// queue collection `name`, which must be one the dashboard shows.
+    async fn queue_named(
+        &self,
+        name: &str,
+        named: Option<&str>,
+    ) -> Result<docwarden::queue::JobQueue, UiError> {
         let catalog = self.catalogue.get(&self.db).await?;
         if !catalog.queues.iter().any(|q| q == name) {
             return Err(not_found(format!(
@@ -357,14 +426,32 @@ impl AppState {
                 self.db.name()
             )));
         }
-        Ok(data::queue(&self.db, &self.time, name)?)
+        let base = data::queue(&self.db, &self.time, name)?;
+        match named.map(str::trim).filter(|n| !n.is_empty()) {
+            None => Ok(base),
+            Some(n) => base
+                .named(n, docwarden::queue::QueueOptions::default())
+                .map_err(|e| UiError(StatusCode::BAD_REQUEST, e.to_string())),
+        }
     }
 }
 
-/// One queue on the overview.
+/// One named queue of a queue collection on the overview.
 #[derive(serde::Serialize)]
 struct QueueCard {
+    /// The queue collection.
     name: String,
+    /// The named queue (`default`: jobs without a queue name).
+    named: String,
+    /// Whether the collection has other named queues than the default one (the card
+    /// then names its queue).
+    several: bool,
+    /// Workers start no claim from this queue.
+    paused: bool,
+    /// When and by whom it was paused (or last resumed), as text.
+    control: Option<String>,
+    /// Milliseconds since the pause (the page counts on).
+    paused_for_ms: Option<i64>,
     total: u64,
     states: Vec<data::StateCount>,
     oldest_due: Option<String>,
@@ -457,20 +544,45 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
     let now = s.now_ms().await?;
     let mut cards = Vec::new();
     for name in &catalog.queues {
-        let q = data::queue(&s.db, &s.time, name)?;
-        let stats = q.stats().await?;
-        let history = data::history(&q, now).await?;
-        cards.push(QueueCard {
-            name: name.clone(),
-            total: stats.total,
-            states: data::state_counts(&stats),
-            oldest_due: stats.oldest_due_ms.map(human_ms),
-            expired_running: stats.expired_running,
-            unreadable_leases: stats.unreadable_leases,
-            undatable: stats.undatable,
-            chart: chart(&history),
-            history,
-        });
+        let named = data::named_queues(&s.db, &s.time, name).await?;
+        let several = named.len() > 1;
+        for (queue_name, q) in named {
+            let stats = q.stats().await?;
+            let history = data::history(&q, &queue_name, now).await?;
+            let control = q.control().await?;
+            let describe = |what: &str, at: Option<mongodb::bson::DateTime>| {
+                let mut t = format!("{what} since {}", at.map(data::date).unwrap_or_default());
+                if let Some(by) = &control.by {
+                    t.push_str(&format!(" by {by}"));
+                }
+                t
+            };
+            cards.push(QueueCard {
+                name: name.clone(),
+                several,
+                paused: control.paused,
+                control: if control.paused {
+                    Some(describe("paused", control.paused_at))
+                } else {
+                    control
+                        .resumed_at
+                        .map(|t| describe("running (resumed)", Some(t)))
+                },
+                paused_for_ms: control
+                    .paused
+                    .then(|| control.paused_at.map(|t| now - t.timestamp_millis()))
+                    .flatten(),
+                named: queue_name,
+                total: stats.total,
+                states: data::state_counts(&stats),
+                oldest_due: stats.oldest_due_ms.map(human_ms),
+                expired_running: stats.expired_running,
+                unreadable_leases: stats.unreadable_leases,
+                undatable: stats.undatable,
+                chart: chart(&history),
+                history,
+            });
+        }
     }
     s.render(
         "queues.html",
@@ -485,11 +597,15 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
         Ok(rows) => rows,
         Err(e) => return Err(UiError(StatusCode::BAD_REQUEST, format!("{e:#}"))),
     };
+    let mut named = std::collections::BTreeSet::new();
+    for name in &catalog.queues {
+        named.extend(data::queue(&s.db, &s.time, name)?.queue_names().await?);
+    }
     let states: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
     s.render(
         "jobs.html",
         "jobs",
-        context! { jobs => rows, queues => catalog.queues, states => states, filter => q },
+        context! { jobs => rows, queues => catalog.queues, named_queues => named, states => states, filter => q },
     )
 }
 
@@ -498,7 +614,7 @@ async fn job_page(
     Path((queue, id)): Path<(String, String)>,
     Query(n): Query<Notice>,
 ) -> Page {
-    let handle = s.queue_named(&queue).await?;
+    let handle = s.queue_named(&queue, None).await?;
     let oid = ObjectId::parse_str(&id)
         .map_err(|_| not_found(format!("`{id}` is not a job id (24 hex digits)")))?;
     let now = s.now_ms().await?;
@@ -516,14 +632,30 @@ async fn locks_page(State(s): State<Shared>) -> Page {
     let catalog = s.catalogue.get(&s.db).await?;
     let now = s.now_ms().await?;
     let mut collections = Vec::new();
-    for name in &catalog.locks {
+    // Plain leases; the elections', read/write locks' and semaphores' collections have
+    // their own sections below.
+    for name in catalog.locks.iter().filter(|l| !s.kinds.contains(l)) {
         let leases = data::lock_list(&s.db, &s.time, name, now).await?;
         collections.push(context! { name => name, leases => leases });
+    }
+    let kinds = crate::locks::Kinds {
+        db: &s.db,
+        time: &s.time,
+        elections: &s.kinds.elections,
+        rwlocks: &s.kinds.rwlocks,
+        semaphores: &s.kinds.semaphores,
+    };
+    let held = crate::locks::holdings(&kinds, &docwarden::lock::LockListFilter::default()).await?;
+    let others = data::kinds_view(&kinds, &held, now);
+    let mut documents = Vec::new();
+    for name in &s.documents {
+        let locked = data::document_locks(&s.db, &s.time, name, now).await?;
+        documents.push(context! { name => name, locked => locked });
     }
     s.render(
         "locks.html",
         "locks",
-        context! { collections => collections },
+        context! { collections => collections, kinds => others, documents => documents },
     )
 }
 
@@ -671,6 +803,8 @@ struct ActionForm {
     /// check first).
     #[serde(default)]
     queue: String,
+    /// The named queue (default queue when absent or empty).
+    named: Option<String>,
     /// A job id (retry: all dead jobs of the queue when absent).
     id: Option<String>,
     /// Purge: minimum age of finished jobs, e.g. `7d`.
@@ -741,7 +875,7 @@ async fn action_retry(
     if let Some(refused) = authorize(&s, "retry", &headers, &form) {
         return Ok(refused);
     }
-    let q = s.queue_named(&form.queue).await?;
+    let q = s.queue_named(&form.queue, form.named.as_deref()).await?;
     let id = parse_job_id(form.id.as_deref())?;
     let ids: Option<Vec<ObjectId>> = id.map(|i| vec![i]);
     let n = q.retry_dead(ids.as_deref()).await?;
@@ -762,7 +896,7 @@ async fn action_cancel(
     if let Some(refused) = authorize(&s, "cancel", &headers, &form) {
         return Ok(refused);
     }
-    let q = s.queue_named(&form.queue).await?;
+    let q = s.queue_named(&form.queue, form.named.as_deref()).await?;
     let Some(id) = parse_job_id(form.id.as_deref())? else {
         return Err(UiError(
             StatusCode::BAD_REQUEST,
@@ -788,7 +922,7 @@ async fn action_purge(
     if let Some(refused) = authorize(&s, "purge", &headers, &form) {
         return Ok(refused);
     }
-    let q = s.queue_named(&form.queue).await?;
+    let q = s.queue_named(&form.queue, form.named.as_deref()).await?;
     let age = crate::queue::parse_age(form.older_than.as_deref().unwrap_or(""))
         .map_err(|e| UiError(StatusCode::BAD_REQUEST, format!("{e:#}")))?;
     let n = q.purge(age).await?;
@@ -801,9 +935,62 @@ async fn action_purge(
     ))
 }
 
+/// Who the control document names as having paused or resumed from the dashboard.
+const ACTOR: &str = "docwarden-ui";
+
+async fn action_pause(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    Form(form): Form<ActionForm>,
+) -> Page {
+    if let Some(refused) = authorize(&s, "pause", &headers, &form) {
+        return Ok(refused);
+    }
+    let q = s.queue_named(&form.queue, form.named.as_deref()).await?;
+    let text = match q.pause(ACTOR).await? {
+        PauseOutcome::AlreadyPaused => "was already paused",
+        _ => "paused: workers start no new claim from it; running jobs finish",
+    };
+    done("pause");
+    tracing::info!(queue = %form.queue, named = q.queue_name(), "pause from the dashboard");
+    Ok(back(
+        &form.queue,
+        None,
+        &format!("queue {} of {}: {text}", q.queue_name(), form.queue),
+    ))
+}
+
+async fn action_resume(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    Form(form): Form<ActionForm>,
+) -> Page {
+    if let Some(refused) = authorize(&s, "resume", &headers, &form) {
+        return Ok(refused);
+    }
+    let q = s.queue_named(&form.queue, form.named.as_deref()).await?;
+    let text = match q.resume(ACTOR).await? {
+        PauseOutcome::NotPaused => "was not paused",
+        _ => "resumed: workers claim from it again",
+    };
+    done("resume");
+    tracing::info!(queue = %form.queue, named = q.queue_name(), "resume from the dashboard");
+    Ok(back(
+        &form.queue,
+        None,
+        &format!("queue {} of {}: {text}", q.queue_name(), form.queue),
+    ))
+}
+
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     docwarden::validate::name("database", &args.db)?;
-    for q in args.queues.iter().chain(&args.locks) {
+    for q in args
+        .queues
+        .iter()
+        .chain(&args.locks)
+        .chain(&args.documents)
+        .chain([&args.elections, &args.rwlocks, &args.semaphores])
+    {
         docwarden::validate::collection_name("collection", q)?;
     }
     if let Some(dir) = &args.reports {
@@ -820,6 +1007,12 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             queues: args.queues,
             locks: args.locks,
             reports: args.reports,
+            kinds: KindNames {
+                elections: args.elections,
+                rwlocks: args.rwlocks,
+                semaphores: args.semaphores,
+            },
+            documents: args.documents,
             poll_only: args.poll_only,
         },
     )

@@ -67,3 +67,65 @@ async fn list_and_show_print_progress_and_the_whole_job() -> anyhow::Result<()> 
     assert_eq!(out.status.code(), Some(1), "an unknown id exits 1");
     Ok(())
 }
+
+/// `queue list --key` and `--error` (issue 17): the library's `JobListFilter::key` and
+/// `error_contains`, so a key matches exactly and the error text literally, ignoring case.
+#[tokio::test]
+async fn list_filters_by_key_and_error_text() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cli_filters").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let mut ids = Vec::new();
+    for (key, error) in [
+        ("order-1", "Timeout (30 s)"),
+        ("order-10", "refused"),
+        ("order-2", "timeout (5 s)"),
+    ] {
+        let id = q
+            .enqueue(
+                doc! { "k": key },
+                &EnqueueOptions::default().dedupe_key(key),
+            )
+            .await?
+            .created()
+            .ok_or_else(|| anyhow::anyhow!("not created"))?;
+        q.collection()
+            .update_one(
+                doc! { field::ID: id },
+                doc! { "$set": { field::LAST_ERROR: error } },
+            )
+            .await?;
+        ids.push(id.to_hex());
+    }
+    let listed = |args: &[&str]| -> anyhow::Result<Vec<String>> {
+        let out = run(&t, args)?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let mut got: Vec<String> = v
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|r| r["id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        got.sort();
+        Ok(got)
+    };
+    assert_eq!(listed(&["list", "--key", "order-1"])?, vec![ids[0].clone()]);
+    let mut timeouts = vec![ids[0].clone(), ids[2].clone()];
+    timeouts.sort();
+    assert_eq!(listed(&["list", "--error", "TIMEOUT ("])?, timeouts);
+    assert_eq!(
+        listed(&["list", "--error", "timeout", "--key", "order-2"])?,
+        vec![ids[2].clone()]
+    );
+    assert!(listed(&["list", "--error", "time.ut"])?.is_empty());
+    let out = run(&t, &["list", "--key", ""])?;
+    assert!(!out.status.success());
+    Ok(())
+}

@@ -8,9 +8,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden::lock::{
+    DocumentLockOptions, DocumentLocks, Election, ElectionOptions, Leadership, LockCollection,
+    LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
+};
 use docwarden::queue::format::field;
-use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions};
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions, Worker, WorkerOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, doc, oid::ObjectId};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -87,6 +90,68 @@ async fn fixture(t: &TestDb) -> anyhow::Result<Fixture> {
         running,
         owner,
         token: lease.token.get(),
+    })
+}
+
+/// What [`coordination`] holds: keep it alive while the pages are read (the leader's
+/// watchdog renews the term).
+struct Coordination {
+    _leader: Leadership,
+    term: i64,
+    /// Holds a semaphore permit and a read lock.
+    holder: Owner,
+    /// The leader, whose id is HTML.
+    evil: Owner,
+}
+
+/// A leader elected in `elections` (owner id [`EVIL`]), a writer and a reader in
+/// `rwlocks`, two holders of the semaphore `geo-api` (3 permits) in `semaphores`, and a
+/// locked document `<b>doc-1</b>` in the entity collection `entities`.
+async fn coordination(t: &TestDb) -> anyhow::Result<Coordination> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let ttl = Duration::from_secs(300);
+    let election = Election::open(
+        &t.db,
+        "elections",
+        "scheduler",
+        time.clone(),
+        ElectionOptions::default().term_ttl(Duration::from_secs(60)),
+    )
+    .await?;
+    let evil = Owner::from_existing(EVIL)?;
+    let leader = election.try_campaign(&evil).await?.context("not elected")?;
+    let rw = RwLocks::open(&t.db, "rwlocks", time.clone(), RwLockOptions::default()).await?;
+    let holder = Owner::random();
+    rw.try_write(&Owner::random(), "config", ttl)
+        .await?
+        .context("no write lock")?;
+    rw.try_read(&holder, "report", ttl)
+        .await?
+        .context("no read lock")?;
+    let sem = Semaphore::open(
+        &t.db,
+        "semaphores",
+        time.clone(),
+        SemaphoreOptions::default().default_permits(3),
+    )
+    .await?;
+    sem.set_permits("geo-api", 3).await?;
+    for o in [&holder, &Owner::random()] {
+        sem.try_acquire(o, "geo-api", ttl)
+            .await?
+            .context("no permit")?;
+    }
+    let docs = DocumentLocks::open(&t.db, "entities", time, DocumentLockOptions::default()).await?;
+    // Dropping the guard keeps the lock (it is released by `release` or expires).
+    let _locked = docs
+        .lock_or_create("<b>doc-1</b>", doc! { "v": 1 })
+        .await?
+        .context("document not locked")?;
+    Ok(Coordination {
+        term: leader.term().get(),
+        _leader: leader,
+        holder,
+        evil,
     })
 }
 
@@ -419,6 +484,215 @@ async fn actions_need_the_token_and_change_nothing_without_it() -> anyhow::Resul
     Ok(())
 }
 
+async fn post(ui: &Ui, action: &str, form: &[(&str, &str)]) -> anyhow::Result<reqwest::Response> {
+    Ok(client()?
+        .post(format!("{}/actions/{action}", ui.url))
+        .form(form)
+        .send()
+        .await?)
+}
+
+/// Pause and resume a named queue from the dashboard (token-protected like every
+/// action); every named queue of the collection on the queues page and in the job list's
+/// filters; the key and error filters; the locks page's leaders, read/write locks,
+/// semaphores and document locks, with an HTML owner id escaped.
+#[tokio::test]
+async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_pause_kinds").await?;
+    let f = fixture(&t).await?;
+    let c = coordination(&t).await?;
+    let mail = f.queue.named("mail", QueueOptions::default())?;
+    let tenant = mail
+        .enqueue(
+            doc! { "to": "a@example.com" },
+            &EnqueueOptions::default().concurrency_key("tenant-a"),
+        )
+        .await?
+        .created()
+        .context("not created")?;
+    let bounced = mail
+        .enqueue(doc! { "to": "b@example.com" }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .context("not created")?;
+    mail.collection()
+        .update_one(
+            doc! { field::ID: bounced },
+            doc! { "$set": { field::LAST_ERROR: "SMTP 550: mailbox (b) unavailable" } },
+        )
+        .await?;
+    // A third named queue, for the pause: three ready jobs.
+    let reports = f.queue.named("reports", QueueOptions::default())?;
+    for i in 0..3 {
+        reports
+            .enqueue(doc! { "report": i }, &EnqueueOptions::default())
+            .await?;
+    }
+    let ui = start_ui(&t, &["--documents", "entities"]).await?;
+    let token = ui.token.clone().context("no token printed")?;
+
+    // Each named queue of `jobs` has its card, with its own counts.
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("data-named=\"default\""), "{home}");
+    assert!(home.contains("data-named=\"mail\""), "{home}");
+    assert!(
+        home.contains("named=mail&amp;in_state=ready\" data-state=\"ready\">2</a>"),
+        "{home}"
+    );
+    assert!(
+        home.contains("named=default&amp;in_state=ready\" data-state=\"ready\">3</a>"),
+        "{home}"
+    );
+    assert!(!home.contains("paused since"), "{home}");
+
+    // Pause without the token, with a wrong one, cross-site: refused, still running.
+    let form = [("queue", "jobs"), ("named", "reports")];
+    assert_eq!(post(&ui, "pause", &form).await?.status().as_u16(), 401);
+    let mut wrong = form.to_vec();
+    wrong.push(("token", "0123"));
+    assert_eq!(post(&ui, "pause", &wrong).await?.status().as_u16(), 403);
+    let r = client()?
+        .post(format!("{}/actions/pause", ui.url))
+        .header("sec-fetch-site", "cross-site")
+        .form(&[
+            ("queue", "jobs"),
+            ("named", "reports"),
+            ("token", token.as_str()),
+        ])
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 403);
+    assert!(!reports.is_paused().await?);
+    // With the token: the control document says paused, by the dashboard; the default
+    // queue is untouched.
+    let mut good = form.to_vec();
+    good.push(("token", token.as_str()));
+    let r = post(&ui, "pause", &good).await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    let control = reports.control().await?;
+    assert!(control.paused, "{control:?}");
+    assert_eq!(control.by.as_deref(), Some("docwarden-ui"));
+    assert!(control.paused_at.is_some());
+    assert!(!f.queue.is_paused().await?);
+    assert!(!mail.is_paused().await?);
+    // A worker of the paused queue claims nothing.
+    let worker = Worker::spawn(
+        reports.clone(),
+        WorkerOptions::default()
+            .name("ui-test-worker")
+            .poll(Duration::from_millis(50), Duration::from_millis(300)),
+        |_job| async move { Ok(Bson::Null) },
+    )?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ready = doc! { field::STATE: JobState::Ready.as_str(), field::QUEUE: "reports" };
+    assert_eq!(
+        reports.collection().count_documents(ready.clone()).await?,
+        3,
+        "a worker claimed from the paused queue"
+    );
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("paused since"), "{home}");
+    assert!(home.contains("Resume queue"), "{home}");
+    assert!(home.contains("data-elapsed-ms"), "{home}");
+    // Resume: without the token nothing changes; with it the queue runs again.
+    assert_eq!(post(&ui, "resume", &form).await?.status().as_u16(), 401);
+    assert!(reports.is_paused().await?);
+    let r = post(&ui, "resume", &good).await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert!(!reports.is_paused().await?);
+    // The worker takes the jobs now.
+    let done = doc! { field::STATE: JobState::Succeeded.as_str(), field::QUEUE: "reports" };
+    let started = std::time::Instant::now();
+    while reports.collection().count_documents(done.clone()).await? < 3 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "the resumed queue's jobs did not run"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    worker.shutdown().await;
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("running (resumed) since"), "{home}");
+    assert!(!home.contains("Resume queue"), "{home}");
+
+    // The job list: by named queue, by key (a concurrency key), by error text.
+    let rows = |html: &str| html.matches("class=\"job\"").count();
+    let by_queue = page(&ui, "/jobs?queue=jobs&named=mail").await?;
+    assert_eq!(rows(&by_queue), 2, "{by_queue}");
+    assert!(
+        by_queue.contains("<option value=\"mail\" selected>"),
+        "{by_queue}"
+    );
+    let by_key = page(&ui, "/jobs?key=tenant-a").await?;
+    assert_eq!(rows(&by_key), 1, "{by_key}");
+    assert!(by_key.contains(&tenant.to_hex()), "{by_key}");
+    let by_error = page(&ui, "/jobs?error=mailbox+(B)").await?;
+    assert_eq!(rows(&by_error), 1, "{by_error}");
+    assert!(by_error.contains(&bounced.to_hex()), "{by_error}");
+    let by_dedupe = page(&ui, "/jobs?key=order-2&named=default").await?;
+    assert_eq!(rows(&by_dedupe), 1, "{by_dedupe}");
+    assert_eq!(rows(&page(&ui, "/jobs?key=order-2&named=mail").await?), 0);
+    let by_id = page(&ui, &format!("/jobs?key={}", f.dead.to_hex())).await?;
+    assert_eq!(rows(&by_id), 1, "{by_id}");
+    // A job of a named queue: its page names the queue, and retry acts on that queue.
+    let job = page(&ui, &format!("/jobs/jobs/{}", bounced.to_hex())).await?;
+    assert!(job.contains("named=mail"), "{job}");
+    assert!(job.contains("SMTP 550"), "{job}");
+    mail.collection()
+        .update_one(
+            doc! { field::ID: bounced },
+            doc! { "$set": { field::STATE: JobState::Dead.as_str() } },
+        )
+        .await?;
+    let job = page(&ui, &format!("/jobs/jobs/{}", bounced.to_hex())).await?;
+    assert!(
+        job.contains("<input type=\"hidden\" name=\"named\" value=\"mail\">"),
+        "{job}"
+    );
+    let id = bounced.to_hex();
+    let r = post(
+        &ui,
+        "retry",
+        &[
+            ("queue", "jobs"),
+            ("named", "mail"),
+            ("id", id.as_str()),
+            ("token", token.as_str()),
+        ],
+    )
+    .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(state_of(&f, bounced).await?, JobState::Ready.as_str());
+
+    // The locks page: every kind, the HTML owner id as text.
+    let locks = page(&ui, "/locks").await?;
+    assert!(locks.contains("scheduler"), "{locks}");
+    assert!(locks.contains(EVIL_ESCAPED), "{locks}");
+    assert!(
+        !locks.contains(EVIL),
+        "an owner id was not escaped: {locks}"
+    );
+    assert!(
+        locks.contains(&format!("<td class=\"token\">{}</td>", c.term)),
+        "the leader's term: {locks}"
+    );
+    assert!(locks.contains("<td class=\"role\">reader</td>"), "{locks}");
+    assert!(locks.contains("<td class=\"role\">writer</td>"), "{locks}");
+    assert!(locks.contains("<td class=\"permits\">2/3</td>"), "{locks}");
+    assert!(
+        locks.matches(c.holder.id()).count() >= 2,
+        "the semaphore and read-lock holder: {locks}"
+    );
+    assert!(locks.contains("&lt;b&gt;doc-1&lt;"), "{locks}");
+    assert!(!locks.contains("<b>doc-1"), "{locks}");
+    // The elections', rwlocks' and semaphores' collections are not listed as plain
+    // lease collections.
+    assert!(!locks.contains("id=\"lock-semaphores\""), "{locks}");
+    assert!(locks.contains("id=\"lock-locks\""), "{locks}");
+    let _ = c.evil.id();
+    Ok(())
+}
+
 /// A Prometheus sample: name, labels, value.
 type Sample = (String, Vec<(String, String)>, f64);
 
@@ -586,7 +860,15 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
             .context("nothing to claim")?;
         f.queue.complete(&j, Bson::Int64(i)).await?;
     }
-    let ui = start_ui(&t, &[]).await?;
+    // A paused named queue, and every kind of lock.
+    let mail = f.queue.named("mail", QueueOptions::default())?;
+    for i in 0..2 {
+        mail.enqueue(doc! { "mail": i }, &EnqueueOptions::default())
+            .await?;
+    }
+    mail.pause("ops@example.com").await?;
+    let c = coordination(&t).await?;
+    let ui = start_ui(&t, &["--documents", "entities"]).await?;
     let profile = tempfile::tempdir()?;
     let temp_shots = tempfile::tempdir()?;
     let shots = std::env::var_os("DOCWARDEN_UI_SCREENSHOTS")
@@ -604,6 +886,13 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
     let queues = headless(browser, profile.path(), &["--dump-dom"], &pages[0].1).await?;
     assert!(queues.contains("data-queue=\"jobs\""), "{queues}");
     assert!(queues.contains("data-state=\"dead\">1</a>"), "{queues}");
+    assert!(queues.contains("data-named=\"mail\""), "{queues}");
+    assert!(queues.contains("paused since"), "{queues}");
+    // The time since the pause was filled in by the page's script.
+    assert!(
+        !queues.contains("data-elapsed-ms=\"") || queues.contains(" s</span> ago"),
+        "the pause's clock did not run: {queues}"
+    );
     // The token from the URL fragment is not needed to render; forms stay token-less.
     let job = headless(browser, profile.path(), &["--dump-dom"], &pages[1].1).await?;
     assert!(job.contains(EVIL_ESCAPED), "{job}");
@@ -614,6 +903,13 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
     let locks = headless(browser, profile.path(), &["--dump-dom"], &pages[2].1).await?;
     assert!(locks.contains("invoice-42"), "{locks}");
     assert!(locks.contains(f.owner.id()), "{locks}");
+    assert!(locks.contains(c.holder.id()), "{locks}");
+    assert!(locks.contains(EVIL_ESCAPED), "{locks}");
+    assert!(
+        !locks.contains(EVIL),
+        "an injected script is in the DOM: {locks}"
+    );
+    assert!(locks.contains("2/3"), "{locks}");
     // The countdown was filled in by the page's script: "299 s" or so, not empty.
     assert!(
         locks.contains(" s</span>") || locks.contains(" min "),
@@ -626,7 +922,12 @@ async fn chromium_renders_the_queue_job_and_locks_pages() -> anyhow::Result<()> 
             profile.path(),
             &[
                 &format!("--screenshot={}", path.display()),
-                "--window-size=1400,900",
+                // The locks page has five sections: a taller window shows them all.
+                if *file == "ui-locks.png" {
+                    "--window-size=1400,1250"
+                } else {
+                    "--window-size=1400,900"
+                },
             ],
             url,
         )
@@ -702,6 +1003,16 @@ async fn live_updates_arrive_by_change_stream_and_by_polling() -> anyhow::Result
                 &EnqueueOptions::default(),
             )
             .await?;
+        next_event(&mut events, &mut buf, "change").await?;
+        // A pause (a write to the meta collection, no job changes) is heard too, so the
+        // queue page shows "paused since" without a reload; then the resume.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        buf.clear();
+        f.queue.pause("live-test").await?;
+        next_event(&mut events, &mut buf, "change").await?;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        buf.clear();
+        f.queue.resume("live-test").await?;
         next_event(&mut events, &mut buf, "change").await?;
     }
     Ok(())

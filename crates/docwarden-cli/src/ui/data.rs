@@ -73,6 +73,22 @@ pub(crate) fn queue(db: &Database, time: &TimeSource, name: &str) -> anyhow::Res
     )?)
 }
 
+/// Read-only handles on every named queue of queue collection `name`
+/// ([`JobQueue::queue_names`]: the default queue first), with their names.
+pub(crate) async fn named_queues(
+    db: &Database,
+    time: &TimeSource,
+    name: &str,
+) -> anyhow::Result<Vec<(String, JobQueue)>> {
+    let base = queue(db, time, name)?;
+    let mut out = Vec::new();
+    for n in base.queue_names().await? {
+        let handle = base.named(&n, QueueOptions::default())?;
+        out.push((n, handle));
+    }
+    Ok(out)
+}
+
 /// A read-only handle on lock collection `name`.
 pub(crate) fn locks(
     db: &Database,
@@ -130,9 +146,20 @@ pub(crate) struct Minute {
     pub(crate) mean_latency_ms: Option<i64>,
 }
 
-/// Finished jobs per minute over the last [`HISTORY_MINUTES`] minutes (by `finished_at`),
-/// oldest minute first, and the mean enqueue-to-finish latency per minute.
-pub(crate) async fn history(queue: &JobQueue, now_ms: i64) -> anyhow::Result<Vec<Minute>> {
+/// Finished jobs of named queue `named` per minute over the last [`HISTORY_MINUTES`]
+/// minutes (by `finished_at`), oldest minute first, and the mean enqueue-to-finish
+/// latency per minute.
+pub(crate) async fn history(
+    queue: &JobQueue,
+    named: &str,
+    now_ms: i64,
+) -> anyhow::Result<Vec<Minute>> {
+    // The default queue's jobs have no `queue` field (null matches a missing field).
+    let queue_value = if named == docwarden::queue::format::DEFAULT_QUEUE {
+        Bson::Null
+    } else {
+        Bson::String(named.to_owned())
+    };
     let start_ms = now_ms - HISTORY_MINUTES * 60_000;
     let finished: Vec<Bson> = [JobState::Succeeded, JobState::Dead, JobState::Cancelled]
         .iter()
@@ -143,6 +170,7 @@ pub(crate) async fn history(queue: &JobQueue, now_ms: i64) -> anyhow::Result<Vec
         .find(doc! {
             field::STATE: { "$in": finished },
             field::FINISHED_AT: { "$gte": DateTime::from_millis(start_ms) },
+            field::QUEUE: queue_value,
         })
         .projection(doc! { field::STATE: 1, field::CREATED_AT: 1, field::FINISHED_AT: 1 })
         .sort(doc! { field::FINISHED_AT: -1 })
@@ -191,13 +219,17 @@ pub(crate) async fn history(queue: &JobQueue, now_ms: i64) -> anyhow::Result<Vec
 /// Filters of the job list (all optional).
 #[derive(Debug, Default, Clone, serde::Deserialize, serde::Serialize)]
 pub(crate) struct JobQuery {
-    /// Only this queue.
+    /// Only this queue collection.
     #[serde(default)]
     pub(crate) queue: Option<String>,
+    /// Only this named queue (`default`: jobs without a queue name).
+    #[serde(default)]
+    pub(crate) named: Option<String>,
     /// Only this state.
     #[serde(default)]
     pub(crate) in_state: Option<String>,
-    /// A dedupe key, or a job id.
+    /// A job id, or a key ([`JobListFilter::key`]: dedupe, window, concurrency or rate
+    /// key).
     #[serde(default)]
     pub(crate) key: Option<String>,
     /// Text the last error contains (case-insensitive).
@@ -218,6 +250,7 @@ impl JobQuery {
 #[derive(Debug, serde::Serialize)]
 pub(crate) struct JobRow {
     pub(crate) queue: String,
+    pub(crate) named: String,
     pub(crate) id: String,
     pub(crate) state: String,
     pub(crate) attempts: String,
@@ -245,9 +278,10 @@ pub(crate) fn date(t: DateTime) -> String {
         .unwrap_or_else(|_| t.timestamp_millis().to_string())
 }
 
-fn row(queue: &str, d: &Document) -> JobRow {
+fn row(queue: &str, named: &str, d: &Document) -> JobRow {
     JobRow {
         queue: queue.to_owned(),
+        named: named.to_owned(),
         id: text(d.get(field::ID)),
         state: text(d.get(field::STATE)),
         attempts: format!(
@@ -274,23 +308,9 @@ fn shorten(s: &str, n: usize) -> String {
     }
 }
 
-/// Escapes every regular-expression metacharacter, so `$regex` matches `s` literally.
-pub(crate) fn regex_literal(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if "\\^$.|?*+()[]{}/-".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// The jobs matching `q` in `queues` (or only `q.queue`), newest change first.
-///
-/// A state-only filter goes through [`JobQueue::list`]; the library's filter has no dedupe
-/// key or error text yet, so those are one `find` on the queue's collection with the
-/// format's field names (an indexed equality for the key; the error text is a scan).
+/// The jobs matching `q` in `queues` (or only `q.queue`, and only the named queue
+/// `q.named`), newest change first: [`JobQueue::list`] with a [`JobListFilter`] per
+/// named queue; a key that is a job id is looked up by id instead.
 pub(crate) async fn jobs(
     db: &Database,
     time: &TimeSource,
@@ -298,12 +318,20 @@ pub(crate) async fn jobs(
     q: &JobQuery,
 ) -> anyhow::Result<Vec<JobRow>> {
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let state = match JobQuery::clean(&q.in_state) {
-        Some(s) => Some(JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))?),
-        None => None,
-    };
-    let key = JobQuery::clean(&q.key);
-    let error = JobQuery::clean(&q.error);
+    let mut filter = JobListFilter::default().limit(limit);
+    if let Some(s) = JobQuery::clean(&q.in_state) {
+        filter =
+            filter.state(JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))?);
+    }
+    let by_id = JobQuery::clean(&q.key).and_then(|k| ObjectId::parse_str(k).ok());
+    if by_id.is_none()
+        && let Some(k) = JobQuery::clean(&q.key)
+    {
+        filter = filter.key(k);
+    }
+    if let Some(e) = JobQuery::clean(&q.error) {
+        filter = filter.error_contains(e);
+    }
     let mut rows = Vec::new();
     for name in queues {
         if let Some(only) = JobQuery::clean(&q.queue)
@@ -311,50 +339,54 @@ pub(crate) async fn jobs(
         {
             continue;
         }
-        let handle = queue(db, time, name)?;
-        let docs = if key.is_none() && error.is_none() {
-            let mut f = JobListFilter::default().limit(limit);
-            if let Some(s) = state {
-                f = f.state(s);
-            }
-            handle.list(&f).await?
-        } else {
-            let mut filter = Document::new();
-            if let Some(k) = key {
-                match ObjectId::parse_str(k) {
-                    Ok(id) => filter.insert(field::ID, id),
-                    Err(_) => filter.insert(field::DEDUPE_KEY, k),
-                };
-            }
-            if let Some(s) = state {
-                filter.insert(field::STATE, s.as_str());
-            }
-            if let Some(e) = error {
-                filter.insert(
-                    field::LAST_ERROR,
-                    doc! { "$regex": regex_literal(e), "$options": "i" },
-                );
-            }
-            handle
+        if let Some(id) = by_id {
+            // A job id: that job (one lookup by `_id`), whatever the other filters say.
+            if let Some(d) = queue(db, time, name)?
                 .collection()
-                .find(filter)
-                .sort(doc! { field::UPDATED_AT: -1 })
-                .limit(limit)
+                .find_one(doc! { field::ID: id })
                 .await?
-                .try_collect()
-                .await?
-        };
-        rows.extend(docs.iter().map(|d| row(name, d)));
+            {
+                let named = named_of(&d);
+                if JobQuery::clean(&q.named).is_none_or(|only| only == named) {
+                    rows.push(row(name, &named, &d));
+                }
+            }
+            continue;
+        }
+        for (named, handle) in named_queues(db, time, name).await? {
+            if let Some(only) = JobQuery::clean(&q.named)
+                && only != named
+            {
+                continue;
+            }
+            let docs = handle.list(&filter).await?;
+            rows.extend(docs.iter().map(|d| row(name, &named, d)));
+        }
     }
     rows.sort_by_key(|r| std::cmp::Reverse(r.updated_ms));
     rows.truncate(usize::try_from(limit).unwrap_or(100));
     Ok(rows)
 }
 
+/// The named queue a stored job belongs to (`default` when it has no `queue` string).
+pub(crate) fn named_of(d: &Document) -> String {
+    d.get_str(field::QUEUE)
+        .unwrap_or(docwarden::queue::format::DEFAULT_QUEUE)
+        .to_owned()
+}
+
 /// One job, for its page.
 #[derive(Debug, serde::Serialize)]
 pub(crate) struct JobView {
     pub(crate) queue: String,
+    /// The named queue (`default` for jobs without a queue name).
+    pub(crate) named: String,
+    /// Times the lease expired and the sweep took the job over.
+    pub(crate) stalls: String,
+    /// Times a handler snoozed the job.
+    pub(crate) snoozes: String,
+    /// What the handler last reported, as JSON.
+    pub(crate) progress: Option<String>,
     pub(crate) id: String,
     pub(crate) state: String,
     pub(crate) priority: String,
@@ -420,6 +452,13 @@ pub(crate) async fn job(
     let parsed_state = JobState::parse(&state);
     Ok(Some(JobView {
         queue: queue_name.to_owned(),
+        named: named_of(&d),
+        stalls: text(d.get(field::STALLS)),
+        snoozes: text(d.get(field::SNOOZES)),
+        progress: d
+            .get(field::PROGRESS)
+            .filter(|b| **b != Bson::Null)
+            .map(json),
         id: id.to_hex(),
         priority: text(d.get(field::PRIORITY)),
         attempts: text(d.get(field::ATTEMPTS)),
@@ -494,13 +533,186 @@ pub(crate) async fn lock_list(
         .collect())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// One holder of a semaphore, an election, a read/write lock or a document, for
+/// display: who, with which token, and when it expires.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct HolderView {
+    /// What is held: the resource, the election, the document's id.
+    pub(crate) resource: String,
+    /// The role: `leader`, `writer`, `writer waiting`, `reader`, `holder`, `lock`.
+    pub(crate) role: String,
+    /// The owner id (the lock id for a document lock).
+    pub(crate) owner: String,
+    /// The fencing token (the term of an election); empty when the kind has none.
+    pub(crate) token: String,
+    /// The server time it expires (RFC 3339).
+    pub(crate) expires_at: String,
+    /// Milliseconds until it expires by the server's clock (negative: expired).
+    pub(crate) remaining_ms: Option<i64>,
+    pub(crate) expired: bool,
+    pub(crate) malformed: Option<String>,
+}
 
-    #[test]
-    fn regex_metacharacters_are_escaped() {
-        assert_eq!(regex_literal("a.b*(c)"), "a\\.b\\*\\(c\\)");
-        assert_eq!(regex_literal("<script>"), "<script>");
+fn holder(
+    resource: &str,
+    role: &str,
+    owner: &str,
+    token: Option<String>,
+    expires_at: Option<DateTime>,
+    expired: bool,
+    now_ms: i64,
+) -> HolderView {
+    HolderView {
+        resource: resource.to_owned(),
+        role: role.to_owned(),
+        owner: owner.to_owned(),
+        token: token.unwrap_or_default(),
+        expires_at: expires_at.map(date).unwrap_or_default(),
+        remaining_ms: expires_at.map(|t| t.timestamp_millis() - now_ms),
+        expired,
+        malformed: None,
     }
+}
+
+/// A semaphore: permits in use of its limit, and its holders.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct SemaphoreView {
+    pub(crate) resource: String,
+    /// Live holders (not certainly expired).
+    pub(crate) used: usize,
+    /// The stored limit (`None`: the handle's default applies).
+    pub(crate) limit: Option<i64>,
+    pub(crate) holders: Vec<HolderView>,
+}
+
+/// The elections, read/write locks and semaphores, for the locks page.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct KindsView {
+    pub(crate) elections_collection: String,
+    pub(crate) rwlocks_collection: String,
+    pub(crate) semaphores_collection: String,
+    /// One row per leader.
+    pub(crate) leaders: Vec<HolderView>,
+    /// One row per writer or reader.
+    pub(crate) rwlocks: Vec<HolderView>,
+    pub(crate) semaphores: Vec<SemaphoreView>,
+}
+
+fn token_text(t: Option<docwarden::lock::FencingToken>) -> String {
+    t.map_or_else(
+        || docwarden::lock::format::collection::PENDING.to_owned(),
+        |t| t.to_string(),
+    )
+}
+
+/// The [`crate::locks::Holdings`] (read by `docwarden locks list`'s reader) as views.
+pub(crate) fn kinds_view(
+    kinds: &crate::locks::Kinds<'_>,
+    held: &crate::locks::Holdings,
+    now_ms: i64,
+) -> KindsView {
+    let leaders = held
+        .elections
+        .iter()
+        .map(|l| {
+            holder(
+                &l.election,
+                "leader",
+                &l.owner,
+                Some(token_text(l.term)),
+                l.expires_at,
+                l.expired,
+                now_ms,
+            )
+        })
+        .collect();
+    let mut rwlocks = Vec::new();
+    for r in &held.rwlocks {
+        if let Some(w) = &r.writer {
+            rwlocks.push(holder(
+                &r.resource,
+                if w.waiting {
+                    "writer waiting"
+                } else {
+                    "writer"
+                },
+                &w.owner,
+                Some(token_text(w.token)),
+                w.expires_at,
+                w.expired,
+                now_ms,
+            ));
+        }
+        for x in &r.readers {
+            rwlocks.push(holder(
+                &r.resource,
+                "reader",
+                &x.owner,
+                None,
+                x.expires_at,
+                x.expired,
+                now_ms,
+            ));
+        }
+    }
+    let semaphores = held
+        .semaphores
+        .iter()
+        .map(|s| SemaphoreView {
+            resource: s.resource.clone(),
+            used: s.live(),
+            limit: s.permits,
+            holders: s
+                .holders
+                .iter()
+                .map(|h| {
+                    holder(
+                        &s.resource,
+                        "holder",
+                        &h.owner,
+                        h.token.map(|t| t.to_string()),
+                        h.expires_at,
+                        h.expired,
+                        now_ms,
+                    )
+                })
+                .collect(),
+        })
+        .collect();
+    KindsView {
+        elections_collection: kinds.elections.to_owned(),
+        rwlocks_collection: kinds.rwlocks.to_owned(),
+        semaphores_collection: kinds.semaphores.to_owned(),
+        leaders,
+        rwlocks,
+        semaphores,
+    }
+}
+
+/// The locked documents of entity collection `collection` (document locks: the lock id
+/// and lock time stored in the entity, default fields and a 30 s validity), read with
+/// [`docwarden::lock::DocumentLocks::list_locked`].
+pub(crate) async fn document_locks(
+    db: &Database,
+    time: &TimeSource,
+    collection: &str,
+    now_ms: i64,
+) -> anyhow::Result<Vec<HolderView>> {
+    let options = docwarden::lock::DocumentLockOptions::default();
+    let max_ms = i64::try_from(options.max_duration.as_millis()).unwrap_or(i64::MAX);
+    let locks =
+        docwarden::lock::DocumentLocks::new(db.collection(collection), time.clone(), options)?;
+    Ok(locks
+        .list_locked()
+        .await?
+        .iter()
+        .map(|r| {
+            let until = r
+                .locked_at
+                .map(|t| DateTime::from_millis(t.timestamp_millis().saturating_add(max_ms)));
+            let mut v = holder(&r.id, "lock", &r.lock_id, None, until, r.expired, now_ms);
+            v.malformed = r.malformed.clone();
+            v
+        })
+        .collect())
 }

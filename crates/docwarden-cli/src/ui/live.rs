@@ -4,9 +4,10 @@
 //!
 //! **Guarantee:** a change made while a page is open reaches it within about a second
 //! (change stream) or [`POLL_EVERY`] (polling). Notifications are coalesced: a burst of
-//! writes is one event per [`COALESCE`]. **Limits:** polling compares counts and leases,
-//! so an edit that changes neither (a payload rewritten in place) is not noticed until
-//! the next change that does.
+//! writes is one event per [`COALESCE`]. **Limits:** polling compares counts per named
+//! queue, pauses and lease holders, so an edit that changes none of them (a payload
+//! rewritten in place, a semaphore permit taken) is not noticed until the next change
+//! that does.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -178,7 +179,8 @@ impl Live {
     }
 }
 
-/// Counts by state of every queue and the leases of every lock collection, as text.
+/// Counts by state and the pause of every named queue, and the leases of every lock
+/// collection, as text.
 async fn fingerprint(
     db: &Database,
     time: &TimeSource,
@@ -187,8 +189,11 @@ async fn fingerprint(
     let c = catalog.get(db).await?;
     let mut out = String::new();
     for q in &c.queues {
-        let stats = super::data::queue(db, time, q)?.stats().await?;
-        out.push_str(&format!("{q}:{:?};", stats.by_state));
+        for (named, handle) in super::data::named_queues(db, time, q).await? {
+            let stats = handle.stats().await?;
+            let paused = handle.is_paused().await?;
+            out.push_str(&format!("{q}:{named}:{paused}:{:?};", stats.by_state));
+        }
     }
     for l in &c.locks {
         for r in super::data::locks(db, time, l)?

@@ -39,12 +39,27 @@ pub struct QueueStats {
     pub total: u64,
 }
 
-/// Which jobs [`JobQueue::list`] returns.
+/// Which jobs [`JobQueue::list`] returns. Every criterion set must hold (they are
+/// combined with "and").
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct JobListFilter {
     /// Only this state; all states when `None`.
     pub state: Option<JobState>,
+    /// Only jobs carrying this key: as their dedupe key (`dedupe_key`), as the key of
+    /// their uniqueness window (`unique_slot` is `<key>@<window start>`), or as their
+    /// concurrency or rate key (`limits.key`, `limits.rate`). A fairness key is not
+    /// stored (only the partition it hashes to), so it cannot be listed by. Exact,
+    /// case-sensitive match (the window key as an anchored prefix of `unique_slot`).
+    /// `None`: any.
+    pub key: Option<String>,
+    /// Only jobs whose `last_error` contains this text, case-insensitively (a literal:
+    /// regular-expression characters in it are escaped). `None`: any.
+    ///
+    /// Neither criterion has an index of its own, and the listing sorts by `updated_at`,
+    /// which no index serves: a listing reads the queue's jobs (what an operator's look
+    /// needs, not a hot path).
+    pub error_contains: Option<String>,
     /// At most this many (newest `updated_at` first). Default 50.
     pub limit: i64,
 }
@@ -53,6 +68,8 @@ impl Default for JobListFilter {
     fn default() -> Self {
         Self {
             state: None,
+            key: None,
+            error_contains: None,
             limit: 50,
         }
     }
@@ -64,11 +81,61 @@ impl JobListFilter {
         self.state = Some(state);
         self
     }
+    /// Sets [`JobListFilter::key`].
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+    /// Sets [`JobListFilter::error_contains`].
+    pub fn error_contains(mut self, text: impl Into<String>) -> Self {
+        self.error_contains = Some(text.into());
+        self
+    }
     /// Sets [`JobListFilter::limit`].
     pub fn limit(mut self, limit: i64) -> Self {
         self.limit = limit;
         self
     }
+
+    /// The query of this filter (the queue's own criterion is added by
+    /// [`JobQueue::list`]).
+    fn query(&self) -> Document {
+        let mut query = Document::new();
+        if let Some(s) = self.state {
+            query.insert(field::STATE, s.as_str());
+        }
+        if let Some(k) = &self.key {
+            query.insert(
+                "$or",
+                vec![
+                    doc! { field::DEDUPE_KEY: k.as_str() },
+                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@", regex_literal(k)) } },
+                    doc! { field::LIMITS_KEY: k.as_str() },
+                    doc! { field::LIMITS_RATE: k.as_str() },
+                ],
+            );
+        }
+        if let Some(e) = &self.error_contains {
+            query.insert(
+                field::LAST_ERROR,
+                doc! { "$regex": regex_literal(e), "$options": "i" },
+            );
+        }
+        query
+    }
+}
+
+/// `s` with every regular-expression metacharacter escaped, so that `$regex` matches it
+/// literally.
+fn regex_literal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\^$.|?*+()[]{}/-#".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// What [`JobQueue::cancel`] did.
@@ -136,7 +203,7 @@ impl JobQueue {
         Ok(stats)
     }
 
-    /// The stored job documents matching `filter`, newest change first (raw, so a
+    /// The stored job documents of this queue matching `filter`, newest change first (raw, so a
     /// malformed document is shown as it is; parse with
     /// [`Job::from_document`](super::Job::from_document)).
     ///
@@ -146,10 +213,13 @@ impl JobQueue {
         if filter.limit < 1 {
             return Err(Error::invalid("limit", "must be at least 1"));
         }
-        let mut query = match filter.state {
-            Some(s) => doc! { field::STATE: s.as_str() },
-            None => doc! {},
-        };
+        if filter.key.as_deref() == Some("") {
+            return Err(Error::invalid("key", "must not be empty"));
+        }
+        if filter.error_contains.as_deref() == Some("") {
+            return Err(Error::invalid("error text", "must not be empty"));
+        }
+        let mut query = filter.query();
         query.insert(field::QUEUE, self.queue_value());
         Ok(self
             .inner
@@ -160,6 +230,54 @@ impl JobQueue {
             .await?
             .try_collect()
             .await?)
+    }
+
+    /// The names of the queues in this handle's collection, sorted with `default`
+    /// first: the default queue (always), every string `queue` value stored on a job
+    /// (one `distinct` over the collection: the claim indexes that start with `queue` are
+    /// partial, so finished jobs are read too), and every queue with an options or
+    /// control document in
+    /// the meta collection (a named queue that has no job yet, or was paused before its
+    /// first job). Open one with [`JobQueue::named`].
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn queue_names(&self) -> Result<Vec<String>> {
+        use crate::format::schedule::{OPTIONS_ID_PREFIX, control};
+        let mut names = std::collections::BTreeSet::new();
+        for v in self.inner.coll.distinct(field::QUEUE, doc! {}).await? {
+            if let Bson::String(s) = v {
+                names.insert(s);
+            }
+        }
+        let pattern = format!(
+            "^({}|{})",
+            regex_literal(OPTIONS_ID_PREFIX),
+            regex_literal(control::ID_PREFIX)
+        );
+        let mut meta = self
+            .meta()
+            .find(doc! { "_id": { "$regex": pattern } })
+            .projection(doc! { "_id": 1 })
+            .await?;
+        while let Some(d) = meta.try_next().await? {
+            if let Ok(id) = d.get_str("_id") {
+                let name = id
+                    .strip_prefix(OPTIONS_ID_PREFIX)
+                    .or_else(|| id.strip_prefix(control::ID_PREFIX))
+                    .unwrap_or(id);
+                names.insert(name.to_owned());
+            }
+        }
+        let default = crate::format::schedule::DEFAULT_QUEUE;
+        names.remove(default);
+        let mut out = vec![default.to_owned()];
+        out.extend(
+            names
+                .into_iter()
+                .filter(|n| validate::name("queue", n).is_ok()),
+        );
+        Ok(out)
     }
 
     /// Moves dead jobs (all, or those in `ids`) back to `ready` with their attempts

@@ -38,6 +38,10 @@
       el.textContent = fmt(left);
       el.classList.toggle("expired", left <= 0);
     });
+    document.querySelectorAll(".countup[data-elapsed-ms]").forEach(function (el) {
+      var s = Math.floor((Number(el.getAttribute("data-elapsed-ms")) + spent) / 1000);
+      el.textContent = s < 120 ? s + " s" : Math.floor(s / 60) + " min " + (s % 60) + " s";
+    });
   }
 
   var pending = null;

@@ -386,8 +386,10 @@ async fn supervise(
                 stop_listening.clone(),
                 alive,
                 Arc::clone(&ctx.check_now),
-                ctx.stream_wanted.subscribe(),
-                Arc::clone(&ctx.stream_open),
+                StreamSwitch {
+                    wanted: ctx.stream_wanted.subscribe(),
+                    is_open: Arc::clone(&ctx.stream_open),
+                },
             )
             .in_current_span(),
         );
@@ -969,6 +971,15 @@ async fn settle_on(
 /// Wakes the supervisor on inserts and on jobs put back to ready/retrying, and passes
 /// the `_id` of an inserted job so an idle worker can claim it by `_id`. Ends (the
 /// worker keeps polling) if the server refuses change streams.
+/// When the listener keeps its stream open ([`BUSY_STREAM_OFF`]), and where it says
+/// whether it is open.
+struct StreamSwitch {
+    /// `true` while the worker wants the stream (set by the claim loop).
+    wanted: tokio::sync::watch::Receiver<bool>,
+    /// Set while the stream is open.
+    is_open: Arc<std::sync::atomic::AtomicBool>,
+}
+
 async fn listen(
     queue: JobQueue,
     notify: Arc<Notify>,
@@ -976,9 +987,12 @@ async fn listen(
     stop: CancellationToken,
     _alive: Arc<()>,
     check_now: Arc<Notify>,
-    mut wanted: tokio::sync::watch::Receiver<bool>,
-    is_open: Arc<std::sync::atomic::AtomicBool>,
+    switch: StreamSwitch,
 ) {
+    let StreamSwitch {
+        mut wanted,
+        is_open,
+    } = switch;
     /// Clears `is_open` however the stream ends (closed, failed, task aborted).
     struct Open(Arc<std::sync::atomic::AtomicBool>);
     impl Drop for Open {

@@ -81,7 +81,10 @@ async fn main() -> ExitCode {
     };
     #[cfg(not(feature = "otel"))]
     let otel: Option<tracing_subscriber::layer::Identity> = None;
-    tracing_subscriber::registry().with(stderr).with(otel).init();
+    tracing_subscriber::registry()
+        .with(stderr)
+        .with(otel)
+        .init();
     let cli = Cli::parse();
     // Ctrl-C drops the running command, which stops an embedded server it started.
     tokio::select! {

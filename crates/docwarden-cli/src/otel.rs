@@ -33,11 +33,14 @@ fn set(var: &str) -> bool {
     std::env::var_os(var).is_some_and(|v| !v.is_empty())
 }
 
+/// A boxed layer of the command's subscriber.
+pub(crate) type BoxedLayer<S> = Box<dyn Layer<S> + Send + Sync>;
+
 /// The export layer, filtered by `DOCWARDEN_OTEL_FILTER`, if an OTLP endpoint is set.
 ///
 /// # Errors
 /// The exporter cannot be built (a bad endpoint or header variable).
-pub(crate) fn layer<S>() -> anyhow::Result<Option<(Box<dyn Layer<S> + Send + Sync>, Guard)>>
+pub(crate) fn layer<S>() -> anyhow::Result<Option<(BoxedLayer<S>, Guard)>>
 where
     S: tracing::Subscriber + for<'a> LookupSpan<'a> + Send + Sync,
 {

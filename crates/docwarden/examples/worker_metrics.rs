@@ -5,7 +5,8 @@
 //!
 //! `cargo run -p docwarden --features prometheus --example worker_metrics` (against
 //! `MONGODB_URI`, or an embedded server), then `curl 127.0.0.1:9464/metrics` while it
-//! runs (`METRICS_ADDR` to listen elsewhere).
+//! runs (`METRICS_ADDR` to listen elsewhere; `METRICS_HOLD_SECS` keeps serving that long
+//! after the jobs are done).
 
 use std::time::Duration;
 
@@ -39,7 +40,10 @@ async fn main() -> anyhow::Result<()> {
             let locks = locks.clone();
             async move {
                 // Every tenth job takes a lock around its work.
-                let n = job.payload().as_document().and_then(|d| d.get_i32("n").ok());
+                let n = job
+                    .payload()
+                    .as_document()
+                    .and_then(|d| d.get_i32("n").ok());
                 if n.is_some_and(|n| n % 10 == 0) {
                     let me = Owner::random();
                     let ttl = Duration::from_secs(5);
@@ -52,12 +56,24 @@ async fn main() -> anyhow::Result<()> {
         },
     )?;
     let succeeded = JobState::Succeeded.as_str();
-    while queue.stats().await?.by_state.get(succeeded).copied().unwrap_or(0) < 100 {
+    while queue
+        .stats()
+        .await?
+        .by_state
+        .get(succeeded)
+        .copied()
+        .unwrap_or(0)
+        < 100
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let report = worker.shutdown().await;
     println!("worker report: {report:?}");
     println!("{}", metrics.render());
+    let hold = std::env::var("METRICS_HOLD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    tokio::time::sleep(Duration::from_secs(hold.unwrap_or(0))).await;
     db.drop().await?;
     Ok(())
 }

@@ -171,7 +171,7 @@ pub fn serve_prometheus(
     let (recorder, exporter) = builder.build()?;
     let handle = recorder.handle();
     metrics::set_global_recorder(recorder)
-        .map_err(|e| metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder(e))?;
+        .map_err(metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder)?;
     tokio::spawn(async move {
         if let Err(e) = exporter.await {
             tracing::warn!(error = ?e, "the Prometheus listener stopped");

@@ -53,21 +53,30 @@ async fn run(queue: JobQueue, job: ClaimedJob) -> HandlerResult {
     }
 }
 
+/// One sample of Prometheus text: name, labels, value.
+type Sample = (String, BTreeMap<String, String>, f64);
+
 /// Sums the samples of `name` whose labels include every `labels` pair.
-fn sum(samples: &[(String, BTreeMap<String, String>, f64)], name: &str, labels: &[(&str, &str)]) -> f64 {
+fn sum(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
     samples
         .iter()
         .filter(|(n, l, _)| {
-            n == name && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
         })
         .map(|(_, _, v)| v)
         .sum()
 }
 
 /// Parses Prometheus text samples: `name{k="v",…} value`.
-fn parse(text: &str) -> anyhow::Result<Vec<(String, BTreeMap<String, String>, f64)>> {
+fn parse(text: &str) -> anyhow::Result<Vec<Sample>> {
     let mut out = Vec::new();
-    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
         let (series, value) = line
             .rsplit_once(' ')
             .ok_or_else(|| anyhow::anyhow!("no value in {line:?}"))?;
@@ -89,7 +98,9 @@ fn parse(text: &str) -> anyhow::Result<Vec<(String, BTreeMap<String, String>, f6
 
 async fn sum_field(c: &Collection<Document>, field: &str) -> anyhow::Result<f64> {
     let mut cursor = c
-        .aggregate(vec![doc! { "$group": { "_id": Bson::Null, "n": { "$sum": format!("${field}") } } }])
+        .aggregate(vec![
+            doc! { "$group": { "_id": Bson::Null, "n": { "$sum": format!("${field}") } } },
+        ])
         .await?;
     let mut total = 0.0;
     while cursor.advance().await? {
@@ -110,7 +121,10 @@ async fn count_state(c: &Collection<Document>, state: JobState) -> anyhow::Resul
     Ok(c.count_documents(doc! { "state": state.as_str() }).await? as f64)
 }
 
-async fn open(db: &Database, client: &mongodb::Client) -> anyhow::Result<(JobQueue, LockCollection)> {
+async fn open(
+    db: &Database,
+    client: &mongodb::Client,
+) -> anyhow::Result<(JobQueue, LockCollection)> {
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let opts = QueueOptions::default()
         .lease_ttl(Duration::from_secs(30))
@@ -130,7 +144,12 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     let t = TestDb::new("metrics_counts").await?;
     let (queue, locks) = open(&t.db, &t.client).await?;
     let coll = queue.collection().clone();
-    for (kind, n, attempts) in [("ok", OK, 3), ("flaky", FLAKY, 3), ("dead", DEAD, 2), ("lose", LOSE, 3)] {
+    for (kind, n, attempts) in [
+        ("ok", OK, 3),
+        ("flaky", FLAKY, 3),
+        ("dead", DEAD, 2),
+        ("lose", LOSE, 3),
+    ] {
         for i in 0..n {
             queue
                 .enqueue(
@@ -186,8 +205,16 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     let q = [("queue", "jobs")];
     let claims = sum(&s, "docwarden_queue_claims_total", &q);
     let completions = sum(&s, "docwarden_queue_completions_total", &q);
-    let retrying = sum(&s, "docwarden_queue_failures_total", &[("queue", "jobs"), ("outcome", "retrying")]);
-    let dead = sum(&s, "docwarden_queue_failures_total", &[("queue", "jobs"), ("outcome", "dead")]);
+    let retrying = sum(
+        &s,
+        "docwarden_queue_failures_total",
+        &[("queue", "jobs"), ("outcome", "retrying")],
+    );
+    let dead = sum(
+        &s,
+        "docwarden_queue_failures_total",
+        &[("queue", "jobs"), ("outcome", "dead")],
+    );
     let lost = sum(&s, "docwarden_queue_lease_losses_total", &q);
 
     // The database's view.
@@ -200,9 +227,15 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
          database: attempts {db_attempts} succeeded {db_succeeded} dead {db_dead} stalls {db_stalls}; report {report:?}"
     );
     assert_eq!(claims, db_attempts, "claims = sum of attempts\n{text}");
-    assert_eq!(completions, db_succeeded, "completions = succeeded jobs\n{text}");
+    assert_eq!(
+        completions, db_succeeded,
+        "completions = succeeded jobs\n{text}"
+    );
     assert_eq!(dead, db_dead, "dead failures = dead jobs\n{text}");
-    assert_eq!(lost, db_stalls, "lease losses = stalls (sweeps of lost leases)\n{text}");
+    assert_eq!(
+        lost, db_stalls,
+        "lease losses = stalls (sweeps of lost leases)\n{text}"
+    );
     // Every attempt ended one way: completed, failed (retrying or dead), or lost.
     assert_eq!(claims, completions + retrying + dead + lost, "{text}");
     // And the designed numbers.
@@ -212,10 +245,22 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     assert_eq!(retrying, f64::from(FLAKY + DEAD));
     assert_eq!(claims, f64::from(OK + 2 * (FLAKY + DEAD + LOSE)));
     // Each handler run and each start is one histogram sample.
-    assert_eq!(sum(&s, "docwarden_queue_run_seconds_count", &q), claims, "{text}");
-    assert_eq!(sum(&s, "docwarden_queue_claim_to_start_seconds_count", &q), claims, "{text}");
     assert_eq!(
-        sum(&s, "docwarden_queue_run_seconds_count", &[("queue", "jobs"), ("outcome", "failed")]),
+        sum(&s, "docwarden_queue_run_seconds_count", &q),
+        claims,
+        "{text}"
+    );
+    assert_eq!(
+        sum(&s, "docwarden_queue_claim_to_start_seconds_count", &q),
+        claims,
+        "{text}"
+    );
+    assert_eq!(
+        sum(
+            &s,
+            "docwarden_queue_run_seconds_count",
+            &[("queue", "jobs"), ("outcome", "failed")]
+        ),
         retrying + dead,
         "{text}"
     );
@@ -224,14 +269,29 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     assert_eq!(f64::from(u32::try_from(report.lease_lost)?), lost);
 
     let l = [("collection", "locks"), ("outcome", "acquired")];
-    assert_eq!(sum(&s, "docwarden_lock_acquisitions_total", &l), 3.0, "{text}");
-    let busy = [("collection", "locks"), ("outcome", "busy")];
-    assert_eq!(sum(&s, "docwarden_lock_acquisitions_total", &busy), 3.0, "{text}");
     assert_eq!(
-        sum(&s, "docwarden_lock_handoff_wait_seconds_count", &[("collection", "locks")]),
+        sum(&s, "docwarden_lock_acquisitions_total", &l),
         3.0,
         "{text}"
     );
-    assert!(text.contains("# HELP docwarden_queue_claims_total"), "{text}");
+    let busy = [("collection", "locks"), ("outcome", "busy")];
+    assert_eq!(
+        sum(&s, "docwarden_lock_acquisitions_total", &busy),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        sum(
+            &s,
+            "docwarden_lock_handoff_wait_seconds_count",
+            &[("collection", "locks")]
+        ),
+        3.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("# HELP docwarden_queue_claims_total"),
+        "{text}"
+    );
     Ok(())
 }

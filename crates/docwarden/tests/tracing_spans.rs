@@ -97,8 +97,8 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
 
     let t = TestDb::new("tracing_spans").await?;
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
-    let opts = QueueOptions::default()
-        .retry_delays(Duration::from_millis(10), Duration::from_millis(20));
+    let opts =
+        QueueOptions::default().retry_delays(Duration::from_millis(10), Duration::from_millis(20));
     let queue = JobQueue::open(&t.db, "jobs", time.clone(), opts).await?;
     let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
     const JOBS: usize = 12;
@@ -106,7 +106,10 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
         // Every fourth job fails its first attempt: its two runs have attempts 1 and 2.
         let flaky = i % 4 == 0;
         queue
-            .enqueue(doc! { "i": i64::try_from(i)?, "flaky": flaky }, &EnqueueOptions::default())
+            .enqueue(
+                doc! { "i": i64::try_from(i)?, "flaky": flaky },
+                &EnqueueOptions::default(),
+            )
             .await?;
     }
     let worker = Worker::spawn(
@@ -126,17 +129,28 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
         },
     )?;
     let started = Instant::now();
-    while queue.collection().count_documents(doc! { "state": "succeeded" }).await?
+    while queue
+        .collection()
+        .count_documents(doc! { "state": "succeeded" })
+        .await?
         < u64::try_from(JOBS)?
     {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "jobs did not finish");
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "jobs did not finish"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     worker.shutdown().await;
 
     let owner = Owner::random();
     let lease = locks
-        .acquire(&owner, "report", Duration::from_secs(10), Duration::from_secs(5))
+        .acquire(
+            &owner,
+            "report",
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )
         .await?
         .ok_or_else(|| anyhow::anyhow!("acquire timed out"))?;
     let mut renewed = lease.clone();
@@ -148,7 +162,12 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
     let job_spans = capture.named("job");
     let docs: Vec<Document> = {
         use futures::TryStreamExt;
-        queue.collection().find(doc! {}).await?.try_collect().await?
+        queue
+            .collection()
+            .find(doc! {})
+            .await?
+            .try_collect()
+            .await?
     };
     assert_eq!(docs.len(), JOBS);
     let mut runs = 0;
@@ -156,8 +175,15 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
         let id = d.get_object_id("_id")?.to_hex();
         let attempts = d.get_i64("attempts")?;
         let token = d.get_document("lease")?.get_str("token")?;
-        let mine: Vec<&Seen> = job_spans.iter().filter(|s| s.get("id") == Some(id.as_str())).collect();
-        assert_eq!(mine.len(), usize::try_from(attempts)?, "one span per run of {id}: {mine:?}");
+        let mine: Vec<&Seen> = job_spans
+            .iter()
+            .filter(|s| s.get("id") == Some(id.as_str()))
+            .collect();
+        assert_eq!(
+            mine.len(),
+            usize::try_from(attempts)?,
+            "one span per run of {id}: {mine:?}"
+        );
         runs += mine.len();
         for s in &mine {
             assert_eq!(s.get("queue"), Some("jobs"), "{s:?}");
@@ -183,10 +209,18 @@ async fn job_and_lock_spans_carry_id_queue_attempt_and_token() -> anyhow::Result
         .sum();
     assert_eq!(completed, u64::try_from(JOBS)?, "{settles:?}");
     assert_eq!(failed, u64::try_from(JOBS / 4)?, "{settles:?}");
-    assert!(settles.iter().all(|s| s.get("queue") == Some("jobs")), "{settles:?}");
+    assert!(
+        settles.iter().all(|s| s.get("queue") == Some("jobs")),
+        "{settles:?}"
+    );
     let claims = capture.named("claim_batch");
     assert!(!claims.is_empty());
-    assert!(claims.iter().all(|s| s.get("queue") == Some("jobs") && s.get("owner").is_some()), "{claims:?}");
+    assert!(
+        claims
+            .iter()
+            .all(|s| s.get("queue") == Some("jobs") && s.get("owner").is_some()),
+        "{claims:?}"
+    );
 
     // Lock operations: collection, resource, owner and token.
     let token = lease.token.get().to_string();

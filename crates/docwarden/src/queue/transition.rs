@@ -430,10 +430,7 @@ impl JobQueue {
         Ok(outcomes)
     }
 
-    async fn settle_unobserved(
-        &self,
-        items: &[(ClaimedJob, Transition)],
-    ) -> Result<Vec<Settled>> {
+    async fn settle_unobserved(&self, items: &[(ClaimedJob, Transition)]) -> Result<Vec<Settled>> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -630,7 +627,8 @@ impl JobQueue {
         let result = result.into();
         check_size("result", &result, MAX_RESULT_BYTES)?;
         let now = self.inner.time.now().await?.estimate();
-        self.fenced(job, Self::complete_update(&result, now)).await?;
+        self.fenced(job, Self::complete_update(&result, now))
+            .await?;
         crate::observe::completed(self.collection().name());
         Ok(())
     }

@@ -638,7 +638,11 @@ async fn run_slot(
         };
         let started = crate::observe::started(ctx.queue.collection().name(), &job);
         let final_transition = run_job(&ctx, &job, &lost, &hard).await;
-        crate::observe::ran(ctx.queue.collection().name(), started, final_transition.as_ref());
+        crate::observe::ran(
+            ctx.queue.collection().name(),
+            started,
+            final_transition.as_ref(),
+        );
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
         ctx.finished.fetch_add(1, Ordering::Relaxed);
         ctx.slot_freed.notify_one();

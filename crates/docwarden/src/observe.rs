@@ -4,7 +4,7 @@
 //! every counter and histogram in [`SERIES`] (names, kinds, labels and help text live
 //! here and nowhere else; `docwarden ui` renders the same list). The library installs no
 //! recorder: a process that installs one (for example `metrics-exporter-prometheus`, or
-//! [`serve_prometheus`] with the `prometheus` feature) gets the series; a process that
+//! `serve_prometheus` with the `prometheus` feature) gets the series; a process that
 //! does not pays a call into the facade's no-op recorder per event (one small label
 //! allocation), nothing else. Call [`describe`] once after installing a recorder so the
 //! series carry their help text.

@@ -9,6 +9,8 @@ mod conn;
 mod demo;
 mod doctor;
 mod locks;
+#[cfg(feature = "otel")]
+mod otel;
 mod output;
 mod queue;
 mod ui;
@@ -59,12 +61,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
+    use tracing_subscriber::prelude::*;
+    // stderr, filtered by RUST_LOG (default `warn`); with the `otel` feature and an OTLP
+    // endpoint set, spans are also exported (`otel.rs`), filtered on their own.
+    let stderr = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
+        );
+    #[cfg(feature = "otel")]
+    let (otel, _otel_guard) = match otel::layer() {
+        Ok(Some((layer, guard))) => (Some(layer), Some(guard)),
+        Ok(None) => (None, None),
+        Err(e) => {
+            eprintln!("docwarden: OpenTelemetry export disabled: {e:#}");
+            (None, None)
+        }
+    };
+    #[cfg(not(feature = "otel"))]
+    let otel: Option<tracing_subscriber::layer::Identity> = None;
+    tracing_subscriber::registry()
+        .with(stderr)
+        .with(otel)
         .init();
     let cli = Cli::parse();
     // Ctrl-C drops the running command, which stops an embedded server it started.

@@ -8,6 +8,7 @@ pub mod error;
 pub mod format;
 pub mod guard;
 pub mod lock;
+pub mod observe;
 pub mod preflight;
 pub mod queue;
 pub mod sequence;

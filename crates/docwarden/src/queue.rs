@@ -54,7 +54,7 @@ mod ops;
 mod options;
 mod rate;
 mod schedule;
-mod transition;
+pub(crate) mod transition;
 mod worker;
 
 pub use crate::token::JobToken;

@@ -3,8 +3,8 @@
 //! At each scrape the gauges are read from the database (jobs by queue and state, the
 //! oldest due job's wait, expired leases, held locks and their holders), then everything
 //! the process's recorder holds is rendered: those gauges, the dashboard's own counters,
-//! and any series the library records in the same process (for example when `docwarden
-//! demo --ui` runs workers next to the dashboard). Histograms whose name ends in
+//! and any series the library records in the same process ([`docwarden::observe::SERIES`],
+//! for example when `docwarden demo --ui` runs workers next to the dashboard). Histograms whose name ends in
 //! `_seconds` are rendered as Prometheus histograms with [`BUCKETS`].
 //!
 //! **Limits:** a series is never removed: a queue that disappears keeps its last gauges
@@ -20,11 +20,9 @@ use docwarden::queue::format::field;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use mongodb::Database;
 
-/// Histogram buckets (seconds) for every `*_seconds` histogram: claim-to-start waits and
-/// run durations of jobs, lock hand-off waits, scrape times.
-pub(crate) const BUCKETS: [f64; 14] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
+/// Histogram buckets (seconds) for every `*_seconds` histogram: the library's (claim-to-start
+/// waits and run durations of jobs, lock hand-off waits), also used for scrape times.
+pub(crate) const BUCKETS: [f64; 14] = docwarden::observe::BUCKETS;
 
 static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
 
@@ -44,71 +42,15 @@ pub(crate) fn handle() -> anyhow::Result<&'static PrometheusHandle> {
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))
 }
 
-/// The series the library is to record inside a worker process (issue 17, item 3), by the
-/// `metrics` facade: `(name, kind, help)`. The dashboard describes them, so they come with
-/// their `# HELP` line, and renders them whenever they are recorded in its process (for
-/// example by `docwarden demo --ui`'s workers). Labels: `queue` (the queue collection) or
-/// `collection` (the lock collection), plus `outcome` where the help names one.
-pub(crate) const WORKER_SERIES: [(&str, Kind, &str); 8] = [
-    (
-        "docwarden_queue_claims_total",
-        Kind::Counter,
-        "Jobs claimed (a batch claim counts each job).",
-    ),
-    (
-        "docwarden_queue_completions_total",
-        Kind::Counter,
-        "Jobs completed by their claim (succeeded).",
-    ),
-    (
-        "docwarden_queue_failures_total",
-        Kind::Counter,
-        "Failed attempts, by outcome (retrying, dead).",
-    ),
-    (
-        "docwarden_queue_lease_losses_total",
-        Kind::Counter,
-        "Fenced job transitions refused because the claim was lost.",
-    ),
-    (
-        "docwarden_queue_claim_to_start_seconds",
-        Kind::Histogram,
-        "From a claim's reply to its handler starting.",
-    ),
-    (
-        "docwarden_queue_run_seconds",
-        Kind::Histogram,
-        "Handler run time, by outcome (succeeded, failed, lease_lost, released).",
-    ),
-    (
-        "docwarden_lock_acquisitions_total",
-        Kind::Counter,
-        "Lock acquire attempts, by outcome (acquired, busy).",
-    ),
-    (
-        "docwarden_lock_handoff_wait_seconds",
-        Kind::Histogram,
-        "From an acquire call to holding the lease (the wait for the previous holder).",
-    ),
-];
-
-/// A metric's kind, for [`WORKER_SERIES`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// Only goes up.
-    Counter,
-    /// A distribution (seconds).
-    Histogram,
-}
-
 /// Describes every series `/metrics` can show, so each gets its `# HELP` line.
+///
+/// The worker-side series (claims, completions, failures, lease losses, claim-to-start
+/// and run durations, lock acquisitions and hand-off waits) are the library's
+/// [`docwarden::observe::SERIES`], described by [`docwarden::observe::describe`]; they
+/// show whenever they are recorded in this process (for example by `docwarden demo
+/// --ui`'s workers).
 pub(crate) fn describe() {
-    for (name, kind, help) in WORKER_SERIES {
-        match kind {
-            Kind::Counter => metrics::describe_counter!(name, help),
-            Kind::Histogram => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
-        }
-    }
+    docwarden::observe::describe();
     metrics::describe_gauge!(
         "docwarden_jobs",
         "Jobs by queue and state, read at scrape time."

@@ -431,7 +431,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::InvalidInput`] for an empty or too long resource or a zero ttl (nothing is
     /// written); a database error.
-    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name(), owner = owner.id(), token = tracing::field::Empty))]
     pub async fn try_acquire(
         &self,
         owner: &Owner,
@@ -474,11 +474,13 @@ impl LockCollection {
                     d
                 }
                 _ => {
+                    crate::observe::lock_busy(self.locks.name());
                     tracing::debug!(resource, "acquire answered no document and lost the race");
                     return Ok(None);
                 }
             },
             Err(e) if error::is_duplicate_key(&e) => {
+                crate::observe::lock_busy(self.locks.name());
                 tracing::trace!(resource, "held");
                 return Ok(None);
             }
@@ -497,6 +499,7 @@ impl LockCollection {
                 id: resource.to_owned(),
                 reason: format!("lock document after the acquire: {e}"),
             })?;
+            crate::observe::lock_acquired(self.locks.name(), token);
             tracing::debug!(resource, token, "acquired");
             return Ok(Some(lease(token)));
         }
@@ -524,10 +527,12 @@ impl LockCollection {
 
         match self.commit_block(owner, resource, &nonce, previous).await {
             Ok(Some(token)) => {
+                crate::observe::lock_acquired(self.locks.name(), token);
                 tracing::debug!(resource, token, "acquired (new token block)");
                 Ok(Some(lease(token)))
             }
             Ok(None) => {
+                crate::observe::lock_busy(self.locks.name());
                 tracing::warn!(
                     resource,
                     "lease taken over between acquire and token commit"
@@ -635,7 +640,7 @@ impl LockCollection {
     ///
     /// # Errors
     /// As [`LockCollection::try_acquire`].
-    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name(), owner = owner.id(), token = tracing::field::Empty))]
     pub async fn acquire(
         &self,
         owner: &Owner,
@@ -644,13 +649,15 @@ impl LockCollection {
         wait: Duration,
     ) -> Result<Option<Lease>> {
         // A wait too long to represent waits "forever".
-        let deadline = Instant::now().checked_add(wait);
+        let called = Instant::now();
+        let deadline = called.checked_add(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         // Woken by the release itself (a change stream on this lock document), polling
         // only for expiries, or with the backoff where change streams are refused.
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
         loop {
             if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
+                crate::observe::lock_handoff(self.locks.name(), called, lease.token.get());
                 return Ok(Some(lease));
             }
             let remaining = match deadline {
@@ -685,7 +692,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
     /// [`Error::InvalidInput`] for a zero ttl; a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
+    #[instrument(skip(self, lease), fields(collection = %self.locks.name(), resource = %lease.resource, owner = %lease.owner, token = lease.token.get()))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.renew_at(lease, ttl).await.map(|_| ())
     }
@@ -719,7 +726,7 @@ impl LockCollection {
     /// # Errors
     /// [`Error::LeaseLost`] if the lease was taken over, released or deleted already (so a
     /// non-holder can never release); a database error.
-    #[instrument(skip(self, lease), fields(resource = %lease.resource, token = lease.token.get()))]
+    #[instrument(skip(self, lease), fields(collection = %self.locks.name(), resource = %lease.resource, owner = %lease.owner, token = lease.token.get()))]
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let result = self
             .locks
@@ -736,7 +743,7 @@ impl LockCollection {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an invalid owner id; a database error.
-    #[instrument(skip(self, owner), fields(collection = %self.locks.name()))]
+    #[instrument(skip(self, owner), fields(collection = %self.locks.name(), owner = owner.id()))]
     pub async fn release_all(&self, owner: &Owner) -> Result<u64> {
         validate::name("owner", owner.id())?;
         let result = self

@@ -191,7 +191,7 @@ impl Election {
     ///
     /// # Errors
     /// [`crate::Error::InvalidInput`] for an invalid owner id; a database error.
-    #[instrument(skip(self, owner), fields(election = %self.name))]
+    #[instrument(skip(self, owner), fields(election = %self.name, owner = owner.id()))]
     pub async fn try_campaign(&self, owner: &Owner) -> Result<Option<Leadership>> {
         let lease = self
             .locks
@@ -205,7 +205,7 @@ impl Election {
     ///
     /// # Errors
     /// As [`Election::try_campaign`].
-    #[instrument(skip(self, owner), fields(election = %self.name))]
+    #[instrument(skip(self, owner), fields(election = %self.name, owner = owner.id()))]
     pub async fn campaign(&self, owner: &Owner, wait: Duration) -> Result<Option<Leadership>> {
         let lease = self
             .locks

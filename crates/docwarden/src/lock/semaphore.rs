@@ -317,7 +317,7 @@ impl Semaphore {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad resource or owner or a zero ttl; a database error.
-    #[instrument(skip(self, owner), fields(collection = %self.docs.name()))]
+    #[instrument(skip(self, owner), fields(collection = %self.docs.name(), owner = owner.id()))]
     pub async fn try_acquire(
         &self,
         owner: &Owner,
@@ -496,7 +496,7 @@ impl Semaphore {
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the permit expired, was released or dropped; a database error.
-    #[instrument(skip(self, permit), fields(resource = %permit.resource, token = permit.token.get()))]
+    #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn renew(&self, permit: &mut Permit, ttl: Duration) -> Result<()> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.time.now().await?;
@@ -529,7 +529,7 @@ impl Semaphore {
     /// # Errors
     /// [`Error::LeaseLost`] if the permit is no longer stored (dropped as expired,
     /// released); a database error.
-    #[instrument(skip(self, permit), fields(resource = %permit.resource, token = permit.token.get()))]
+    #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn release(&self, permit: &Permit) -> Result<()> {
         let r = self
             .docs

@@ -101,7 +101,7 @@ impl JobQueue {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad owner name; a database error.
-    #[tracing::instrument(skip(self), level = "debug")]
+    #[tracing::instrument(skip(self), fields(queue = %self.collection().name()), level = "debug")]
     pub async fn claim(&self, owner: &str) -> Result<Option<ClaimedJob>> {
         validate::name("owner", owner)?;
         for _ in 0..MAX_ROUNDS {
@@ -254,7 +254,7 @@ impl JobQueue {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
-    #[tracing::instrument(skip(self), level = "debug")]
+    #[tracing::instrument(skip(self), fields(queue = %self.collection().name()), level = "debug")]
     pub async fn claim_batch(&self, owner: &str, k: usize) -> Result<Vec<ClaimedJob>> {
         validate::name("owner", owner)?;
         validate::positive("batch size", k)?;
@@ -388,6 +388,7 @@ impl JobQueue {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
                 Some(lease) if lease.token.as_str() == token => {
+                    crate::observe::claimed(self.collection().name(), 1);
                     Ok(Some(ClaimedJob::new(job, lease)))
                 }
                 _ => Ok(None),

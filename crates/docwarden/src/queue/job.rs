@@ -288,6 +288,8 @@ pub struct ClaimedJob {
     pub lease: JobLease,
     /// Cancelled when this claim should stop (see [`ClaimedJob::cancellation`]).
     cancel: CancellationToken,
+    /// When the claim's reply came back (the claim-to-start histogram, `observe`).
+    claimed_at: std::time::Instant,
 }
 
 impl PartialEq for ClaimedJob {
@@ -304,7 +306,13 @@ impl ClaimedJob {
             job,
             lease,
             cancel: CancellationToken::new(),
+            claimed_at: std::time::Instant::now(),
         }
+    }
+
+    /// When the claim's reply came back (this process's monotonic clock).
+    pub(crate) fn claimed_at(&self) -> std::time::Instant {
+        self.claimed_at
     }
 
     /// The claim's cancellation signal. A worker cancels it when the job was cancelled

@@ -420,10 +420,17 @@ impl JobQueue {
     /// A database error for the bulk as a whole (nothing is known of any job; retry
     /// it); a job whose statement the server refused carries [`Error::Malformed`] with
     /// the reason.
+    #[tracing::instrument(name = "settle", skip_all, fields(queue = %self.collection().name(), jobs = items.len(), completed = tracing::field::Empty, failed = tracing::field::Empty, lost = tracing::field::Empty), level = "debug")]
     pub(crate) async fn settle_many(
         &self,
         items: &[(ClaimedJob, Transition)],
     ) -> Result<Vec<Settled>> {
+        let outcomes = self.settle_unobserved(items).await?;
+        crate::observe::settled(self.collection().name(), items, &outcomes);
+        Ok(outcomes)
+    }
+
+    async fn settle_unobserved(&self, items: &[(ClaimedJob, Transition)]) -> Result<Vec<Settled>> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -515,7 +522,14 @@ impl JobQueue {
     /// [`JobQueue::heartbeat_many`], telling a job cancelled under this claim (an
     /// operator's cancel keeps the token: the handler is signalled, not dropped) from a
     /// lost one.
+    #[tracing::instrument(name = "heartbeat", skip_all, fields(queue = %self.collection().name(), jobs = jobs.len(), lost = tracing::field::Empty), level = "debug")]
     pub(crate) async fn heartbeat_detail(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
+        let held = self.heartbeat_unobserved(jobs).await?;
+        crate::observe::heartbeats(self.collection().name(), &held);
+        Ok(held)
+    }
+
+    async fn heartbeat_unobserved(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
@@ -581,6 +595,7 @@ impl JobQueue {
         if r.matched_count == 1 {
             Ok(())
         } else {
+            crate::observe::lease_lost(self.collection().name());
             Err(lease_lost(&Bson::ObjectId(job.job.id), &job.lease.token))
         }
     }
@@ -612,7 +627,10 @@ impl JobQueue {
         let result = result.into();
         check_size("result", &result, MAX_RESULT_BYTES)?;
         let now = self.inner.time.now().await?.estimate();
-        self.fenced(job, Self::complete_update(&result, now)).await
+        self.fenced(job, Self::complete_update(&result, now))
+            .await?;
+        crate::observe::completed(self.collection().name());
+        Ok(())
     }
 
     /// Records the handler's progress (any BSON value of at most
@@ -688,6 +706,7 @@ impl JobQueue {
                 } },
             )
             .await?;
+            crate::observe::failed(self.collection().name(), &FailOutcome::Dead);
             return Ok(FailOutcome::Dead);
         }
         let delay = self.retry_delay(job.job.attempts);
@@ -702,7 +721,9 @@ impl JobQueue {
             } },
         )
         .await?;
-        Ok(FailOutcome::Retrying { run_at, delay })
+        let outcome = FailOutcome::Retrying { run_at, delay };
+        crate::observe::failed(self.collection().name(), &outcome);
+        Ok(outcome)
     }
 
     /// Gives the job back without counting the attempt: it is claimable again at once

@@ -687,7 +687,13 @@ async fn run_slot(
         let Some((job, lost)) = next else {
             return;
         };
+        let started = crate::observe::started(ctx.queue.collection().name(), &job);
         let final_transition = run_job(&ctx, &job, &lost, &hard).await;
+        crate::observe::ran(
+            ctx.queue.collection().name(),
+            started,
+            final_transition.as_ref(),
+        );
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
         ctx.finished.fetch_add(1, Ordering::Relaxed);
         ctx.slot_freed.notify_one();
@@ -713,7 +719,7 @@ async fn run_job(
     lost: &CancellationToken,
     hard: &CancellationToken,
 ) -> Option<Transition> {
-    let span = tracing::info_span!("job", id = %job.id(), attempt = job.job.attempts);
+    let span = tracing::info_span!("job", id = %job.id(), queue = %ctx.queue.collection().name(), name = ctx.queue.queue_name(), attempt = job.job.attempts, token = job.lease.token.as_str());
     async move {
         if lost.is_cancelled() {
             return None;

@@ -155,7 +155,7 @@ impl Default for KindNames {
 
 impl KindNames {
     /// Whether `name` is one of these collections (not a plain lease collection).
-    fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         [&self.elections, &self.rwlocks, &self.semaphores]
             .iter()
             .any(|n| n.as_str() == name)
@@ -763,7 +763,7 @@ async fn events(State(s): State<Shared>) -> impl IntoResponse {
 
 async fn metrics_endpoint(State(s): State<Shared>) -> Result<Response, UiError> {
     let catalog = s.catalogue.get(&s.db).await?;
-    let text = metrics::scrape(&s.db, &s.time, &catalog, s.live.listeners()).await?;
+    let text = metrics::scrape(&s.db, &s.time, &catalog, &s.kinds, s.live.listeners()).await?;
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -727,10 +727,18 @@ fn sample(line: &str) -> Option<Sample> {
 async fn metrics_are_prometheus_text_and_match_the_database() -> anyhow::Result<()> {
     let t = TestDb::new("ui_metrics").await?;
     let f = fixture(&t).await?;
+    // A named queue's jobs are their own series, labelled `<collection>/<queue>`.
+    let mail = f.queue.named("mail", QueueOptions::default())?;
+    for n in 0..2 {
+        mail.enqueue(doc! { "n": n }, &EnqueueOptions::default())
+            .await?;
+    }
+    let mail_label = mail.metrics_label().to_owned();
     let ui = start_ui(&t, &["--read-only"]).await?;
     // A page view first, so the dashboard's own counter has a sample.
     page(&ui, "/").await?;
     let text = page(&ui, "/metrics").await?;
+    let mut mail_ready = None;
     let mut jobs: Vec<(String, f64)> = Vec::new();
     let mut lock_holders = None;
     let mut names = std::collections::BTreeSet::new();
@@ -744,6 +752,12 @@ async fn metrics_are_prometheus_text_and_match_the_database() -> anyhow::Result<
         if name == "docwarden_jobs" && label("queue").as_deref() == Some("jobs") {
             jobs.push((label(field::STATE).context("no state label")?, value));
         }
+        if name == "docwarden_jobs"
+            && label("queue").as_deref() == Some(mail_label.as_str())
+            && label(field::STATE).as_deref() == Some("ready")
+        {
+            mail_ready = Some(value);
+        }
         if name == "docwarden_lock_holders" && label("collection").as_deref() == Some("locks") {
             lock_holders = Some(value);
         }
@@ -753,7 +767,7 @@ async fn metrics_are_prometheus_text_and_match_the_database() -> anyhow::Result<
         let stored = f
             .queue
             .collection()
-            .count_documents(doc! { field::STATE: state.as_str() })
+            .count_documents(doc! { field::STATE: state.as_str(), field::QUEUE: Bson::Null })
             .await?;
         let shown = jobs
             .iter()
@@ -762,6 +776,7 @@ async fn metrics_are_prometheus_text_and_match_the_database() -> anyhow::Result<
             .with_context(|| format!("no docwarden_jobs series for {state}:\n{text}"))?;
         assert_eq!(shown, stored as f64, "{state}:\n{text}");
     }
+    assert_eq!(mail_ready, Some(2.0), "the named queue's series:\n{text}");
     assert_eq!(lock_holders, Some(1.0), "{text}");
     for expected in [
         "docwarden_queue_oldest_due_seconds",

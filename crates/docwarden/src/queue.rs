@@ -150,6 +150,8 @@ pub mod meta {
 
 #[derive(Debug)]
 struct Inner {
+    /// The `queue` label of this handle's metrics ([`JobQueue::metrics_label`]).
+    label: String,
     coll: Collection<Document>,
     meta: Collection<Document>,
     time: TimeSource,
@@ -206,6 +208,10 @@ impl JobQueue {
         let limits = limit::Limits::new(&collection, &time, &options)?;
         Ok(Self {
             inner: Arc::new(Inner {
+                label: match &options.queue {
+                    Some(q) => format!("{}/{q}", collection.name()),
+                    None => collection.name().to_owned(),
+                },
                 limits,
                 coll: collection,
                 meta,
@@ -240,6 +246,12 @@ impl JobQueue {
         queue.ensure_indexes().await?;
         queue.store_options().await?;
         Ok(queue)
+    }
+
+    /// The `queue` label of this queue's metrics (`docs/observability.md`): the
+    /// collection's name for its default queue, `<collection>/<queue>` for a named queue.
+    pub fn metrics_label(&self) -> &str {
+        &self.inner.label
     }
 
     /// The name of this handle's queue (`"default"` for the default queue).

@@ -99,22 +99,28 @@ pub(crate) async fn scrape(
     db: &Database,
     time: &TimeSource,
     catalog: &super::data::Catalog,
+    kinds: &super::KindNames,
     listeners: usize,
 ) -> anyhow::Result<String> {
     let handle = handle()?;
     let started = std::time::Instant::now();
-    for q in &catalog.queues {
-        let stats = super::data::queue(db, time, q)?.stats().await?;
-        for s in super::data::state_counts(&stats) {
-            metrics::gauge!("docwarden_jobs", "queue" => q.clone(), field::STATE => s.state)
-                .set(count(s.count));
+    for c in &catalog.queues {
+        // Every named queue of the collection, labelled as the workers label theirs
+        // (`JobQueue::metrics_label`).
+        for (_, handle) in super::data::named_queues(db, time, c).await? {
+            let q = handle.metrics_label().to_owned();
+            let stats = handle.stats().await?;
+            for s in super::data::state_counts(&stats) {
+                metrics::gauge!("docwarden_jobs", "queue" => q.clone(), field::STATE => s.state)
+                    .set(count(s.count));
+            }
+            metrics::gauge!("docwarden_queue_oldest_due_seconds", "queue" => q.clone())
+                .set(stats.oldest_due_ms.map_or(0.0, ms_to_secs));
+            metrics::gauge!("docwarden_queue_expired_leases", "queue" => q.clone())
+                .set(count(stats.expired_running));
         }
-        metrics::gauge!("docwarden_queue_oldest_due_seconds", "queue" => q.clone())
-            .set(stats.oldest_due_ms.map_or(0.0, ms_to_secs));
-        metrics::gauge!("docwarden_queue_expired_leases", "queue" => q.clone())
-            .set(count(stats.expired_running));
     }
-    for l in &catalog.locks {
+    for l in catalog.locks.iter().filter(|l| !kinds.contains(l)) {
         let records = super::data::locks(db, time, l)?
             .list(&LockListFilter::default())
             .await?;

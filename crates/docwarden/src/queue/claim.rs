@@ -388,7 +388,7 @@ impl JobQueue {
         match Job::from_document(&d) {
             Ok(job) => match job.lease.clone() {
                 Some(lease) if lease.token.as_str() == token => {
-                    crate::observe::claimed(self.collection().name(), 1);
+                    crate::observe::claimed(self.metrics_label(), 1);
                     Ok(Some(ClaimedJob::new(job, lease)))
                 }
                 _ => Ok(None),

@@ -426,7 +426,7 @@ impl JobQueue {
         items: &[(ClaimedJob, Transition)],
     ) -> Result<Vec<Settled>> {
         let outcomes = self.settle_unobserved(items).await?;
-        crate::observe::settled(self.collection().name(), items, &outcomes);
+        crate::observe::settled(self.metrics_label(), items, &outcomes);
         Ok(outcomes)
     }
 
@@ -525,7 +525,7 @@ impl JobQueue {
     #[tracing::instrument(name = "heartbeat", skip_all, fields(queue = %self.collection().name(), jobs = jobs.len(), lost = tracing::field::Empty), level = "debug")]
     pub(crate) async fn heartbeat_detail(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
         let held = self.heartbeat_unobserved(jobs).await?;
-        crate::observe::heartbeats(self.collection().name(), &held);
+        crate::observe::heartbeats(self.metrics_label(), &held);
         Ok(held)
     }
 
@@ -595,7 +595,7 @@ impl JobQueue {
         if r.matched_count == 1 {
             Ok(())
         } else {
-            crate::observe::lease_lost(self.collection().name());
+            crate::observe::lease_lost(self.metrics_label());
             Err(lease_lost(&Bson::ObjectId(job.job.id), &job.lease.token))
         }
     }
@@ -629,7 +629,7 @@ impl JobQueue {
         let now = self.inner.time.now().await?.estimate();
         self.fenced(job, Self::complete_update(&result, now))
             .await?;
-        crate::observe::completed(self.collection().name());
+        crate::observe::completed(self.metrics_label());
         Ok(())
     }
 
@@ -706,7 +706,7 @@ impl JobQueue {
                 } },
             )
             .await?;
-            crate::observe::failed(self.collection().name(), &FailOutcome::Dead);
+            crate::observe::failed(self.metrics_label(), &FailOutcome::Dead);
             return Ok(FailOutcome::Dead);
         }
         let delay = self.retry_delay(job.job.attempts);
@@ -722,7 +722,7 @@ impl JobQueue {
         )
         .await?;
         let outcome = FailOutcome::Retrying { run_at, delay };
-        crate::observe::failed(self.collection().name(), &outcome);
+        crate::observe::failed(self.metrics_label(), &outcome);
         Ok(outcome)
     }
 

@@ -687,10 +687,10 @@ async fn run_slot(
         let Some((job, lost)) = next else {
             return;
         };
-        let started = crate::observe::started(ctx.queue.collection().name(), &job);
+        let started = crate::observe::started(ctx.queue.metrics_label(), &job);
         let final_transition = run_job(&ctx, &job, &lost, &hard).await;
         crate::observe::ran(
-            ctx.queue.collection().name(),
+            ctx.queue.metrics_label(),
             started,
             final_transition.as_ref(),
         );

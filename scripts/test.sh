@@ -32,10 +32,12 @@ if cargo tree -p docwarden-cli -e normal --prefix none | grep -q '^docwarden-tes
 fi
 step "cargo test (unit, integration and doc tests; the embedded server starts per test binary)"
 cargo test --workspace --no-fail-fast
-step "running every example (cargo run --example: lock, queue_worker, sequence, guard), so they never rot"
+step "running every example (cargo run --example: lock, queue_worker, sequence, guard, worker_metrics), so they never rot"
 for example in lock queue_worker sequence guard; do
   cargo run --quiet -p docwarden --example "$example" >/dev/null
 done
+# worker_metrics needs the library's optional `prometheus` feature; port 0: any free port.
+METRICS_ADDR=127.0.0.1:0 cargo run --quiet -p docwarden --features prometheus --example worker_metrics >/dev/null
 step "checking that no embedded server was left running by the tests"
 sleep 1
 if [ -z "${DOCWARDEN_ALLOW_RUNNING_SERVERS:-}" ] && pgrep -f "docwarden-embedded-" >/dev/null 2>&1; then

@@ -166,6 +166,10 @@ struct Inner {
     next_partition: AtomicU32,
     /// How many partitions one batch claim reads (adapts to the backlog).
     span: AtomicU32,
+    /// Batch claims in a row that found a full batch at the current span.
+    span_full: AtomicU32,
+    /// The span the last short batch claim says would hold a full batch (0: unknown).
+    span_hint: AtomicU32,
     /// Concurrency and rate limits: semaphores, rate documents, permits held (`queue/limit.rs`).
     limits: limit::Limits,
 }
@@ -221,6 +225,8 @@ impl JobQueue {
                 last_undatable_sweep: Mutex::new(None),
                 next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
                 span: AtomicU32::new(1),
+                span_full: AtomicU32::new(0),
+                span_hint: AtomicU32::new(0),
                 options,
             }),
         })

@@ -551,8 +551,14 @@ async fn debounce_runs_a_burst_once_after_the_last_enqueue() -> anyhow::Result<(
                     .dedupe_key("burst")
                     .on_duplicate(OnDuplicate::Debounce)
                     .delay(delay);
+                // Taken before the call: a run may start between the server applying
+                // this enqueue and its reply arriving, and that run counts.
+                let sent = Instant::now();
                 let o = q.enqueue(doc! { "by": e, "i": i }, &opts).await?;
-                *last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                {
+                    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+                    *last = (*last).max(sent);
+                }
                 outcomes.lock().unwrap_or_else(|p| p.into_inner()).push(o);
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
@@ -661,14 +667,19 @@ async fn follow_up_runs_once_more_after_the_current_run() -> anyhow::Result<()> 
         r??;
     }
     let last = *last_enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    wait_for(
-        &coll,
-        doc! { "state": "succeeded" },
-        1,
-        Duration::from_secs(10),
-    )
-    .await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Settled: every job succeeded, twice in a row 300 ms apart (a follow-up turns a
+    // finished run back into a ready job; a fixed sleep was too short on a loaded machine).
+    let settle_by = Instant::now() + Duration::from_secs(20);
+    let mut quiet = 0;
+    while quiet < 2 {
+        anyhow::ensure!(
+            Instant::now() < settle_by,
+            "jobs still unfinished after 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let open = count(&coll, doc! { "state": { "$ne": "succeeded" } }).await?;
+        quiet = if open == 0 { quiet + 1 } else { 0 };
+    }
     stop(workers).await;
     let starts = starts.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();

@@ -35,6 +35,12 @@ use crate::validate;
 /// The claim index, named explicitly: the claim filter is exactly the index's partial
 /// filter, so the hint is always valid, and the plan never depends on the planner's
 /// trial (or on a server that does not match `$in` against partial filters).
+/// Above this many partitions, a batch claim that found a full batch halves its span at
+/// once ([`JobQueue::adapt_span`]).
+const WIDE_SPAN: u32 = 8;
+/// Full batch claims in a row before a narrow span tries one partition fewer.
+const SHRINK_AFTER: u32 = 8;
+
 pub(crate) fn claim_hint() -> Hint {
     Hint::Name(index::CLAIM.to_owned())
 }
@@ -202,17 +208,47 @@ impl JobQueue {
         (parts, span == total)
     }
 
-    /// Widens (the partitions read held fewer than `k` due jobs) or narrows (they held
-    /// at least `k`) the span of the next batch claims.
+    /// Adapts the span of the next batch claims to the backlog's density. A short claim
+    /// (`found < k` due jobs in `span` partitions) tells the density, and the span grows
+    /// to the one that would have held `k` (at least one partition more; double when
+    /// nothing was found), remembered as a hint. A full claim only says "at least `k`":
+    /// a wide span more than twice the hint (or with no hint: a burst after an empty
+    /// queue) halves at once; otherwise the span shrinks by one partition after
+    /// [`SHRINK_AFTER`] full claims in a row. So a backlog settles on full claims with
+    /// one short claim in about `SHRINK_AFTER + 1`, and a find reads about one batch's
+    /// worth whatever the backlog.
     pub(super) fn adapt_span(&self, found: usize, k: usize) {
         let total = self.inner.options.partitions;
-        let span = self.inner.span.load(Ordering::Relaxed);
-        let next = if found < k {
-            span.saturating_mul(2).min(total)
+        let span = self.inner.span.load(Ordering::Relaxed).clamp(1, total);
+        let hint = self.inner.span_hint.load(Ordering::Relaxed);
+        let next = if found >= k {
+            let full = self.inner.span_full.fetch_add(1, Ordering::Relaxed) + 1;
+            if span > WIDE_SPAN && (hint == 0 || span > hint.saturating_mul(2)) {
+                span / 2
+            } else if full >= SHRINK_AFTER {
+                self.inner.span_full.store(0, Ordering::Relaxed);
+                span - 1
+            } else {
+                span
+            }
         } else {
-            (span / 2).max(1)
+            self.inner.span_full.store(0, Ordering::Relaxed);
+            if found == 0 {
+                self.inner.span_hint.store(0, Ordering::Relaxed);
+                span.saturating_mul(2)
+            } else {
+                let k = u64::try_from(k).unwrap_or(u64::MAX);
+                let found = u64::try_from(found).unwrap_or(1);
+                let dense = u32::try_from((u64::from(span) * k).div_ceil(found))
+                    .unwrap_or(u32::MAX)
+                    .min(total);
+                self.inner.span_hint.store(dense, Ordering::Relaxed);
+                dense.max(span + 1)
+            }
         };
-        self.inner.span.store(next, Ordering::Relaxed);
+        self.inner
+            .span
+            .store(next.clamp(1, total), Ordering::Relaxed);
     }
 
     /// The batch claim's candidate filter: the due jobs of `partitions` (plus jobs
@@ -643,5 +679,77 @@ impl JobQueue {
             )
             .await?;
         Ok(r.modified_count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::clock::{ClockOptions, LocalClock, TimeSource};
+    use crate::queue::{JobQueue, QueueOptions};
+
+    /// A handle that never talks to a server (the span is client state).
+    async fn handle() -> anyhow::Result<JobQueue> {
+        let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:1").await?;
+        let time = TimeSource::local_unchecked(LocalClock::system(), ClockOptions::default())?;
+        Ok(JobQueue::new(
+            client.database("none").collection("jobs"),
+            time,
+            QueueOptions::default(),
+        )?)
+    }
+
+    /// Claims of `k` over a backlog of `density` due jobs per partition (fractional:
+    /// the average), from `span`: the share of full batches, the mean span read.
+    fn run(q: &JobQueue, density: f64, k: usize, claims: usize) -> (f64, f64) {
+        let (mut full, mut spans) = (0, 0.0);
+        for _ in 0..claims {
+            let span = q.next_partitions().0.len();
+            #[allow(
+                clippy::cast_precision_loss,
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss
+            )]
+            let found = ((span as f64 * density) as usize).min(k);
+            if found == k {
+                full += 1;
+            }
+            #[allow(clippy::cast_precision_loss)]
+            {
+                spans += span as f64;
+            }
+            q.adapt_span(found, k);
+        }
+        #[allow(clippy::cast_precision_loss)]
+        (f64::from(full) / claims as f64, spans / claims as f64)
+    }
+
+    /// Before: the span doubled on a short claim and halved on a full one, so at 39 jobs
+    /// per partition (10,000 over 256) every other claim was short (39 of 64). Now the
+    /// span follows the density: nearly every claim is full, and a find reads about one
+    /// batch's worth at any backlog.
+    #[tokio::test]
+    async fn the_span_settles_on_full_batches_at_every_density() -> anyhow::Result<()> {
+        for (density, max_span) in [(0.4, 200.0), (1.5, 48.0), (39.0, 2.2), (390.0, 1.0)] {
+            let q = handle().await?;
+            // Converge (from a span of 1, as a new handle starts), then measure.
+            run(&q, density, 64, 200);
+            let (full, span) = run(&q, density, 64, 900);
+            assert!(
+                full >= 0.85,
+                "density {density}: only {:.0} % of the claims were full",
+                full * 100.0
+            );
+            assert!(
+                span <= max_span,
+                "density {density}: the finds read {span:.1} partitions on average"
+            );
+        }
+        // A burst after an empty queue: from the widest span back to a narrow one fast.
+        let q = handle().await?;
+        run(&q, 0.0, 64, 20);
+        assert_eq!(q.next_partitions().0.len(), 256);
+        let (_, span) = run(&q, 39.0, 64, 10);
+        assert!(span < 80.0, "still reading {span:.0} partitions a claim");
+        Ok(())
     }
 }

@@ -387,7 +387,7 @@ pub struct WorkerOptions {
     /// Handlers running at once. Default 4.
     pub concurrency: usize,
     /// Most jobs taken by one claim. The worker claims for all its free handler slots
-    /// at once (plus its prefetch), up to this many jobs per claim. Default 64; `1`
+    /// at once (plus its prefetch), up to this many jobs per claim. Default 128; `1`
     /// claims one job at a time, in strict queue order.
     pub batch_size: usize,
     /// Most jobs held beyond the handler slots: claimed, leased, and waiting in the
@@ -434,7 +434,7 @@ impl Default for WorkerOptions {
         Self {
             name: "worker".into(),
             concurrency: 4,
-            batch_size: 64,
+            batch_size: 128,
             prefetch: 256,
             heartbeat_every: None,
             poll_min: Duration::from_millis(50),

@@ -180,6 +180,10 @@ struct Ctx {
     /// Whether the listener holds an open change stream now (see
     /// [`Worker::change_stream_open`]).
     stream_open: Arc<std::sync::atomic::AtomicBool>,
+    /// Taken by each claim and each bulk of final transitions: one write command of the
+    /// worker in flight at a time, so transitions that finish during a claim go out in
+    /// one bigger bulk (`docs/queue.md`, "Worker runtime").
+    io: tokio::sync::Mutex<()>,
 }
 
 impl Ctx {
@@ -280,6 +284,7 @@ impl Worker {
             paused: pause_check.then_some(paused_rx),
             stream_wanted: tokio::sync::watch::Sender::new(true),
             stream_open: Arc::clone(&stream_open),
+            io: tokio::sync::Mutex::new(()),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -560,13 +565,16 @@ async fn claim_loop(
                 continue;
             }
         };
-        let claimed = match woken.take() {
-            Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
-                Ok(Some(job)) => Ok(vec![job]),
-                Ok(None) => claim(ctx, want).await,
-                Err(e) => Err(e),
-            },
-            None => claim(ctx, want).await,
+        let claimed = {
+            let _turn = ctx.io.lock().await;
+            match woken.take() {
+                Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
+                    Ok(Some(job)) => Ok(vec![job]),
+                    Ok(None) => claim(ctx, want).await,
+                    Err(e) => Err(e),
+                },
+                None => claim(ctx, want).await,
+            }
         };
         let got = claimed.as_ref().map_or(0, Vec::len);
         if got < want {
@@ -785,7 +793,10 @@ async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
                 Err(_) => break,
             }
         }
-        let outcomes = settle_batch(&ctx.queue, &batch).await;
+        let outcomes = {
+            let _turn = ctx.io.lock().await;
+            settle_batch(&ctx.queue, &batch).await
+        };
         for ((job, t), outcome) in batch.iter().zip(outcomes) {
             ctx.forget(&job.id());
             ctx.queue.release_permits(job).await;

@@ -264,6 +264,15 @@ impl SequencedSet {
         encode::member(member)?;
         validate_seq(seq)?;
         let entry = self.entry_path(member);
+        if self.canonical_order {
+            if let Some(outcome) = self
+                .apply_by_operators(&key, member, &entry, seq, present)
+                .await?
+            {
+                tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
+                return Ok(outcome);
+            }
+        }
         let seq_path = format!("{entry}.seq");
         let present_path = format!("{entry}.present");
         let outcome = super::apply(
@@ -281,6 +290,147 @@ impl SequencedSet {
         .await?;
         tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
         Ok(outcome)
+    }
+
+    /// The operator-update form of an apply (issue 14): the common case, a member that
+    /// already has a state entry, as one `update_one` with plain query operators and
+    /// update operators, no pipeline (on the embedded server a pipeline update costs about
+    /// twice the server time of an operator update). Returns `None` when the pipeline must
+    /// decide ([`SequencedSet::pipeline`] through `super::apply`): the member has no entry
+    /// yet (its first entry is inserted in key order, which only the pipeline can do), there
+    /// is no document, or an add of a member whose entry is present (the members array
+    /// already holds it, so the sorted `$push` below does not fit).
+    ///
+    /// The filter is the key first, then "the operation wins" (see [`resolve`]) in plain
+    /// operators — `floor` missing or `<= seq`, and `seq₀ < seq` (an add: on a tombstone;
+    /// a remove: or `seq₀ == seq` on a present entry) — so the server decides atomically
+    /// with the write, and `n: 1` means this write applied the operation
+    /// ([`ApplyOutcome::Applied`], one round trip). The update replaces the entry in place
+    /// (`$set`, which keeps an existing field's position) and changes the members array:
+    /// an add `$push`es the member with `$sort: 1` (the array stays sorted in the binary
+    /// order of the strings, as the pipeline keeps it), a remove `$pull`s it. The document
+    /// is the one the pipeline would leave, byte for byte.
+    ///
+    /// `n: 0`: one read of the entry and the floor tells [`ApplyOutcome::Duplicate`] (the
+    /// entry holds the operation) or [`ApplyOutcome::Stale`] (the entry beats it, or it is
+    /// below the floor) in a second round trip; anything else (no entry, no document, a
+    /// winning add on a present entry, or a state that changed in between) goes to the
+    /// pipeline, which decides exactly.
+    async fn apply_by_operators(
+        &self,
+        key: &Bson,
+        member: &str,
+        entry: &str,
+        seq: i64,
+        present: bool,
+    ) -> Result<Option<ApplyOutcome>> {
+        let (filter, update) = self.operator_update(key, member, seq, present, false);
+        let result = self.collection.update_one(filter, update).await?;
+        if result.matched_count == 1 {
+            return Ok(Some(ApplyOutcome::Applied));
+        }
+        let Some(doc) = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { entry: 1, self.floor_field.as_str(): 1 })
+            .await?
+        else {
+            return Ok(None);
+        };
+        if holds(&doc, entry, seq, present, key)? {
+            return Ok(Some(ApplyOutcome::Duplicate));
+        }
+        let floor = super::get_path(&doc, &self.floor_field).and_then(super::stored_seq);
+        if floor.is_some_and(|f| seq < f) {
+            return Ok(Some(ApplyOutcome::Stale));
+        }
+        let current = super::get_path(&doc, entry)
+            .and_then(Bson::as_document)
+            .and_then(|e| {
+                let s = e.get("seq").and_then(super::stored_seq)?;
+                let p = e.get("present")?.as_bool()?;
+                Some((s, p))
+            });
+        match current {
+            Some(state) if resolve(Some(state), seq, present) != ApplyOutcome::Applied => {
+                Ok(Some(ApplyOutcome::Stale))
+            }
+            // A winning add on a present entry: the member is in the array already, so
+            // only the entry changes.
+            Some((_, true)) if present => {
+                let (filter, update) = self.operator_update(key, member, seq, present, true);
+                let result = self.collection.update_one(filter, update).await?;
+                Ok((result.matched_count == 1).then_some(ApplyOutcome::Applied))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The filter and the operator update of [`SequencedSet::apply_by_operators`] (public
+    /// as [`SequencedSet::operator_update_for`] for ports). For an add, `on_present_entry`
+    /// picks the form for a member whose entry is present (only the entry changes) instead
+    /// of a tombstone (the member is `$push`ed into the sorted array).
+    fn operator_update(
+        &self,
+        key: &Bson,
+        member: &str,
+        seq: i64,
+        present: bool,
+        on_present_entry: bool,
+    ) -> (Document, Document) {
+        let entry = self.entry_path(member);
+        let seq_path = format!("{entry}.seq");
+        let present_path = format!("{entry}.present");
+        let wins = if present {
+            doc! { "$and": [
+                { seq_path.as_str(): { "$lt": seq } },
+                { present_path.as_str(): on_present_entry },
+            ] }
+        } else {
+            doc! { "$or": [
+                { seq_path.as_str(): { "$lt": seq } },
+                { seq_path.as_str(): seq, present_path.as_str(): true },
+            ] }
+        };
+        let filter = doc! { "$and": [
+            { self.key_field.as_str(): key.clone() },
+            { self.floor_field.as_str(): { "$not": { "$gt": seq } } },
+            wins,
+        ] };
+        let mut update = doc! {
+            "$set": { entry.as_str(): { "seq": seq, "present": present } },
+            // Written by earlier versions; removed by any write, as the pipeline does.
+            "$unset": { OUTCOME_FIELD: "" },
+        };
+        if present && !on_present_entry {
+            update.insert(
+                "$push",
+                doc! { self.field.as_str(): { "$each": [member], "$sort": 1 } },
+            );
+        } else if !present {
+            update.insert("$pull", doc! { self.field.as_str(): member });
+        }
+        (filter, update)
+    }
+
+    /// The filter and update of the operator form an apply tries first (see
+    /// `docs/sequence.md`, "The operator form"), for inspection and other-language ports;
+    /// for an add, `on_present_entry` as in the second try described there.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad key, member or negative `seq`.
+    pub fn operator_update_for(
+        &self,
+        key: impl Into<Bson>,
+        member: &str,
+        seq: i64,
+        present: bool,
+        on_present_entry: bool,
+    ) -> Result<(Document, Document)> {
+        let key = encode::key(key.into())?;
+        encode::member(member)?;
+        validate_seq(seq)?;
+        Ok(self.operator_update(&key, member, seq, present, on_present_entry))
     }
 
     /// The path of `member`'s state entry.

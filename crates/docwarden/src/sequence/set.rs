@@ -58,6 +58,11 @@ pub struct SetOptions {
     /// on the delivery order. Always `true` outside those tests.
     #[doc(hidden)]
     pub canonical_order: bool,
+    /// Test-only reference: `false` sends every operation as the pipeline update (as
+    /// before issue 14) instead of trying the operator form first, so the tests can
+    /// compare the two documents byte for byte. Always `true` outside those tests.
+    #[doc(hidden)]
+    pub operator_form: bool,
 }
 
 impl Default for SetOptions {
@@ -68,6 +73,7 @@ impl Default for SetOptions {
             index_members: false,
             write_concern: None,
             canonical_order: true,
+            operator_form: true,
         }
     }
 }
@@ -108,6 +114,15 @@ impl SetOptions {
         self.canonical_order = false;
         self
     }
+
+    /// Test-only reference (see [`SetOptions::operator_form`]): every operation as the
+    /// pipeline update.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn pipeline_only(mut self) -> Self {
+        self.operator_form = false;
+        self
+    }
 }
 
 /// The stored state of one member.
@@ -133,6 +148,7 @@ pub struct SequencedSet {
     /// `_seq_sets.<field>.floor`.
     pub(super) floor_field: String,
     canonical_order: bool,
+    operator_form: bool,
     index_members: bool,
 }
 
@@ -168,6 +184,7 @@ impl SequencedSet {
             key_field: options.key_field,
             field: options.field,
             canonical_order: options.canonical_order,
+            operator_form: options.operator_form,
             index_members: options.index_members,
         })
     }
@@ -264,7 +281,9 @@ impl SequencedSet {
         encode::member(member)?;
         validate_seq(seq)?;
         let entry = self.entry_path(member);
-        if self.canonical_order {
+        // The control without canonical order keeps to the pipeline (the operator form's
+        // sorted `$push` would re-sort the array).
+        if self.canonical_order && self.operator_form {
             if let Some(outcome) = self
                 .apply_by_operators(&key, member, &entry, seq, present)
                 .await?

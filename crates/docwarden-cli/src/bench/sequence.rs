@@ -77,6 +77,45 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         )
         .await?,
     );
+    // Steady state: every member of every key already has a state entry (seq 0), so each
+    // apply takes the operator form (issue 14) unless it is stale or a duplicate.
+    let seen = by_id_set(db, "bench_sequence_seen", false).await?;
+    for student in 0..KEYS {
+        for class in CLASSES {
+            seen.add(student, class, 0).await?;
+        }
+    }
+    rows.push(apply_row("sequence: add/remove keyed by _id, every member seen", load, seen).await?);
+    if load.stages {
+        // The same two rows with every operation sent as the pipeline update (before issue
+        // 14), on fresh collections prepared the same way: before/after in one run.
+        let fresh = by_id_set(db, "bench_sequence_pipeline", true).await?;
+        for student in 0..KEYS {
+            fresh.add(student, CLASSES[0], 0).await?;
+        }
+        rows.push(
+            apply_row(
+                "sequence stage: keyed by _id, pipeline only (before issue 14)",
+                load,
+                fresh,
+            )
+            .await?,
+        );
+        let seen = by_id_set(db, "bench_sequence_seen_pipeline", true).await?;
+        for student in 0..KEYS {
+            for class in CLASSES {
+                seen.add(student, class, 0).await?;
+            }
+        }
+        rows.push(
+            apply_row(
+                "sequence stage: every member seen, pipeline only (before issue 14)",
+                load,
+                seen,
+            )
+            .await?,
+        );
+    }
     if load.stages {
         let control = SequencedSet::new(
             set.collection().clone(),
@@ -101,6 +140,30 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         );
     }
     Ok(rows)
+}
+
+/// A set keyed by `_id` without a members index on collection `name`; `pipeline_only`
+/// sends every operation as the pipeline update (the form before issue 14).
+async fn by_id_set(db: &Database, name: &str, pipeline_only: bool) -> anyhow::Result<SequencedSet> {
+    let mut options = SetOptions::default().field(FIELD);
+    if pipeline_only {
+        options = options.pipeline_only();
+    }
+    let set = SequencedSet::new(db.collection(name), options)?;
+    set.ensure_indexes().await?;
+    Ok(set)
+}
+
+/// A row of random applies on `set`.
+async fn apply_row(name: &'static str, load: &Load, set: SequencedSet) -> anyhow::Result<BenchRow> {
+    measure(name, load, move |_| {
+        let set = set.clone();
+        async move {
+            enrollment::apply(&set, &random_message(), Mode::Safe).await?;
+            Ok(1)
+        }
+    })
+    .await
 }
 
 /// The filter an apply sends (see `docwarden::sequence::apply`).

@@ -343,9 +343,20 @@ impl SequencedSet {
         seq: i64,
         present: bool,
     ) -> Result<Option<ApplyOutcome>> {
-        let (filter, update) = self.operator_update(key, member, seq, present, false);
-        let result = self.collection.update_one(filter, update).await?;
-        if result.matched_count == 1 {
+        let matched = if present {
+            // An add: the member is in the array exactly when its entry is present, so one
+            // `update` command carries both forms (on a tombstone: `$push` into the sorted
+            // array; on a present entry: only the entry). At most one can match: after
+            // either applies, the entry's `seq` equals the operation's.
+            match self.add_both_forms(key, member, seq).await? {
+                Some(n) => n,
+                None => return Ok(None),
+            }
+        } else {
+            let (filter, update) = self.operator_update(key, member, seq, present, false);
+            self.collection.update_one(filter, update).await?.matched_count
+        };
+        if matched >= 1 {
             return Ok(Some(ApplyOutcome::Applied));
         }
         let Some(doc) = self
@@ -374,15 +385,55 @@ impl SequencedSet {
             Some(state) if resolve(Some(state), seq, present) != ApplyOutcome::Applied => {
                 Ok(Some(ApplyOutcome::Stale))
             }
-            // A winning add on a present entry: the member is in the array already, so
-            // only the entry changes.
-            Some((_, true)) if present => {
-                let (filter, update) = self.operator_update(key, member, seq, present, true);
-                let result = self.collection.update_one(filter, update).await?;
-                Ok((result.matched_count == 1).then_some(ApplyOutcome::Applied))
-            }
+            // No entry, or the state changed in between: the pipeline decides.
             _ => Ok(None),
         }
+    }
+
+    /// Both operator forms of an add as one ordered `update` command with the handle's
+    /// write concern; the number of documents matched, or `None` when the server refused a
+    /// statement (the pipeline then runs and reports the error).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the write concern was not satisfied (the write may have
+    /// applied); [`Error::Database`] for a failed command. A raw command is not retried
+    /// by the driver: a transient error reaches the caller, whose re-delivery is
+    /// harmless (`Duplicate` or `Stale`).
+    async fn add_both_forms(&self, key: &Bson, member: &str, seq: i64) -> Result<Option<u64>> {
+        let statements: Vec<Document> = [false, true]
+            .into_iter()
+            .map(|on_present_entry| {
+                let (q, u) = self.operator_update(key, member, seq, true, on_present_entry);
+                doc! { "q": q, "u": u }
+            })
+            .collect();
+        let coll = &self.collection;
+        let mut command = doc! { "update": coll.name(), "updates": statements, "ordered": true };
+        if let Some(wc) = coll.write_concern() {
+            let wc = mongodb::bson::to_document(wc)
+                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
+            if !wc.is_empty() {
+                command.insert("writeConcern", wc);
+            }
+        }
+        let reply = coll
+            .client()
+            .database(&coll.namespace().db)
+            .run_command(command)
+            .await?;
+        if reply.contains_key("writeConcernError") {
+            return Err(Error::Unavailable {
+                what: "write concern",
+            });
+        }
+        if reply.contains_key("writeErrors") {
+            return Ok(None);
+        }
+        Ok(Some(match reply.get("n") {
+            Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+            Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+            _ => 0,
+        }))
     }
 
     /// The filter and the operator update of [`SequencedSet::apply_by_operators`] (public

@@ -1139,14 +1139,16 @@ fn operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow::Result<
     let coll: Collection<Document> = t.db.collection("students");
     let by_operators = SequencedSet::new(
         coll.clone(),
-        SetOptions::default().key_field("student_id").field("classes"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .operator_form(true),
     )?;
     let by_pipeline = SequencedSet::new(
         coll.clone(),
         SetOptions::default()
             .key_field("student_id")
-            .field("classes")
-            .pipeline_only(),
+            .field("classes"),
     )?;
     rt.block_on(by_operators.ensure_indexes())?;
     let next_case = std::sync::atomic::AtomicI64::new(0);
@@ -1155,20 +1157,17 @@ fn operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow::Result<
         failure_persistence: None,
         ..ProptestConfig::default()
     };
-    let ops = prop::collection::vec(
-        (0..ODD_MEMBERS.len(), 0_i64..6, any::<bool>()),
-        1..30,
-    );
+    let ops = prop::collection::vec((0..ODD_MEMBERS.len(), 0_i64..6, any::<bool>()), 1..30);
     proptest!(config, |(ops in ops, compact_at in prop::option::of((0_usize..30, 0_i64..6)))| {
         let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         rt.block_on(async {
             let (a, b) = (2 * case, 2 * case + 1);
             for (i, &(member, seq, present)) in ops.iter().enumerate() {
-                if let Some((at, watermark)) = compact_at {
-                    if at == i {
-                        by_operators.compact(a, watermark).await?;
-                        by_pipeline.compact(b, watermark).await?;
-                    }
+                if let Some((at, watermark)) = compact_at
+                    && at == i
+                {
+                    by_operators.compact(a, watermark).await?;
+                    by_pipeline.compact(b, watermark).await?;
                 }
                 let m = ODD_MEMBERS[member];
                 let (x, y) = if present {

@@ -5,6 +5,10 @@
 //! (`SetOptions::default()`): the point write by `_id`, next to the seed's shape (a unique
 //! `student_id` key and a multikey members index).
 //!
+//! Issue 14's operator form (`SetOptions::operator_form`) next to the pipeline, on sets
+//! where every member already has a state entry: an in-order stream (every apply applies),
+//! and with `--stages` random numbers (many stale applies).
+//!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
@@ -77,44 +81,53 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         )
         .await?,
     );
-    // Steady state: every member of every key already has a state entry (seq 0), so each
-    // apply takes the operator form (issue 14) unless it is stale or a duplicate.
-    let seen = by_id_set(db, "bench_sequence_seen", false).await?;
-    for student in 0..KEYS {
-        for class in CLASSES {
-            seen.add(student, class, 0).await?;
-        }
+    // Issue 14's operator form (`SetOptions::operator_form`) against the pipeline, on
+    // fresh collections keyed by `_id` where every member of every key already has a
+    // state entry (seq 0): first an in-order stream (every message newer than the last, so
+    // every apply applies: the case the operator form is for), then random numbers (about
+    // half the applies stale or duplicate: its worst case after first touches).
+    for operator_form in [false, true] {
+        let set = seen_set(db, "bench_sequence_in_order", operator_form).await?;
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));
+        rows.push(
+            measure(
+                if operator_form {
+                    "sequence: in-order stream, every member seen, operator form"
+                } else {
+                    "sequence: in-order stream, every member seen"
+                },
+                load,
+                move |_| {
+                    let (set, next) = (set.clone(), next.clone());
+                    async move {
+                        let msg = Message {
+                            seq: next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                            ..random_message()
+                        };
+                        enrollment::apply(&set, &msg, Mode::Safe).await?;
+                        Ok(1)
+                    }
+                },
+            )
+            .await?,
+        );
     }
-    rows.push(apply_row("sequence: add/remove keyed by _id, every member seen", load, seen).await?);
     if load.stages {
-        // The same two rows with every operation sent as the pipeline update (before issue
-        // 14), on fresh collections prepared the same way: before/after in one run.
-        let fresh = by_id_set(db, "bench_sequence_pipeline", true).await?;
-        for student in 0..KEYS {
-            fresh.add(student, CLASSES[0], 0).await?;
+        for operator_form in [false, true] {
+            let set = seen_set(db, "bench_sequence_seen", operator_form).await?;
+            rows.push(
+                apply_row(
+                    if operator_form {
+                        "sequence stage: random seq, every member seen, operator form"
+                    } else {
+                        "sequence stage: random seq, every member seen"
+                    },
+                    load,
+                    set,
+                )
+                .await?,
+            );
         }
-        rows.push(
-            apply_row(
-                "sequence stage: keyed by _id, pipeline only (before issue 14)",
-                load,
-                fresh,
-            )
-            .await?,
-        );
-        let seen = by_id_set(db, "bench_sequence_seen_pipeline", true).await?;
-        for student in 0..KEYS {
-            for class in CLASSES {
-                seen.add(student, class, 0).await?;
-            }
-        }
-        rows.push(
-            apply_row(
-                "sequence stage: every member seen, pipeline only (before issue 14)",
-                load,
-                seen,
-            )
-            .await?,
-        );
     }
     if load.stages {
         let control = SequencedSet::new(
@@ -142,15 +155,23 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     Ok(rows)
 }
 
-/// A set keyed by `_id` without a members index on collection `name`; `pipeline_only`
-/// sends every operation as the pipeline update (the form before issue 14).
-async fn by_id_set(db: &Database, name: &str, pipeline_only: bool) -> anyhow::Result<SequencedSet> {
-    let mut options = SetOptions::default().field(FIELD);
-    if pipeline_only {
-        options = options.pipeline_only();
-    }
-    let set = SequencedSet::new(db.collection(name), options)?;
+/// A set keyed by `_id` without a members index on a fresh collection `name` (dropped
+/// first), with a state entry (seq 0, present) for every class of every key.
+async fn seen_set(db: &Database, name: &str, operator_form: bool) -> anyhow::Result<SequencedSet> {
+    let coll = db.collection::<Document>(name);
+    coll.drop().await?;
+    let set = SequencedSet::new(
+        coll,
+        SetOptions::default()
+            .field(FIELD)
+            .operator_form(operator_form),
+    )?;
     set.ensure_indexes().await?;
+    for student in 0..KEYS {
+        for class in CLASSES {
+            set.add(student, class, 0).await?;
+        }
+    }
     Ok(set)
 }
 

@@ -58,10 +58,15 @@ pub struct SetOptions {
     /// on the delivery order. Always `true` outside those tests.
     #[doc(hidden)]
     pub canonical_order: bool,
-    /// Test-only reference: `false` sends every operation as the pipeline update (as
-    /// before issue 14) instead of trying the operator form first, so the tests can
-    /// compare the two documents byte for byte. Always `true` outside those tests.
-    #[doc(hidden)]
+    /// Try the **operator form** first (off by default): an operation on a member that
+    /// already has a state entry is sent as plain query and update operators instead of
+    /// the pipeline update, which costs the embedded server about a quarter less time per
+    /// applied operation (216 vs 292 µs of server CPU in a probe). The price: an operation
+    /// that does not apply (stale or duplicate) costs a second round trip (a read), and a
+    /// member's first operation a third (the pipeline). Worth it for streams that arrive
+    /// mostly in order on members already seen; the default keeps every first delivery at
+    /// one round trip. The stored document and the outcomes are the same either way (see
+    /// `docs/sequence.md`, "The operator form").
     pub operator_form: bool,
 }
 
@@ -73,7 +78,7 @@ impl Default for SetOptions {
             index_members: false,
             write_concern: None,
             canonical_order: true,
-            operator_form: true,
+            operator_form: false,
         }
     }
 }
@@ -115,12 +120,10 @@ impl SetOptions {
         self
     }
 
-    /// Test-only reference (see [`SetOptions::operator_form`]): every operation as the
-    /// pipeline update.
-    #[doc(hidden)]
+    /// Sets [`SetOptions::operator_form`]: try the operator form first.
     #[must_use]
-    pub fn pipeline_only(mut self) -> Self {
-        self.operator_form = false;
+    pub fn operator_form(mut self, on: bool) -> Self {
+        self.operator_form = on;
         self
     }
 }
@@ -283,14 +286,14 @@ impl SequencedSet {
         let entry = self.entry_path(member);
         // The control without canonical order keeps to the pipeline (the operator form's
         // sorted `$push` would re-sort the array).
-        if self.canonical_order && self.operator_form {
-            if let Some(outcome) = self
+        if self.canonical_order
+            && self.operator_form
+            && let Some(outcome) = self
                 .apply_by_operators(&key, member, &entry, seq, present)
                 .await?
-            {
-                tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
-                return Ok(outcome);
-            }
+        {
+            tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
+            return Ok(outcome);
         }
         let seq_path = format!("{entry}.seq");
         let present_path = format!("{entry}.present");
@@ -354,7 +357,10 @@ impl SequencedSet {
             }
         } else {
             let (filter, update) = self.operator_update(key, member, seq, present, false);
-            self.collection.update_one(filter, update).await?.matched_count
+            self.collection
+                .update_one(filter, update)
+                .await?
+                .matched_count
         };
         if matched >= 1 {
             return Ok(Some(ApplyOutcome::Applied));

@@ -1,6 +1,8 @@
 //! A last-writer-wins element set: `add(key, member, seq)` and `remove(key, member, seq)`.
 //!
-//! Each call is one atomic pipeline update on the document `{<key_field>: key}`. The
+//! Each call is one atomic pipeline update on the document `{<key_field>: key}` (with
+//! [`SetOptions::operator_form`], an operator update when the member already has a state
+//! entry; the same rule and the same stored document). The
 //! document keeps a plain array of the present members (`<field>`, stored as given and
 //! kept sorted, for reads and multikey indexes) and, under `_seq_sets.<field>`, one state
 //! entry per member ever seen (`state.<member key>: {seq, present}`, the key encoded by

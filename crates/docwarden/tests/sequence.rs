@@ -1193,3 +1193,53 @@ fn operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow::Result<
     rt.block_on(async move { drop(t) });
     Ok(())
 }
+
+// Issue 14: the operator form under 8 racing consumers, every delivery shuffled and
+// duplicated: the sequential model's state, one document, no message applied twice, and
+// the same bytes for three deliveries of each history (equal numbers included, so the
+// remove-wins tie goes through the operator filter).
+#[test]
+fn operator_form_raced_by_8_consumers_equals_the_model_and_stores_one_document()
+-> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_operator_form_race"))?;
+    let set = SequencedSet::new(
+        t.db.collection("students"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .operator_form(true),
+    )?;
+    rt.block_on(set.ensure_indexes())?;
+    let fields = rt.block_on(SequencedFields::open(
+        &t.db,
+        "profiles",
+        FieldsOptions::default(),
+    ))?;
+    let next_case = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 16,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let ops = prop::collection::vec(
+        (0..MEMBERS.len(), 0_i64..5, any::<bool>()).prop_map(|(member, seq, present)| Op {
+            member,
+            seq,
+            present,
+        }),
+        1..16,
+    );
+    proptest!(config, |(ops in ops, seed in any::<u64>())| {
+        let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let differing = rt.block_on(race_equal_numbers(&set, &fields, case, &ops, &[], seed, true))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(differing, 0, "stored documents differ between deliveries");
+    });
+    drop((set, fields));
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}

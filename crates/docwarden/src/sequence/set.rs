@@ -155,7 +155,17 @@ pub struct SequencedSet {
     canonical_order: bool,
     operator_form: bool,
     index_members: bool,
+    /// With [`SetOptions::operator_form`]: the last state of each `(key, member)` entry
+    /// this handle (and its clones) saw, which picks the form to try first.
+    hints: Hints,
 }
+
+/// The last state seen per `(key, member)` (see [`SequencedSet`]'s `hints`).
+type Hints =
+    std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), (i64, bool)>>>;
+
+/// The most `(key, member)` hints a [`SequencedSet`] keeps before starting over.
+const HINTS_MAX: usize = 100_000;
 
 /// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
 /// stored in `<field>`. Field names contain no `.`, so distinct sets get distinct,
@@ -190,6 +200,7 @@ impl SequencedSet {
             field: options.field,
             canonical_order: options.canonical_order,
             operator_form: options.operator_form,
+            hints: std::sync::Arc::default(),
             index_members: options.index_members,
         })
     }
@@ -288,17 +299,29 @@ impl SequencedSet {
         let entry = self.entry_path(member);
         // The control without canonical order keeps to the pipeline (the operator form's
         // sorted `$push` would re-sort the array).
-        if self.canonical_order
-            && self.operator_form
-            && let Some(outcome) = self
-                .apply_by_operators(&key, member, &entry, seq, present)
-                .await?
+        let hinted = self.canonical_order && self.operator_form;
+        let hint_key = (key.to_string(), member.to_owned());
+        if hinted
+            && let Some(state) = self.hint(&hint_key)
+            && resolve(Some(state), seq, present) == ApplyOutcome::Applied
         {
-            tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
-            return Ok(outcome);
+            let (filter, update) = self.operator_update(&key, member, seq, present, state.1);
+            if self
+                .collection
+                .update_one(filter, update)
+                .await?
+                .matched_count
+                == 1
+            {
+                self.remember(hint_key, (seq, present));
+                tracing::debug!(%key, member, seq, present, "sequenced set operation applied by operators");
+                return Ok(ApplyOutcome::Applied);
+            }
         }
         let seq_path = format!("{entry}.seq");
         let present_path = format!("{entry}.present");
+        // The entry as the pipeline's post-image (or the diagnosing read) showed it.
+        let seen = std::sync::Mutex::new(None);
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
@@ -308,144 +331,49 @@ impl SequencedSet {
             ],
             || self.pipeline(member, seq, present),
             doc! { entry.as_str(): 1 },
-            |d| holds(d, &entry, seq, present, &key),
+            |d| {
+                if hinted && let Ok(mut seen) = seen.lock() {
+                    *seen = entry_state(d, &entry);
+                }
+                holds(d, &entry, seq, present, &key)
+            },
             &key,
         )
         .await?;
+        if let Some(state) = seen.into_inner().ok().flatten() {
+            self.remember(hint_key, state);
+        }
         tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
         Ok(outcome)
     }
 
-    /// The operator-update form of an apply (issue 14): the common case, a member that
-    /// already has a state entry, as one `update_one` with plain query operators and
-    /// update operators, no pipeline (on the embedded server a pipeline update costs about
-    /// twice the server time of an operator update). Returns `None` when the pipeline must
-    /// decide ([`SequencedSet::pipeline`] through `super::apply`): the member has no entry
-    /// yet (its first entry is inserted in key order, which only the pipeline can do), there
-    /// is no document, or an add of a member whose entry is present (the members array
-    /// already holds it, so the sorted `$push` below does not fit).
-    ///
-    /// The filter is the key first, then "the operation wins" (see [`resolve`]) in plain
-    /// operators — `floor` missing or `<= seq`, and `seq₀ < seq` (an add: on a tombstone;
-    /// a remove: or `seq₀ == seq` on a present entry) — so the server decides atomically
-    /// with the write, and `n: 1` means this write applied the operation
-    /// ([`ApplyOutcome::Applied`], one round trip). The update replaces the entry in place
-    /// (`$set`, which keeps an existing field's position) and changes the members array:
-    /// an add `$push`es the member with `$sort: 1` (the array stays sorted in the binary
-    /// order of the strings, as the pipeline keeps it), a remove `$pull`s it. The document
-    /// is the one the pipeline would leave, byte for byte.
-    ///
-    /// `n: 0`: one read of the entry and the floor tells [`ApplyOutcome::Duplicate`] (the
-    /// entry holds the operation) or [`ApplyOutcome::Stale`] (the entry beats it, or it is
-    /// below the floor) in a second round trip; anything else (no entry, no document, a
-    /// winning add on a present entry, or a state that changed in between) goes to the
-    /// pipeline, which decides exactly.
-    async fn apply_by_operators(
-        &self,
-        key: &Bson,
-        member: &str,
-        entry: &str,
-        seq: i64,
-        present: bool,
-    ) -> Result<Option<ApplyOutcome>> {
-        let matched = if present {
-            // An add: the member is in the array exactly when its entry is present, so one
-            // `update` command carries both forms (on a tombstone: `$push` into the sorted
-            // array; on a present entry: only the entry). At most one can match: after
-            // either applies, the entry's `seq` equals the operation's.
-            match self.add_both_forms(key, member, seq).await? {
-                Some(n) => n,
-                None => return Ok(None),
+    /// The last state of `(key, member)`'s entry this handle saw, if any.
+    fn hint(&self, at: &(String, String)) -> Option<(i64, bool)> {
+        self.hints.lock().ok()?.get(at).copied()
+    }
+
+    /// Records the state of `(key, member)`'s entry as seen in a reply. The map is a hint
+    /// only (it picks the form to try first; the server decides), bounded by clearing it
+    /// when it reaches [`HINTS_MAX`] entries.
+    fn remember(&self, at: (String, String), state: (i64, bool)) {
+        if let Ok(mut hints) = self.hints.lock() {
+            if hints.len() >= HINTS_MAX {
+                hints.clear();
             }
-        } else {
-            let (filter, update) = self.operator_update(key, member, seq, present, false);
-            self.collection
-                .update_one(filter, update)
-                .await?
-                .matched_count
-        };
-        if matched >= 1 {
-            return Ok(Some(ApplyOutcome::Applied));
-        }
-        let Some(doc) = self
-            .collection
-            .find_one(doc! { self.key_field.as_str(): key.clone() })
-            .projection(doc! { entry: 1, self.floor_field.as_str(): 1 })
-            .await?
-        else {
-            return Ok(None);
-        };
-        if holds(&doc, entry, seq, present, key)? {
-            return Ok(Some(ApplyOutcome::Duplicate));
-        }
-        let floor = super::get_path(&doc, &self.floor_field).and_then(super::stored_seq);
-        if floor.is_some_and(|f| seq < f) {
-            return Ok(Some(ApplyOutcome::Stale));
-        }
-        let current = super::get_path(&doc, entry)
-            .and_then(Bson::as_document)
-            .and_then(|e| {
-                let s = e.get("seq").and_then(super::stored_seq)?;
-                let p = e.get("present")?.as_bool()?;
-                Some((s, p))
-            });
-        match current {
-            Some(state) if resolve(Some(state), seq, present) != ApplyOutcome::Applied => {
-                Ok(Some(ApplyOutcome::Stale))
-            }
-            // No entry, or the state changed in between: the pipeline decides.
-            _ => Ok(None),
+            hints.insert(at, state);
         }
     }
 
-    /// Both operator forms of an add as one ordered `update` command with the handle's
-    /// write concern; the number of documents matched, or `None` when the server refused a
-    /// statement (the pipeline then runs and reports the error).
-    ///
-    /// # Errors
-    /// [`Error::Unavailable`] when the write concern was not satisfied (the write may have
-    /// applied); [`Error::Database`] for a failed command. A raw command is not retried
-    /// by the driver: a transient error reaches the caller, whose re-delivery is
-    /// harmless (`Duplicate` or `Stale`).
-    async fn add_both_forms(&self, key: &Bson, member: &str, seq: i64) -> Result<Option<u64>> {
-        let statements: Vec<Document> = [false, true]
-            .into_iter()
-            .map(|on_present_entry| {
-                let (q, u) = self.operator_update(key, member, seq, true, on_present_entry);
-                doc! { "q": q, "u": u }
-            })
-            .collect();
-        let coll = &self.collection;
-        let mut command = doc! { "update": coll.name(), "updates": statements, "ordered": true };
-        if let Some(wc) = coll.write_concern() {
-            let wc = mongodb::bson::to_document(wc)
-                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
-            if !wc.is_empty() {
-                command.insert("writeConcern", wc);
-            }
-        }
-        let reply = coll
-            .client()
-            .database(&coll.namespace().db)
-            .run_command(command)
-            .await?;
-        if reply.contains_key("writeConcernError") {
-            return Err(Error::Unavailable {
-                what: "write concern",
-            });
-        }
-        if reply.contains_key("writeErrors") {
-            return Ok(None);
-        }
-        Ok(Some(match reply.get("n") {
-            Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
-            Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
-            _ => 0,
-        }))
-    }
-
-    /// The filter and the operator update of [`SequencedSet::apply_by_operators`] (public
-    /// as [`SequencedSet::operator_update_for`] for ports). For an add, `on_present_entry`
+    /// The filter and the operator update of the operator form (public as
+    /// [`SequencedSet::operator_update_for`] for ports): the key first, then "the
+    /// operation wins" (see [`resolve`]) in plain operators — `floor` missing or `<= seq`,
+    /// and `seq₀ < seq` (a remove: or `seq₀ == seq` on a present entry; an add: on an entry
+    /// whose `present` is `on_present_entry`) —, so `n: 1` means this write applied the
+    /// operation. The update replaces the entry in place (`$set` keeps an existing field's
+    /// position) and changes the members array: an add on a tombstone `$push`es the member
+    /// with `$sort: 1` (the binary order of the strings, as the pipeline keeps it), an add
+    /// on a present entry leaves the array (the member is in it), a remove `$pull`s it. The
+    /// document is the one the pipeline would leave, byte for byte. For an add, `on_present_entry`
     /// picks the form for a member whose entry is present (only the entry changes) instead
     /// of a tombstone (the member is `$push`ed into the sorted array).
     fn operator_update(
@@ -739,6 +667,15 @@ fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Re
     })?;
     Ok(e.get("seq").and_then(super::stored_seq) == Some(seq)
         && e.get("present") == Some(&Bson::Boolean(present)))
+}
+
+/// The state `(seq, present)` of the entry at `entry` in `doc`, if it is well formed.
+fn entry_state(doc: &Document, entry: &str) -> Option<(i64, bool)> {
+    let e = super::get_path(doc, entry)?.as_document()?;
+    Some((
+        e.get("seq").and_then(super::stored_seq)?,
+        e.get("present")?.as_bool()?,
+    ))
 }
 
 /// The model the pipeline implements: `(seq, present)` replaces `current` when it is

@@ -60,15 +60,16 @@ pub struct SetOptions {
     /// on the delivery order. Always `true` outside those tests.
     #[doc(hidden)]
     pub canonical_order: bool,
-    /// Try the **operator form** first (off by default): an operation on a member that
-    /// already has a state entry is sent as plain query and update operators instead of
-    /// the pipeline update, which costs the embedded server about a quarter less time per
-    /// applied operation (216 vs 292 µs of server CPU in a probe). The price: an operation
-    /// that does not apply (stale or duplicate) costs a second round trip (a read), and a
-    /// member's first operation a third (the pipeline). Worth it for streams that arrive
-    /// mostly in order on members already seen; the default keeps every first delivery at
-    /// one round trip. The stored document and the outcomes are the same either way (see
-    /// `docs/sequence.md`, "The operator form").
+    /// Use the **operator form** when it fits (on by default; issue 14): an operation
+    /// that this handle expects to apply to a member that already has a state entry (it
+    /// keeps the last state it saw of each entry as a hint) is sent as plain query and
+    /// update operators (`update_one`) instead of the pipeline update, which costs the
+    /// embedded server about a quarter less time per applied operation. Any other
+    /// operation — a member's first, one the hint says loses, a key never seen — is the
+    /// pipeline update, as is an operator update that did not match (a second round trip,
+    /// only when another consumer changed the entry since this handle saw it). The stored
+    /// document and the outcomes are the same either way (see `docs/sequence.md`, "The
+    /// operator form"). `false`: always the pipeline.
     pub operator_form: bool,
 }
 
@@ -80,7 +81,7 @@ impl Default for SetOptions {
             index_members: false,
             write_concern: None,
             canonical_order: true,
-            operator_form: false,
+            operator_form: true,
         }
     }
 }
@@ -122,7 +123,8 @@ impl SetOptions {
         self
     }
 
-    /// Sets [`SetOptions::operator_form`]: try the operator form first.
+    /// Sets [`SetOptions::operator_form`] (`false`: every operation as the pipeline
+    /// update).
     #[must_use]
     pub fn operator_form(mut self, on: bool) -> Self {
         self.operator_form = on;

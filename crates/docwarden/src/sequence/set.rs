@@ -423,7 +423,8 @@ impl SequencedSet {
 
     /// The filter and update of the operator form an apply tries first (see
     /// `docs/sequence.md`, "The operator form"), for inspection and other-language ports;
-    /// for an add, `on_present_entry` as in the second try described there.
+    /// for an add, `on_present_entry` picks the variant for a present entry (only the
+    /// entry changes) instead of a tombstone (the member is `$push`ed in order).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad key, member or negative `seq`.

@@ -3,7 +3,10 @@
 //!
 //! Guarantee: every operation is **one** atomic pipeline update (`findOneAndUpdate`) on
 //! the single document that holds the key, and it compares its sequence number with the
-//! state stored next to the data. The final document equals the one you get by applying
+//! state stored next to the data. (A set sends an operation it expects to apply to a
+//! member that already has a state entry as plain query and update operators instead —
+//! [`set::SetOptions::operator_form`], on by default: still one atomic write deciding the
+//! same rule, the same stored document, see `docs/sequence.md`.) The final document equals the one you get by applying
 //! the operations one by one in sequence order, for any permutation and any number of
 //! duplicates. A unique index on the key means racing consumers can never create a second
 //! document for it (the first message for a key creates the document empty, idempotently,

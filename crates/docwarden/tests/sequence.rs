@@ -1121,3 +1121,125 @@ async fn control_without_canonical_order_or_tie_keys_documents_differ() -> anyho
     );
     Ok(())
 }
+
+/// Members whose binary order differs from other orders (case, punctuation, `$`, `.`,
+/// multi-byte UTF-8, digits), for the operator form's sorted `$push`.
+const ODD_MEMBERS: [&str; 8] = ["CS 101", "$cash", "a.b@c.d", "B", "a", "é", "0", "z%2E"];
+
+// Issue 14: the operator form (`update_one` with `$set`/`$push $sort`/`$pull`, tried first
+// for a member that has a state entry) must leave the document the pipeline leaves, byte
+// for byte, and report the same outcome for every call.
+#[test]
+fn operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_operator_form"))?;
+    let coll: Collection<Document> = t.db.collection("students");
+    let by_operators = SequencedSet::new(
+        coll.clone(),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .operator_form(true),
+    )?;
+    let by_pipeline = SequencedSet::new(
+        coll.clone(),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes"),
+    )?;
+    rt.block_on(by_operators.ensure_indexes())?;
+    let next_case = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 24,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let ops = prop::collection::vec((0..ODD_MEMBERS.len(), 0_i64..6, any::<bool>()), 1..30);
+    proptest!(config, |(ops in ops, compact_at in prop::option::of((0_usize..30, 0_i64..6)))| {
+        let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        rt.block_on(async {
+            let (a, b) = (2 * case, 2 * case + 1);
+            for (i, &(member, seq, present)) in ops.iter().enumerate() {
+                if let Some((at, watermark)) = compact_at
+                    && at == i
+                {
+                    by_operators.compact(a, watermark).await?;
+                    by_pipeline.compact(b, watermark).await?;
+                }
+                let m = ODD_MEMBERS[member];
+                let (x, y) = if present {
+                    (by_operators.add(a, m, seq).await?, by_pipeline.add(b, m, seq).await?)
+                } else {
+                    (by_operators.remove(a, m, seq).await?, by_pipeline.remove(b, m, seq).await?)
+                };
+                anyhow::ensure!(x == y, "op {i} ({m}, {seq}, {present}): operators {x:?}, pipeline {y:?}");
+            }
+            let x = stored_bytes(&coll, doc! { "student_id": a }, &["_id", "student_id"]).await?;
+            let y = stored_bytes(&coll, doc! { "student_id": b }, &["_id", "student_id"]).await?;
+            anyhow::ensure!(
+                x == y,
+                "documents differ:\n operators {}\n pipeline  {}",
+                shown(&coll, doc! { "student_id": a }).await?,
+                shown(&coll, doc! { "student_id": b }).await?,
+            );
+            Ok(())
+        })
+        .map_err(|e: anyhow::Error| TestCaseError::fail(e.to_string()))?;
+    });
+    drop((by_operators, by_pipeline));
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+// Issue 14: the operator form under 8 racing consumers, every delivery shuffled and
+// duplicated: the sequential model's state, one document, no message applied twice, and
+// the same bytes for three deliveries of each history (equal numbers included, so the
+// remove-wins tie goes through the operator filter).
+#[test]
+fn operator_form_raced_by_8_consumers_equals_the_model_and_stores_one_document()
+-> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_operator_form_race"))?;
+    let set = SequencedSet::new(
+        t.db.collection("students"),
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes")
+            .operator_form(true),
+    )?;
+    rt.block_on(set.ensure_indexes())?;
+    let fields = rt.block_on(SequencedFields::open(
+        &t.db,
+        "profiles",
+        FieldsOptions::default(),
+    ))?;
+    let next_case = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 16,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let ops = prop::collection::vec(
+        (0..MEMBERS.len(), 0_i64..5, any::<bool>()).prop_map(|(member, seq, present)| Op {
+            member,
+            seq,
+            present,
+        }),
+        1..16,
+    );
+    proptest!(config, |(ops in ops, seed in any::<u64>())| {
+        let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let differing = rt.block_on(race_equal_numbers(&set, &fields, case, &ops, &[], seed, true))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(differing, 0, "stored documents differ between deliveries");
+    });
+    drop((set, fields));
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}

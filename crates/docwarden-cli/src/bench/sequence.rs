@@ -5,6 +5,11 @@
 //! (`SetOptions::default()`): the point write by `_id`, next to the seed's shape (a unique
 //! `student_id` key and a multikey members index).
 //!
+//! Issue 14's operator form (`SetOptions::operator_form`, the default, as in the rows
+//! above) next to the pipeline alone (`operator_form(false)`, the form before issue 14), on
+//! sets where every member already has a state entry: an in-order stream (every apply
+//! applies), and with `--stages` random numbers (many stale applies).
+//!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
@@ -77,6 +82,55 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         )
         .await?,
     );
+    // Issue 14's operator form (`SetOptions::operator_form`, the default) against the
+    // pipeline alone (`operator_form(false)`, the form before issue 14), on
+    // fresh collections keyed by `_id` where every member of every key already has a
+    // state entry (seq 0): first an in-order stream (every message newer than the last, so
+    // every apply applies: the case the operator form is for), then random numbers (about
+    // half the applies stale or duplicate: its worst case after first touches).
+    for operator_form in [false, true] {
+        let set = seen_set(db, "bench_sequence_in_order", operator_form).await?;
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));
+        rows.push(
+            measure(
+                if operator_form {
+                    "sequence: in-order stream, every member seen"
+                } else {
+                    "sequence: in-order stream, every member seen, pipeline only"
+                },
+                load,
+                move |_| {
+                    let (set, next) = (set.clone(), next.clone());
+                    async move {
+                        let msg = Message {
+                            seq: next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                            ..random_message()
+                        };
+                        enrollment::apply(&set, &msg, Mode::Safe).await?;
+                        Ok(1)
+                    }
+                },
+            )
+            .await?,
+        );
+    }
+    if load.stages {
+        for operator_form in [false, true] {
+            let set = seen_set(db, "bench_sequence_seen", operator_form).await?;
+            rows.push(
+                apply_row(
+                    if operator_form {
+                        "sequence stage: random seq, every member seen"
+                    } else {
+                        "sequence stage: random seq, every member seen, pipeline only"
+                    },
+                    load,
+                    set,
+                )
+                .await?,
+            );
+        }
+    }
     if load.stages {
         let control = SequencedSet::new(
             set.collection().clone(),
@@ -101,6 +155,38 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         );
     }
     Ok(rows)
+}
+
+/// A set keyed by `_id` without a members index on a fresh collection `name` (dropped
+/// first), with a state entry (seq 0, present) for every class of every key.
+async fn seen_set(db: &Database, name: &str, operator_form: bool) -> anyhow::Result<SequencedSet> {
+    let coll = db.collection::<Document>(name);
+    coll.drop().await?;
+    let set = SequencedSet::new(
+        coll,
+        SetOptions::default()
+            .field(FIELD)
+            .operator_form(operator_form),
+    )?;
+    set.ensure_indexes().await?;
+    for student in 0..KEYS {
+        for class in CLASSES {
+            set.add(student, class, 0).await?;
+        }
+    }
+    Ok(set)
+}
+
+/// A row of random applies on `set`.
+async fn apply_row(name: &'static str, load: &Load, set: SequencedSet) -> anyhow::Result<BenchRow> {
+    measure(name, load, move |_| {
+        let set = set.clone();
+        async move {
+            enrollment::apply(&set, &random_message(), Mode::Safe).await?;
+            Ok(1)
+        }
+    })
+    .await
 }
 
 /// The filter an apply sends (see `docwarden::sequence::apply`).

@@ -131,7 +131,14 @@ type BoxHandler = Arc<
 >;
 
 /// Most claim loops of one worker (see `supervise`).
-const MAX_CLAIMERS: usize = 1;
+const MAX_CLAIMERS: usize = 2;
+
+/// The claim loops of a worker with `concurrency` handlers: one per four handlers, at
+/// most [`MAX_CLAIMERS`]. The worker's writes take turns with as many write commands in
+/// flight as it has claim loops (`Ctx::io`).
+fn claimers(concurrency: usize) -> usize {
+    (concurrency / 4).clamp(1, MAX_CLAIMERS)
+}
 
 /// Most final transitions written by one bulk.
 const MAX_BULK: usize = 1024;
@@ -180,10 +187,11 @@ struct Ctx {
     /// Whether the listener holds an open change stream now (see
     /// [`Worker::change_stream_open`]).
     stream_open: Arc<std::sync::atomic::AtomicBool>,
-    /// Taken by each claim and each bulk of final transitions: one write command of the
-    /// worker in flight at a time, so transitions that finish during a claim go out in
-    /// one bigger bulk (`docs/queue.md`, "Worker runtime").
-    io: tokio::sync::Mutex<()>,
+    /// Taken by each claim and each bulk of final transitions: as many write commands of
+    /// the worker in flight as it has claim loops ([`claimers`]), so transitions that
+    /// finish during a claim go out in one bigger bulk (`docs/queue.md`, "Worker
+    /// runtime").
+    io: tokio::sync::Semaphore,
 }
 
 impl Ctx {
@@ -266,6 +274,7 @@ impl Worker {
         // "Paused" until the control document was read once: never claim before.
         let (paused_tx, paused_rx) = tokio::sync::watch::channel(true);
         let pause_check = queue.options().unsafe_without != Some(super::Safeguard::PauseCheck);
+        let write_turns = claimers(options.concurrency);
         let ctx = Arc::new(Ctx {
             queue,
             options,
@@ -284,7 +293,7 @@ impl Worker {
             paused: pause_check.then_some(paused_rx),
             stream_wanted: tokio::sync::watch::Sender::new(true),
             stream_open: Arc::clone(&stream_open),
-            io: tokio::sync::Mutex::new(()),
+            io: tokio::sync::Semaphore::new(write_turns),
         });
         let shutdown = CancellationToken::new();
         let span = tracing::info_span!("worker", owner = %owner);
@@ -443,10 +452,10 @@ async fn supervise(
             .in_current_span(),
         );
     }
-    // Claim loops: overlapping claims (each is three round trips) measured slower on
-    // the embedded server at a 100,000-job backlog (their writes queue on its
-    // per-collection write lock; `docs/benchmarks.md`), so one loop for now.
-    let claimers = (ctx.options.concurrency / 4).clamp(1, MAX_CLAIMERS);
+    // Claim loops: two for eight handlers or more, with two write commands in flight
+    // (one loop and one command measured 0.54x update_one at 8 handlers, two of each
+    // 0.70-0.73x; four of each were slower again: `docs/benchmarks.md`).
+    let claimers = claimers(ctx.options.concurrency);
     let mut loops =
         vec![claim_loop(&ctx, &shutdown, Some((&*notify, &mut woke_rx)), &job_tx).boxed()];
     for _ in 1..claimers {
@@ -566,7 +575,7 @@ async fn claim_loop(
             }
         };
         let claimed = {
-            let _turn = ctx.io.lock().await;
+            let _turn = ctx.io.acquire().await;
             match woken.take() {
                 Some(id) => match ctx.queue.claim_id(&ctx.owner, &id).await {
                     Ok(Some(job)) => Ok(vec![job]),
@@ -794,7 +803,7 @@ async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
             }
         }
         let outcomes = {
-            let _turn = ctx.io.lock().await;
+            let _turn = ctx.io.acquire().await;
             settle_batch(&ctx.queue, &batch).await
         };
         for ((job, t), outcome) in batch.iter().zip(outcomes) {

@@ -87,10 +87,21 @@ fn safe(module: &str, faults: &[&str], seconds: &str) -> anyhow::Result<()> {
     assert_injected(&json, faults)
 }
 
-/// The control run of `module` under `faults`: exit 1, violations, each fault injected.
-fn control(module: &str, faults: &[&str], seconds: &str) -> anyhow::Result<serde_json::Value> {
+/// Seeds a control run tries, in order, until one bites: a fault bites when it lands on
+/// an operation in flight, which is a matter of timing (a debug build under a loaded
+/// suite sees fewer such moments than a release build; `docs/verify.md` has the rates).
+/// The test fails if none of them bites.
+const CONTROL_SEEDS: [&str; 3] = ["13", "14", "15"];
+
+/// The control run of `module` under `faults` with `seed`.
+fn control_run(
+    module: &str,
+    faults: &[&str],
+    seconds: &str,
+    seed: &str,
+) -> anyhow::Result<(i32, serde_json::Value)> {
     let list = faults.join(",");
-    let (code, json) = verify(&[
+    verify(&[
         module,
         "--control",
         "--faults",
@@ -98,12 +109,44 @@ fn control(module: &str, faults: &[&str], seconds: &str) -> anyhow::Result<serde
         "--duration",
         seconds,
         "--seed",
-        "13",
-    ])?;
-    assert!(json["violations"].as_u64().unwrap_or(0) > 0, "{json:#}");
-    assert_eq!(code, 1, "{json:#}");
-    assert_injected(&json, faults)?;
-    Ok(json)
+        seed,
+    ])
+}
+
+/// The control runs of `module` under `faults` until one shows `bites` ([`CONTROL_SEEDS`]):
+/// that run exits 1 with each fault injected.
+fn control_until(
+    module: &str,
+    faults: &[&str],
+    seconds: &str,
+    bites: impl Fn(&serde_json::Value) -> anyhow::Result<bool>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut missed = Vec::new();
+    for seed in CONTROL_SEEDS {
+        let (code, json) = control_run(module, faults, seconds, seed)?;
+        assert_injected(&json, faults)?;
+        if bites(&json)? {
+            assert_eq!(code, 1, "{json:#}");
+            if !missed.is_empty() {
+                eprintln!(
+                    "note: {module} control under {faults:?} missed with seeds {missed:?}, bit with {seed}"
+                );
+            }
+            return Ok(json);
+        }
+        missed.push(seed);
+        eprintln!("note: {module} control under {faults:?}, seed {seed}: did not bite\n{json:#}");
+    }
+    anyhow::bail!(
+        "the {module} control under {faults:?} did not bite with any of the seeds {CONTROL_SEEDS:?}"
+    )
+}
+
+/// The control run of `module` under `faults`: exit 1, violations, each fault injected.
+fn control(module: &str, faults: &[&str], seconds: &str) -> anyhow::Result<serde_json::Value> {
+    control_until(module, faults, seconds, |json| {
+        Ok(json["violations"].as_u64().unwrap_or(0) > 0)
+    })
 }
 
 /// The control run of `module` under `faults` fails, with violations of `kinds` among
@@ -115,16 +158,13 @@ fn control_of(
     seconds: &str,
     kinds: &[&str],
 ) -> anyhow::Result<serde_json::Value> {
-    let json = control(module, faults, seconds)?;
-    let mut found = 0;
-    for kind in kinds {
-        found += violations_of(&json, kind)?;
-    }
-    assert!(
-        found > 0,
-        "{module} under {faults:?}: no violation of {kinds:?}\n{json:#}"
-    );
-    Ok(json)
+    control_until(module, faults, seconds, |json| {
+        let mut found = 0;
+        for kind in kinds {
+            found += violations_of(json, kind)?;
+        }
+        Ok(found > 0)
+    })
 }
 
 #[test]
@@ -186,11 +226,12 @@ fn clock_faults_break_nothing_and_the_drift_control_fails() -> anyhow::Result<()
     safe("locks", &["skew", "step", "drift"], "5")?;
     // The wall clock projection under a 20-50 % drift: after a few seconds a worker's
     // estimate of the server clock is off by more than a lease.
-    let json = control("locks", &["drift"], "6")?;
-    assert!(
-        violations_of(&json, "stale-write-accepted")? + violations_of(&json, "lost-update")? > 0,
-        "{json:#}"
-    );
+    control_of(
+        "locks",
+        &["drift"],
+        "6",
+        &["stale-write-accepted", "lost-update"],
+    )?;
     Ok(())
 }
 
@@ -211,13 +252,14 @@ fn server_faults_break_nothing_and_the_crash_control_loses_acknowledged_writes()
     safe("locks", &["restart", "crash", "stepdown"], "7")?;
     // Without --sync-on-commit the surrogate loses the last acknowledged writes on
     // SIGKILL (j: true or not).
-    let json = control("locks", &["crash"], "6")?;
     // Either symptom of a lost acknowledged write: a token granted again (the acquire
     // was lost) or a counter below its acknowledged increments (the write was lost).
-    assert!(
-        violations_of(&json, "token-not-increasing")? + violations_of(&json, "lost-update")? > 0,
-        "no acknowledged write lost: {json:#}"
-    );
+    control_of(
+        "locks",
+        &["crash"],
+        "6",
+        &["token-not-increasing", "lost-update"],
+    )?;
     // Settlement off: the writes refused during the stepdown (NotWritablePrimary) are
     // guessed applied, or re-sent blindly.
     // (In locks: every write of the 2.5 s window is refused. The queue's control bites
@@ -239,12 +281,13 @@ fn network_faults_break_nothing_and_their_control_accepts_late_writes() -> anyho
     // or one of its chunks held 2.5 s: its write lands, or it writes (the control does not
     // ask its watchdog), after another holder's; without fencing it is accepted. (8 s: two
     // rounds.)
-    let json = control("locks", &["latency", "partition"], "8")?;
     // A late write shows as the stale write itself, or as the newer increment it erased.
-    assert!(
-        violations_of(&json, "stale-write-accepted")? + violations_of(&json, "lost-update")? > 0,
-        "no late write accepted: {json:#}"
-    );
+    control_of(
+        "locks",
+        &["latency", "partition"],
+        "8",
+        &["stale-write-accepted", "lost-update"],
+    )?;
     // Settlement off: an effect whose reply the reset cut off is re-sent blindly (applied
     // twice if it had run) or guessed applied (the job completed without it).
     control_of("queue", &["reset"], "6", &SETTLEMENT_QUEUE)?;

@@ -429,6 +429,16 @@ fn state(expired: bool) -> &'static str {
     if expired { "expired" } else { "held" }
 }
 
+/// A fencing token as shown: the number, or `missing` (a lock not yet granted one).
+fn token<T: std::fmt::Display>(t: Option<T>, missing: &str) -> String {
+    t.map_or_else(|| missing.to_owned(), |t| t.to_string())
+}
+
+/// The columns every section ends with: holder, token, expiry, state.
+fn holder_columns(holder: &str, token: &str, expires: &str, state: &str) -> String {
+    format!("{holder:<32} {token:>8} {expires:<26} {state}")
+}
+
 async fn leases_section(
     locks: &LockCollection,
     filter: &LockListFilter,
@@ -437,11 +447,14 @@ async fn leases_section(
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(
-            "{:<32} {:<32} {:>8} {:<26} state",
+            "{:<32} {}",
             "resource",
-            lock_format::collection::OWNER,
-            lock_format::collection::TOKEN,
-            "expires at (server)"
+            holder_columns(
+                lock_format::collection::OWNER,
+                lock_format::collection::TOKEN,
+                "expires at (server)",
+                "state"
+            )
         ));
         for r in &records {
             let mut st = state(r.expired).to_owned();
@@ -449,15 +462,14 @@ async fn leases_section(
                 st.push_str(&format!(" (malformed: {why})"));
             }
             lines.push(format!(
-                "{:<32} {:<32} {:>8} {:<26} {}",
+                "{:<32} {}",
                 r.resource,
-                r.owner,
-                r.token.map_or_else(
-                    || lock_format::collection::PENDING.to_owned(),
-                    |t| t.to_string()
-                ),
-                date(r.expires_at),
-                st
+                holder_columns(
+                    &r.owner,
+                    &token(r.token, lock_format::collection::PENDING),
+                    &date(r.expires_at),
+                    &st
+                )
             ));
         }
         let malformed = records.iter().filter(|r| r.malformed.is_some()).count();
@@ -481,20 +493,20 @@ fn elections_section(kinds: &Kinds<'_>, leaders: Vec<Leader>) -> anyhow::Result<
     let mut lines = Vec::new();
     if !leaders.is_empty() {
         lines.push(format!(
-            "{:<32} {:<32} {:>8} {:<26} state",
-            "election", "leader", "term", "expires at (server)"
+            "{:<32} {}",
+            "election",
+            holder_columns("leader", "term", "expires at (server)", "state")
         ));
         for l in &leaders {
             lines.push(format!(
-                "{:<32} {:<32} {:>8} {:<26} {}",
+                "{:<32} {}",
                 l.election,
-                l.owner,
-                l.term.map_or_else(
-                    || lock_format::collection::PENDING.to_owned(),
-                    |t| t.to_string()
-                ),
-                date(l.expires_at),
-                state(l.expired)
+                holder_columns(
+                    &l.owner,
+                    &token(l.term, lock_format::collection::PENDING),
+                    &date(l.expires_at),
+                    state(l.expired)
+                )
             ));
         }
     }
@@ -511,41 +523,40 @@ fn rwlocks_section(kinds: &Kinds<'_>, records: Vec<RwLockRecord>) -> anyhow::Res
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(
-            "{:<32} {:<14} {:<32} {:>8} {:<26} state",
+            "{:<32} {:<14} {}",
             "resource",
             "role",
-            lock_format::collection::OWNER,
-            lock_format::collection::TOKEN,
-            "expires at (server)"
+            holder_columns(
+                lock_format::collection::OWNER,
+                lock_format::collection::TOKEN,
+                "expires at (server)",
+                "state"
+            )
         ));
         for r in &records {
             if let Some(w) = &r.writer {
                 lines.push(format!(
-                    "{:<32} {:<14} {:<32} {:>8} {:<26} {}",
+                    "{:<32} {:<14} {}",
                     r.resource,
                     if w.waiting {
                         "writer waiting"
                     } else {
                         "writer"
                     },
-                    w.owner,
-                    w.token.map_or_else(
-                        || lock_format::collection::PENDING.to_owned(),
-                        |t| t.to_string()
-                    ),
-                    date(w.expires_at),
-                    state(w.expired)
+                    holder_columns(
+                        &w.owner,
+                        &token(w.token, lock_format::collection::PENDING),
+                        &date(w.expires_at),
+                        state(w.expired)
+                    )
                 ));
             }
             for x in &r.readers {
                 lines.push(format!(
-                    "{:<32} {:<14} {:<32} {:>8} {:<26} {}",
+                    "{:<32} {:<14} {}",
                     r.resource,
                     "reader",
-                    x.owner,
-                    "-",
-                    date(x.expires_at),
-                    state(x.expired)
+                    holder_columns(&x.owner, "-", &date(x.expires_at), state(x.expired))
                 ));
             }
         }
@@ -563,12 +574,15 @@ fn semaphores_section(kinds: &Kinds<'_>, records: Vec<SemaphoreRecord>) -> anyho
     let mut lines = Vec::new();
     if !records.is_empty() {
         lines.push(format!(
-            "{:<32} {:>9} {:<32} {:>8} {:<26} state",
+            "{:<32} {:>9} {}",
             "resource",
             "permits",
-            "holder",
-            lock_format::collection::TOKEN,
-            "expires at (server)"
+            holder_columns(
+                "holder",
+                lock_format::collection::TOKEN,
+                "expires at (server)",
+                "state"
+            )
         ));
         for r in &records {
             let permits = format!(
@@ -578,19 +592,23 @@ fn semaphores_section(kinds: &Kinds<'_>, records: Vec<SemaphoreRecord>) -> anyho
             );
             if r.holders.is_empty() {
                 lines.push(format!(
-                    "{:<32} {:>9} {:<32} {:>8} {:<26} free",
-                    r.resource, permits, "-", "-", "-"
+                    "{:<32} {:>9} {}",
+                    r.resource,
+                    permits,
+                    holder_columns("-", "-", "-", "free")
                 ));
             }
             for h in &r.holders {
                 lines.push(format!(
-                    "{:<32} {:>9} {:<32} {:>8} {:<26} {}",
+                    "{:<32} {:>9} {}",
                     r.resource,
                     permits,
-                    h.owner,
-                    h.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
-                    date(h.expires_at),
-                    state(h.expired)
+                    holder_columns(
+                        &h.owner,
+                        &token(h.token, "-"),
+                        &date(h.expires_at),
+                        state(h.expired)
+                    )
                 ));
             }
         }

@@ -102,7 +102,6 @@ impl Shared {
     ) -> anyhow::Result<()> {
         let wait = Duration::from_secs(2);
         let time = self.rw.locks().time().clone();
-        let margin = time.skew_margin_ms();
         if write {
             let got = history
                 .record(
@@ -120,17 +119,16 @@ impl Shared {
             let Ok(Some(lease)) = got else {
                 return Ok(());
             };
-            let start = history.now_us();
-            tokio::time::sleep(WORK + pause.unwrap_or_default()).await;
-            if let Ok(now) = time.now().await
-                && lease.is_certainly_valid(&now, margin)
-            {
-                let end = history.now_us();
-                history.push(
-                    Event::new(process, Op::WriteInside.as_str(), RESOURCE, start, end)
-                        .token(lease.token.get()),
-                );
-            }
+            work_inside(
+                history,
+                process,
+                Op::WriteInside,
+                &time,
+                pause,
+                lease.expires_at,
+                Some(lease.token.get()),
+            )
+            .await;
             let _ = history
                 .record(
                     process,
@@ -160,20 +158,16 @@ impl Shared {
             let Ok(Some(lease)) = got else {
                 return Ok(());
             };
-            let start = history.now_us();
-            tokio::time::sleep(WORK + pause.unwrap_or_default()).await;
-            if let Ok(now) = time.now().await
-                && lease.is_certainly_valid(&now, margin)
-            {
-                let end = history.now_us();
-                history.push(Event::new(
-                    process,
-                    Op::ReadInside.as_str(),
-                    RESOURCE,
-                    start,
-                    end,
-                ));
-            }
+            work_inside(
+                history,
+                process,
+                Op::ReadInside,
+                &time,
+                pause,
+                lease.expires_at,
+                None,
+            )
+            .await;
             let _ = history
                 .record(
                     process,
@@ -188,6 +182,32 @@ impl Shared {
                 .await;
         }
         Ok(())
+    }
+}
+
+/// Works inside a held lease (sleeping `pause` more when given), then records the
+/// stretch as `op` (with the write lease's `token`) if the lease expiring at `expires_at`
+/// is still certainly valid: a stretch the holder could not vouch for is not claimed.
+async fn work_inside(
+    history: &History,
+    process: u32,
+    op: Op,
+    time: &TimeSource,
+    pause: Option<Duration>,
+    expires_at: mongodb::bson::DateTime,
+    token: Option<i64>,
+) {
+    let start = history.now_us();
+    tokio::time::sleep(WORK + pause.unwrap_or_default()).await;
+    if let Ok(now) = time.now().await
+        && now.certainly_before(expires_at, time.skew_margin_ms())
+    {
+        let end = history.now_us();
+        let event = Event::new(process, op.as_str(), RESOURCE, start, end);
+        history.push(match token {
+            Some(t) => event.token(t),
+            None => event,
+        });
     }
 }
 

@@ -435,6 +435,10 @@ fn token<T: std::fmt::Display>(t: Option<T>, missing: &str) -> String {
 }
 
 /// The columns every section ends with: holder, token, expiry, state.
+/// The last two column headers of every section (the lease's expiry, its state).
+const EXPIRES_HEADER: &str = "expires at (server)";
+const STATE_HEADER: &str = "state"; // not a stored field: a column header
+
 fn holder_columns(holder: &str, token: &str, expires: &str, state: &str) -> String {
     format!("{holder:<32} {token:>8} {expires:<26} {state}")
 }
@@ -452,8 +456,8 @@ async fn leases_section(
             holder_columns(
                 lock_format::collection::OWNER,
                 lock_format::collection::TOKEN,
-                "expires at (server)",
-                "state"
+                EXPIRES_HEADER,
+                STATE_HEADER
             )
         ));
         for r in &records {
@@ -495,7 +499,7 @@ fn elections_section(kinds: &Kinds<'_>, leaders: Vec<Leader>) -> anyhow::Result<
         lines.push(format!(
             "{:<32} {}",
             "election",
-            holder_columns("leader", "term", "expires at (server)", "state")
+            holder_columns("leader", "term", EXPIRES_HEADER, STATE_HEADER)
         ));
         for l in &leaders {
             lines.push(format!(
@@ -529,8 +533,8 @@ fn rwlocks_section(kinds: &Kinds<'_>, records: Vec<RwLockRecord>) -> anyhow::Res
             holder_columns(
                 lock_format::collection::OWNER,
                 lock_format::collection::TOKEN,
-                "expires at (server)",
-                "state"
+                EXPIRES_HEADER,
+                STATE_HEADER
             )
         ));
         for r in &records {
@@ -580,8 +584,8 @@ fn semaphores_section(kinds: &Kinds<'_>, records: Vec<SemaphoreRecord>) -> anyho
             holder_columns(
                 "holder",
                 lock_format::collection::TOKEN,
-                "expires at (server)",
-                "state"
+                EXPIRES_HEADER,
+                STATE_HEADER
             )
         ));
         for r in &records {

@@ -130,3 +130,87 @@ fn the_worker_mode_is_hidden_from_help() -> anyhow::Result<()> {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("verify-worker"));
     Ok(())
 }
+
+/// A worker process that starts while the server has no primary (a `stepdown`, or its
+/// replacement after `sigkill` landing in one) waits for a primary and then works, instead
+/// of exiting at its first `createIndexes` and leaving its slot empty for the rest of the
+/// run (found by `verify sequence --faults all`: five of eight sequence workers exited
+/// with `NotWritablePrimary`). The fail point answers the worker's first four
+/// `createIndexes` with `NotWritablePrimary` (10107), as a stepping-down server does.
+#[tokio::test]
+async fn a_worker_process_started_during_a_failover_waits_for_a_primary() -> anyhow::Result<()> {
+    use std::io::BufRead;
+    use std::process::Stdio;
+
+    let test = "a_worker_process_started_during_a_failover_waits_for_a_primary";
+    let Some(t) = docwarden_testkit::TestDb::dedicated(test).await? else {
+        return Ok(());
+    };
+    let app = "docwarden-verify-worker";
+    t.client
+        .database("admin")
+        .run_command(mongodb::bson::doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 4 },
+            "data": { "failCommands": ["createIndexes"], "errorCode": 10107, "appName": app },
+        })
+        .await?;
+    let sep = if t.uri().contains('?') { '&' } else { '?' };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .args([
+            "verify-worker",
+            "--module",
+            "sequence",
+            "--process",
+            "0",
+            "--slot",
+            "0",
+        ])
+        // A failed command marks the server unknown until the driver's next check.
+        .args([
+            "--uri",
+            &format!("{}{sep}appName={app}&heartbeatFrequencyMS=500", t.uri()),
+        ])
+        .args(["--server-uri", t.uri(), "--db", t.db.name(), "--seed", "5"])
+        .args([
+            "--workers",
+            "1",
+            "--duration-ms",
+            "8000",
+            "--origin-us",
+            "1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Held open until the worker exits: the end of stdin would abort it.
+    let _stdin = child.stdin.take();
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let lines = std::thread::spawn(move || {
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+    });
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    let lines = lines
+        .join()
+        .map_err(|_| anyhow::anyhow!("stdout reader panicked"))?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the worker exited with {}: {stderr}",
+        output.status
+    );
+    let applied = lines.iter().filter(|l| l.contains("\"ok\"")).count();
+    assert!(
+        applied > 0,
+        "the worker applied nothing after the primary came back ({} lines): {stderr}",
+        lines.len()
+    );
+    Ok(())
+}

@@ -23,6 +23,9 @@ use super::process;
 pub(super) const FAULT_OP: &str = "fault";
 
 /// What a workload needs: where to write, what to record, which faults to inject.
+/// The pause between two attempts of a worker's setup ([`Ctx::setup`]).
+const SETUP_RETRY: Duration = Duration::from_millis(200);
+
 pub(super) struct Ctx {
     /// A client for the workers (through the proxy when latency/reset are on).
     pub(super) client: Client,
@@ -213,6 +216,34 @@ impl Ctx {
         tokio::time::sleep(how_long).await;
         self.injected(Fault::Pause, process, start, self.history.now_us());
         true
+    }
+
+    /// Runs a worker's setup (opening its handle, which creates indexes) and runs it again
+    /// after a pause while it fails with a retryable error — no primary during a
+    /// `stepdown`, a connection reset — and `deadline` is ahead. A worker process started
+    /// (or replaced after `sigkill`) during a failover then waits for the new primary, as a
+    /// real worker would, instead of exiting and leaving its slot empty for the rest of the
+    /// run. Any other error, or one at the deadline, is returned.
+    pub(super) async fn setup<T, F, Fut>(
+        &self,
+        process: Process,
+        deadline: Instant,
+        mut open: F,
+    ) -> anyhow::Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = docwarden::Result<T>>,
+    {
+        loop {
+            match open().await {
+                Ok(handle) => return Ok(handle),
+                Err(e) if e.is_retryable() && Instant::now() + SETUP_RETRY < deadline => {
+                    tracing::debug!(process = process.id(), %e, "worker setup failed: retrying");
+                    tokio::time::sleep(SETUP_RETRY).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// Runs `body` on `self.workers` worker processes until the deadline. Under `kill`,

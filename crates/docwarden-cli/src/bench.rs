@@ -61,21 +61,26 @@ impl Load {
     /// machine and `/proc` is readable; the difference of two readings is what a row cost
     /// the server, which other load on the machine disturbs far less than wall-clock time.
     pub(crate) fn server_cpu(&self) -> Option<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.server_pid?)).ok()?;
-        // Fields after the command name (which may hold spaces) closed by ')'.
-        let rest = stat.get(stat.rfind(')')? + 2..)?;
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-        // USER_HZ is 100 on every Linux this runs on.
-        Some(Duration::from_millis(ticks * 10))
+        process_cpu(&self.server_pid?.to_string())
+    }
+
+    /// CPU time this process (the bench's client: the driver, the workers, the handlers)
+    /// has used so far, like [`Load::server_cpu`]. On this 2-core machine the two share
+    /// the cores, so client time per item bounds the rate as much as the server's.
+    pub(crate) fn client_cpu(&self) -> Option<Duration> {
+        process_cpu("self")
     }
 
     /// Server CPU microseconds per item between `before` (a [`Load::server_cpu`]
     /// reading) and now.
     pub(crate) fn server_cpu_per_op(&self, before: Option<Duration>, ops: u64) -> Option<f64> {
-        let used = self.server_cpu()?.checked_sub(before?)?;
-        #[allow(clippy::cast_precision_loss)]
-        (ops > 0).then(|| used.as_secs_f64() * 1e6 / ops as f64)
+        per_item(self.server_cpu()?.checked_sub(before?)?, ops)
+    }
+
+    /// Client CPU microseconds per item between `before` (a [`Load::client_cpu`]
+    /// reading) and now.
+    pub(crate) fn client_cpu_per_op(&self, before: Option<Duration>, ops: u64) -> Option<f64> {
+        per_item(self.client_cpu()?.checked_sub(before?)?, ops)
     }
 
     /// Commands started so far; the difference of two readings is the round trips sent
@@ -83,6 +88,23 @@ impl Load {
     pub(crate) fn commands_sent(&self) -> u64 {
         self.commands.load(Ordering::Relaxed)
     }
+}
+
+/// User + system CPU time of process `pid` (`self` for this one) from `/proc/<pid>/stat`.
+fn process_cpu(pid: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) closed by ')'.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on every Linux this runs on.
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// Microseconds of `used` per item (`None` without items).
+pub(crate) fn per_item(used: Duration, ops: u64) -> Option<f64> {
+    #[allow(clippy::cast_precision_loss)]
+    (ops > 0).then(|| used.as_secs_f64() * 1e6 / ops as f64)
 }
 
 /// Round trips per item: `commands` started for `ops` items (NaN without items).
@@ -113,6 +135,9 @@ pub(crate) struct BenchRow {
     /// The server process's CPU time per item, microseconds (embedded server only: it
     /// runs on this machine), while measured.
     pub(crate) server_cpu_us_per_op: Option<f64>,
+    /// The bench process's own CPU time per item (client side: driver, workers,
+    /// handlers), microseconds, while measured.
+    pub(crate) client_cpu_us_per_op: Option<f64>,
 }
 
 /// Runs `op(worker)` on `load.workers` tasks until `load.duration` has passed. Each call
@@ -129,6 +154,7 @@ where
     let items = Arc::new(AtomicU64::new(0));
     let commands_before = load.commands_sent();
     let cpu_before = load.server_cpu();
+    let client_before = load.client_cpu();
     let started = Instant::now();
     let deadline = started + load.duration;
     let mut tasks = Vec::new();
@@ -166,6 +192,7 @@ where
         ratio: f64::NAN,
         round_trips_per_op: per_op(commands, ops),
         server_cpu_us_per_op: load.server_cpu_per_op(cpu_before, ops),
+        client_cpu_us_per_op: load.client_cpu_per_op(client_before, ops),
     })
 }
 
@@ -349,14 +376,19 @@ async fn workloads(_db: &Database, _load: &Load, only: &[String]) -> anyhow::Res
     Ok(rows)
 }
 
+/// Microseconds as a table cell, `—` when not measured.
+fn micros(us: Option<f64>) -> String {
+    us.map_or_else(|| "—".to_owned(), |us| format!("{us:.0}"))
+}
+
 /// The rows as a markdown table.
 pub(crate) fn markdown(rows: &[BenchRow]) -> String {
     let mut out = String::from(
-        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op | client CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} | {} |\n",
             r.name,
             r.workers,
             r.ops,
@@ -365,8 +397,8 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
             r.p99_us,
             r.ratio,
             r.round_trips_per_op,
-            r.server_cpu_us_per_op
-                .map_or_else(|| "—".to_owned(), |us| format!("{us:.0}"))
+            micros(r.server_cpu_us_per_op),
+            micros(r.client_cpu_us_per_op),
         ));
     }
     out

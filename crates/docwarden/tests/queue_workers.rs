@@ -462,6 +462,64 @@ async fn kill_drop_and_shutdown_stop_the_change_stream_listener() -> anyhow::Res
     Ok(())
 }
 
+/// A worker started on a backlog opens no change stream until a claim finds nothing:
+/// the stream would only cost the server on every write while claims keep finding jobs.
+/// Fails when the worker opens it at start (it then stays open for the first second of
+/// claims).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_started_on_a_backlog_opens_its_change_stream_only_once_drained()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_stream_backlog").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    Producer::new().enqueue(&q, 2000).await?;
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().name("backlog").concurrency(4),
+        |_job| async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok(Bson::Null)
+        },
+    )?;
+    let (mut samples, mut open_with_jobs_ready) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let open = w.change_stream_open();
+        let ready = count(&coll, doc! { "state": "ready" }).await?;
+        samples += 1;
+        if open && ready > 0 {
+            open_with_jobs_ready += 1;
+        }
+        if ready == 0 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        open_with_jobs_ready, 0,
+        "the stream was open in {open_with_jobs_ready} of {samples} samples taken while jobs were ready"
+    );
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        2000,
+        Duration::from_secs(30),
+    )
+    .await?;
+    let opened = Instant::now();
+    while !w.change_stream_open() && opened.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        w.change_stream_open(),
+        "not opened once the backlog was drained"
+    );
+    let report = w.shutdown().await;
+    assert_eq!(report.succeeded, 2000);
+    println!("{samples} samples while draining, the stream opened after the backlog");
+    Ok(())
+}
+
 /// A busy worker closes its change stream (the server pays for every open stream on
 /// every write) and reopens it once a claim finds nothing: a job enqueued afterwards
 /// starts at once, not after a poll. Fails without the reopen (the last step waits for

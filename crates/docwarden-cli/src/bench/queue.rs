@@ -3,10 +3,12 @@
 //! (`docwarden_workloads::seed_claim`, `update_one` + `find_one`, then the final
 //! `update_one`) with `workers` threads on the same backlog.
 //!
-//! The 10,000 and 100,000 rows drain a prefilled backlog: `backlog` jobs plus the
-//! most the row can take in its duration (20,000 jobs/s for the Worker, 2,000 for the
-//! seed loop), so at least `backlog` jobs are due throughout and no insert competes with
-//! the claims (the shape of the probe). The 100 row cannot be prefilled (it
+//! The 10,000 and 100,000 rows keep between `backlog` and 1.5 × `backlog` jobs due while
+//! they are timed, and no insert competes with the claims (the shape of the issue's
+//! probe): the `Worker` row runs in rounds (the queue topped up untimed, a new `Worker`
+//! warmed up on 1,000 jobs, then timed until it has started `backlog / 2` more), the seed
+//! loop starts from 1.5 ×
+//! `backlog` (it drains a few hundred jobs in a row). The 100 row cannot be prefilled (it
 //! drains in milliseconds): a producer tops it up in the background (jobs enqueued minus
 //! jobs started, counted locally, so it never scans the collection), and its inserts go
 //! through the bench's client and count in `rt/op`. A job counts once its completion
@@ -29,20 +31,23 @@ use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};
 use tokio_util::sync::CancellationToken;
 
-use super::{BenchRow, Load, measure, per_op};
+use super::{BenchRow, Load, measure, per_item, per_op};
 
 /// The backlogs the rows keep.
 const BACKLOGS: [usize; 3] = [100, 10_000, 100_000];
 /// Backlogs below this are kept by a producer; larger ones are prefilled.
 const PRODUCED_BELOW: usize = 1_000;
 
-/// Jobs to prefill for a row keeping `backlog` jobs due while draining at most `rate`
-/// jobs/s for `load.duration`.
-fn prefill(load: &Load, backlog: usize, rate: u64) -> anyhow::Result<usize> {
+/// Jobs the seed loop's row starts with: `backlog` when a producer keeps it, 1.5 ×
+/// `backlog` otherwise (the seed loop drains a few hundred jobs of a large backlog in a
+/// row's duration, so between `backlog` and 1.5 × `backlog` stay due, as in the `Worker`
+/// rows' rounds).
+fn prefill(backlog: usize) -> usize {
     if backlog < PRODUCED_BELOW {
-        return Ok(backlog);
+        backlog
+    } else {
+        backlog + backlog / 2
     }
-    Ok(backlog + usize::try_from(rate.saturating_mul(load.duration.as_secs()))?)
 }
 
 /// Keeps `enqueued − started` at about `keep` until `stop`: `top` enqueues `n` more.
@@ -80,19 +85,61 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
     let ttl_ms = i64::try_from(options.lease_ttl.as_millis())?;
     let coll = format!("bench_queue_{backlog}");
     let q = JobQueue::open(db, &coll, time, options).await?;
-    let filled = prefill(load, backlog, 20_000)?;
-    Producer::new().enqueue(&q, filled).await?;
+    let mut options = WorkerOptions::default()
+        .name("bench")
+        .concurrency(load.workers);
+    if let Some(n) = load.batch_size {
+        options = options.batch_size(n);
+    }
+    let timed = if backlog < PRODUCED_BELOW {
+        produced_run(&q, load, backlog, options).await?
+    } else {
+        rounds(&q, load, backlog, options).await?
+    };
+    let hist = claim_to_completion(&q, ttl_ms).await?;
+    #[allow(clippy::cast_precision_loss)]
+    let ops_per_sec = timed.ops as f64 / timed.elapsed.as_secs_f64();
+    Ok(BenchRow {
+        name,
+        workers: load.workers,
+        ops: timed.ops,
+        ops_per_sec,
+        p50_us: hist.value_at_quantile(0.5),
+        p99_us: hist.value_at_quantile(0.99),
+        ratio: f64::NAN,
+        round_trips_per_op: per_op(timed.commands, timed.ops),
+        server_cpu_us_per_op: timed.server_cpu.and_then(|cpu| per_item(cpu, timed.ops)),
+        client_cpu_us_per_op: timed.client_cpu.and_then(|cpu| per_item(cpu, timed.ops)),
+    })
+}
+
+/// What a `Worker` row measured: jobs completed, and the time, commands and server CPU
+/// they took.
+#[derive(Debug, Default)]
+struct Timed {
+    ops: u64,
+    elapsed: Duration,
+    commands: u64,
+    server_cpu: Option<Duration>,
+    client_cpu: Option<Duration>,
+}
+
+/// The small backlog: one `Worker` for `load.duration` while a producer keeps `backlog`
+/// jobs due (its inserts count in the row's commands and server CPU).
+async fn produced_run(
+    q: &JobQueue,
+    load: &Load,
+    backlog: usize,
+    options: WorkerOptions,
+) -> anyhow::Result<Timed> {
+    Producer::new().enqueue(q, backlog).await?;
     let started = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
-    let produced = backlog < PRODUCED_BELOW;
     let top_up = {
         let q = q.clone();
         let started = Arc::clone(&started);
         let stop = stop.clone();
         tokio::spawn(async move {
-            if !produced {
-                return Ok(());
-            }
             keep_backlog(
                 u64::try_from(backlog)?,
                 started,
@@ -107,49 +154,115 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
             .await
         })
     };
-    let commands_before = load.commands_sent();
     let counter = Arc::clone(&started);
-    let mut options = WorkerOptions::default()
-        .name("bench")
-        .concurrency(load.workers);
-    if let Some(n) = load.batch_size {
-        options = options.batch_size(n);
-    }
     let worker = Worker::spawn(q.clone(), options, move |_job| {
         counter.fetch_add(1, Ordering::Relaxed);
         async { Ok(Bson::Null) }
     })?;
-    let t0 = Instant::now();
-    let cpu_before = load.server_cpu();
-    let done_before = worker.report().succeeded;
+    let (commands_before, cpu_before, client_before, t0) = (
+        load.commands_sent(),
+        load.server_cpu(),
+        load.client_cpu(),
+        Instant::now(),
+    );
     tokio::time::sleep(load.duration).await;
-    let ops = worker.report().succeeded - done_before;
-    let server_cpu_us_per_op = load.server_cpu_per_op(cpu_before, ops);
-    let elapsed = t0.elapsed().as_secs_f64();
-    let commands = load.commands_sent() - commands_before;
-    let left = u64::try_from(filled)?.saturating_sub(started.load(Ordering::Relaxed));
-    if !produced && left < u64::try_from(backlog)? {
-        eprintln!(
-            "bench: {name}: only {left} jobs were left due at the end (drained faster than the prefill allows)"
-        );
-    }
+    let ops = worker.report().succeeded;
+    let timed = Timed {
+        ops,
+        elapsed: t0.elapsed(),
+        commands: load.commands_sent() - commands_before,
+        server_cpu: since(load.server_cpu(), cpu_before),
+        client_cpu: since(load.client_cpu(), client_before),
+    };
     stop.cancel();
     worker.shutdown().await;
     top_up.await??;
-    let hist = claim_to_completion(&q, ttl_ms).await?;
-    #[allow(clippy::cast_precision_loss)]
-    let ops_per_sec = ops as f64 / elapsed;
-    Ok(BenchRow {
-        name,
-        workers: load.workers,
-        ops,
-        ops_per_sec,
-        p50_us: hist.value_at_quantile(0.5),
-        p99_us: hist.value_at_quantile(0.99),
-        ratio: f64::NAN,
-        round_trips_per_op: per_op(commands, ops),
-        server_cpu_us_per_op,
-    })
+    Ok(timed)
+}
+
+/// CPU time used between two readings (`None` if either is missing).
+fn since(after: Option<Duration>, before: Option<Duration>) -> Option<Duration> {
+    Some(after?.saturating_sub(before?))
+}
+
+/// A sum of CPU times, `None` once one part is missing.
+fn add(sum: Option<Duration>, part: Option<Duration>) -> Option<Duration> {
+    Some(sum? + part?)
+}
+
+/// Jobs a round's new `Worker` starts before it is timed (its claim span and prefetch
+/// settle meanwhile, as in a worker that has been running).
+const WARM_UP: usize = 1_000;
+
+/// A large backlog, in rounds: each round tops the queue up (untimed, so no insert
+/// competes with the claims), starts a new `Worker`, lets it start [`WARM_UP`] jobs, then
+/// times it until it has started `backlog / 2` more (or `load.duration` has been timed
+/// in all), so between `backlog` and 1.5 × `backlog` jobs are due while it is timed.
+/// Rounds repeat until `load.duration` has been timed. (Until session 5 of 2026-11-22 the row prefilled `backlog` plus 20,000 jobs per
+/// second of the row, so a "10,000" row ran with 50,000–90,000 jobs due.)
+async fn rounds(
+    q: &JobQueue,
+    load: &Load,
+    backlog: usize,
+    options: WorkerOptions,
+) -> anyhow::Result<Timed> {
+    let timed_jobs = (backlog / 2).max(1);
+    let top = backlog + timed_jobs + WARM_UP;
+    let (warm, last) = (
+        u64::try_from(WARM_UP)?,
+        u64::try_from(WARM_UP + timed_jobs)?,
+    );
+    let ready = doc! { field::STATE: JobState::Ready.as_str() };
+    let mut producer = Producer::new();
+    let mut timed = Timed {
+        server_cpu: Some(Duration::ZERO),
+        client_cpu: Some(Duration::ZERO),
+        ..Timed::default()
+    };
+    while timed.elapsed < load.duration {
+        let due = usize::try_from(q.collection().count_documents(ready.clone()).await?)?;
+        producer.enqueue(q, top.saturating_sub(due)).await?;
+        let started = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&started);
+        let worker = Worker::spawn(q.clone(), options.clone(), move |_job| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            async { Ok(Bson::Null) }
+        })?;
+        // Until the worker has started `n` jobs, or `stop` has passed.
+        let until = |n: u64, stop: Option<Instant>| {
+            let started = Arc::clone(&started);
+            async move {
+                let since = Instant::now();
+                while started.load(Ordering::Relaxed) < n
+                    && stop.is_none_or(|stop| Instant::now() < stop)
+                {
+                    anyhow::ensure!(
+                        since.elapsed() < Duration::from_secs(120),
+                        "the Worker started only {} of {n} jobs in 120 s",
+                        started.load(Ordering::Relaxed)
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                anyhow::Ok(())
+            }
+        };
+        until(warm, None).await?;
+        let (done_before, commands_before, cpu_before, client_before, t0) = (
+            worker.report().succeeded,
+            load.commands_sent(),
+            load.server_cpu(),
+            load.client_cpu(),
+            Instant::now(),
+        );
+        until(last, Some(t0 + load.duration.saturating_sub(timed.elapsed))).await?;
+        timed.ops += worker.report().succeeded - done_before;
+        timed.elapsed += t0.elapsed();
+        timed.commands += load.commands_sent() - commands_before;
+        timed.server_cpu = add(timed.server_cpu, since(load.server_cpu(), cpu_before));
+        timed.client_cpu = add(timed.client_cpu, since(load.client_cpu(), client_before));
+        worker.shutdown().await;
+    }
+    Ok(timed)
 }
 
 /// Claim → completion latency of every succeeded job, microseconds (server time).
@@ -177,7 +290,7 @@ async fn claim_to_completion(q: &JobQueue, ttl_ms: i64) -> anyhow::Result<Histog
 
 async fn seed_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Result<BenchRow> {
     let seed = SeedQueue::setup(db, &format!("bench_seed_{backlog}")).await?;
-    seed.insert(prefill(load, backlog, 2_000)?).await?;
+    seed.insert(prefill(backlog)).await?;
     let started = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
     let produced = backlog < PRODUCED_BELOW;

@@ -123,6 +123,7 @@ async fn one(
         ratio: f64::NAN,
         round_trips_per_op: super::per_op(commands, samples),
         server_cpu_us_per_op: None,
+        client_cpu_us_per_op: None,
     };
     Ok([
         row(name.to_owned(), &hist),

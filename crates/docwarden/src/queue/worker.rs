@@ -19,10 +19,11 @@
 //! never started) and nothing is written for it. Idle workers wake on a change-stream
 //! event for new or released jobs (a new job is claimed by `_id` straight from the
 //! event: one round trip), and otherwise poll with a jittered backoff between
-//! `poll_min` and `poll_max`. A busy worker (claims kept finding jobs for a second)
-//! closes its change stream, which the server pays for on every write, and reopens it
-//! as soon as a claim finds nothing, then claims once more for the jobs inserted in
-//! between; while it is closed, a job cancelled as it runs is signalled by the next
+//! `poll_min` and `poll_max`. The change stream, which the server pays for on every
+//! write, is opened when a claim finds nothing (a worker started on a backlog opens
+//! none until it has drained it), closed by a busy worker (claims kept finding jobs for
+//! a second), and reopened as soon as a claim finds nothing, then the worker claims
+//! once more for the jobs inserted in between; while it is closed, a job cancelled as it runs is signalled by the next
 //! heartbeat instead of at once. Database errors (a restarting server) make the worker back
 //! off and resume; they never end it. Shutdown stops claiming, releases the jobs still
 //! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
@@ -291,7 +292,9 @@ impl Worker {
             slot_freed: Notify::new(),
             check_now: Arc::new(Notify::new()),
             paused: pause_check.then_some(paused_rx),
-            stream_wanted: tokio::sync::watch::Sender::new(true),
+            // Opened by the first claim that finds nothing: a worker started on a
+            // backlog has no use for it until the backlog is drained.
+            stream_wanted: tokio::sync::watch::Sender::new(false),
             stream_open: Arc::clone(&stream_open),
             io: tokio::sync::Semaphore::new(write_turns),
         });

@@ -269,24 +269,31 @@ pub(crate) fn ran(queue: &str, started: Instant, transition: Option<&Transition>
         .record(started.elapsed());
 }
 
-/// A lock of `collection` acquired with fencing token `token` (recorded on the current
+/// A lock of `collection` acquired — a lease, a semaphore permit, a read lease or a
+/// document lock — with fencing token `token` where it has one (recorded on the current
 /// span too).
-pub(crate) fn lock_acquired(collection: &str, token: i64) {
+pub(crate) fn lock_acquired(collection: &str, token: Option<i64>) {
     metrics::counter!(LOCK_ACQUISITIONS, "collection" => collection.to_owned(), "outcome" => "acquired")
         .increment(1);
-    tracing::Span::current().record("token", token);
+    if let Some(token) = token {
+        tracing::Span::current().record("token", token);
+    }
 }
 
-/// A lock of `collection` found held by someone else.
+/// A lock of `collection` found held by someone else (a full semaphore, a writer in the
+/// way of a reader, a locked document).
 pub(crate) fn lock_busy(collection: &str) {
     metrics::counter!(LOCK_ACQUISITIONS, "collection" => collection.to_owned(), "outcome" => "busy")
         .increment(1);
 }
 
-/// An `acquire` of a lock of `collection` called at `called` now holds the lease with
-/// fencing token `token` (recorded on the current `acquire` span).
-pub(crate) fn lock_handoff(collection: &str, called: Instant, token: i64) {
+/// A waiting acquire of a lock of `collection` (`acquire`, a semaphore's `acquire`, a
+/// read lease's `read`) called at `called` now holds it, with fencing token `token`
+/// where it has one (recorded on the current span).
+pub(crate) fn lock_handoff(collection: &str, called: Instant, token: Option<i64>) {
     let waited: Duration = called.elapsed();
     metrics::histogram!(LOCK_HANDOFF_WAIT, "collection" => collection.to_owned()).record(waited);
-    tracing::Span::current().record("token", token);
+    if let Some(token) = token {
+        tracing::Span::current().record("token", token);
+    }
 }

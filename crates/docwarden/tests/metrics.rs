@@ -7,7 +7,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden::lock::{
+    DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+    Semaphore, SemaphoreOptions,
+};
 use docwarden::queue::{
     ClaimedJob, EnqueueOptions, HandlerResult, JobQueue, JobState, QueueOptions, Worker,
     WorkerOptions,
@@ -199,6 +202,44 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
         locks.release(&lease).await?;
     }
 
+    // The other lock kinds count in the same series, labelled by their collections: a
+    // semaphore of one permit (taken, refused, taken again after a wait), a read lease
+    // (taken, refused under a writer), a document lock (taken, refused while held).
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let sem = Semaphore::open(&t.db, "sems", time.clone(), SemaphoreOptions::default()).await?;
+    let permit = sem
+        .try_acquire(&a, "s", ttl)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no permit"))?;
+    anyhow::ensure!(sem.try_acquire(&b, "s", ttl).await?.is_none());
+    sem.release(&permit).await?;
+    let permit = sem
+        .acquire(&b, "s", ttl, ttl)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no permit after the wait"))?;
+    sem.release(&permit).await?;
+    let rw = RwLocks::open(&t.db, "rw", time.clone(), RwLockOptions::default()).await?;
+    let read = rw
+        .read(&a, "x", ttl, ttl)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no read lease"))?;
+    rw.release_read(&read).await?;
+    let write = rw
+        .try_write(&a, "x", ttl)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no write lease"))?;
+    anyhow::ensure!(rw.try_read(&b, "x", ttl).await?.is_none());
+    rw.locks().release(&write).await?;
+    let docs = t.db.collection::<Document>("accounts");
+    docs.insert_one(doc! { "_id": 1, "n": 0 }).await?;
+    let doc_locks = DocumentLocks::new(docs, time, DocumentLockOptions::default())?;
+    let guard = doc_locks
+        .lock(1)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("document not locked"))?;
+    anyhow::ensure!(doc_locks.lock(1).await?.is_none());
+    doc_locks.release(guard).await?;
+
     handle.run_upkeep();
     let text = handle.render();
     let s = parse(&text)?;
@@ -289,6 +330,36 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
         3.0,
         "{text}"
     );
+    for (collection, acquired, busy, handoffs) in [
+        ("sems", 2.0, 1.0, 1.0),
+        ("rw", 2.0, 1.0, 2.0),
+        ("accounts", 1.0, 1.0, 0.0),
+    ] {
+        let outcome = |o| [("collection", collection), ("outcome", o)];
+        assert_eq!(
+            sum(
+                &s,
+                "docwarden_lock_acquisitions_total",
+                &outcome("acquired")
+            ),
+            acquired,
+            "{collection} acquired\n{text}"
+        );
+        assert_eq!(
+            sum(&s, "docwarden_lock_acquisitions_total", &outcome("busy")),
+            busy,
+            "{collection} busy\n{text}"
+        );
+        assert_eq!(
+            sum(
+                &s,
+                "docwarden_lock_handoff_wait_seconds_count",
+                &[("collection", collection)]
+            ),
+            handoffs,
+            "{collection} hand-offs\n{text}"
+        );
+    }
     assert!(
         text.contains("# HELP docwarden_queue_claims_total"),
         "{text}"

@@ -499,7 +499,7 @@ impl LockCollection {
                 id: resource.to_owned(),
                 reason: format!("lock document after the acquire: {e}"),
             })?;
-            crate::observe::lock_acquired(self.locks.name(), token);
+            crate::observe::lock_acquired(self.locks.name(), Some(token));
             tracing::debug!(resource, token, "acquired");
             return Ok(Some(lease(token)));
         }
@@ -527,7 +527,7 @@ impl LockCollection {
 
         match self.commit_block(owner, resource, &nonce, previous).await {
             Ok(Some(token)) => {
-                crate::observe::lock_acquired(self.locks.name(), token);
+                crate::observe::lock_acquired(self.locks.name(), Some(token));
                 tracing::debug!(resource, token, "acquired (new token block)");
                 Ok(Some(lease(token)))
             }
@@ -657,7 +657,7 @@ impl LockCollection {
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
         loop {
             if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
-                crate::observe::lock_handoff(self.locks.name(), called, lease.token.get());
+                crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
                 return Ok(Some(lease));
             }
             let remaining = match deadline {

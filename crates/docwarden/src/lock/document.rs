@@ -214,6 +214,7 @@ impl DocumentLocks {
             .find_one_and_update(filter, update)
             .return_document(ReturnDocument::After)
             .await?;
+        self.observe(after.is_some());
         Ok(after.map(|document| DocumentGuard {
             id,
             lock_id,
@@ -269,18 +270,24 @@ impl DocumentLocks {
             .return_document(ReturnDocument::After)
             .await
         {
-            Ok(Some(document)) => Ok(Some(DocumentGuard {
-                id,
-                lock_id,
-                locked_at,
-                document,
-                lock_id_field: self.options.lock_id_field.clone(),
-            })),
+            Ok(Some(document)) => {
+                self.observe(true);
+                Ok(Some(DocumentGuard {
+                    id,
+                    lock_id,
+                    locked_at,
+                    document,
+                    lock_id_field: self.options.lock_id_field.clone(),
+                }))
+            }
             Ok(None) => Err(Error::Malformed {
                 id: id.to_string(),
                 reason: "upsert returned no document".into(),
             }),
-            Err(e) if error::is_duplicate_key(&e) => Ok(None),
+            Err(e) if error::is_duplicate_key(&e) => {
+                self.observe(false);
+                Ok(None)
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -376,6 +383,15 @@ impl DocumentLocks {
     }
 
     /// Locks whose lock time is before this instant have certainly expired.
+    /// Counts a lock taken or found held (`docs/observability.md`).
+    fn observe(&self, taken: bool) {
+        if taken {
+            crate::observe::lock_acquired(self.coll.name(), None);
+        } else {
+            crate::observe::lock_busy(self.coll.name());
+        }
+    }
+
     async fn cutoff(&self) -> Result<DateTime> {
         let now = self.time.now().await?;
         Ok(DateTime::from_millis(

@@ -266,15 +266,17 @@ impl RwLocks {
                 .await
             {
                 Ok(r) if r.matched_count == 1 || r.upserted_id.is_some() => {
+                    crate::observe::lock_acquired(self.coll().name(), None);
                     tracing::debug!(resource, "read lease taken");
                     return Ok(Some(lease));
                 }
-                Ok(_) => return Ok(None),
+                Ok(_) => break,
                 Err(e) if error::is_duplicate_key(&e) && attempt == 0 => {}
-                Err(e) if error::is_duplicate_key(&e) => return Ok(None),
+                Err(e) if error::is_duplicate_key(&e) => break,
                 Err(e) => return Err(e.into()),
             }
         }
+        crate::observe::lock_busy(self.coll().name());
         Ok(None)
     }
 
@@ -290,10 +292,12 @@ impl RwLocks {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<ReadLease>> {
-        let deadline = Instant::now().checked_add(wait);
+        let called = Instant::now();
+        let deadline = called.checked_add(wait);
         let mut wake = Wake::new(self.coll(), resource, Wake::freed_lock());
         loop {
             if let Some(lease) = self.try_read(owner, resource, ttl).await? {
+                crate::observe::lock_handoff(self.coll().name(), called, None);
                 return Ok(Some(lease));
             }
             let Some(left) = time_left(deadline) else {

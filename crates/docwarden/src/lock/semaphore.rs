@@ -356,6 +356,7 @@ impl Semaphore {
             };
             match admitted(&after, &nonce) {
                 Admission::Granted(token) => {
+                    crate::observe::lock_acquired(self.docs.name(), Some(token));
                     tracing::debug!(resource, token, "permit acquired");
                     return Ok(Some(Permit {
                         resource: resource.to_owned(),
@@ -365,10 +366,14 @@ impl Semaphore {
                         expires_at,
                     }));
                 }
-                Admission::Full => return Ok(None),
+                Admission::Full => {
+                    crate::observe::lock_busy(self.docs.name());
+                    return Ok(None);
+                }
                 Admission::Exhausted => self.refill(resource).await?,
             }
         }
+        crate::observe::lock_busy(self.docs.name());
         tracing::debug!(resource, "no permit after racing refills");
         Ok(None)
     }
@@ -385,10 +390,12 @@ impl Semaphore {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Permit>> {
-        let deadline = Instant::now().checked_add(wait);
+        let called = Instant::now();
+        let deadline = called.checked_add(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         loop {
             if let Some(p) = self.try_acquire(owner, resource, ttl).await? {
+                crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
                 return Ok(Some(p));
             }
             let delay = backoff.next_delay();

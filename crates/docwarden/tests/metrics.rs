@@ -238,7 +238,7 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
         .await?
         .ok_or_else(|| anyhow::anyhow!("document not locked"))?;
     anyhow::ensure!(doc_locks.lock(1).await?.is_none());
-    doc_locks.release(guard).await?;
+    anyhow::ensure!(doc_locks.release(guard).await?.is_applied());
 
     handle.run_upkeep();
     let text = handle.render();

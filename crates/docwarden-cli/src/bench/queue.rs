@@ -154,40 +154,72 @@ async fn produced_run(
             .await
         })
     };
-    let counter = Arc::clone(&started);
-    let worker = Worker::spawn(q.clone(), options, move |_job| {
-        counter.fetch_add(1, Ordering::Relaxed);
-        async { Ok(Bson::Null) }
-    })?;
-    let (commands_before, cpu_before, client_before, t0) = (
-        load.commands_sent(),
-        load.server_cpu(),
-        load.client_cpu(),
-        Instant::now(),
-    );
+    let worker = counting_worker(q, options, &started)?;
+    let mark = Mark::now(load, &worker);
     tokio::time::sleep(load.duration).await;
-    let ops = worker.report().succeeded;
-    let timed = Timed {
-        ops,
-        elapsed: t0.elapsed(),
-        commands: load.commands_sent() - commands_before,
-        server_cpu: since(load.server_cpu(), cpu_before),
-        client_cpu: since(load.client_cpu(), client_before),
-    };
+    let mut timed = Timed::zero();
+    timed.add_since(load, &worker, &mark);
     stop.cancel();
     worker.shutdown().await;
     top_up.await??;
     Ok(timed)
 }
 
-/// CPU time used between two readings (`None` if either is missing).
-fn since(after: Option<Duration>, before: Option<Duration>) -> Option<Duration> {
-    Some(after?.saturating_sub(before?))
+/// A `Worker` whose handler does nothing but count the jobs it started in `started`.
+fn counting_worker(
+    q: &JobQueue,
+    options: WorkerOptions,
+    started: &Arc<AtomicU64>,
+) -> anyhow::Result<Worker> {
+    let counter = Arc::clone(started);
+    Ok(Worker::spawn(q.clone(), options, move |_job| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Ok(Bson::Null) }
+    })?)
 }
 
-/// A sum of CPU times, `None` once one part is missing.
-fn add(sum: Option<Duration>, part: Option<Duration>) -> Option<Duration> {
-    Some(sum? + part?)
+/// The readings a timed stretch starts from.
+struct Mark {
+    done: u64,
+    commands: u64,
+    server_cpu: Option<Duration>,
+    client_cpu: Option<Duration>,
+    at: Instant,
+}
+
+impl Mark {
+    fn now(load: &Load, worker: &Worker) -> Self {
+        Self {
+            done: worker.report().succeeded,
+            commands: load.commands_sent(),
+            server_cpu: load.server_cpu(),
+            client_cpu: load.client_cpu(),
+            at: Instant::now(),
+        }
+    }
+}
+
+impl Timed {
+    /// Nothing timed yet (CPU readings present until one is missing).
+    fn zero() -> Self {
+        Self {
+            server_cpu: Some(Duration::ZERO),
+            client_cpu: Some(Duration::ZERO),
+            ..Self::default()
+        }
+    }
+
+    /// Adds what `worker` did since `mark`: jobs completed, time, commands, CPU.
+    fn add_since(&mut self, load: &Load, worker: &Worker, mark: &Mark) {
+        let cpu = |sum: Option<Duration>, now: Option<Duration>, then: Option<Duration>| {
+            Some(sum? + now?.saturating_sub(then?))
+        };
+        self.ops += worker.report().succeeded - mark.done;
+        self.elapsed += mark.at.elapsed();
+        self.commands += load.commands_sent() - mark.commands;
+        self.server_cpu = cpu(self.server_cpu, load.server_cpu(), mark.server_cpu);
+        self.client_cpu = cpu(self.client_cpu, load.client_cpu(), mark.client_cpu);
+    }
 }
 
 /// Jobs a round's new `Worker` starts before it is timed (its claim span and prefetch
@@ -198,8 +230,9 @@ const WARM_UP: usize = 1_000;
 /// competes with the claims), starts a new `Worker`, lets it start [`WARM_UP`] jobs, then
 /// times it until it has started `backlog / 2` more (or `load.duration` has been timed
 /// in all), so between `backlog` and 1.5 × `backlog` jobs are due while it is timed.
-/// Rounds repeat until `load.duration` has been timed. (Until session 5 of 2026-11-22 the row prefilled `backlog` plus 20,000 jobs per
-/// second of the row, so a "10,000" row ran with 50,000–90,000 jobs due.)
+/// Rounds repeat until `load.duration` has been timed. (Until session 5 of 2026-11-22
+/// the row prefilled `backlog` plus 20,000 jobs per second of the row, so a "10,000" row
+/// ran with 50,000–90,000 jobs due.)
 async fn rounds(
     q: &JobQueue,
     load: &Load,
@@ -214,20 +247,12 @@ async fn rounds(
     );
     let ready = doc! { field::STATE: JobState::Ready.as_str() };
     let mut producer = Producer::new();
-    let mut timed = Timed {
-        server_cpu: Some(Duration::ZERO),
-        client_cpu: Some(Duration::ZERO),
-        ..Timed::default()
-    };
+    let mut timed = Timed::zero();
     while timed.elapsed < load.duration {
         let due = usize::try_from(q.collection().count_documents(ready.clone()).await?)?;
         producer.enqueue(q, top.saturating_sub(due)).await?;
         let started = Arc::new(AtomicU64::new(0));
-        let counter = Arc::clone(&started);
-        let worker = Worker::spawn(q.clone(), options.clone(), move |_job| {
-            counter.fetch_add(1, Ordering::Relaxed);
-            async { Ok(Bson::Null) }
-        })?;
+        let worker = counting_worker(q, options.clone(), &started)?;
         // Until the worker has started `n` jobs, or `stop` has passed.
         let until = |n: u64, stop: Option<Instant>| {
             let started = Arc::clone(&started);
@@ -247,19 +272,13 @@ async fn rounds(
             }
         };
         until(warm, None).await?;
-        let (done_before, commands_before, cpu_before, client_before, t0) = (
-            worker.report().succeeded,
-            load.commands_sent(),
-            load.server_cpu(),
-            load.client_cpu(),
-            Instant::now(),
-        );
-        until(last, Some(t0 + load.duration.saturating_sub(timed.elapsed))).await?;
-        timed.ops += worker.report().succeeded - done_before;
-        timed.elapsed += t0.elapsed();
-        timed.commands += load.commands_sent() - commands_before;
-        timed.server_cpu = add(timed.server_cpu, since(load.server_cpu(), cpu_before));
-        timed.client_cpu = add(timed.client_cpu, since(load.client_cpu(), client_before));
+        let mark = Mark::now(load, &worker);
+        until(
+            last,
+            Some(mark.at + load.duration.saturating_sub(timed.elapsed)),
+        )
+        .await?;
+        timed.add_since(load, &worker, &mark);
         worker.shutdown().await;
     }
     Ok(timed)

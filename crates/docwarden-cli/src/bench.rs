@@ -6,10 +6,15 @@
 //! `_id`) is measured first with the same worker count, and every other row's ratio is its
 //! ops/s over the reference's.
 //!
-//! Round trips per operation come from the driver's command monitoring: the bench's
-//! client counts every `CommandStartedEvent`, and each row divides the commands started
-//! while it was measured (setup excluded, background tasks of the workload included) by
-//! the items it completed.
+//! Round trips per operation: each row divides the commands sent while it was measured
+//! (setup excluded, background tasks of the workload included) by the items it completed.
+//! On the embedded server (only the bench talks to it) the commands are counted by the
+//! server itself (`serverStatus.metrics.commands`, the bench's own `serverStatus` and the
+//! driver's `hello` heartbeats left out), which costs the client nothing; on a server given
+//! with `--uri` (possibly shared) by the driver's command monitoring, which makes the
+//! driver turn every command and reply into a `Document` for its event: ~10 µs of client
+//! CPU per `update_one` and ~45 µs per guarded update, in proportion to their size
+//! ([`Commands`]).
 
 use std::future::Future;
 use std::process::ExitCode;
@@ -42,8 +47,8 @@ pub(crate) struct Load {
     pub(crate) duration: Duration,
     /// The spinner that shows which workload runs (hidden with `--json`).
     pub(crate) progress: indicatif::ProgressBar,
-    /// Commands the bench's client has started so far (driver command monitoring).
-    pub(crate) commands: Arc<AtomicU64>,
+    /// How the commands sent are counted.
+    pub(crate) commands: Commands,
     /// Also run the rows that time the stages of a guarded update and a sequenced apply.
     pub(crate) stages: bool,
     /// The queue `Worker` rows' batch size (`WorkerOptions::batch_size`); `None` keeps the
@@ -83,11 +88,65 @@ impl Load {
         per_item(self.client_cpu()?.checked_sub(before?)?, ops)
     }
 
-    /// Commands started so far; the difference of two readings is the round trips sent
-    /// in between.
-    pub(crate) fn commands_sent(&self) -> u64 {
-        self.commands.load(Ordering::Relaxed)
+    /// Commands sent so far; the difference of two readings is the round trips sent in
+    /// between.
+    ///
+    /// # Errors
+    /// The server's `serverStatus` error ([`Commands::Server`]).
+    pub(crate) async fn commands_sent(&self) -> anyhow::Result<u64> {
+        match &self.commands {
+            Commands::Driver(started) => Ok(started.load(Ordering::Relaxed)),
+            Commands::Server(client) => server_commands(client).await,
+        }
     }
+}
+
+/// How the bench counts the commands (round trips) a row sends.
+#[derive(Debug, Clone)]
+pub(crate) enum Commands {
+    /// The server's own counters (`serverStatus.metrics.commands`), for the embedded
+    /// server, which only this bench talks to: exact, and no cost on the client.
+    Server(Client),
+    /// Driver command monitoring (a server given with `--uri` may have other clients):
+    /// every started command increments the counter. The driver then builds each event's
+    /// command and reply as a `Document`, client time that grows with their size.
+    Driver(Arc<AtomicU64>),
+}
+
+/// Commands the server has received, by its `serverStatus.metrics.commands` counters,
+/// leaving out `serverStatus` (these readings) and the handshake/heartbeat commands
+/// (driver monitoring does not report those either).
+async fn server_commands(client: &Client) -> anyhow::Result<u64> {
+    const NOT_COUNTED: [&str; 4] = ["serverStatus", "hello", "isMaster", "ismaster"];
+    let status = client
+        .database("admin")
+        .run_command(doc! { "serverStatus": 1 })
+        .await?;
+    let commands = status
+        .get_document("metrics")
+        .and_then(|m| m.get_document("commands"))
+        .map_err(|e| anyhow::anyhow!("serverStatus without metrics.commands: {e}"))?;
+    let mut total = 0_u64;
+    for (name, value) in commands {
+        if NOT_COUNTED.contains(&name.as_str()) {
+            continue;
+        }
+        let count = match value {
+            mongodb::bson::Bson::Document(d) => match d.get("total") {
+                Some(mongodb::bson::Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+                Some(mongodb::bson::Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+                Some(mongodb::bson::Bson::Double(n)) if *n >= 0.0 => {
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                    let n = *n as u64;
+                    n
+                }
+                _ => 0,
+            },
+            _ => 0,
+        };
+        total += count;
+    }
+    Ok(total)
 }
 
 /// User + system CPU time of process `pid` (`self` for this one) from `/proc/<pid>/stat`.
@@ -130,7 +189,7 @@ pub(crate) struct BenchRow {
     pub(crate) p99_us: u64,
     /// ops/s divided by the reference `update_one` ops/s of this run.
     pub(crate) ratio: f64,
-    /// Commands sent to the server per item (driver command monitoring), while measured.
+    /// Commands sent to the server per item, while measured ([`Commands`]).
     pub(crate) round_trips_per_op: f64,
     /// The server process's CPU time per item, microseconds (embedded server only: it
     /// runs on this machine), while measured.
@@ -152,7 +211,7 @@ where
         .set_message(format!("{name} × {} workers", load.workers));
     let op = Arc::new(op);
     let items = Arc::new(AtomicU64::new(0));
-    let commands_before = load.commands_sent();
+    let commands_before = load.commands_sent().await?;
     let cpu_before = load.server_cpu();
     let client_before = load.client_cpu();
     let started = Instant::now();
@@ -178,7 +237,7 @@ where
         hist.add(task.await??)?;
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let commands = load.commands_sent() - commands_before;
+    let commands = load.commands_sent().await?.saturating_sub(commands_before);
     let ops = items.load(Ordering::Relaxed);
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = ops as f64 / elapsed;
@@ -256,8 +315,14 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--workers must list counts of at least 1"
     );
     let session = args.conn.open(args.json).await?;
-    let commands = Arc::new(AtomicU64::new(0));
-    let client = counting_client(&session.uri(), Duration::from_secs(30), &commands).await?;
+    let started = Arc::new(AtomicU64::new(0));
+    let monitored = (!session.embedded()).then_some(&started);
+    let client = bench_client(&session.uri(), Duration::from_secs(30), monitored).await?;
+    let commands = if session.embedded() {
+        Commands::Server(client.clone())
+    } else {
+        Commands::Driver(started)
+    };
     anyhow::ensure!(
         args.backlogs.iter().all(|b| *b > 0),
         "--backlogs must list backlogs of at least 1 job"
@@ -283,7 +348,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             workers,
             duration: Duration::from_secs(args.duration),
             progress: progress.clone(),
-            commands: Arc::clone(&commands),
+            commands: commands.clone(),
             stages: args.stages,
             batch_size: args.batch_size,
             backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
@@ -330,23 +395,26 @@ async fn server_pid(client: &Client) -> Option<u32> {
     u32::try_from(pid).ok()
 }
 
-/// A client to the same server whose every started command increments `commands` (the
-/// session's client has already checked that the server answers).
-async fn counting_client(
+/// The bench's client to the same server (the session's client has already checked that
+/// it answers); with `started`, every command it starts increments that counter (driver
+/// command monitoring, see [`Commands::Driver`]).
+async fn bench_client(
     uri: &str,
     timeout: Duration,
-    commands: &Arc<AtomicU64>,
+    started: Option<&Arc<AtomicU64>>,
 ) -> anyhow::Result<Client> {
     let mut options = ClientOptions::parse(uri).await?;
     options.server_selection_timeout = Some(timeout);
     options.connect_timeout = Some(timeout);
     options.app_name = Some("docwarden bench".into());
-    let counter = Arc::clone(commands);
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(_) = event {
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    }));
+    if let Some(started) = started {
+        let counter = Arc::clone(started);
+        options.command_event_handler = Some(EventHandler::callback(move |event| {
+            if let CommandEvent::Started(_) = event {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
     Ok(Client::with_options(options)?)
 }
 

@@ -176,3 +176,33 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
     }
     Ok(())
 }
+
+/// The two ways the bench counts round trips agree on what they count: on the embedded
+/// server (the test above) the server's own command counters, on a server given with
+/// `--uri` (here the suite's shared server, which other tests use at the same time) the
+/// driver's command monitoring, which sees only the bench's own commands.
+#[tokio::test]
+async fn bench_on_a_given_uri_counts_round_trips_by_driver_monitoring() -> anyhow::Result<()> {
+    let uri = docwarden_testkit::shared_uri().await?;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .args(["bench", "--only", "guard", "--duration", "1", "--json"])
+        .args(["--uri", uri.as_str()])
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(rows.len(), 2, "reference and guard rows: {rows:?}");
+    let rt = |i: usize| rows[i]["round_trips_per_op"].as_f64().unwrap_or_default();
+    assert!(
+        (rt(0) - 1.0).abs() < 0.01,
+        "update_one is one round trip: {}",
+        rows[0]
+    );
+    // A guarded toggle is one update, plus one read when it was refused or unchanged.
+    assert!((1.0..1.5).contains(&rt(1)), "guard: {}", rows[1]);
+    Ok(())
+}

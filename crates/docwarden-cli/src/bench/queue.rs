@@ -155,10 +155,10 @@ async fn produced_run(
         })
     };
     let worker = counting_worker(q, options, &started)?;
-    let mark = Mark::now(load, &worker);
+    let mark = Mark::now(load, &worker).await?;
     tokio::time::sleep(load.duration).await;
     let mut timed = Timed::zero();
-    timed.add_since(load, &worker, &mark);
+    timed.add_since(load, &worker, &mark).await?;
     stop.cancel();
     worker.shutdown().await;
     top_up.await??;
@@ -188,14 +188,15 @@ struct Mark {
 }
 
 impl Mark {
-    fn now(load: &Load, worker: &Worker) -> Self {
-        Self {
+    async fn now(load: &Load, worker: &Worker) -> anyhow::Result<Self> {
+        let commands = load.commands_sent().await?;
+        Ok(Self {
             done: worker.report().succeeded,
-            commands: load.commands_sent(),
+            commands,
             server_cpu: load.server_cpu(),
             client_cpu: load.client_cpu(),
             at: Instant::now(),
-        }
+        })
     }
 }
 
@@ -210,15 +211,16 @@ impl Timed {
     }
 
     /// Adds what `worker` did since `mark`: jobs completed, time, commands, CPU.
-    fn add_since(&mut self, load: &Load, worker: &Worker, mark: &Mark) {
+    async fn add_since(&mut self, load: &Load, worker: &Worker, mark: &Mark) -> anyhow::Result<()> {
         let cpu = |sum: Option<Duration>, now: Option<Duration>, then: Option<Duration>| {
             Some(sum? + now?.saturating_sub(then?))
         };
         self.ops += worker.report().succeeded - mark.done;
         self.elapsed += mark.at.elapsed();
-        self.commands += load.commands_sent() - mark.commands;
+        self.commands += load.commands_sent().await?.saturating_sub(mark.commands);
         self.server_cpu = cpu(self.server_cpu, load.server_cpu(), mark.server_cpu);
         self.client_cpu = cpu(self.client_cpu, load.client_cpu(), mark.client_cpu);
+        Ok(())
     }
 }
 
@@ -272,13 +274,13 @@ async fn rounds(
             }
         };
         until(warm, None).await?;
-        let mark = Mark::now(load, &worker);
+        let mark = Mark::now(load, &worker).await?;
         until(
             last,
             Some(mark.at + load.duration.saturating_sub(timed.elapsed)),
         )
         .await?;
-        timed.add_since(load, &worker, &mark);
+        timed.add_since(load, &worker, &mark).await?;
         worker.shutdown().await;
     }
     Ok(timed)

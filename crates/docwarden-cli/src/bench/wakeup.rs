@@ -70,7 +70,7 @@ async fn one(
     let sent: Arc<Mutex<HashMap<ObjectId, (Instant, Instant)>>> = Arc::default();
     let mut hist = Histogram::<u64>::new(3)?;
     let mut after_reply = Histogram::<u64>::new(3)?;
-    let commands_before = load.commands_sent();
+    let commands_before = load.commands_sent().await?;
     let started = Instant::now();
     let mut samples = 0_u64;
     let min_samples = if change_stream { MIN_SAMPLES } else { 0 };
@@ -116,7 +116,7 @@ async fn one(
     }
     worker.shutdown().await;
     let elapsed = started.elapsed().as_secs_f64();
-    let commands = load.commands_sent() - commands_before;
+    let commands = load.commands_sent().await?.saturating_sub(commands_before);
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = samples as f64 / elapsed;
     let row = |name: String, hist: &Histogram<u64>| BenchRow {

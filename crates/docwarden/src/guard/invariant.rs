@@ -386,23 +386,25 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
 /// new value) and every other path reads the stored document. `None` if the expression
 /// refers to the whole document (`$$ROOT`, `$$CURRENT`), which needs [`rebase`].
 pub(crate) fn rebase_field(expr: &Bson, field: &str, var: &str) -> Option<Bson> {
+    rebase_path(expr, &format!("${field}"), &format!("$${var}"))
+}
+
+/// [`rebase_field`] with its two paths built once: `whole` is `$field`, `to` is `$$var`.
+fn rebase_path(expr: &Bson, whole: &str, to: &str) -> Option<Bson> {
     Some(match expr {
         Bson::String(s) => {
             if s.starts_with("$$ROOT") || s.starts_with("$$CURRENT") {
                 return None;
             }
-            let whole = format!("${field}");
-            if *s == whole {
-                Bson::String(format!("$${var}"))
-            } else if let Some(rest) = s.strip_prefix(&format!("{whole}.")) {
-                Bson::String(format!("$${var}.{rest}"))
-            } else {
-                Bson::String(s.clone())
+            match s.strip_prefix(whole) {
+                Some("") => Bson::String(to.to_owned()),
+                Some(rest) if rest.starts_with('.') => Bson::String(format!("{to}{rest}")),
+                _ => Bson::String(s.clone()),
             }
         }
         Bson::Array(a) => Bson::Array(
             a.iter()
-                .map(|b| rebase_field(b, field, var))
+                .map(|b| rebase_path(b, whole, to))
                 .collect::<Option<Vec<_>>>()?,
         ),
         Bson::Document(d) => {
@@ -411,7 +413,7 @@ pub(crate) fn rebase_field(expr: &Bson, field: &str, var: &str) -> Option<Bson> 
                 if k == "$literal" {
                     out.insert(k.clone(), v.clone());
                 } else {
-                    out.insert(k.clone(), rebase_field(v, field, var)?);
+                    out.insert(k.clone(), rebase_path(v, whole, to)?);
                 }
             }
             Bson::Document(out)

@@ -408,13 +408,14 @@ impl Guarded {
         invariants: &[Invariant],
     ) -> Result<GuardOutcome> {
         let target = target.into();
-        let filter = change.filter(&target);
-        let pipeline = change.pipeline(invariants);
+        // Built once for the first attempt and handed to the driver as they are; a retry
+        // (rare: the document changed between a miss and its diagnosis) builds them again.
+        let mut first = Some((change.filter(&target), change.pipeline(invariants)));
         for attempt in 0..self.opts.max_attempts {
-            let res = self
-                .coll
-                .update_one(filter.clone(), pipeline.clone())
-                .await?;
+            let (filter, pipeline) = first
+                .take()
+                .unwrap_or_else(|| (change.filter(&target), change.pipeline(invariants)));
+            let res = self.coll.update_one(filter, pipeline).await?;
             if res.modified_count > 0 {
                 return Ok(GuardOutcome::Applied);
             }

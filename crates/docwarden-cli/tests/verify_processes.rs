@@ -139,19 +139,67 @@ fn the_worker_mode_is_hidden_from_help() -> anyhow::Result<()> {
 /// `createIndexes` with `NotWritablePrimary` (10107), as a stepping-down server does.
 #[tokio::test]
 async fn a_worker_process_started_during_a_failover_waits_for_a_primary() -> anyhow::Result<()> {
-    use std::io::BufRead;
-    use std::process::Stdio;
-
     let test = "a_worker_process_started_during_a_failover_waits_for_a_primary";
     let Some(t) = docwarden_testkit::TestDb::dedicated(test).await? else {
         return Ok(());
     };
+    let (output, lines) = sequence_worker_without_a_primary(&t, 4, 8_000).await?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the worker exited with {}: {stderr}",
+        output.status
+    );
+    let applied = lines.iter().filter(|l| l.contains("\"ok\"")).count();
+    assert!(
+        applied > 0,
+        "the worker applied nothing after the primary came back ({} lines): {stderr}",
+        lines.len()
+    );
+    Ok(())
+}
+
+/// A replacement worker started so late in a run that no primary answers before the run
+/// ends (a `stepdown` in its last seconds) has nothing to do: it exits cleanly instead of
+/// failing (`verify all --faults all` reported two sequence workers "failed" two seconds
+/// before the end). Without the fix it exits 1 with "worker stopped".
+#[tokio::test]
+async fn a_worker_process_whose_run_ends_before_a_primary_answers_exits_cleanly()
+-> anyhow::Result<()> {
+    let test = "a_worker_process_whose_run_ends_before_a_primary_answers_exits_cleanly";
+    let Some(t) = docwarden_testkit::TestDb::dedicated(test).await? else {
+        return Ok(());
+    };
+    let (output, lines) = sequence_worker_without_a_primary(&t, 1_000_000, 1_500).await?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the worker exited with {}: {stderr}",
+        output.status
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains("\"ok\"")),
+        "nothing can apply without a primary: {lines:?}"
+    );
+    Ok(())
+}
+
+/// Runs one `sequence` worker process for `duration_ms` against `t`, with its first
+/// `failures` `createIndexes` answered `NotWritablePrimary`; its exit and stdout lines.
+async fn sequence_worker_without_a_primary(
+    t: &docwarden_testkit::TestDb,
+    failures: u32,
+    duration_ms: u64,
+) -> anyhow::Result<(std::process::Output, Vec<String>)> {
+    use std::io::BufRead;
+    use std::process::Stdio;
+
     let app = "docwarden-verify-worker";
     t.client
         .database("admin")
         .run_command(mongodb::bson::doc! {
             "configureFailPoint": "failCommand",
-            "mode": { "times": 4 },
+            "mode": { "times": failures },
             "data": { "failCommands": ["createIndexes"], "errorCode": 10107, "appName": app },
         })
         .await?;
@@ -172,14 +220,8 @@ async fn a_worker_process_started_during_a_failover_waits_for_a_primary() -> any
             &format!("{}{sep}appName={app}&heartbeatFrequencyMS=500", t.uri()),
         ])
         .args(["--server-uri", t.uri(), "--db", t.db.name(), "--seed", "5"])
-        .args([
-            "--workers",
-            "1",
-            "--duration-ms",
-            "8000",
-            "--origin-us",
-            "1",
-        ])
+        .args(["--workers", "1", "--duration-ms", &duration_ms.to_string()])
+        .args(["--origin-us", "1"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -200,17 +242,5 @@ async fn a_worker_process_started_during_a_failover_waits_for_a_primary() -> any
     let lines = lines
         .join()
         .map_err(|_| anyhow::anyhow!("stdout reader panicked"))?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "the worker exited with {}: {stderr}",
-        output.status
-    );
-    let applied = lines.iter().filter(|l| l.contains("\"ok\"")).count();
-    assert!(
-        applied > 0,
-        "the worker applied nothing after the primary came back ({} lines): {stderr}",
-        lines.len()
-    );
-    Ok(())
+    Ok((output, lines))
 }

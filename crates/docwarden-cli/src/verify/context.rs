@@ -223,23 +223,30 @@ impl Ctx {
     /// `stepdown`, a connection reset — and `deadline` is ahead. A worker process started
     /// (or replaced after `sigkill`) during a failover then waits for the new primary, as a
     /// real worker would, instead of exiting and leaving its slot empty for the rest of the
-    /// run. Any other error, or one at the deadline, is returned.
+    /// run. `Ok(None)` if the retryable error lasts until the deadline: the run ended
+    /// before the worker could start (a replacement started late in the run, during a
+    /// stepdown), which leaves it nothing to do — not a failure. Any other error is
+    /// returned.
     pub(super) async fn setup<T, F, Fut>(
         &self,
         process: Process,
         deadline: Instant,
         mut open: F,
-    ) -> anyhow::Result<T>
+    ) -> anyhow::Result<Option<T>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = docwarden::Result<T>>,
     {
         loop {
             match open().await {
-                Ok(handle) => return Ok(handle),
+                Ok(handle) => return Ok(Some(handle)),
                 Err(e) if e.is_retryable() && Instant::now() + SETUP_RETRY < deadline => {
                     tracing::debug!(process = process.id(), %e, "worker setup failed: retrying");
                     tokio::time::sleep(SETUP_RETRY).await;
+                }
+                Err(e) if e.is_retryable() => {
+                    tracing::info!(process = process.id(), %e, "the run ended before this worker could open its handle");
+                    return Ok(None);
                 }
                 Err(e) => return Err(e.into()),
             }

@@ -47,11 +47,14 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let time = ctx.clock(process)?;
-    let sem = ctx
+    let Some(sem) = ctx
         .setup(process, deadline, || {
             semaphore::open(&ctx.db, SEM, time.clone(), PERMITS, ctx.mode)
         })
-        .await?;
+        .await?
+    else {
+        return Ok(());
+    };
     let mut rng = ctx.rng(process);
     while Instant::now() < deadline {
         let owner = Owner::random();

@@ -91,11 +91,14 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
 /// A worker process: applies its slot's share of the deliveries until the deadline.
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
-    let registrar = ctx
+    let Some(registrar) = ctx
         .setup(process, deadline, || {
             enrollment::open_registrar(ctx.db.collection::<Document>(STUDENTS_COLLECTION))
         })
-        .await?;
+        .await?
+    else {
+        return Ok(());
+    };
     let slot = ctx.slot.map_or(0, |s| s.index);
     let (_, deliveries) = plan(ctx);
     let share = deliveries

@@ -126,26 +126,19 @@ async fn server_commands(client: &Client) -> anyhow::Result<u64> {
         .get_document("metrics")
         .and_then(|m| m.get_document("commands"))
         .map_err(|e| anyhow::anyhow!("serverStatus without metrics.commands: {e}"))?;
-    let mut total = 0_u64;
-    for (name, value) in commands {
-        if NOT_COUNTED.contains(&name.as_str()) {
-            continue;
-        }
-        let count = match value {
-            mongodb::bson::Bson::Document(d) => match d.get("total") {
-                Some(mongodb::bson::Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
-                Some(mongodb::bson::Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
-                Some(mongodb::bson::Bson::Double(n)) if *n >= 0.0 => {
-                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                    let n = *n as u64;
-                    n
-                }
-                _ => 0,
+    // Each command's counters are `{total, failed, …}`; MongoDB and the embedded server
+    // report `total` as an int64 (an int32 is taken too).
+    let total = commands
+        .iter()
+        .filter(|(name, _)| !NOT_COUNTED.contains(&name.as_str()))
+        .filter_map(
+            |(_, counters)| match counters.as_document()?.get("total")? {
+                mongodb::bson::Bson::Int64(n) => u64::try_from(*n).ok(),
+                mongodb::bson::Bson::Int32(n) => u64::try_from(*n).ok(),
+                _ => None,
             },
-            _ => 0,
-        };
-        total += count;
-    }
+        )
+        .sum();
     Ok(total)
 }
 

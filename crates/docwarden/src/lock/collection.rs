@@ -730,9 +730,9 @@ impl LockCollection {
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let result = self
             .locks
-            .update_one(cas_filter(lease), release_update())
+            .update_one(doc! { "_id": &lease.resource }, release_pipeline(lease))
             .await?;
-        if result.matched_count == 0 {
+        if result.modified_count == 0 {
             return Err(lost(lease));
         }
         Ok(())
@@ -887,6 +887,26 @@ pub(crate) fn renew_filter(lease: &Lease, now: &ServerTime, margin_ms: i64) -> D
 
 /// Frees the lock, keeps its token, and starts the garbage-collection clock at the
 /// server's now.
+/// The release as a pipeline for the filter `{_id}` alone: `owner: null` and `expires_at:
+/// $$NOW` when the document still shows `lease` ([`holds`]), the document unchanged
+/// otherwise (`modifiedCount` 0: the lease was lost).
+fn release_pipeline(lease: &Lease) -> Vec<Document> {
+    let held = holds(lease);
+    vec![doc! { "$set": {
+        "owner": { "$cond": [held.clone(), Bson::Null, "$owner"] },
+        "expires_at": { "$cond": [held, "$$NOW", "$expires_at"] },
+    } }]
+}
+
+/// [`cas_filter`] as an aggregation expression over the stored document.
+pub(crate) fn holds(lease: &Lease) -> Document {
+    doc! { "$and": [
+        { "$eq": ["$owner", { "$literal": &lease.owner }] },
+        { "$eq": ["$token", lease.token] },
+        { "$eq": [{ "$type": "$pending" }, "missing"] },
+    ] }
+}
+
 fn release_update() -> Document {
     doc! {
         "$set": { "owner": Bson::Null },
@@ -1097,7 +1117,8 @@ mod tests {
 
     /// The acquire as a model, under arbitrary interleavings of four acquirers (two owner
     /// ids), expiries, deletions of the lock document, release-all, and replays of any
-    /// lease ever handed out (renew or release, evaluated with the real [`cas_filter`]).
+    /// lease ever handed out (renew evaluated with the real [`cas_filter`], release with
+    /// the real [`holds`] expression of its pipeline, checked to agree).
     /// The fast path (a token from the document's block, one write) and the slow path
     /// (nonce, block reserved in the counter, commit) follow [`acquire_pipeline`] and
     /// [`reserve_pipeline`]; the block size is small so blocks run out. Two properties:
@@ -1110,7 +1131,7 @@ mod tests {
         use mongodb::bson::{Bson, DateTime, Document, doc};
         use proptest::prelude::*;
 
-        use super::super::cas_filter;
+        use super::super::{cas_filter, holds};
         use crate::lock::lease::Lease;
         use crate::token::FencingToken;
 
@@ -1179,6 +1200,31 @@ mod tests {
                 }
                 v => d.get(k) == Some(v),
             })
+        }
+
+        /// Evaluates the expressions [`holds`] uses: `$and`, `$eq`, `$type` (of a field
+        /// that is missing or not), `$literal`, field paths and constants.
+        fn eval(e: &Bson, d: &Document) -> Bson {
+            match e {
+                Bson::String(p) if p.starts_with('$') => {
+                    d.get(&p[1..]).cloned().unwrap_or(Bson::Undefined)
+                }
+                Bson::Document(op) => match op.iter().next() {
+                    Some((k, Bson::Array(args))) if k == "$and" => {
+                        Bson::Boolean(args.iter().all(|a| eval(a, d) == Bson::Boolean(true)))
+                    }
+                    Some((k, Bson::Array(args))) if k == "$eq" => {
+                        Bson::Boolean(eval(&args[0], d) == eval(&args[1], d))
+                    }
+                    Some((k, arg)) if k == "$type" => match eval(arg, d) {
+                        Bson::Undefined => Bson::String("missing".into()),
+                        _ => Bson::String("present".into()),
+                    },
+                    Some((k, v)) if k == "$literal" => v.clone(),
+                    _ => panic!("expression not modelled: {op}"),
+                },
+                v => v.clone(),
+            }
         }
 
         fn lease(owner: String, token: i64) -> Lease {
@@ -1277,8 +1323,16 @@ mod tests {
                             }
                             let (lease, nonce) = &leases[lease % leases.len()];
                             let Some(d) = doc.as_mut() else { continue };
+                            // Release writes by `_id` with `holds` in its pipeline, renew
+                            // filters by `cas_filter`: both must pick the same documents.
+                            let by_filter = matches(&cas_filter(lease), &stored(d));
+                            prop_assert_eq!(
+                                eval(&Bson::Document(holds(lease)), &stored(d)),
+                                Bson::Boolean(by_filter),
+                                "release and renew disagree on {:?} for {:?}", d, lease
+                            );
                             // Renew also needs a certainly valid expiry.
-                            if (release || !d.expired) && matches(&cas_filter(lease), &stored(d)) {
+                            if (release || !d.expired) && by_filter {
                                 prop_assert!(
                                     d.pending.is_none() && d.acquisition == *nonce,
                                     "lease {lease:?} of acquisition {nonce} matched {d:?}"

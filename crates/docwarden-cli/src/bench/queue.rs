@@ -1,7 +1,11 @@
 //! Queue workloads: a [`Worker`] with `workers` handlers draining a backlog kept at
 //! 100, 10,000 and 100,000 due jobs, next to seed 002's own claim loop
 //! (`docwarden_workloads::seed_claim`, `update_one` + `find_one`, then the final
-//! `update_one`) with `workers` threads on the same backlog.
+//! `update_one`) with `workers` threads on the same backlog. With the 10,000 backlog a
+//! second `Worker` row whose handler awaits 1 ms per job (a call to another service):
+//! the rows above measure the claim path with handlers that do nothing, which one
+//! handler can already keep the server busy with; this one shows how the rate scales
+//! with handlers when the handler is the bound.
 //!
 //! The 10,000 and 100,000 rows keep between `backlog` and 1.5 × `backlog` jobs due while
 //! they are timed, and no insert competes with the claims (the shape of the issue's
@@ -76,14 +80,34 @@ where
     Ok(())
 }
 
-async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Result<BenchRow> {
-    let name = format!("queue Worker, backlog {backlog}");
+/// How long the I/O handler row's handler awaits per job (a call to another service).
+const IO_HANDLER: Duration = Duration::from_millis(1);
+
+/// The backlog of the I/O handler row.
+const IO_BACKLOG: usize = 10_000;
+
+async fn worker_row(
+    db: &Database,
+    load: &Load,
+    backlog: usize,
+    handler: Option<Duration>,
+) -> anyhow::Result<BenchRow> {
+    let name = match handler {
+        None => format!("queue Worker, backlog {backlog}"),
+        Some(d) => format!(
+            "queue Worker, backlog {backlog}, handler awaits {} ms",
+            d.as_millis()
+        ),
+    };
     load.progress
         .set_message(format!("{name} × {} handlers", load.workers));
     let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
     let options = QueueOptions::default();
     let ttl_ms = i64::try_from(options.lease_ttl.as_millis())?;
-    let coll = format!("bench_queue_{backlog}");
+    let coll = format!(
+        "bench_queue_{backlog}{}",
+        if handler.is_some() { "_io" } else { "" }
+    );
     let q = JobQueue::open(db, &coll, time, options).await?;
     let mut options = WorkerOptions::default()
         .name("bench")
@@ -92,11 +116,14 @@ async fn worker_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Resul
         options = options.batch_size(n);
     }
     let timed = if backlog < PRODUCED_BELOW {
-        produced_run(&q, load, backlog, options).await?
+        produced_run(&q, load, backlog, options, handler).await?
     } else {
-        rounds(&q, load, backlog, options).await?
+        rounds(&q, load, backlog, options, handler).await?
     };
     let hist = claim_to_completion(&q, ttl_ms).await?;
+    if handler.is_some() {
+        q.collection().drop().await?;
+    }
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = timed.ops as f64 / timed.elapsed.as_secs_f64();
     Ok(BenchRow {
@@ -131,6 +158,7 @@ async fn produced_run(
     load: &Load,
     backlog: usize,
     options: WorkerOptions,
+    handler: Option<Duration>,
 ) -> anyhow::Result<Timed> {
     Producer::new().enqueue(q, backlog).await?;
     let started = Arc::new(AtomicU64::new(0));
@@ -154,7 +182,7 @@ async fn produced_run(
             .await
         })
     };
-    let worker = counting_worker(q, options, &started)?;
+    let worker = counting_worker(q, options, &started, handler)?;
     let mark = Mark::now(load, &worker).await?;
     tokio::time::sleep(load.duration).await;
     let mut timed = Timed::zero();
@@ -165,16 +193,23 @@ async fn produced_run(
     Ok(timed)
 }
 
-/// A `Worker` whose handler does nothing but count the jobs it started in `started`.
+/// A `Worker` whose handler counts the jobs it started in `started` and then, with
+/// `handler`, awaits that long (an I/O call), otherwise returns at once.
 fn counting_worker(
     q: &JobQueue,
     options: WorkerOptions,
     started: &Arc<AtomicU64>,
+    handler: Option<Duration>,
 ) -> anyhow::Result<Worker> {
     let counter = Arc::clone(started);
     Ok(Worker::spawn(q.clone(), options, move |_job| {
         counter.fetch_add(1, Ordering::Relaxed);
-        async { Ok(Bson::Null) }
+        async move {
+            if let Some(d) = handler {
+                tokio::time::sleep(d).await;
+            }
+            Ok(Bson::Null)
+        }
     })?)
 }
 
@@ -240,6 +275,7 @@ async fn rounds(
     load: &Load,
     backlog: usize,
     options: WorkerOptions,
+    handler: Option<Duration>,
 ) -> anyhow::Result<Timed> {
     let timed_jobs = (backlog / 2).max(1);
     let top = backlog + timed_jobs + WARM_UP;
@@ -254,7 +290,7 @@ async fn rounds(
         let due = usize::try_from(q.collection().count_documents(ready.clone()).await?)?;
         producer.enqueue(q, top.saturating_sub(due)).await?;
         let started = Arc::new(AtomicU64::new(0));
-        let worker = counting_worker(q, options.clone(), &started)?;
+        let worker = counting_worker(q, options.clone(), &started, handler)?;
         // Until the worker has started `n` jobs, or `stop` has passed.
         let until = |n: u64, stop: Option<Instant>| {
             let started = Arc::clone(&started);
@@ -351,12 +387,18 @@ async fn seed_row(db: &Database, load: &Load, backlog: usize) -> anyhow::Result<
     row
 }
 
-/// The rows: per backlog the `Worker` and, with `anchor`, the seed loop.
+/// The rows: per backlog the `Worker` and, with `anchor`, the seed loop; with the 10,000
+/// backlog also a `Worker` whose handler awaits [`IO_HANDLER`] per job (what a handler
+/// calling another service does), which shows how the rate scales with handlers when
+/// the handler, not the server, is the bound.
 pub(crate) async fn run(db: &Database, load: &Load, anchor: bool) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
     let backlogs = load.backlogs.clone().unwrap_or_else(|| BACKLOGS.to_vec());
     for backlog in backlogs {
-        rows.push(worker_row(db, load, backlog).await?);
+        rows.push(worker_row(db, load, backlog, None).await?);
+        if backlog == IO_BACKLOG {
+            rows.push(worker_row(db, load, backlog, Some(IO_HANDLER)).await?);
+        }
         if anchor {
             rows.push(seed_row(db, load, backlog).await?);
         }

@@ -885,8 +885,6 @@ pub(crate) fn renew_filter(lease: &Lease, now: &ServerTime, margin_ms: i64) -> D
     f
 }
 
-/// Frees the lock, keeps its token, and starts the garbage-collection clock at the
-/// server's now.
 /// The release as a pipeline for the filter `{_id}` alone: `owner: null` and `expires_at:
 /// $$NOW` when the document still shows `lease` ([`holds`]), the document unchanged
 /// otherwise (`modifiedCount` 0: the lease was lost).
@@ -907,6 +905,9 @@ pub(crate) fn holds(lease: &Lease) -> Document {
     ] }
 }
 
+/// Frees the lock, keeps its token, and starts the garbage-collection clock at the
+/// server's now: the operator form, for [`LockCollection::release_all`] and for freeing a
+/// half-acquired lock, whose filters say what they free.
 fn release_update() -> Document {
     doc! {
         "$set": { "owner": Bson::Null },

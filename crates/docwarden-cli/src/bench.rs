@@ -308,13 +308,14 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--workers must list counts of at least 1"
     );
     let session = args.conn.open(args.json).await?;
-    let started = Arc::new(AtomicU64::new(0));
-    let monitored = (!session.embedded()).then_some(&started);
-    let client = bench_client(&session.uri(), Duration::from_secs(30), monitored).await?;
-    let commands = if session.embedded() {
-        Commands::Server(client.clone())
+    let timeout = Duration::from_secs(30);
+    let (client, commands) = if session.embedded() {
+        let client = bench_client(&session.uri(), timeout, None).await?;
+        (client.clone(), Commands::Server(client))
     } else {
-        Commands::Driver(started)
+        let started = Arc::new(AtomicU64::new(0));
+        let client = bench_client(&session.uri(), timeout, Some(&started)).await?;
+        (client, Commands::Driver(started))
     };
     anyhow::ensure!(
         args.backlogs.iter().all(|b| *b > 0),

@@ -897,7 +897,7 @@ fn release_pipeline(lease: &Lease) -> Vec<Document> {
 }
 
 /// [`cas_filter`] as an aggregation expression over the stored document.
-pub(crate) fn holds(lease: &Lease) -> Document {
+fn holds(lease: &Lease) -> Document {
     doc! { "$and": [
         { "$eq": ["$owner", { "$literal": &lease.owner }] },
         { "$eq": ["$token", lease.token] },

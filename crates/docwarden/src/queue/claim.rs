@@ -256,7 +256,18 @@ impl JobQueue {
     /// claimable states, each an equality on `state` and an `$in` on `partition` (the
     /// prefix of [`index::CLAIM_PARTITION`](super::index::CLAIM_PARTITION)), with the due
     /// condition beside it: never a top-level `$expr`, never a hint.
+    ///
+    /// When `partitions` is every partition (a small backlog widens the span to all of
+    /// them), the `$in` is left out: the arms are `{state, queue}` alone, which match the
+    /// same jobs (format 1 included) as two index ranges instead of two per partition.
+    /// On the embedded server each range is a seek: with 256 partitions the `$in` form
+    /// cost ~3 ms of server CPU per read whatever the backlog, the two ranges ~1 ms
+    /// (`docs/benchmarks.md`, session 8). On MongoDB an `$in` of more than 200 index
+    /// bounds is not merge-sorted anyway, while each `{state, queue}` arm can read the
+    /// claim index in claim order.
     pub(crate) fn partition_filter(&self, partitions: &[i64], now: &ServerTime) -> Document {
+        let every = usize::try_from(self.inner.options.partitions)
+            .is_ok_and(|total| partitions.len() >= total);
         let keys: Vec<Bson> = partitions
             .iter()
             .map(|p| Bson::Int64(*p))
@@ -265,11 +276,14 @@ impl JobQueue {
         let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
             .iter()
             .map(|s| {
-                doc! {
+                let mut arm = doc! {
                     field::STATE: s.as_str(),
                     field::QUEUE: self.queue_value(),
-                    field::PARTITION: { "$in": keys.clone() },
+                };
+                if !every {
+                    arm.insert(field::PARTITION, doc! { "$in": keys.clone() });
                 }
+                arm
             })
             .collect();
         doc! { "$or": arms, field::RUN_AT: { "$lte": now.latest() }, field::LIMITS: Bson::Null }
@@ -750,6 +764,35 @@ mod tests {
         assert_eq!(q.next_partitions().0.len(), 256);
         let (_, span) = run(&q, 39.0, 64, 10);
         assert!(span < 80.0, "still reading {span:.0} partitions a claim");
+        Ok(())
+    }
+
+    /// A read of some partitions names them; a read of every partition (a small backlog)
+    /// names none, so the server reads two index ranges, not two per partition.
+    #[tokio::test]
+    async fn a_read_of_every_partition_names_none() -> anyhow::Result<()> {
+        use super::field;
+        let q = handle().await?;
+        let now = crate::clock::ServerTime {
+            estimate_ms: 0,
+            bound_ms: 0,
+        };
+        let arms = |partitions: &[i64]| -> anyhow::Result<Vec<mongodb::bson::Document>> {
+            Ok(q.partition_filter(partitions, &now)
+                .get_array("$or")?
+                .iter()
+                .filter_map(|a| a.as_document().cloned())
+                .collect())
+        };
+        let some = arms(&[3, 4])?;
+        assert_eq!(some.len(), 2);
+        assert!(some.iter().all(|a| a.contains_key(field::PARTITION)));
+        let every: Vec<i64> = (0..256).collect();
+        let all = arms(&every)?;
+        assert_eq!(all.len(), 2);
+        assert!(all.iter().all(|a| !a.contains_key(field::PARTITION)
+            && a.contains_key(field::STATE)
+            && a.contains_key(field::QUEUE)));
         Ok(())
     }
 }

@@ -592,3 +592,53 @@ async fn a_busy_worker_closes_its_change_stream_and_reopens_it_when_idle() -> an
     assert_eq!(report.succeeded, 3001);
     Ok(())
 }
+
+/// Slow handlers never grow the prefetch (`docs/queue.md`, "Prefetch and batch claims"):
+/// a worker with one handler whose jobs take far longer than a claim holds one job at a
+/// time, so the next due job stays claimable by any other worker. Before the fix the
+/// prefetch grew on every full claim that came back to an idle handler — and the handler
+/// whose free slot the claim was made for is always idle then — so the worker held all
+/// three jobs at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_handlers_never_hold_a_job_they_cannot_start() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_slow_prefetch").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().name("slow").concurrency(1),
+        |job| async move {
+            let ms = job
+                .payload()
+                .as_document()
+                .and_then(|d| d.get_i64("ms").ok())
+                .unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(u64::try_from(ms)?)).await;
+            Ok(Bson::Null)
+        },
+    )?;
+    // Warm: a job has run (only handlers that finished one can grow the prefetch).
+    q.enqueue(doc! { "ms": 300_i64 }, &EnqueueOptions::default())
+        .await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
+    q.enqueue_many((0..3).map(|_| (doc! { "ms": 1_000_i64 }, EnqueueOptions::default())))
+        .await?;
+    let mut most = 0;
+    let until = Instant::now() + Duration::from_millis(2_500);
+    while Instant::now() < until {
+        most = most.max(count(&coll, doc! { "state": "running" }).await?);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    w.shutdown().await;
+    assert_eq!(
+        most, 1,
+        "a worker with one handler slower than its claims held {most} jobs at once"
+    );
+    Ok(())
+}

@@ -392,9 +392,10 @@ pub struct WorkerOptions {
     pub batch_size: usize,
     /// Most jobs held beyond the handler slots: claimed, leased, and waiting in the
     /// worker for a free handler. The worker starts at 0 and doubles its prefetch while
-    /// handlers finish faster than a claim comes back (they ran dry with jobs still
-    /// due), up to this; it halves it when a claim comes back short. Default 256; `0`
-    /// never claims more jobs than free handlers.
+    /// handlers finish faster than a claim comes back (a full claim found a handler idle,
+    /// and the handlers' average run time is shorter than that claim took), up to this;
+    /// it halves it when a claim comes back short. Default 256; `0` never claims more
+    /// jobs than free handlers.
     pub prefetch: usize,
     /// Heartbeat period while a handler runs. Default: a third of the lease TTL.
     pub heartbeat_every: Option<Duration>,

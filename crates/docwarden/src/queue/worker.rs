@@ -173,6 +173,9 @@ struct Ctx {
     prefetch: AtomicUsize,
     /// Handlers finished so far (the prefetch grows only once some have finished).
     finished: AtomicU64,
+    /// How long a handler runs, microseconds: a moving average (weight 1/8) over the
+    /// finished ones. The prefetch grows only while it is shorter than a claim.
+    handler_micros: AtomicU64,
     /// Signalled when a handler finishes (a slot is free).
     slot_freed: Notify,
     /// Signalled by the change-stream listener when a job was cancelled: the heartbeat
@@ -196,6 +199,21 @@ struct Ctx {
 }
 
 impl Ctx {
+    /// Folds one handler's run time into [`Ctx::handler_micros`].
+    fn ran_for(&self, took: Duration) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let first = self.finished.load(Ordering::Relaxed) == 0;
+        let _ = self
+            .handler_micros
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(if first {
+                    micros
+                } else {
+                    avg - avg / 8 + micros / 8
+                })
+            });
+    }
+
     fn hold(&self, jobs: &[ClaimedJob]) -> Vec<CancellationToken> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         jobs.iter()
@@ -289,6 +307,7 @@ impl Worker {
             idle_handlers: AtomicUsize::new(0),
             prefetch: AtomicUsize::new(0),
             finished: AtomicU64::new(0),
+            handler_micros: AtomicU64::new(0),
             slot_freed: Notify::new(),
             check_now: Arc::new(Notify::new()),
             paused: pause_check.then_some(paused_rx),
@@ -577,6 +596,7 @@ async fn claim_loop(
                 continue;
             }
         };
+        let claim_started = tokio::time::Instant::now();
         let claimed = {
             let _turn = ctx.io.acquire().await;
             match woken.take() {
@@ -605,9 +625,14 @@ async fn claim_loop(
                     }
                 }
                 // Handlers that have run jobs wait for one while the queue still gave
-                // a full batch: they are faster than claims, so hold more. (Handlers
-                // that never finished a job, say stuck ones, never grow it.)
+                // a full batch, and a job takes them less time than this claim took:
+                // they are faster than claims, so hold more. (A handler is always idle
+                // when the claim made for its free slot returns; slower handlers, and
+                // handlers that never finished a job, say stuck ones, never grow it.)
+                let claim_micros =
+                    u64::try_from(claim_started.elapsed().as_micros()).unwrap_or(u64::MAX);
                 let starved = ctx.finished.load(Ordering::Relaxed) > 0
+                    && ctx.handler_micros.load(Ordering::Relaxed) < claim_micros
                     && ctx.idle_handlers.load(Ordering::Relaxed) > 0;
                 if jobs.len() < want {
                     ctx.prefetch.store(prefetch / 2, Ordering::Relaxed);
@@ -708,7 +733,9 @@ async fn run_slot(
             return;
         };
         let started = crate::observe::started(ctx.queue.metrics_label(), &job);
+        let ran_from = tokio::time::Instant::now();
         let final_transition = run_job(&ctx, &job, &lost, &hard).await;
+        ctx.ran_for(ran_from.elapsed());
         crate::observe::ran(
             ctx.queue.metrics_label(),
             started,

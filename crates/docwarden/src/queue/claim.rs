@@ -263,16 +263,21 @@ impl JobQueue {
     /// On the embedded server each range is a seek: with 256 partitions the `$in` form
     /// cost ~3 ms of server CPU per read whatever the backlog, the two ranges ~1 ms
     /// (`docs/benchmarks.md`, session 8). On MongoDB an `$in` of more than 200 index
-    /// bounds is not merge-sorted anyway, while each `{state, queue}` arm can read the
-    /// claim index in claim order.
+    /// bounds is not merge-sorted anyway (`internalQueryMaxScansToExplode`), and each
+    /// `{state, queue}` arm is an equality prefix the planner can serve from the claim
+    /// indexes.
     pub(crate) fn partition_filter(&self, partitions: &[i64], now: &ServerTime) -> Document {
         let every = usize::try_from(self.inner.options.partitions)
             .is_ok_and(|total| partitions.len() >= total);
-        let keys: Vec<Bson> = partitions
-            .iter()
-            .map(|p| Bson::Int64(*p))
-            .chain(std::iter::once(Bson::Null))
-            .collect();
+        let keys: Vec<Bson> = if every {
+            Vec::new()
+        } else {
+            partitions
+                .iter()
+                .map(|p| Bson::Int64(*p))
+                .chain(std::iter::once(Bson::Null))
+                .collect()
+        };
         let arms: Vec<Document> = [JobState::Ready, JobState::Retrying]
             .iter()
             .map(|s| {

@@ -57,6 +57,26 @@ pub async fn connect(uri: &str, timeout: Duration) -> Result<Client> {
     Ok(client)
 }
 
+/// Ends `client`'s server sessions and closes its connections, waiting at most `within`
+/// (an unreachable server is given up on; the server expires the sessions itself).
+///
+/// Call it before a process that owns the client exits. The driver ends a dropped client's
+/// sessions in a task it spawns from `Drop`; when the runtime shuts down while that task
+/// waits for a new connection, the driver panics in the task (the panic is caught, but its
+/// message and backtrace reach stderr, as in a `verify` worker process after a fault).
+/// After this call no drop of the client or its clones spawns anything.
+pub async fn disconnect(client: Client, within: Duration) {
+    let handle = client.clone();
+    if tokio::time::timeout(within, client.shutdown().immediate(true))
+        .await
+        .is_err()
+    {
+        // Not shut down: dropping the last handle would spawn the same `endSessions`, so
+        // this one is never dropped (the process is exiting).
+        std::mem::forget(handle);
+    }
+}
+
 /// The driver's message reduced to one readable line: for a server-selection timeout, the
 /// first server's own error ("Connection refused", "Name or service not known").
 fn first_line(s: &str) -> String {

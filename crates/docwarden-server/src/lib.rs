@@ -13,6 +13,6 @@ mod connect;
 mod error;
 mod server;
 
-pub use connect::{Target, connect, mask_uri, uri_from_env};
+pub use connect::{Target, connect, disconnect, mask_uri, uri_from_env};
 pub use error::{Error, Result};
 pub use server::{EmbeddedServer, INSTALL_HINT, SECANTUS_VERSION, ServerOptions};

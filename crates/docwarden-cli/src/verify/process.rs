@@ -209,6 +209,9 @@ fn emit(entry: &Entry) {
 }
 
 /// Runs one worker process: `docwarden verify-worker`.
+/// How long a worker process waits for its client to end its sessions before it exits.
+const DISCONNECT_WITHIN: Duration = Duration::from_millis(500);
+
 pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let origin = origin_instant(args.origin_us)?;
     let history = Arc::new(
@@ -274,13 +277,19 @@ pub(crate) async fn child(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         let _ = abort_tx.send(());
     });
     let result = tokio::select! {
-        result = &mut work => result,
+        result = &mut work => Some(result),
         _ = abort_rx => {
             // Dropping the worker's futures records what was in flight as indeterminate.
             work.abort();
             let _ = (&mut work).await;
-            return Ok(ExitCode::SUCCESS);
+            None
         }
+    };
+    // The process exits next: end the client's sessions now, not in a task the driver
+    // spawns from `Drop` while the runtime shuts down.
+    docwarden_server::disconnect(ctx.client.clone(), DISCONNECT_WITHIN).await;
+    let Some(result) = result else {
+        return Ok(ExitCode::SUCCESS);
     };
     match result {
         Ok(Ok(())) => Ok(ExitCode::SUCCESS),

@@ -4,15 +4,23 @@
 
 use std::process::Command;
 
-/// Runs `docwarden verify ARGS --json`: the exit code and the summary.
+/// Runs `docwarden verify ARGS --json`: the exit code and the summary. Fails when
+/// anything in the run panicked (stderr names it).
 pub(crate) fn verify(args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
     let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
         .arg("verify")
         .args(args)
         .arg("--json")
         .output()?;
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| anyhow::anyhow!("{e}: {stderr}"))?;
+    // No thread of the run or of its worker processes panicked, not even in a task whose
+    // panic the runtime caught (the driver's session cleanup at a process's exit did).
+    anyhow::ensure!(
+        !stderr.contains("panicked at"),
+        "a thread panicked during the run:\n{stderr}"
+    );
     Ok((out.status.code().unwrap_or(-1), json))
 }
 

@@ -18,7 +18,7 @@ use docwarden::check::state::{
     check_against_model, check_identical_documents, check_one_document_per_key,
 };
 use docwarden::sequence::{
-    ApplyOutcome as Outcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions,
+    ApplyOutcome as Outcome, FieldsOptions, SequencedFields, SequencedSet, SetOp, SetOptions,
 };
 use futures::TryStreamExt;
 use mongodb::Collection;
@@ -261,6 +261,26 @@ pub async fn apply(
             Ok(None)
         }
     }
+}
+
+/// The safe operation of [`apply`] for a batch of messages: one
+/// [`SequencedSet::apply_many`] (one round trip for the members the handle has seen, on
+/// MongoDB 8.0+), outcomes in message order.
+///
+/// # Errors
+/// A database error.
+pub async fn apply_batch(set: &SequencedSet, msgs: &[Message]) -> docwarden::Result<Vec<Outcome>> {
+    let ops: Vec<SetOp> = msgs
+        .iter()
+        .map(|m| {
+            if m.enroll {
+                SetOp::add(m.student, m.class, m.seq)
+            } else {
+                SetOp::remove(m.student, m.class, m.seq)
+            }
+        })
+        .collect();
+    set.apply_many(&ops).await
 }
 
 /// What the final read found.

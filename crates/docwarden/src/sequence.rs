@@ -29,7 +29,8 @@
 //! update rewrites the plain members array (O(members) work, fine for hundreds or a few
 //! thousand members per document, not for hundreds of thousands).
 //!
-//! - [`set::SequencedSet`]: a last-writer-wins element set (`add` / `remove`).
+//! - [`set::SequencedSet`]: a last-writer-wins element set (`add` / `remove`; a batch of
+//!   them in one round trip with [`set::SequencedSet::apply_many`], see [`batch`]).
 //! - [`register::SequencedFields`]: last-writer-wins registers (`set` a field).
 //! - [`compact`]: tombstone compaction below a watermark.
 //! - Names: members may be any non-empty string (stored as given in the members array,
@@ -57,11 +58,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod batch;
 pub mod compact;
 pub mod encode;
 pub mod register;
 pub mod set;
 
+pub use batch::SetOp;
 pub use compact::CompactionReport;
 pub use register::{FieldsOptions, SequencedFields};
 pub use set::{MemberState, SequencedSet, SetOptions};

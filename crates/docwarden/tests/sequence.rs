@@ -4,7 +4,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use docwarden::Error;
-use docwarden::sequence::{ApplyOutcome, FieldsOptions, SequencedFields, SequencedSet, SetOptions};
+use docwarden::sequence::{
+    ApplyOutcome, FieldsOptions, SequencedFields, SequencedSet, SetOp, SetOptions,
+};
 use docwarden_testkit::TestDb;
 use docwarden_workloads::enrollment;
 use mongodb::Collection;
@@ -1241,5 +1243,297 @@ fn operator_form_raced_by_8_consumers_equals_the_model_and_stores_one_document()
     });
     drop((set, fields));
     rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+/// Like [`consume`], but each consumer takes a batch of 1–5 messages at a time and
+/// applies it with [`SequencedSet::apply_many`].
+async fn consume_batches(
+    set: &SequencedSet,
+    key: i64,
+    messages: Vec<Op>,
+    seed: u64,
+) -> anyhow::Result<Vec<(Op, ApplyOutcome)>> {
+    let queue = Arc::new(Mutex::new((messages, StdRng::seed_from_u64(seed))));
+    let mut tasks = Vec::new();
+    for _ in 0..CONSUMERS {
+        let queue = Arc::clone(&queue);
+        let set = set.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            loop {
+                let batch: Vec<Op> = {
+                    let mut q = queue.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+                    let n = rand::Rng::random_range(&mut q.1, 1..=5).min(q.0.len());
+                    let at = q.0.len() - n;
+                    q.0.split_off(at)
+                };
+                if batch.is_empty() {
+                    break;
+                }
+                let ops: Vec<SetOp> = batch
+                    .iter()
+                    .map(|o| {
+                        let m = MEMBERS[o.member];
+                        if o.present {
+                            SetOp::add(key, m, o.seq)
+                        } else {
+                            SetOp::remove(key, m, o.seq)
+                        }
+                    })
+                    .collect();
+                let outcomes = set.apply_many(&ops).await?;
+                anyhow::ensure!(outcomes.len() == ops.len(), "one outcome per operation");
+                seen.extend(batch.into_iter().zip(outcomes));
+            }
+            anyhow::Ok(seen)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+/// The violations of one key after a run: its states and members against the model, one
+/// document, and no message applied twice.
+async fn violations_of(
+    set: &SequencedSet,
+    key: i64,
+    ops: &[Op],
+    outcomes: Vec<(Op, ApplyOutcome)>,
+) -> anyhow::Result<u64> {
+    let mut violations = 0;
+    let expected = model(ops);
+    let got: BTreeMap<String, (i64, bool)> = set
+        .states(key)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| (s.member, (s.seq, s.present)))
+        .collect();
+    if got != expected {
+        eprintln!("key {key}: state {got:?} != model {expected:?} for {ops:?}");
+        violations += 1;
+    }
+    let members: BTreeSet<String> = set
+        .members(key)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    if members != present(&expected) {
+        eprintln!("key {key}: members {members:?} != model {expected:?}");
+        violations += 1;
+    }
+    if set
+        .collection()
+        .count_documents(doc! { "student_id": key })
+        .await?
+        != 1
+    {
+        violations += 1;
+    }
+    let mut applied: HashMap<Op, u32> = HashMap::new();
+    for (op, outcome) in outcomes {
+        if outcome == ApplyOutcome::Applied {
+            *applied.entry(op).or_default() += 1;
+        }
+    }
+    violations += applied.values().filter(|n| **n > 1).count() as u64;
+    Ok(violations)
+}
+
+// `apply_many`: 8 consumers apply duplicated deliveries in batches of 1–5; the document
+// must be the sequential model's, with no message applied twice. Half of each history
+// goes one by one first, shuffled, so the batches find predicted members (the
+// `bulkWrite` path) as well as new ones; the other half comes mostly in order.
+#[test]
+fn batches_by_8_consumers_equal_the_sequential_model() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("sequence_batches"))?;
+    let set = rt.block_on(student_set(&t))?;
+    let next_key = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 24,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let ops = prop::collection::vec(
+        (0..MEMBERS.len(), 0_i64..60, any::<bool>()).prop_map(|(member, seq, present)| Op {
+            member,
+            seq,
+            present,
+        }),
+        4..40,
+    );
+    proptest!(config, |(ops in ops, seed in any::<u64>())| {
+        let key = next_key.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let violations = rt.block_on(async {
+            let mut rng = StdRng::seed_from_u64(seed);
+            // The lower half of the sequence numbers one by one, shuffled; the upper half
+            // in batches, mostly in order (consumers take from the end), as a stream read
+            // in batches arrives (the racing consumers still interleave it).
+            let mut later = deliveries(&ops, &mut rng);
+            later.sort_by_key(|o| std::cmp::Reverse(o.seq));
+            let mut msgs = later.split_off(later.len() / 2);
+            msgs.shuffle(&mut rng);
+            let s = set.clone();
+            let mut outcomes = consume(msgs, move |o| {
+                let s = s.clone();
+                async move {
+                    let m = MEMBERS[o.member];
+                    Ok(if o.present { s.add(key, m, o.seq).await? } else { s.remove(key, m, o.seq).await? })
+                }
+            })
+            .await?;
+            outcomes.extend(consume_batches(&set, key, later, seed).await?);
+            violations_of(&set, key, &ops, outcomes).await
+        })
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(violations, 0);
+    });
+    drop(set);
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+/// A client of `t`'s server that counts the commands it sends, by name.
+async fn counting_client(
+    t: &TestDb,
+) -> anyhow::Result<(mongodb::Client, Arc<Mutex<HashMap<String, u32>>>)> {
+    let counts: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    let c = Arc::clone(&counts);
+    options.command_event_handler = Some(mongodb::event::EventHandler::callback(move |event| {
+        if let mongodb::event::command::CommandEvent::Started(s) = event
+            && let Ok(mut c) = c.lock()
+        {
+            *c.entry(s.command_name).or_default() += 1;
+        }
+    }));
+    Ok((mongodb::Client::with_options(options)?, counts))
+}
+
+// The batch's point: operations whose members the handle has seen go to the server as one
+// `bulkWrite` command, and their outcomes come back from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_predicted_operations_is_one_command() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_batch_command").await?;
+    let hello = t.db.run_command(doc! { "hello": 1 }).await?;
+    if hello.get_i32("maxWireVersion").unwrap_or(0) < 25 {
+        docwarden_testkit::skip(
+            "a_batch_of_predicted_operations_is_one_command",
+            "the server has no bulkWrite command (MongoDB 8.0+)",
+        );
+        return Ok(());
+    }
+    let (client, counts) = counting_client(&t).await?;
+    let set = enrollment::open_set(client.database(t.db.name()).collection("students")).await?;
+    for key in 0..4_i64 {
+        for m in ["CS 101", "MATH 2"] {
+            assert_eq!(set.add(key, m, 1).await?, ApplyOutcome::Applied);
+        }
+    }
+    counts
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clear();
+    let batch = vec![
+        SetOp::remove(0, "CS 101", 2),
+        SetOp::add(0, "CS 101", 3),
+        SetOp::remove(1, "MATH 2", 2),
+        SetOp::add(2, "CS 101", 5),
+        SetOp::remove(3, "CS 101", 4),
+        SetOp::remove(3, "CS 101", 4),
+    ];
+    let outcomes = set.apply_many(&batch).await?;
+    let sent = counts
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    // The last operation repeats the one before it: not predicted to apply, so it is
+    // applied on its own after the batch and reads as the duplicate it is.
+    assert_eq!(
+        outcomes,
+        vec![
+            ApplyOutcome::Applied,
+            ApplyOutcome::Applied,
+            ApplyOutcome::Applied,
+            ApplyOutcome::Applied,
+            ApplyOutcome::Applied,
+            ApplyOutcome::Duplicate,
+        ]
+    );
+    assert_eq!(sent.get("bulkWrite"), Some(&1), "commands sent: {sent:?}");
+    assert_eq!(
+        sent.get("update"),
+        None,
+        "no operation went on its own: {sent:?}"
+    );
+    assert_eq!(
+        set.members(0).await?,
+        Some(vec!["CS 101".to_owned(), "MATH 2".to_owned()])
+    );
+    assert_eq!(set.members(1).await?, Some(vec!["CS 101".to_owned()]));
+    assert_eq!(set.members(3).await?, Some(vec!["MATH 2".to_owned()]));
+    // A stale operation in a batch changes nothing and says so.
+    assert_eq!(
+        set.apply_many(&[SetOp::add(1, "MATH 2", 1), SetOp::add(2, "MATH 2", 9)])
+            .await?,
+        vec![ApplyOutcome::Stale, ApplyOutcome::Applied]
+    );
+    assert_eq!(set.members(1).await?, Some(vec!["CS 101".to_owned()]));
+    // Invalid input anywhere: nothing is sent.
+    assert!(matches!(
+        set.apply_many(&[SetOp::add(1, "MATH 2", 10), SetOp::add(1, "MATH 2", -1)])
+            .await,
+        Err(Error::InvalidInput { .. })
+    ));
+    let math = set
+        .states(1)
+        .await?
+        .unwrap_or_default()
+        .into_iter()
+        .find(|s| s.member == "MATH 2")
+        .map(|s| (s.seq, s.present));
+    assert_eq!(
+        math,
+        Some((2, false)),
+        "the valid operation of a refused batch was not sent"
+    );
+    drop(client);
+    Ok(())
+}
+
+// Control for the batch: the operator form's update sent in a bulk *without* its "wins"
+// condition (the filter reduced to the key) lets a stale add bring back a member a newer
+// remove took out — the condition is what keeps a batch's order-independence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_a_batch_without_its_condition_lets_a_stale_add_back() -> anyhow::Result<()> {
+    let t = TestDb::new("sequence_batch_control").await?;
+    let set = student_set(&t).await?;
+    set.add(1_i64, "CS 101", 1).await?;
+    set.remove(1_i64, "CS 101", 5).await?;
+    let (_, update) = set.operator_update_for(1_i64, "CS 101", 3, true, false)?;
+    // Safe: the batch refuses the stale add.
+    assert_eq!(
+        set.apply_many(&[SetOp::add(1_i64, "CS 101", 3)]).await?,
+        vec![ApplyOutcome::Stale]
+    );
+    assert_eq!(set.members(1_i64).await?, Some(Vec::new()));
+    // Control: the same update with the key alone as its filter.
+    set.collection()
+        .update_one(doc! { "student_id": 1_i64 }, update)
+        .await?;
+    let violations = u64::from(set.members(1_i64).await? != Some(Vec::new()));
+    assert_eq!(
+        violations, 1,
+        "the unconditioned update must bring the member back"
+    );
     Ok(())
 }

@@ -10,6 +10,9 @@
 //! sets where every member already has a state entry: an in-order stream (every apply
 //! applies), and with `--stages` random numbers (many stale applies).
 //!
+//! The in-order stream again in batches of 64 messages per `SequencedSet::apply_many`
+//! (one `bulkWrite` command per batch on MongoDB 8.0+): ops/s counts messages.
+//!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
@@ -25,6 +28,9 @@ use mongodb::{Collection, Database};
 use super::{BenchRow, Load, measure};
 
 const KEYS: i64 = 1_000;
+
+/// Messages per `apply_many` call in the batched row.
+const BATCH: usize = 64;
 
 fn random_message() -> Message {
     Message {
@@ -108,6 +114,32 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
                         };
                         enrollment::apply(&set, &msg, Mode::Safe).await?;
                         Ok(1)
+                    }
+                },
+            )
+            .await?,
+        );
+    }
+    // The same in-order stream read in batches (`SequencedSet::apply_many`: one
+    // `bulkWrite` for the batch): a consumer that takes its messages 64 at a time.
+    {
+        let set = seen_set(db, "bench_sequence_in_order_batches", true).await?;
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));
+        rows.push(
+            measure(
+                "sequence: in-order stream, every member seen, batches of 64 (apply_many)",
+                load,
+                move |_| {
+                    let (set, next) = (set.clone(), next.clone());
+                    async move {
+                        let msgs: Vec<Message> = (0..BATCH)
+                            .map(|_| Message {
+                                seq: next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                                ..random_message()
+                            })
+                            .collect();
+                        enrollment::apply_batch(&set, &msgs).await?;
+                        Ok(BATCH as u64)
                     }
                 },
             )

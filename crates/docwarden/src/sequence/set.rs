@@ -154,12 +154,15 @@ pub struct SequencedSet {
     pub(super) state_field: String,
     /// `_seq_sets.<field>.floor`.
     pub(super) floor_field: String,
-    canonical_order: bool,
-    operator_form: bool,
+    pub(super) canonical_order: bool,
+    pub(super) operator_form: bool,
     index_members: bool,
     /// With [`SetOptions::operator_form`]: the last state of each `(key, member)` entry
     /// this handle (and its clones) saw, which picks the form to try first.
     hints: Hints,
+    /// Set when the server refused the `bulkWrite` command ([`SequencedSet::apply_many`]
+    /// then applies one operation at a time).
+    pub(super) no_bulk: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The last state seen per `(key, member)` (see [`SequencedSet`]'s `hints`).
@@ -203,6 +206,7 @@ impl SequencedSet {
             canonical_order: options.canonical_order,
             operator_form: options.operator_form,
             hints: std::sync::Arc::default(),
+            no_bulk: std::sync::Arc::default(),
             index_members: options.index_members,
         })
     }
@@ -288,7 +292,7 @@ impl SequencedSet {
         self.apply(key.into(), member, seq, false).await
     }
 
-    async fn apply(
+    pub(super) async fn apply(
         &self,
         key: Bson,
         member: &str,
@@ -350,14 +354,14 @@ impl SequencedSet {
     }
 
     /// The last state of `(key, member)`'s entry this handle saw, if any.
-    fn hint(&self, at: &(String, String)) -> Option<(i64, bool)> {
+    pub(super) fn hint(&self, at: &(String, String)) -> Option<(i64, bool)> {
         self.hints.lock().ok()?.get(at).copied()
     }
 
     /// Records the state of `(key, member)`'s entry as seen in a reply. The map is a hint
     /// only (it picks the form to try first; the server decides), bounded by clearing it
     /// when it reaches [`HINTS_MAX`] entries.
-    fn remember(&self, at: (String, String), state: (i64, bool)) {
+    pub(super) fn remember(&self, at: (String, String), state: (i64, bool)) {
         if let Ok(mut hints) = self.hints.lock() {
             if hints.len() >= HINTS_MAX {
                 hints.clear();
@@ -378,7 +382,7 @@ impl SequencedSet {
     /// document is the one the pipeline would leave, byte for byte. For an add, `on_present_entry`
     /// picks the form for a member whose entry is present (only the entry changes) instead
     /// of a tombstone (the member is `$push`ed into the sorted array).
-    fn operator_update(
+    pub(super) fn operator_update(
         &self,
         key: &Bson,
         member: &str,

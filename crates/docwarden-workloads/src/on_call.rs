@@ -230,6 +230,44 @@ impl OnCall {
         }
     }
 
+    /// Toggles in one batch ([`Guarded::update_many`]: one round trip on MongoDB 8.0+),
+    /// outcomes in order. Safe: with the rule. Control: the same batch without the rule
+    /// (the guard with its safeguard off).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn toggle_batch(
+        &self,
+        toggles: &[Toggle],
+        mode: Mode,
+    ) -> docwarden::Result<Vec<Toggled>> {
+        let changes = toggles
+            .iter()
+            .map(|t| {
+                Ok((
+                    Bson::from(t.shift),
+                    Change::set_member(
+                        "doctors",
+                        "name",
+                        t.doctor,
+                        doc! { "on_call": t.on, "updated": DateTime::now() },
+                    )?,
+                ))
+            })
+            .collect::<docwarden::Result<Vec<_>>>()?;
+        let rules: &[Invariant] = match mode {
+            Mode::Safe => self.rules(),
+            Mode::Control => &[],
+        };
+        Ok(self
+            .guarded
+            .update_many(&changes, rules)
+            .await?
+            .into_iter()
+            .map(Toggled::Guarded)
+            .collect())
+    }
+
     /// The check after an operation: whether the rule holds on `shift`.
     ///
     /// # Errors
@@ -320,6 +358,21 @@ impl OnCallReport {
 /// # Errors
 /// A database error.
 pub async fn run(on_call: &OnCall, shifts: i64, config: RunConfig) -> anyhow::Result<OnCallReport> {
+    run_in_batches(on_call, shifts, config, 1).await
+}
+
+/// [`run`] with each worker sending its toggles `batch` at a time
+/// ([`OnCall::toggle_batch`]; 1: one [`OnCall::toggle`] each), checking every toggled
+/// shift after its batch. Control with batches: the batch without the rule.
+///
+/// # Errors
+/// A database error.
+pub async fn run_in_batches(
+    on_call: &OnCall,
+    shifts: i64,
+    config: RunConfig,
+    batch: usize,
+) -> anyhow::Result<OnCallReport> {
     #[derive(Default)]
     struct Counts {
         applied: AtomicU64,
@@ -332,17 +385,29 @@ pub async fn run(on_call: &OnCall, shifts: i64, config: RunConfig) -> anyhow::Re
     run_tasks(config.workers, |_| {
         let (on_call, counts) = (on_call.clone(), Arc::clone(&counts));
         async move {
-            for _ in 0..config.ops_per_worker {
-                let t = Toggle::random(&mut rand::rng(), shifts);
-                let counter = match on_call.toggle(&t, config.mode).await? {
-                    Toggled::Guarded(Outcome::Applied) => &counts.applied,
-                    Toggled::Guarded(Outcome::Rejected { .. }) => &counts.rejected,
-                    Toggled::Guarded(Outcome::NoChange) => &counts.unchanged,
-                    _ => &counts.other,
+            let mut left = config.ops_per_worker;
+            while left > 0 {
+                let n = left.min(u64::try_from(batch.max(1))?);
+                left -= n;
+                let toggles: Vec<Toggle> = (0..n)
+                    .map(|_| Toggle::random(&mut rand::rng(), shifts))
+                    .collect();
+                let outcomes = if batch <= 1 {
+                    vec![on_call.toggle(&toggles[0], config.mode).await?]
+                } else {
+                    on_call.toggle_batch(&toggles, config.mode).await?
                 };
-                counter.fetch_add(1, Ordering::Relaxed);
-                if !on_call.holds(t.shift).await? {
-                    counts.seen.fetch_add(1, Ordering::Relaxed);
+                for (t, outcome) in toggles.iter().zip(outcomes) {
+                    let counter = match outcome {
+                        Toggled::Guarded(Outcome::Applied) => &counts.applied,
+                        Toggled::Guarded(Outcome::Rejected { .. }) => &counts.rejected,
+                        Toggled::Guarded(Outcome::NoChange) => &counts.unchanged,
+                        _ => &counts.other,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    if !on_call.holds(t.shift).await? {
+                        counts.seen.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             anyhow::Ok(())

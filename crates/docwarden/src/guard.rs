@@ -13,6 +13,7 @@
 //! does not prevent write skew in read-then-write code — it only refuses the final
 //! invalid document. A change touches one top-level field.
 
+mod batch;
 mod check;
 mod index;
 mod invariant;

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod backoff;
+mod bulk;
 pub mod capabilities;
 pub mod check;
 pub mod clock;

@@ -14,6 +14,7 @@ use docwarden::guard::{
 };
 use docwarden_testkit::TestDb;
 use docwarden_workloads::{Mode as WorkloadMode, RunConfig, on_call};
+use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 
@@ -273,6 +274,59 @@ async fn on_call_control_read_then_write_breaks_the_rule() -> anyhow::Result<()>
     Ok(())
 }
 
+/// [`on_call_workload`] with each worker sending its toggles in batches of 8
+/// (`Guarded::update_many`). Returns the report.
+async fn on_call_batches(
+    coll: Collection<Document>,
+    mode: WorkloadMode,
+) -> anyhow::Result<on_call::OnCallReport> {
+    on_call::setup(&coll, SHIFTS).await?;
+    on_call::run_in_batches(
+        &on_call::OnCall::new(coll)?,
+        SHIFTS,
+        RunConfig {
+            workers: WORKERS,
+            ops_per_worker: u64::try_from(OPS_PER_WORKER)?,
+            mode,
+        },
+        8,
+    )
+    .await
+}
+
+// Batches: the same rule holds when 8 workers send their toggles 8 at a time in one
+// `bulkWrite` each; every toggle has an outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_call_holds_under_8_workers_sending_batches_of_8() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_on_call_batches").await?;
+    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Safe).await?;
+    assert_eq!(r.seen, 0, "violations observed after batches");
+    assert_eq!(r.at_end, 0, "violating shifts at the end");
+    assert_eq!(
+        r.applied + r.rejected + r.unchanged,
+        u64::try_from(WORKERS * OPS_PER_WORKER)?
+    );
+    assert!(
+        r.applied > 0 && r.rejected > 0,
+        "both outcomes occur: {r:?}"
+    );
+    Ok(())
+}
+
+// Control: the same batches without the rule (the guard's safeguard off) take the last
+// doctor off call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_call_control_batches_without_the_rule_break_it() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_on_call_batches_control").await?;
+    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Control).await?;
+    eprintln!(
+        "control: {} violations observed, {} violating shifts at the end",
+        r.seen, r.at_end
+    );
+    assert!(r.seen > 0, "batches without the rule should break it");
+    Ok(())
+}
+
 /// 8 workers × 1,000 random book/cancel operations on 10 flights of 10 seats.
 async fn capacity_workload(
     coll: Collection<Document>,
@@ -487,5 +541,122 @@ async fn an_embedded_array_index_is_used_by_the_seed_query() -> anyhow::Result<(
     // The check can fail: an unindexed embedded field is a collection scan.
     let unindexed = guard::index_use(&coll, doc! { "doctors.name": "doctor1" }).await?;
     assert_eq!(unindexed, IndexUse::CollectionScan);
+    Ok(())
+}
+
+// `update_many` gives every outcome `update` gives, in batch order, with one `bulkWrite`
+// for the batch (driver command monitoring) and one explaining read per change it did not
+// write; the documents end as one-by-one updates leave them.
+#[tokio::test]
+async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_batch_outcomes").await?;
+    let hello = t.db.run_command(doc! { "hello": 1 }).await?;
+    let bulk = hello.get_i32("maxWireVersion").unwrap_or(0) >= 25;
+    let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    let s = Arc::clone(&sent);
+    options.command_event_handler = Some(mongodb::event::EventHandler::callback(move |event| {
+        if let mongodb::event::command::CommandEvent::Started(e) = event
+            && let Ok(mut s) = s.lock()
+        {
+            s.push(e.command_name);
+        }
+    }));
+    let client = mongodb::Client::with_options(options)?;
+    let db = client.database(t.db.name());
+    let shifts = |on: [bool; 2]| {
+        doc! { "doctors": [
+            { "name": "Alice", "on_call": on[0] },
+            { "name": "Bob", "on_call": on[1] },
+        ] }
+    };
+    let mut outcomes = Vec::new();
+    for name in ["batch", "one_by_one"] {
+        let coll = db.collection::<Document>(name);
+        for (id, on) in [
+            (1, [true, true]),
+            (2, [true, true]),
+            (3, [true, false]),
+            (4, [true, true]),
+        ] {
+            let mut d = shifts(on);
+            d.insert("_id", id);
+            coll.insert_one(d).await?;
+        }
+        let off = |who: &str| Change::set_member("doctors", "name", who, doc! { "on_call": false });
+        let on = |who: &str| Change::set_member("doctors", "name", who, doc! { "on_call": true });
+        let changes = vec![
+            (Bson::Int32(1), off("Bob")?),   // applied
+            (Bson::Int32(2), on("Bob")?),    // already so
+            (Bson::Int32(99), off("Bob")?),  // no such shift
+            (Bson::Int32(4), off("Zed")?),   // no such doctor
+            (Bson::Int32(3), off("Alice")?), // the last one on call
+            (Bson::Int32(1), off("Alice")?), // Bob went off above: now the last one
+            (Bson::Int32(4), off("Alice")?), // applied
+        ];
+        let guarded = Guarded::new(coll.clone(), GuardOptions::default())?;
+        sent.lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .clear();
+        let got = if name == "batch" {
+            guarded.update_many(&changes, &[on_call()]).await?
+        } else {
+            let mut got = Vec::new();
+            for (target, change) in &changes {
+                got.push(guarded.update(target.clone(), change, &[on_call()]).await?);
+            }
+            got
+        };
+        let commands = sent
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .clone();
+        if name == "batch" && bulk {
+            assert_eq!(
+                commands.iter().filter(|c| *c == "bulkWrite").count(),
+                1,
+                "{commands:?}"
+            );
+            assert!(!commands.iter().any(|c| c == "update"), "{commands:?}");
+            assert_eq!(
+                commands.iter().filter(|c| *c == "aggregate").count(),
+                5,
+                "one explaining read per change not written: {commands:?}"
+            );
+        }
+        let docs: Vec<Document> = coll
+            .find(doc! {})
+            .sort(doc! { "_id": 1 })
+            .await?
+            .try_collect()
+            .await?;
+        outcomes.push((got, docs));
+    }
+    if !bulk {
+        docwarden_testkit::skip(
+            "a_batch_gives_each_change_the_outcome_of_its_own_update (command count)",
+            "the server has no bulkWrite command (MongoDB 8.0+)",
+        );
+    }
+    let rejected = GuardOutcome::Rejected {
+        invariant: on_call::RULE.to_owned(),
+    };
+    assert_eq!(
+        outcomes[0].0,
+        vec![
+            GuardOutcome::Applied,
+            GuardOutcome::NoChange,
+            GuardOutcome::NotFound,
+            GuardOutcome::NoSuchMember,
+            rejected.clone(),
+            rejected,
+            GuardOutcome::Applied,
+        ]
+    );
+    assert_eq!(
+        outcomes[0].0, outcomes[1].0,
+        "the batch's outcomes are the one-by-one outcomes"
+    );
+    assert_eq!(outcomes[0].1, outcomes[1].1, "and so are the documents");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Guarded updates: seed 000's toggles (`docwarden_workloads::on_call`) on random shifts,
 //! each guarded by "at least one doctor on call" (refused and unchanged outcomes included:
-//! every call counts as one operation).
+//! every call counts as one operation), one per call and in batches of 64 per
+//! `Guarded::update_many` (one `bulkWrite` per batch on MongoDB 8.0+; ops/s counts toggles).
 //!
 //! With `--stages`, a row of the same toggles written unguarded (seed 000's own
 //! `update_one` by `_id` and `$elemMatch`, `Mode::Control` without its read): the floor a
@@ -14,6 +15,9 @@ use mongodb::bson::{DateTime, Document, doc};
 use super::{BenchRow, Load, measure};
 
 const SHIFTS: i64 = 1_000;
+
+/// Toggles per `update_many` call in the batched row.
+const BATCH: usize = 64;
 
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let coll = db.collection::<Document>("bench_guard");
@@ -38,6 +42,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         );
     }
     let workload = OnCall::new(coll)?;
+    let batched = workload.clone();
     rows.push(
         measure("guard: on/off call (≥1 on call)", load, move |_| {
             let workload = workload.clone();
@@ -47,6 +52,26 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
                 Ok(1)
             }
         })
+        .await?,
+    );
+    rows.push(
+        measure(
+            "guard: on/off call, batches of 64 (update_many)",
+            load,
+            move |_| {
+                let workload = batched.clone();
+                async move {
+                    let toggles: Vec<Toggle> = {
+                        let mut rng = rand::rng();
+                        (0..BATCH)
+                            .map(|_| Toggle::random(&mut rng, SHIFTS))
+                            .collect()
+                    };
+                    workload.toggle_batch(&toggles, Mode::Safe).await?;
+                    Ok(BATCH as u64)
+                }
+            },
+        )
         .await?,
     );
     Ok(rows)

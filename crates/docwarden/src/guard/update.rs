@@ -349,6 +349,9 @@ impl GuardOptions {
 pub struct Guarded {
     coll: Collection<Document>,
     opts: GuardOptions,
+    /// Set when the server refused the `bulkWrite` command ([`Guarded::update_many`] then
+    /// sends one update at a time).
+    pub(super) no_bulk: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Guarded {
@@ -359,7 +362,11 @@ impl Guarded {
     /// [`Error::InvalidInput`] if `max_attempts` is 0.
     pub fn new(coll: Collection<Document>, opts: GuardOptions) -> Result<Self> {
         crate::validate::positive("max_attempts", opts.max_attempts)?;
-        Ok(Self { coll, opts })
+        Ok(Self {
+            coll,
+            opts,
+            no_bulk: std::sync::Arc::default(),
+        })
     }
 
     /// A handle on collection `name` of `db` ([`Guarded::new`]), after the preflight checks
@@ -428,7 +435,7 @@ impl Guarded {
     }
 
     /// Why the filter did not match, or `None` if it would match now.
-    async fn diagnose(
+    pub(super) async fn diagnose(
         &self,
         target: &Bson,
         change: &Change,

@@ -40,15 +40,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use mongodb::bson::Bson;
-use mongodb::error::ErrorKind;
-use mongodb::error::PartialBulkWriteResult;
-use mongodb::options::{UpdateOneModel, WriteModel};
-use mongodb::results::UpdateResult;
+use mongodb::bson::{Bson, Document};
+use mongodb::options::UpdateModifications;
 
 use super::set::{SequencedSet, resolve};
 use super::{ApplyOutcome, encode, validate_seq};
-use crate::error::{Result, error_code};
+use crate::error::Result;
 
 /// One operation of [`SequencedSet::apply_many`]: add or remove `member` in the set of
 /// `key` as of `seq`.
@@ -114,7 +111,9 @@ impl SequencedSet {
         if self.canonical_order && self.operator_form && !self.no_bulk.load(Ordering::Relaxed) {
             let (planned, models) = self.plan(ops, &keys);
             if planned.len() > 1 {
-                for (j, result) in self.send(models).await? {
+                for (j, result) in
+                    crate::bulk::updates(self.collection(), models, &self.no_bulk).await?
+                {
                     if result.matched_count == 1
                         && let Some(p) = planned.get(j)
                     {
@@ -138,8 +137,11 @@ impl SequencedSet {
     /// The operations whose outcome this handle predicts as applied, as operator-form
     /// updates in batch order. A member's prediction within the batch follows the
     /// batch's earlier operations on it.
-    fn plan(&self, ops: &[SetOp], keys: &[Bson]) -> (Vec<Planned>, Vec<WriteModel>) {
-        let namespace = self.collection().namespace();
+    fn plan(
+        &self,
+        ops: &[SetOp],
+        keys: &[Bson],
+    ) -> (Vec<Planned>, Vec<(Document, UpdateModifications)>) {
         let mut predicted: HashMap<(String, String), (i64, bool)> = HashMap::new();
         let mut planned = Vec::new();
         let mut models = Vec::new();
@@ -153,50 +155,11 @@ impl SequencedSet {
             }
             let (filter, update) =
                 self.operator_update(key, &op.member, op.seq, op.present, state.1);
-            models.push(WriteModel::UpdateOne(
-                UpdateOneModel::builder()
-                    .namespace(namespace.clone())
-                    .filter(filter)
-                    .update(update)
-                    .build(),
-            ));
+            models.push((filter, UpdateModifications::Document(update)));
             let state = (op.seq, op.present);
             predicted.insert(at.clone(), state);
             planned.push(Planned { index, at, state });
         }
         (planned, models)
-    }
-
-    /// One ordered `bulkWrite` of `models` with per-operation results: `(position,
-    /// result)` of each update the server ran. A write error stops the batch there (the
-    /// caller applies the rest one by one, which reports the error); a server without
-    /// `bulkWrite` is remembered and nothing is applied.
-    async fn send(&self, models: Vec<WriteModel>) -> Result<Vec<(usize, UpdateResult)>> {
-        let client = self.collection().client();
-        let mut bulk = client.bulk_write(models).ordered(true).verbose_results();
-        if let Some(wc) = self.collection().write_concern() {
-            bulk = bulk.write_concern(wc.clone());
-        }
-        match bulk.await {
-            Ok(result) => Ok(result.update_results.into_iter().collect()),
-            Err(e) => match *e.kind {
-                ErrorKind::BulkWrite(ref failed) => Ok(match &failed.partial_result {
-                    Some(PartialBulkWriteResult::Verbose(v)) => {
-                        v.update_results.clone().into_iter().collect()
-                    }
-                    _ => Vec::new(),
-                }),
-                ErrorKind::IncompatibleServer { .. } => self.refused(&e),
-                _ if error_code(&e) == Some(59) => self.refused(&e),
-                _ => Err(e.into()),
-            },
-        }
-    }
-
-    /// Remembers that the server has no `bulkWrite` command (MongoDB before 8.0).
-    fn refused(&self, e: &mongodb::error::Error) -> Result<Vec<(usize, UpdateResult)>> {
-        tracing::info!(error = %e, "no bulkWrite command: sequenced batches apply one operation at a time");
-        self.no_bulk.store(true, Ordering::Relaxed);
-        Ok(Vec::new())
     }
 }

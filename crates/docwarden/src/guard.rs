@@ -6,6 +6,9 @@
 //! evaluates the filter and writes the document atomically, so no interleaving of guarded
 //! updates can leave a document violating an invariant that held before (no write skew),
 //! and the array element to change is matched by its key with `$elemMatch` semantics.
+//! [`Guarded::update_many`] sends many such updates, each to its own document, in one
+//! `bulkWrite` round trip (MongoDB 8.0; one update at a time before), with the same
+//! outcomes.
 //!
 //! **Limits.** Invariants are over one document; rules spanning documents need another
 //! design. Writes that bypass the handle are not checked unless the same invariants are

@@ -1,7 +1,9 @@
 //! Records seed 000 (`docwarden_workloads::on_call`): doctors going on and off call on 10
 //! shifts; the rule "at least one doctor on call" is checked by a read after every
-//! operation and at the end. The safe run uses one guarded update per change; the control
-//! run reads, decides in the client, and writes unconditionally.
+//! operation and at the end. The safe run uses one guarded update per change (half the
+//! workers: batches of guarded updates, `Guarded::update_many`); the control run reads,
+//! decides in the client, and writes unconditionally (the batching workers: the same
+//! batches without the rule).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +16,10 @@ use super::context::{Ctx, Findings};
 
 const SHIFTS: i64 = 10;
 const SHIFTS_COLLECTION: &str = "shifts";
+/// Toggles per batch of the batching workers.
+const BATCH: usize = 4;
+/// The history's name of a batch of toggles.
+const BATCH_OP: &str = "toggle-batch";
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     let coll = ctx.db.collection::<Document>(SHIFTS_COLLECTION);
@@ -44,11 +50,45 @@ pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     })
 }
 
-/// Toggles random shifts until the deadline, each followed by a check.
+/// Toggles random shifts until the deadline, each followed by a check. Workers with an
+/// odd id send their toggles [`BATCH`] at a time (`Guarded::update_many`, one event per
+/// batch), each toggled shift checked after the batch.
 pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
     let deadline = Instant::now() + ctx.duration;
     let workload = OnCall::new(ctx.db.collection::<Document>(SHIFTS_COLLECTION))?;
     let mut rng = ctx.rng(process);
+    let batches = process.id() % 2 == 1;
+    while Instant::now() < deadline && batches {
+        let toggles: Vec<Toggle> = (0..BATCH)
+            .map(|_| Toggle::random(&mut rng, SHIFTS))
+            .collect();
+        let key = toggles
+            .iter()
+            .map(|t| on_call::shift_key(t.shift))
+            .collect::<Vec<_>>()
+            .join(",");
+        ctx.history
+            .record(
+                process.id(),
+                BATCH_OP,
+                &key,
+                workload.toggle_batch(&toggles, ctx.mode),
+                |r, e| match r {
+                    Ok(outcomes) => e.detail(format!("{outcomes:?}")),
+                    Err(err) => e.outcome(Ctx::outcome_of(r)).detail(err.to_string()),
+                },
+            )
+            .await
+            .ok();
+        ctx.maybe_pause(&mut rng, process, 0.01, Duration::from_millis(200))
+            .await;
+        for t in &toggles {
+            let at = ctx.history.now_us();
+            if let Ok(event) = workload.check_event(process.id(), t.shift, at).await {
+                ctx.history.push(event);
+            }
+        }
+    }
     while Instant::now() < deadline {
         let toggle = Toggle::random(&mut rng, SHIFTS);
         let key = on_call::shift_key(toggle.shift);

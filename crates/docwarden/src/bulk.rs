@@ -21,7 +21,7 @@ use crate::error::{Result, error_code};
 
 /// Sends `updates` (filter, update) on `coll` as one ordered `bulkWrite` with the
 /// collection's write concern; returns `(position, result)` of each update the server
-/// ran. With `refused` set nothing is sent (an empty answer); a server without the
+/// ran, in batch order. With `refused` set nothing is sent (an empty answer); a server without the
 /// command sets it.
 ///
 /// # Errors
@@ -55,20 +55,23 @@ pub(crate) async fn updates(
     if let Some(wc) = coll.write_concern() {
         bulk = bulk.write_concern(wc.clone());
     }
-    match bulk.await {
-        Ok(result) => Ok(result.update_results.into_iter().collect()),
+    let mut ran: Vec<(usize, UpdateResult)> = match bulk.await {
+        Ok(result) => result.update_results.into_iter().collect(),
         Err(e) => match *e.kind {
-            ErrorKind::BulkWrite(ref failed) => Ok(match &failed.partial_result {
+            ErrorKind::BulkWrite(ref failed) => match &failed.partial_result {
                 Some(PartialBulkWriteResult::Verbose(v)) => {
                     v.update_results.clone().into_iter().collect()
                 }
                 _ => Vec::new(),
-            }),
-            ErrorKind::IncompatibleServer { .. } => Ok(refuse(refused, &e)),
-            _ if error_code(&e) == Some(59) => Ok(refuse(refused, &e)),
-            _ => Err(e.into()),
+            },
+            ErrorKind::IncompatibleServer { .. } => refuse(refused, &e),
+            _ if error_code(&e) == Some(59) => refuse(refused, &e),
+            _ => return Err(e.into()),
         },
-    }
+    };
+    // In the order the server ran them (the driver answers with a map).
+    ran.sort_unstable_by_key(|(position, _)| *position);
+    Ok(ran)
 }
 
 /// Remembers that the server has no `bulkWrite` command (MongoDB before 8.0).

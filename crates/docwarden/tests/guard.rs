@@ -239,8 +239,19 @@ async fn on_call_workload(
     coll: Collection<Document>,
     mode: WorkloadMode,
 ) -> anyhow::Result<(u64, u64)> {
+    let report = on_call_batches(coll, mode, 1).await?;
+    Ok((report.seen, report.at_end))
+}
+
+/// [`on_call_workload`] with each worker sending its toggles `batch` at a time
+/// (`Guarded::update_many`; 1: one update each). Returns the report.
+async fn on_call_batches(
+    coll: Collection<Document>,
+    mode: WorkloadMode,
+    batch: usize,
+) -> anyhow::Result<on_call::OnCallReport> {
     on_call::setup(&coll, SHIFTS).await?;
-    let report = on_call::run(
+    on_call::run_in_batches(
         &on_call::OnCall::new(coll)?,
         SHIFTS,
         RunConfig {
@@ -248,9 +259,9 @@ async fn on_call_workload(
             ops_per_worker: u64::try_from(OPS_PER_WORKER)?,
             mode,
         },
+        batch,
     )
-    .await?;
-    Ok((report.seen, report.at_end))
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -274,32 +285,12 @@ async fn on_call_control_read_then_write_breaks_the_rule() -> anyhow::Result<()>
     Ok(())
 }
 
-/// [`on_call_workload`] with each worker sending its toggles in batches of 8
-/// (`Guarded::update_many`). Returns the report.
-async fn on_call_batches(
-    coll: Collection<Document>,
-    mode: WorkloadMode,
-) -> anyhow::Result<on_call::OnCallReport> {
-    on_call::setup(&coll, SHIFTS).await?;
-    on_call::run_in_batches(
-        &on_call::OnCall::new(coll)?,
-        SHIFTS,
-        RunConfig {
-            workers: WORKERS,
-            ops_per_worker: u64::try_from(OPS_PER_WORKER)?,
-            mode,
-        },
-        8,
-    )
-    .await
-}
-
 // Batches: the same rule holds when 8 workers send their toggles 8 at a time in one
 // `bulkWrite` each; every toggle has an outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_call_holds_under_8_workers_sending_batches_of_8() -> anyhow::Result<()> {
     let t = TestDb::new("guard_on_call_batches").await?;
-    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Safe).await?;
+    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Safe, 8).await?;
     assert_eq!(r.seen, 0, "violations observed after batches");
     assert_eq!(r.at_end, 0, "violating shifts at the end");
     assert_eq!(
@@ -318,7 +309,7 @@ async fn on_call_holds_under_8_workers_sending_batches_of_8() -> anyhow::Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_call_control_batches_without_the_rule_break_it() -> anyhow::Result<()> {
     let t = TestDb::new("guard_on_call_batches_control").await?;
-    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Control).await?;
+    let r = on_call_batches(t.db.collection("shifts"), WorkloadMode::Control, 8).await?;
     eprintln!(
         "control: {} violations observed, {} violating shifts at the end",
         r.seen, r.at_end

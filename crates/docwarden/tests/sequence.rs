@@ -112,42 +112,7 @@ async fn run_history(set: &SequencedSet, key: i64, ops: &[Op], seed: u64) -> any
         }
     })
     .await?;
-    let mut violations = 0;
-    let expected = model(ops);
-    let states = set.states(key).await?.unwrap_or_default();
-    let got: BTreeMap<String, (i64, bool)> = states
-        .into_iter()
-        .map(|s| (s.member, (s.seq, s.present)))
-        .collect();
-    if got != expected {
-        eprintln!("key {key}: state {got:?} != model {expected:?} for {ops:?}");
-        violations += 1;
-    }
-    let members: BTreeSet<String> = set
-        .members(key)
-        .await?
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
-    if members != present(&expected) {
-        eprintln!("key {key}: members {members:?} != model {expected:?}");
-        violations += 1;
-    }
-    let docs = set
-        .collection()
-        .count_documents(doc! { "student_id": key })
-        .await?;
-    if docs != 1 {
-        violations += 1;
-    }
-    let mut applied: HashMap<Op, u32> = HashMap::new();
-    for (op, outcome) in outcomes {
-        if outcome == ApplyOutcome::Applied {
-            *applied.entry(op).or_default() += 1;
-        }
-    }
-    violations += applied.values().filter(|n| **n > 1).count() as u64;
-    Ok(violations)
+    violations_of(set, key, ops, outcomes).await
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {

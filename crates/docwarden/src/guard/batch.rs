@@ -38,7 +38,7 @@ impl Guarded {
         // Per change: `None` not run by a bulk; `Some(true)` written; `Some(false)` run
         // and not written.
         let mut ran: Vec<Option<bool>> = vec![None; changes.len()];
-        if changes.len() > 1 {
+        if changes.len() > 1 && !self.no_bulk.load(std::sync::atomic::Ordering::Relaxed) {
             let updates: Vec<(Document, UpdateModifications)> = changes
                 .iter()
                 .map(|(target, change)| {

@@ -695,6 +695,60 @@ pub async fn apply_record(
     }
 }
 
+/// The operation of [`apply_record`] for several messages at once. Safe: each set's class
+/// messages go through one [`SequencedSet::apply_many`] (the operations the handle can
+/// predict in one `bulkWrite` on MongoDB 8.0+), the credits one by one after them.
+/// Control: each message as [`apply_record`] applies it. Outcomes in message order.
+///
+/// # Errors
+/// A database error (some messages of the batch may have been applied: a redelivery is
+/// harmless by design).
+pub async fn apply_records(
+    registrar: &Registrar,
+    recs: &[Record],
+    mode: Mode,
+) -> docwarden::Result<Vec<Option<Outcome>>> {
+    let mut outcomes = vec![None; recs.len()];
+    if mode == Mode::Safe {
+        for (name, set) in [
+            (FIELD, &registrar.classes),
+            (FLOOR_FIELD, &registrar.classes_floor),
+        ] {
+            let (positions, ops): (Vec<usize>, Vec<SetOp>) = recs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| match r.change {
+                    Change::Class {
+                        field,
+                        class,
+                        enroll,
+                    } if field == name => Some((
+                        i,
+                        if enroll {
+                            SetOp::add(r.student, class, r.seq)
+                        } else {
+                            SetOp::remove(r.student, class, r.seq)
+                        },
+                    )),
+                    _ => None,
+                })
+                .unzip();
+            if ops.is_empty() {
+                continue;
+            }
+            for (i, outcome) in positions.into_iter().zip(set.apply_many(&ops).await?) {
+                outcomes[i] = Some(outcome);
+            }
+        }
+    }
+    for (i, rec) in recs.iter().enumerate() {
+        if mode == Mode::Control || matches!(rec.change, Change::Credits(_)) {
+            outcomes[i] = apply_record(registrar, rec, mode).await?;
+        }
+    }
+    Ok(outcomes)
+}
+
 /// What the final read of the registrar's collection found.
 #[derive(Clone, Debug, Default)]
 pub struct RecordRead {

@@ -1502,3 +1502,38 @@ async fn control_a_batch_without_its_condition_lets_a_stale_add_back() -> anyhow
     );
     Ok(())
 }
+
+// The registrar's batches (`enrollment::apply_records`, what `verify sequence`'s batching
+// consumers send: one `apply_many` per set, credits one by one) store what one consumer
+// applying every message once in sequence order stores, byte for byte, whatever the
+// delivery order and duplicates. Control: the same batches without sequence numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registrar_batches_store_what_the_sequential_consumer_stores() -> anyhow::Result<()> {
+    use docwarden_workloads::Mode;
+    let t = TestDb::new("sequence_registrar_batches").await?;
+    let mut rng = StdRng::seed_from_u64(7);
+    let plan = enrollment::produce_records(&mut rng, 6, 300);
+    let mut deliveries = enrollment::deliver(&mut rng, &plan.records);
+    deliveries.extend(plan.records.iter().step_by(5).copied());
+    let replay_coll = t.db.collection::<Document>("replay");
+    let replay = enrollment::open_registrar(replay_coll.clone()).await?;
+    for rec in plan.in_sequence_order() {
+        enrollment::apply_record(&replay, &rec, Mode::Safe).await?;
+    }
+    let replayed = enrollment::read_records(&replay_coll).await?;
+    let mut violations = Vec::new();
+    for mode in [Mode::Safe, Mode::Control] {
+        let coll = t.db.collection::<Document>(&format!("batches_{mode:?}"));
+        let registrar = enrollment::open_registrar(coll.clone()).await?;
+        for batch in deliveries.chunks(4) {
+            let outcomes = enrollment::apply_records(&registrar, batch, mode).await?;
+            assert_eq!(outcomes.len(), batch.len());
+            assert_eq!(outcomes.iter().all(Option::is_some), mode == Mode::Safe);
+        }
+        let live = enrollment::read_records(&coll).await?;
+        violations.push(enrollment::check_records(&plan, &live, &replayed).len());
+    }
+    assert_eq!(violations[0], 0, "batched consumer");
+    assert!(violations[1] > 0, "control: {violations:?}");
+    Ok(())
+}

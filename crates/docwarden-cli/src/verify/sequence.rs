@@ -8,8 +8,10 @@
 //! A message whose apply failed or whose worker was killed is delivered again (queues
 //! deliver at least once); duplicates are harmless by design. Worker tasks share one
 //! mailbox; a worker process takes every `workers`-th delivery (its slot's share), and its
-//! replacement takes the same share again from the start (a redelivery). The control run applies
-//! messages without sequence numbers, as a naive consumer would. Checked: each student's
+//! replacement takes the same share again from the start (a redelivery). Consumers with an
+//! odd id take four messages at a time and apply them as one batch
+//! (`SequencedSet::apply_many` per set). The control run applies messages without
+//! sequence numbers, as a naive consumer would. Checked: each student's
 //! two sets and credits equal the sequential model, one document each, and the stored
 //! document equals byte for byte (BSON types and the order of members and state entries
 //! included) the one a single consumer stores applying the same messages once each in
@@ -31,6 +33,8 @@ const STUDENTS: i64 = 40;
 const MESSAGES: usize = 1_200;
 
 const STUDENTS_COLLECTION: &str = "students";
+/// Messages per batch of the batching consumers (processes with an odd id).
+const BATCH: usize = 4;
 
 /// The producers' plan and the shuffled deliveries, the same in every process of a run.
 fn plan(ctx: &Ctx) -> (RecordPlan, Vec<Record>) {
@@ -134,6 +138,9 @@ async fn replay(ctx: &Ctx, records: &[Record]) -> anyhow::Result<enrollment::Rec
     enrollment::read_records(&coll).await
 }
 
+/// Applies messages from `mailbox` until it is empty or the deadline passes: one at a
+/// time, or [`BATCH`] at a time (`enrollment::apply_records`, one `apply_many` per set)
+/// for processes with an odd id. Every message gets its own event.
 async fn consume(
     ctx: &Ctx,
     registrar: &Registrar,
@@ -142,25 +149,44 @@ async fn consume(
     deadline: Instant,
 ) {
     let mut rng = ctx.rng(process);
+    let batch = if process.id() % 2 == 1 { BATCH } else { 1 };
     while Instant::now() < deadline {
-        let Some(rec) = mailbox.take() else {
+        let recs: Vec<Record> = std::iter::from_fn(|| mailbox.take()).take(batch).collect();
+        if recs.is_empty() {
             return;
-        };
+        }
         ctx.maybe_pause(&mut rng, process, 0.01, Duration::from_millis(300))
             .await;
-        let result = enrollment::apply_record(registrar, &rec, ctx.mode).await;
-        let at = ctx.history.now_us();
-        ctx.history.push(
-            Event::new(process.id(), rec.op(), &key(rec.student), at, at)
-                .value(rec.seq)
-                .outcome(Ctx::outcome_of(&result))
-                .detail(rec.detail()),
-        );
-        if result.is_ok() {
-            mailbox.ack(&rec);
+        let result = if let [rec] = recs.as_slice() {
+            enrollment::apply_record(registrar, rec, ctx.mode)
+                .await
+                .map(|o| vec![o])
         } else {
-            // Redelivered later, like an unacknowledged queue message.
-            mailbox.put_back(rec);
+            enrollment::apply_records(registrar, &recs, ctx.mode).await
+        };
+        let at = ctx.history.now_us();
+        // A batch that failed may have applied some of its messages.
+        let outcome = match Ctx::outcome_of(&result) {
+            OpOutcome::Failed if recs.len() > 1 => OpOutcome::Indeterminate,
+            outcome => outcome,
+        };
+        for rec in &recs {
+            ctx.history.push(
+                Event::new(process.id(), rec.op(), &key(rec.student), at, at)
+                    .value(rec.seq)
+                    .outcome(outcome)
+                    .detail(rec.detail()),
+            );
+        }
+        if result.is_ok() {
+            for rec in &recs {
+                mailbox.ack(rec);
+            }
+        } else {
+            // Redelivered later, like unacknowledged queue messages.
+            for rec in recs {
+                mailbox.put_back(rec);
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }

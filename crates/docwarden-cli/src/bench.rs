@@ -3,8 +3,12 @@
 //!
 //! Every workload is a closure run by `workers` tasks in a loop for a fixed duration
 //! ([`measure`]); latencies go into an HDR histogram. The reference row (`update_one` by
-//! `_id`) is measured first with the same worker count, and every other row's ratio is its
-//! ops/s over the reference's.
+//! `_id`) is measured first with the same worker count; then, right after every row, the
+//! reference runs again for a quarter of the duration, and the row's ratio is its ops/s
+//! over the mean of the reference's rate just before and just after it
+//! ([`Load::reference_around`], the `ref ops/s` column). A machine whose speed drifts
+//! during a run (a shared VM: the reference moved by a third within an hour here) would
+//! otherwise make the rows measured last read slower than they are.
 //!
 //! Round trips per operation: each row divides the commands sent while it was measured
 //! (setup excluded, background tasks of the workload included) by the items it completed.
@@ -59,6 +63,18 @@ pub(crate) struct Load {
     /// The server's process id when it runs on this machine (the embedded server), for
     /// the server-CPU column.
     pub(crate) server_pid: Option<u32>,
+    /// The reference measured around every row (`None` while the reference row itself
+    /// runs).
+    pub(crate) reference: Option<Arc<Reference>>,
+}
+
+/// The reference workload and its latest rate, for [`Load::reference_around`].
+#[derive(Debug)]
+pub(crate) struct Reference {
+    coll: mongodb::Collection<Document>,
+    /// The reference's ops/s in its latest measurement (the reference row, then the burst
+    /// after each row).
+    last: std::sync::Mutex<f64>,
 }
 
 impl Load {
@@ -86,6 +102,34 @@ impl Load {
     /// reading) and now.
     pub(crate) fn client_cpu_per_op(&self, before: Option<Duration>, ops: u64) -> Option<f64> {
         per_item(self.client_cpu()?.checked_sub(before?)?, ops)
+    }
+
+    /// The reference's rate around a row that has just ended: the reference runs again
+    /// (same workers, a quarter of the duration, at least 250 ms), and the result is the
+    /// mean of that rate and the one measured just before the row. `None` without a
+    /// reference (the reference row itself).
+    ///
+    /// # Errors
+    /// A database error of the reference's writes.
+    pub(crate) async fn reference_around(&self) -> anyhow::Result<Option<f64>> {
+        let Some(reference) = &self.reference else {
+            return Ok(None);
+        };
+        let before = *reference
+            .last
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let burst = (self.duration / 4).max(Duration::from_millis(250));
+        let coll = reference.coll.clone();
+        let (ops, elapsed, _) =
+            run_tasks(self.workers, burst, move |_| reference_op(coll.clone())).await?;
+        #[allow(clippy::cast_precision_loss)]
+        let after = ops as f64 / elapsed;
+        *reference
+            .last
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))? = after;
+        Ok(Some((before + after) / 2.0))
     }
 
     /// Commands sent so far; the difference of two readings is the round trips sent in
@@ -180,8 +224,12 @@ pub(crate) struct BenchRow {
     /// Latency of one call of the workload's operation, microseconds.
     pub(crate) p50_us: u64,
     pub(crate) p99_us: u64,
-    /// ops/s divided by the reference `update_one` ops/s of this run.
+    /// ops/s divided by the reference `update_one` ops/s around this row
+    /// ([`Load::reference_around`]).
     pub(crate) ratio: f64,
+    /// The reference's ops/s the ratio divides by (the mean of its rate just before and
+    /// just after the row).
+    pub(crate) reference_ops_per_sec: f64,
     /// Commands sent to the server per item, while measured ([`Commands`]).
     pub(crate) round_trips_per_op: f64,
     /// The server process's CPU time per item, microseconds (embedded server only: it
@@ -202,15 +250,48 @@ where
 {
     load.progress
         .set_message(format!("{name} × {} workers", load.workers));
-    let op = Arc::new(op);
-    let items = Arc::new(AtomicU64::new(0));
     let commands_before = load.commands_sent().await?;
     let cpu_before = load.server_cpu();
     let client_before = load.client_cpu();
+    let (ops, elapsed, hist) = run_tasks(load.workers, load.duration, op).await?;
+    let commands = load.commands_sent().await?.saturating_sub(commands_before);
+    let server_cpu_us_per_op = load.server_cpu_per_op(cpu_before, ops);
+    let client_cpu_us_per_op = load.client_cpu_per_op(client_before, ops);
+    #[allow(clippy::cast_precision_loss)]
+    let ops_per_sec = ops as f64 / elapsed;
+    let reference = load.reference_around().await?.unwrap_or(f64::NAN);
+    Ok(BenchRow {
+        name: name.to_owned(),
+        workers: load.workers,
+        ops,
+        ops_per_sec,
+        p50_us: hist.value_at_quantile(0.5),
+        p99_us: hist.value_at_quantile(0.99),
+        ratio: ops_per_sec / reference,
+        reference_ops_per_sec: reference,
+        round_trips_per_op: per_op(commands, ops),
+        server_cpu_us_per_op,
+        client_cpu_us_per_op,
+    })
+}
+
+/// Runs `op(worker)` on `workers` tasks until `duration` has passed: the items counted,
+/// the seconds it took, and the latency histogram of the calls.
+async fn run_tasks<F, Fut>(
+    workers: usize,
+    duration: Duration,
+    op: F,
+) -> anyhow::Result<(u64, f64, Histogram<u64>)>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = anyhow::Result<u64>> + Send,
+{
+    let op = Arc::new(op);
+    let items = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
-    let deadline = started + load.duration;
+    let deadline = started + duration;
     let mut tasks = Vec::new();
-    for worker in 0..load.workers {
+    for worker in 0..workers {
         let op = Arc::clone(&op);
         let items = Arc::clone(&items);
         tasks.push(tokio::spawn(async move {
@@ -229,43 +310,47 @@ where
     for task in tasks {
         hist.add(task.await??)?;
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let commands = load.commands_sent().await?.saturating_sub(commands_before);
-    let ops = items.load(Ordering::Relaxed);
-    #[allow(clippy::cast_precision_loss)]
-    let ops_per_sec = ops as f64 / elapsed;
-    Ok(BenchRow {
-        name: name.to_owned(),
-        workers: load.workers,
-        ops,
-        ops_per_sec,
-        p50_us: hist.value_at_quantile(0.5),
-        p99_us: hist.value_at_quantile(0.99),
-        ratio: f64::NAN,
-        round_trips_per_op: per_op(commands, ops),
-        server_cpu_us_per_op: load.server_cpu_per_op(cpu_before, ops),
-        client_cpu_us_per_op: load.client_cpu_per_op(client_before, ops),
-    })
+    Ok((
+        items.load(Ordering::Relaxed),
+        started.elapsed().as_secs_f64(),
+        hist,
+    ))
 }
 
-/// The reference: `update_one({_id}, {$inc})` on one of 1,000 documents.
-pub(crate) async fn reference(db: &Database, load: &Load) -> anyhow::Result<BenchRow> {
+/// The reference: `update_one({_id}, {$inc})` on one of 1,000 documents. Returns the
+/// reference row and the handle [`Load::reference_around`] measures it again with.
+pub(crate) async fn reference(
+    db: &Database,
+    load: &Load,
+) -> anyhow::Result<(BenchRow, Arc<Reference>)> {
     let coll = db.collection::<Document>("bench_reference");
     let docs: Vec<Document> = (0..1000_i64)
         .map(|i| doc! { "_id": i, "n": 0_i64 })
         .collect();
     coll.insert_many(docs).await?;
+    let c = coll.clone();
     let row = measure("update_one (reference)", load, move |_| {
-        let coll = coll.clone();
-        async move {
-            let id = rand::random_range(0..1000_i64);
-            coll.update_one(doc! { "_id": id }, doc! { "$inc": { "n": 1 } })
-                .await?;
-            Ok(1)
-        }
+        reference_op(c.clone())
     })
     .await?;
-    Ok(BenchRow { ratio: 1.0, ..row })
+    let reference = Arc::new(Reference {
+        coll,
+        last: std::sync::Mutex::new(row.ops_per_sec),
+    });
+    let row = BenchRow {
+        ratio: 1.0,
+        reference_ops_per_sec: row.ops_per_sec,
+        ..row
+    };
+    Ok((row, reference))
+}
+
+/// One call of the reference workload.
+async fn reference_op(coll: mongodb::Collection<Document>) -> anyhow::Result<u64> {
+    let id = rand::random_range(0..1000_i64);
+    coll.update_one(doc! { "_id": id }, doc! { "$inc": { "n": 1 } })
+        .await?;
+    Ok(1)
 }
 
 /// Arguments of `docwarden bench`.
@@ -347,15 +432,27 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             batch_size: args.batch_size,
             backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
             server_pid,
+            reference: None,
         };
         let db = client.database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
-        let reference = reference(&db, &load).await?;
-        let base = reference.ops_per_sec;
-        let mut measured = vec![reference];
+        let (row, reference) = reference(&db, &load).await?;
+        let base = row.ops_per_sec;
+        let load = Load {
+            reference: Some(reference),
+            ..load
+        };
+        let mut measured = vec![row];
         for row in workloads(&db, &load, &args.only).await? {
-            measured.push(BenchRow {
-                ratio: row.ops_per_sec / base,
-                ..row
+            // Rows without a reference of their own (the wake-up latencies) divide by the
+            // column's first reference.
+            measured.push(if row.ratio.is_nan() {
+                BenchRow {
+                    ratio: row.ops_per_sec / base,
+                    reference_ops_per_sec: base,
+                    ..row
+                }
+            } else {
+                row
             });
         }
         db.drop().await?;
@@ -446,11 +543,11 @@ fn micros(us: Option<f64>) -> String {
 /// The rows as a markdown table.
 pub(crate) fn markdown(rows: &[BenchRow]) -> String {
     let mut out = String::from(
-        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op | client CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op | client CPU µs/op | ref ops/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} | {} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} | {} | {:.0} |\n",
             r.name,
             r.workers,
             r.ops,
@@ -461,6 +558,7 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
             r.round_trips_per_op,
             micros(r.server_cpu_us_per_op),
             micros(r.client_cpu_us_per_op),
+            r.reference_ops_per_sec,
         ));
     }
     out

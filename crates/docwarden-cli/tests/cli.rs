@@ -157,9 +157,23 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
         "{table}"
     );
     for row in &rows {
-        for field in ["ops_per_sec", "p50_us", "p99_us", "ratio"] {
+        for field in [
+            "ops_per_sec",
+            "p50_us",
+            "p99_us",
+            "ratio",
+            "reference_ops_per_sec",
+        ] {
             assert!(row[field].is_number(), "{field} missing in {row}");
         }
+        // Each ratio divides by the reference measured around its own row.
+        let (ops, reference, ratio) = (
+            row["ops_per_sec"].as_f64().unwrap_or_default(),
+            row["reference_ops_per_sec"].as_f64().unwrap_or_default(),
+            row["ratio"].as_f64().unwrap_or_default(),
+        );
+        assert!(reference > 0.0, "{row}");
+        assert!((ratio - ops / reference).abs() < 1e-9, "{row}");
         if row["ops"].as_u64().unwrap_or_default() > 0 {
             let rt = row["round_trips_per_op"].as_f64().unwrap_or_default();
             assert!(rt > 0.0, "round trips per op missing in {row}");

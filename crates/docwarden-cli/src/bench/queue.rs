@@ -126,6 +126,7 @@ async fn worker_row(
     }
     #[allow(clippy::cast_precision_loss)]
     let ops_per_sec = timed.ops as f64 / timed.elapsed.as_secs_f64();
+    let reference = load.reference_around().await?.unwrap_or(f64::NAN);
     Ok(BenchRow {
         name,
         workers: load.workers,
@@ -133,7 +134,8 @@ async fn worker_row(
         ops_per_sec,
         p50_us: hist.value_at_quantile(0.5),
         p99_us: hist.value_at_quantile(0.99),
-        ratio: f64::NAN,
+        ratio: ops_per_sec / reference,
+        reference_ops_per_sec: reference,
         round_trips_per_op: per_op(timed.commands, timed.ops),
         server_cpu_us_per_op: timed.server_cpu.and_then(|cpu| per_item(cpu, timed.ops)),
         client_cpu_us_per_op: timed.client_cpu.and_then(|cpu| per_item(cpu, timed.ops)),

@@ -127,6 +127,7 @@ async fn one(
         p50_us: hist.value_at_quantile(0.5),
         p99_us: hist.value_at_quantile(0.99),
         ratio: f64::NAN,
+        reference_ops_per_sec: f64::NAN,
         round_trips_per_op: super::per_op(commands, samples),
         server_cpu_us_per_op: None,
         client_cpu_us_per_op: None,

@@ -7,9 +7,11 @@
 //! stopped when the process exits (even if it is killed). The launcher itself is the
 //! `docwarden-server` crate, re-exported here.
 
+mod commands;
 mod skip;
 mod testdb;
 
+pub use commands::{CommandLog, counting_client};
 pub use docwarden_server::{
     EmbeddedServer, Error, INSTALL_HINT, Result, SECANTUS_VERSION, ServerOptions, Target, connect,
     mask_uri, uri_from_env,

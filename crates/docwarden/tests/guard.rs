@@ -543,17 +543,7 @@ async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Re
     let t = TestDb::new("guard_batch_outcomes").await?;
     let hello = t.db.run_command(doc! { "hello": 1 }).await?;
     let bulk = hello.get_i32("maxWireVersion").unwrap_or(0) >= 25;
-    let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    let s = Arc::clone(&sent);
-    options.command_event_handler = Some(mongodb::event::EventHandler::callback(move |event| {
-        if let mongodb::event::command::CommandEvent::Started(e) = event
-            && let Ok(mut s) = s.lock()
-        {
-            s.push(e.command_name);
-        }
-    }));
-    let client = mongodb::Client::with_options(options)?;
+    let (client, sent) = docwarden_testkit::counting_client(t.uri()).await?;
     let db = client.database(t.db.name());
     let shifts = |on: [bool; 2]| {
         doc! { "doctors": [
@@ -586,9 +576,7 @@ async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Re
             (Bson::Int32(4), off("Alice")?), // applied
         ];
         let guarded = Guarded::new(coll.clone(), GuardOptions::default())?;
-        sent.lock()
-            .map_err(|_| anyhow::anyhow!("poisoned"))?
-            .clear();
+        sent.take();
         let got = if name == "batch" {
             guarded.update_many(&changes, &[on_call()]).await?
         } else {
@@ -598,10 +586,7 @@ async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Re
             }
             got
         };
-        let commands = sent
-            .lock()
-            .map_err(|_| anyhow::anyhow!("poisoned"))?
-            .clone();
+        let commands = sent.take();
         if name == "batch" && bulk {
             assert_eq!(
                 commands.iter().filter(|c| *c == "bulkWrite").count(),

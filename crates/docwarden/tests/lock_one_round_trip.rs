@@ -6,50 +6,31 @@
 //! (`LockOptions::unsafe_token_in_lock_document`): its tokens repeat after a deletion.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner};
-use docwarden_testkit::TestDb;
+use docwarden_testkit::{CommandLog, TestDb};
 use mongodb::Client;
 use mongodb::bson::{Document, doc};
-use mongodb::event::EventHandler;
-use mongodb::event::command::CommandEvent;
-use mongodb::options::{ClientOptions, WriteConcern};
+use mongodb::options::WriteConcern;
 
 const LOCKS: &str = "locks";
 
-/// Write commands (by name) the client has started.
-#[derive(Clone, Default)]
-struct Writes(Arc<Mutex<BTreeMap<String, u64>>>);
-
-impl Writes {
-    fn take(&self) -> BTreeMap<String, u64> {
-        self.0
-            .lock()
-            .map(|mut m| std::mem::take(&mut *m))
-            .unwrap_or_default()
-    }
-
-    fn total(map: &BTreeMap<String, u64>) -> u64 {
-        map.values().sum()
-    }
+/// The write commands (by name) `log` recorded since it was last read.
+fn writes(log: &CommandLog) -> BTreeMap<String, u32> {
+    log.take_counts()
+        .into_iter()
+        .filter(|(name, _)| {
+            ["findAndModify", "update", "insert", "delete"].contains(&name.as_str())
+        })
+        .collect()
 }
 
-async fn counting_client(t: &TestDb, writes: &Writes) -> anyhow::Result<Client> {
-    let mut options = ClientOptions::parse(t.uri()).await?;
-    let w = writes.clone();
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(e) = event
-            && ["findAndModify", "update", "insert", "delete"].contains(&e.command_name.as_str())
-            && let Ok(mut m) = w.0.lock()
-        {
-            *m.entry(e.command_name.clone()).or_default() += 1;
-        }
-    }));
-    Ok(Client::with_options(options)?)
+fn total(map: &BTreeMap<String, u32>) -> u32 {
+    map.values().sum()
 }
 
 async fn open(client: &Client, t: &TestDb, options: LockOptions) -> anyhow::Result<LockCollection> {
@@ -67,21 +48,20 @@ async fn open(client: &Client, t: &TestDb, options: LockOptions) -> anyhow::Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_uncontended_acquire_is_one_write_and_a_release_is_one_write() -> anyhow::Result<()> {
     let t = TestDb::new("lock_one_write").await?;
-    let writes = Writes::default();
-    let client = counting_client(&t, &writes).await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
     let locks = open(&client, &t, LockOptions::default()).await?;
     let (a, b) = (Owner::random(), Owner::random());
     let ttl = Duration::from_secs(30);
-    writes.take();
+    writes(&log);
 
     // The first acquire of a resource reserves its token block: the slow path.
     let first = locks.try_acquire(&a, "r", ttl).await?.context("first")?;
-    let w = writes.take();
+    let w = writes(&log);
     eprintln!("first acquire: {w:?}");
     assert_eq!(first.token.get(), 1);
-    assert_eq!(Writes::total(&w), 3, "acquire, reserve, commit: {w:?}");
+    assert_eq!(total(&w), 3, "acquire, reserve, commit: {w:?}");
     locks.release(&first).await?;
-    assert_eq!(Writes::total(&writes.take()), 1, "release");
+    assert_eq!(total(&writes(&log)), 1, "release");
 
     // Every later acquire of the resource: one findAndModify; every release: one update.
     let mut previous = first.token;
@@ -91,7 +71,7 @@ async fn an_uncontended_acquire_is_one_write_and_a_release_is_one_write() -> any
             .try_acquire(owner, "r", ttl)
             .await?
             .context("acquire")?;
-        let w = writes.take();
+        let w = writes(&log);
         assert_eq!(
             w,
             BTreeMap::from([("findAndModify".to_owned(), 1)]),
@@ -102,9 +82,9 @@ async fn an_uncontended_acquire_is_one_write_and_a_release_is_one_write() -> any
         // Contention: one write (the upsert's duplicate key), Ok(None).
         let other = if i % 2 == 0 { &b } else { &a };
         assert!(locks.try_acquire(other, "r", ttl).await?.is_none());
-        assert_eq!(Writes::total(&writes.take()), 1, "contended acquire {i}");
+        assert_eq!(total(&writes(&log)), 1, "contended acquire {i}");
         locks.release(&lease).await?;
-        let w = writes.take();
+        let w = writes(&log);
         assert_eq!(w, BTreeMap::from([("update".to_owned(), 1)]), "release {i}");
     }
     assert_eq!(previous.get(), 101);

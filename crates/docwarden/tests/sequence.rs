@@ -1367,23 +1367,6 @@ fn batches_by_8_consumers_equal_the_sequential_model() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A client of `t`'s server that counts the commands it sends, by name.
-async fn counting_client(
-    t: &TestDb,
-) -> anyhow::Result<(mongodb::Client, Arc<Mutex<HashMap<String, u32>>>)> {
-    let counts: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    let c = Arc::clone(&counts);
-    options.command_event_handler = Some(mongodb::event::EventHandler::callback(move |event| {
-        if let mongodb::event::command::CommandEvent::Started(s) = event
-            && let Ok(mut c) = c.lock()
-        {
-            *c.entry(s.command_name).or_default() += 1;
-        }
-    }));
-    Ok((mongodb::Client::with_options(options)?, counts))
-}
-
 // The batch's point: operations whose members the handle has seen go to the server as one
 // `bulkWrite` command, and their outcomes come back from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1397,17 +1380,14 @@ async fn a_batch_of_predicted_operations_is_one_command() -> anyhow::Result<()> 
         );
         return Ok(());
     }
-    let (client, counts) = counting_client(&t).await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
     let set = enrollment::open_set(client.database(t.db.name()).collection("students")).await?;
     for key in 0..4_i64 {
         for m in ["CS 101", "MATH 2"] {
             assert_eq!(set.add(key, m, 1).await?, ApplyOutcome::Applied);
         }
     }
-    counts
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-        .clear();
+    log.take();
     let batch = vec![
         SetOp::remove(0, "CS 101", 2),
         SetOp::add(0, "CS 101", 3),
@@ -1417,10 +1397,7 @@ async fn a_batch_of_predicted_operations_is_one_command() -> anyhow::Result<()> 
         SetOp::remove(3, "CS 101", 4),
     ];
     let outcomes = set.apply_many(&batch).await?;
-    let sent = counts
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-        .clone();
+    let sent = log.take_counts();
     // The last operation repeats the one before it: not predicted to apply, so it is
     // applied on its own after the batch and reads as the duplicate it is.
     assert_eq!(

@@ -134,11 +134,13 @@ type BoxHandler = Arc<
 /// Most claim loops of one worker (see `supervise`).
 const MAX_CLAIMERS: usize = 2;
 
-/// The claim loops of a worker with `concurrency` handlers: one per four handlers, at
-/// most [`MAX_CLAIMERS`]. The worker's writes take turns with as many write commands in
-/// flight as it has claim loops (`Ctx::io`).
+/// The claim loops of a worker with `concurrency` handlers: one for a single handler, two
+/// from two handlers on. One loop waits for each claim's three round trips, and the
+/// server idles meanwhile: a second loop drained 1.3–1.5× as many jobs per second at two
+/// and four handlers (`docs/benchmarks.md`, session 10). The worker's writes take turns
+/// with as many write commands in flight as it has claim loops (`Ctx::io`).
 fn claimers(concurrency: usize) -> usize {
-    (concurrency / 4).clamp(1, MAX_CLAIMERS)
+    concurrency.clamp(1, MAX_CLAIMERS)
 }
 
 /// Most final transitions written by one bulk.

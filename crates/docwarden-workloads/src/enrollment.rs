@@ -272,15 +272,18 @@ pub async fn apply(
 pub async fn apply_batch(set: &SequencedSet, msgs: &[Message]) -> docwarden::Result<Vec<Outcome>> {
     let ops: Vec<SetOp> = msgs
         .iter()
-        .map(|m| {
-            if m.enroll {
-                SetOp::add(m.student, m.class, m.seq)
-            } else {
-                SetOp::remove(m.student, m.class, m.seq)
-            }
-        })
+        .map(|m| set_op(m.student, m.class, m.seq, m.enroll))
         .collect();
     set.apply_many(&ops).await
+}
+
+/// The batch operation of one class message: an add (`enroll`) or a remove.
+fn set_op(student: i64, class: &str, seq: i64, enroll: bool) -> SetOp {
+    if enroll {
+        SetOp::add(student, class, seq)
+    } else {
+        SetOp::remove(student, class, seq)
+    }
 }
 
 /// What the final read found.
@@ -722,14 +725,7 @@ pub async fn apply_records(
                         field,
                         class,
                         enroll,
-                    } if field == name => Some((
-                        i,
-                        if enroll {
-                            SetOp::add(r.student, class, r.seq)
-                        } else {
-                            SetOp::remove(r.student, class, r.seq)
-                        },
-                    )),
+                    } if field == name => Some((i, set_op(r.student, class, r.seq, enroll))),
                     _ => None,
                 })
                 .unzip();

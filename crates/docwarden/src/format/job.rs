@@ -64,6 +64,18 @@ pub mod field {
     /// consumed a [`FOLLOW_UP`]).
     pub const FOLLOW_UPS: &str = "follow_ups";
 
+    /// The claim whose final transition applied last, and which one it was:
+    /// `{token, by}` (keys in [`settled`]), written in the same fenced update as the
+    /// transition and left alone by claims and sweeps. It is the proof a read-back uses
+    /// when the job was claimed again between a bulk of transitions and its read-back
+    /// (the `lease` then shows the new claim). Absent on jobs no worker settled since
+    /// this field was introduced.
+    pub const SETTLED: &str = "settled";
+    /// The settling claim's token's path (`settled.token`).
+    pub const SETTLED_TOKEN: &str = "settled.token";
+    /// The settling transition's path (`settled.by`).
+    pub const SETTLED_BY: &str = "settled.by";
+
     /// Where a windowed job keeps its key in a test's control only (the uniqueness
     /// window's safeguard off, so it has no [`UNIQUE_SLOT`]); never written otherwise.
     #[doc(hidden)]
@@ -101,7 +113,7 @@ pub mod field {
     /// also the name of the module in command names, metric labels and workload names,
     /// so the no-literal scan of the CLI cannot forbid the word; code that reads the
     /// field still goes through [`QUEUE`].
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 33] = [
         STATE,
         PAYLOAD,
         PRIORITY,
@@ -132,6 +144,9 @@ pub mod field {
         LIMITS_KEY,
         LIMITS_RATE,
         LIMITS_ADMITTED_AT,
+        SETTLED,
+        SETTLED_TOKEN,
+        SETTLED_BY,
     ];
 
     /// Keys inside the [`LIMITS`] sub-document.
@@ -148,6 +163,14 @@ pub mod field {
         /// Server time (`$$NOW`) the rate document admitted the job's last start, written
         /// by the claim that followed.
         pub const ADMITTED_AT: &str = "admitted_at";
+    }
+
+    /// Keys inside the [`SETTLED`] sub-document.
+    pub mod settled {
+        /// The token of the claim whose transition applied.
+        pub const TOKEN: &str = "token";
+        /// Which transition: `complete`, `fail`, `release`, `snooze` or `cancel`.
+        pub const BY: &str = "by";
     }
 
     /// Keys inside the [`LEASE`] sub-document.

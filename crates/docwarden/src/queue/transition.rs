@@ -10,7 +10,16 @@
 //! the per-job fenced updates above, so each job is still fenced by its own token. When
 //! the reply's match count falls short of the statements (a lease was lost, or a reply
 //! was lost and the bulk retried), the jobs are read back by `_id` and each one counts
-//! as applied only if its document shows that transition's own result under its token.
+//! as applied only if its document shows that transition's own result under its token,
+//! or records it in `settled: {token, by}` — every final transition writes that field
+//! in its own fenced update and nothing else touches it, so the proof survives the job
+//! being claimed again (by another worker or claim loop) before the read-back.
+//!
+//! Limit: a job that was settled, claimed again *and settled again* by another claim
+//! between the bulk and its read-back shows neither, and is reported as
+//! [`Error::LeaseLost`] although its transition applied. One worker cannot do that to
+//! itself (its writer reads back before it sends the next bulk); two workers can, within
+//! one round trip.
 
 use std::time::Duration;
 
@@ -121,6 +130,60 @@ pub(crate) enum Transition {
     Snooze(i64),
 }
 
+impl Transition {
+    /// The name stored as `settled.by` when the transition applies.
+    fn name(&self) -> &'static str {
+        match self {
+            Transition::Complete(_) => "complete",
+            Transition::Fail(_) => "fail",
+            Transition::Release => "release",
+            Transition::Snooze(_) => "snooze",
+        }
+    }
+}
+
+/// A transition's update: update operators, or a pipeline (the completion).
+enum Update {
+    Operators(Document),
+    Pipeline(Vec<Document>),
+}
+
+impl Update {
+    /// As the `u` of an `update` command's statement.
+    fn into_bson(self) -> Bson {
+        match self {
+            Update::Operators(d) => Bson::Document(d),
+            Update::Pipeline(stages) => {
+                Bson::Array(stages.into_iter().map(Bson::Document).collect())
+            }
+        }
+    }
+}
+
+impl From<Update> for mongodb::options::UpdateModifications {
+    fn from(u: Update) -> Self {
+        match u {
+            Update::Operators(d) => Self::Document(d),
+            Update::Pipeline(stages) => Self::Pipeline(stages),
+        }
+    }
+}
+
+/// `settled: {token, by}`: which claim's final transition applied (see
+/// [`field::SETTLED`]), written in the transition's own fenced update.
+fn settled(token: &str, by: &str) -> Document {
+    doc! { field::settled::TOKEN: token, field::settled::BY: by }
+}
+
+/// Whether the stored job `d` records transition `t` of claim `job` as the one that
+/// settled it ([`field::SETTLED`]): proof that survives the job being claimed again.
+fn settled_by(d: &Document, job: &ClaimedJob, t: &Transition) -> bool {
+    d.get_document(field::SETTLED).is_ok_and(|s| {
+        s.get_str(field::settled::TOKEN).ok() == Some(job.lease.token.as_str())
+            && s.get_str(field::settled::BY).ok() == Some(t.name())
+    })
+}
+
 /// One job's outcome in a bulk of transitions: the fail outcome for a failure, `None`
 /// for a completion or a release, [`Error::LeaseLost`] if the claim no longer held it.
 pub(crate) type Settled = Result<Option<FailOutcome>>;
@@ -161,6 +224,16 @@ pub(crate) enum Held {
     Cancelled,
     /// Expired and swept, re-claimed, or gone.
     Lost,
+}
+
+/// A bulk of transitions as sent: each job's planned outcome and statement, and the
+/// server's reply.
+struct Sent {
+    /// The outcome each job's transition has once applied, in input order.
+    planned: Vec<Option<FailOutcome>>,
+    /// Each job's statement (group) index, in input order.
+    group_of: Vec<usize>,
+    reply: BulkReply,
 }
 
 /// What one unordered bulk of fenced updates answered.
@@ -243,49 +316,60 @@ pub(crate) fn shows(d: &Document, job: &ClaimedJob, t: &Transition) -> Option<Op
 
 impl JobQueue {
     /// The update of transition `t` of `job` at server time `now`, and the outcome it
-    /// has once applied.
+    /// has once applied. Every one also records `settled: {token, by}`
+    /// ([`field::SETTLED`]), the proof a read-back finds even after the job was claimed
+    /// again.
     fn transition_update(
         &self,
         job: &ClaimedJob,
         t: &Transition,
         now: &ServerTime,
-    ) -> (Bson, Option<FailOutcome>) {
+    ) -> (Update, Option<FailOutcome>) {
         let at = now.estimate();
-        match t {
-            Transition::Complete(result) => (Self::complete_update(result, at).into(), None),
+        let settled = settled(job.lease.token.as_str(), t.name());
+        let (mut update, outcome) = match t {
+            Transition::Complete(result) => {
+                return (
+                    Update::Pipeline(Self::complete_update(result, at, settled)),
+                    None,
+                );
+            }
             Transition::Fail(error) => {
                 let error = clip(error);
                 if job.job.attempts >= job.job.max_attempts {
-                    return (
+                    (
                         doc! { "$set": {
                             field::STATE: JobState::Dead.as_str(),
                             field::LAST_ERROR: error,
                             field::FINISHED_AT: at,
                             field::UPDATED_AT: at,
-                        } }
-                        .into(),
+                        } },
                         Some(FailOutcome::Dead),
-                    );
+                    )
+                } else {
+                    let delay = self.retry_delay(job.job.attempts);
+                    let run_at = now.plus_ms(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                    (
+                        doc! { "$set": {
+                            field::STATE: JobState::Retrying.as_str(),
+                            field::LAST_ERROR: error,
+                            field::RUN_AT: run_at,
+                            field::UPDATED_AT: at,
+                        } },
+                        Some(FailOutcome::Retrying { run_at, delay }),
+                    )
                 }
-                let delay = self.retry_delay(job.job.attempts);
-                let run_at = now.plus_ms(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-                (
-                    doc! { "$set": {
-                        field::STATE: JobState::Retrying.as_str(),
-                        field::LAST_ERROR: error,
-                        field::RUN_AT: run_at,
-                        field::UPDATED_AT: at,
-                    } }
-                    .into(),
-                    Some(FailOutcome::Retrying { run_at, delay }),
-                )
             }
-            Transition::Release => (Self::give_back_update(job, at, None).into(), None),
+            Transition::Release => (Self::give_back_update(job, at, None), None),
             Transition::Snooze(ms) => (
-                Self::give_back_update(job, at, Some(now.plus_ms(*ms))).into(),
+                Self::give_back_update(job, at, Some(now.plus_ms(*ms))),
                 None,
             ),
+        };
+        if let Ok(set) = update.get_document_mut("$set") {
+            set.insert(field::SETTLED, settled);
         }
+        (Update::Operators(update), outcome)
     }
 
     /// The completion: one pipeline update, so a follow-up requested while the job ran
@@ -293,7 +377,7 @@ impl JobQueue {
     /// consumed in the same write. Without one: `succeeded`, `result`, `finished_at`.
     /// With one: back to `ready` with the follow-up's payload, due now, `attempts: 0`,
     /// `follow_ups + 1`, `follow_up: null` (`result` keeps this run's).
-    fn complete_update(result: &Bson, at: DateTime) -> Vec<Document> {
+    fn complete_update(result: &Bson, at: DateTime, settled: Document) -> Vec<Document> {
         let has = doc! { "$eq": [{ "$type": format!("${}", field::FOLLOW_UP) }, "object"] };
         let pick = |then: Bson, otherwise: Bson| doc! { "$cond": [has.clone(), then, otherwise] };
         let keep = |f: &str| Bson::String(format!("${f}"));
@@ -313,6 +397,7 @@ impl JobQueue {
             ),
             field::FOLLOW_UP: Bson::Null,
             field::UPDATED_AT: at,
+            field::SETTLED: { "$literal": settled },
         } }]
     }
 
@@ -390,7 +475,7 @@ impl JobQueue {
             .projection(doc! {
                 field::ID: 1, field::STATE: 1, field::LEASE: 1, field::LAST_ERROR: 1,
                 field::ATTEMPTS: 1, field::RUN_AT: 1, field::UPDATED_AT: 1,
-                field::SNOOZES: 1, field::FOLLOW_UPS: 1,
+                field::SNOOZES: 1, field::FOLLOW_UPS: 1, field::SETTLED: 1,
             })
             .await?
             .try_collect()
@@ -434,14 +519,22 @@ impl JobQueue {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        let sent = self.send_transitions(items).await?;
+        self.resolve(items, sent).await
+    }
+
+    /// Sends the transitions of `items` as one unordered bulk: one `multi` statement per
+    /// claim token and update.
+    async fn send_transitions(&self, items: &[(ClaimedJob, Transition)]) -> Result<Sent> {
         let now = self.inner.time.now().await?;
-        let mut outcomes = Vec::with_capacity(items.len());
+        let mut planned = Vec::with_capacity(items.len());
         let mut groups: Vec<Group> = Vec::new();
         let mut by_key: HashMap<(String, String), usize> = HashMap::new();
         let mut group_of = Vec::with_capacity(items.len());
         for (job, t) in items {
             let (update, outcome) = self.transition_update(job, t, &now);
-            outcomes.push(outcome);
+            let update = update.into_bson();
+            planned.push(outcome);
             let key = (job.lease.token.as_str().to_owned(), update.to_string());
             let g = *by_key.entry(key).or_insert_with(|| {
                 groups.push(Group {
@@ -458,8 +551,31 @@ impl JobQueue {
         let reply = self
             .bulk_fenced(groups_to_statements(groups, unfenced))
             .await?;
+        Ok(Sent {
+            planned,
+            group_of,
+            reply,
+        })
+    }
+
+    /// Each job's outcome of a sent bulk. A bulk that matched every job applied every
+    /// transition; a short one is read back by `_id`, and a job counts as applied only if
+    /// its document shows the transition's own result under our token ([`shows`]) or
+    /// records it as the one that settled it, even if the job was claimed again since
+    /// ([`field::SETTLED`]). A job that shows neither was not written: its lease was lost
+    /// (or the server refused its statement, which is reported as such).
+    async fn resolve(
+        &self,
+        items: &[(ClaimedJob, Transition)],
+        sent: Sent,
+    ) -> Result<Vec<Settled>> {
+        let Sent {
+            planned,
+            group_of,
+            reply,
+        } = sent;
         if reply.matched == items.len() && reply.refused.is_empty() {
-            return Ok(outcomes.into_iter().map(Ok).collect());
+            return Ok(planned.into_iter().map(Ok).collect());
         }
         let stored = self
             .read_back(items.iter().map(|(j, _)| j.id()).collect())
@@ -467,8 +583,12 @@ impl JobQueue {
         Ok(items
             .iter()
             .zip(group_of)
-            .map(
-                |((job, t), g)| match stored.get(&job.id()).and_then(|d| shows(d, job, t)) {
+            .zip(planned)
+            .map(|(((job, t), g), planned)| {
+                let applied = stored.get(&job.id()).and_then(|d| {
+                    shows(d, job, t).or_else(|| settled_by(d, job, t).then_some(planned))
+                });
+                match applied {
                     Some(outcome) => Ok(outcome),
                     None => match reply.refused.get(&g) {
                         Some(reason) => Err(Error::Malformed {
@@ -477,8 +597,8 @@ impl JobQueue {
                         }),
                         None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
                     },
-                },
-            )
+                }
+            })
             .collect())
     }
 
@@ -626,11 +746,17 @@ impl JobQueue {
     pub async fn complete(&self, job: &ClaimedJob, result: impl Into<Bson>) -> Result<()> {
         let result = result.into();
         check_size("result", &result, MAX_RESULT_BYTES)?;
-        let now = self.inner.time.now().await?.estimate();
-        self.fenced(job, Self::complete_update(&result, now))
-            .await?;
+        self.settle_one(job, &Transition::Complete(result)).await?;
         crate::observe::completed(self.metrics_label());
         Ok(())
+    }
+
+    /// Writes transition `t` of `job` alone: one fenced `updateOne`.
+    async fn settle_one(&self, job: &ClaimedJob, t: &Transition) -> Result<Option<FailOutcome>> {
+        let now = self.inner.time.now().await?;
+        let (update, outcome) = self.transition_update(job, t, &now);
+        self.fenced(job, update).await?;
+        Ok(outcome)
     }
 
     /// Records the handler's progress (any BSON value of at most
@@ -664,13 +790,9 @@ impl JobQueue {
         let ms = i64::try_from(after.as_millis())
             .map_err(|_| Error::invalid("snooze", "is too long"))?;
         let now = self.inner.time.now().await?;
-        let run_at = now.plus_ms(ms);
-        self.fenced(
-            job,
-            Self::give_back_update(job, now.estimate(), Some(run_at)),
-        )
-        .await?;
-        Ok(run_at)
+        let (update, _) = self.transition_update(job, &Transition::Snooze(ms), &now);
+        self.fenced(job, update).await?;
+        Ok(now.plus_ms(ms))
     }
 
     /// The retry delay after the `attempt`-th attempt failed (1-based): exponential from
@@ -693,35 +815,10 @@ impl JobQueue {
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job), fields(job = %job.job.id), level = "debug")]
     pub async fn fail(&self, job: &ClaimedJob, error: &str) -> Result<FailOutcome> {
-        let now = self.inner.time.now().await?;
-        let error = clip(error);
-        if job.job.attempts >= job.job.max_attempts {
-            self.fenced(
-                job,
-                doc! { "$set": {
-                    field::STATE: JobState::Dead.as_str(),
-                    field::LAST_ERROR: error,
-                    field::FINISHED_AT: now.estimate(),
-                    field::UPDATED_AT: now.estimate(),
-                } },
-            )
-            .await?;
-            crate::observe::failed(self.metrics_label(), &FailOutcome::Dead);
-            return Ok(FailOutcome::Dead);
-        }
-        let delay = self.retry_delay(job.job.attempts);
-        let run_at = now.plus_ms(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-        self.fenced(
-            job,
-            doc! { "$set": {
-                field::STATE: JobState::Retrying.as_str(),
-                field::LAST_ERROR: error,
-                field::RUN_AT: run_at,
-                field::UPDATED_AT: now.estimate(),
-            } },
-        )
-        .await?;
-        let outcome = FailOutcome::Retrying { run_at, delay };
+        let outcome = self
+            .settle_one(job, &Transition::Fail(error.to_owned()))
+            .await?
+            .unwrap_or(FailOutcome::Dead);
         crate::observe::failed(self.metrics_label(), &outcome);
         Ok(outcome)
     }
@@ -733,9 +830,7 @@ impl JobQueue {
     /// [`Error::LeaseLost`] if the claim no longer holds the
     /// job; a database error.
     pub async fn release(&self, job: &ClaimedJob) -> Result<()> {
-        let now = self.inner.time.now().await?.estimate();
-        self.fenced(job, Self::give_back_update(job, now, None))
-            .await
+        self.settle_one(job, &Transition::Release).await.map(|_| ())
     }
 
     /// Cancels the job this claim holds, keeping `reason` as `last_error`.
@@ -752,8 +847,84 @@ impl JobQueue {
                 field::LAST_ERROR: clip(reason),
                 field::FINISHED_AT: now,
                 field::UPDATED_AT: now,
+                field::SETTLED: settled(job.lease.token.as_str(), "cancel"),
             } },
         )
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use docwarden_testkit::TestDb;
+    use mongodb::bson::{Bson, DateTime, doc};
+
+    use super::{FailOutcome, Transition};
+    use crate::clock::{ClockOptions, TimeSource};
+    use crate::error::Error;
+    use crate::queue::job::field;
+    use crate::queue::{EnqueueOptions, JobQueue, QueueOptions};
+
+    /// CI run of 2026-11-23 (`tests/metrics.rs`, lease losses 8 ≠ stalls 5): a bulk of
+    /// transitions fell short because one job's lease was lost, and the read-back found
+    /// jobs whose failure *had* applied already claimed again by the worker's other claim
+    /// loop (a new token in `lease`), so it reported them as lease losses. With
+    /// `settled: {token, by}` the read-back finds its proof after the re-claim. (Fails
+    /// without the `settled_by` check in `resolve`: the released and failed jobs come back
+    /// `LeaseLost`.)
+    #[tokio::test]
+    async fn a_job_claimed_again_before_the_read_back_still_counts_as_settled() -> anyhow::Result<()>
+    {
+        let t = TestDb::new("queue_settle_reclaimed").await?;
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        let opts = QueueOptions::default()
+            .retry_delays(Duration::from_millis(1), Duration::from_millis(2))
+            .reap_interval(Duration::from_secs(3600))
+            .partitions(1);
+        let q = JobQueue::open(&t.db, "jobs", time, opts).await?;
+        let enqueue = EnqueueOptions::default().max_attempts(5);
+        q.enqueue_many((0..3).map(|i| (doc! { "i": i }, enqueue.clone())))
+            .await?;
+        let jobs = q.claim_batch("w", 3).await?;
+        anyhow::ensure!(jobs.len() == 3, "claimed {} jobs", jobs.len());
+        // The third job's lease expires and the sweep takes it back: its completion is
+        // refused, so the bulk falls short and is read back.
+        q.collection()
+            .update_one(
+                doc! { "_id": jobs[2].id() },
+                doc! { "$set": { field::LEASE_UNTIL: DateTime::from_millis(0) } },
+            )
+            .await?;
+        assert_eq!(q.reap_expired().await?, 1);
+        let items = vec![
+            (jobs[0].clone(), Transition::Release),
+            (jobs[1].clone(), Transition::Fail("boom".into())),
+            (jobs[2].clone(), Transition::Complete(Bson::Null)),
+        ];
+        let sent = q.send_transitions(&items).await?;
+        assert_eq!(sent.reply.matched, 2);
+        // Between the reply and the read-back another claim takes all three again.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let again = q.claim_batch("other", 3).await?;
+        assert_eq!(again.len(), 3, "every job claimable again");
+        let outcomes = q.resolve(&items, sent).await?;
+        assert!(
+            matches!(outcomes[0], Ok(None)),
+            "release: {:?}",
+            outcomes[0]
+        );
+        assert!(
+            matches!(outcomes[1], Ok(Some(FailOutcome::Retrying { .. }))),
+            "fail: {:?}",
+            outcomes[1]
+        );
+        assert!(
+            matches!(outcomes[2], Err(Error::LeaseLost { .. })),
+            "the swept job's completion: {:?}",
+            outcomes[2]
+        );
+        Ok(())
     }
 }

@@ -345,7 +345,11 @@ pub(crate) async fn run(
             );
             killed = true;
         }
-        if finished >= total || Instant::now() > deadline {
+        // Done when every message is enriched (or dead) and no job is running: a job
+        // the killed worker held may have enriched its message already and stays
+        // `running` until its lease expires and the sweep hands it to a live worker;
+        // only one still running at the deadline is stuck.
+        if (finished >= total && get(JobState::Running) == 0) || Instant::now() > deadline {
             break;
         }
     }

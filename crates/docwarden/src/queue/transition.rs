@@ -815,6 +815,7 @@ impl JobQueue {
     /// job (nothing written); a database error.
     #[tracing::instrument(skip(self, job), fields(job = %job.job.id), level = "debug")]
     pub async fn fail(&self, job: &ClaimedJob, error: &str) -> Result<FailOutcome> {
+        // `transition_update` gives every failure an outcome; `Dead` is never reached here.
         let outcome = self
             .settle_one(job, &Transition::Fail(error.to_owned()))
             .await?

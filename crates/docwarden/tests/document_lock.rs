@@ -51,8 +51,14 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
     let guard = locks.lock("d1").await?.context("exists")?;
     assert_eq!(guard.document.get_str("lock_id")?, guard.lock_id);
     assert_eq!(guard.lock_id.len(), 32);
-    // Contention is not an error: a held lock is `Ok(None)`.
+    // Contention is not an error: a held lock is `Ok(None)`, and the refused attempt
+    // leaves the holder's lock fields exactly as they were.
+    let held = coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?;
     assert!(matches!(locks.lock("d1").await, Ok(None)));
+    assert_eq!(
+        coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?,
+        held
+    );
     assert!(matches!(
         locks.lock_or_create("d1", doc! {}).await,
         Ok(None)

@@ -40,6 +40,7 @@ mod limits;
 mod locks;
 mod queue;
 mod sequence;
+mod targets;
 mod wakeup;
 
 /// The load one workload runs under.
@@ -460,12 +461,12 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     progress.finish_and_clear();
     if let Some(path) = &args.markdown {
-        std::fs::write(path, markdown(&rows))?;
+        std::fs::write(path, markdown(&rows) + &targets::markdown(&rows))?;
     }
     if args.json {
         crate::output::print_json(&rows)?;
     } else {
-        print!("{}", markdown(&rows));
+        print!("{}{}", markdown(&rows), targets::markdown(&rows));
     }
     Ok(ExitCode::SUCCESS)
 }

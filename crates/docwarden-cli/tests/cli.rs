@@ -191,6 +191,37 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
     Ok(())
 }
 
+/// With `--stages` the bench ends with issue 14's targets, each beside its floor (the same
+/// writes sent raw), read off the same run.
+#[test]
+fn bench_with_stages_prints_each_target_beside_its_floor() -> anyhow::Result<()> {
+    let out = docwarden()
+        .args(["bench", "--only", "locks", "--stages", "--workers", "1"])
+        .args(["--duration", "1"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout)?;
+    assert!(text.contains("| target row |"), "{text}");
+    for target in ["lock acquire+release", "document lock+release_with"] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {target} | 1 |")) && l.contains("≥ 0.4×"))
+            .ok_or_else(|| anyhow::anyhow!("no target line for {target} in {text}"))?;
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        // | row | workers | ratio | target | met | floor | share | floor reaches |
+        assert!(
+            cells[6].ends_with('×'),
+            "{target}: a floor is measured: {line}"
+        );
+        assert!(cells[7].ends_with('%'), "{target}: {line}");
+    }
+    Ok(())
+}
+
 /// The two ways the bench counts round trips agree on what they count: on the embedded
 /// server (the test above) the server's own command counters, on a server given with
 /// `--uri` (here the suite's shared server, which other tests use at the same time) the

@@ -12,6 +12,11 @@ use docwarden_workloads::on_call::{self, OnCall, Toggle};
 use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
 
+/// The guarded toggle, one `update` per call (an issue 14 target row).
+pub(crate) const ONE_PER_CALL: &str = "guard: on/off call (≥1 on call)";
+/// The same toggles written unguarded (its floor, `--stages`).
+pub(crate) const UNGUARDED: &str = "guard stage: unguarded toggle (update_one)";
+
 use super::{BenchRow, Load, measure};
 
 const SHIFTS: i64 = 1_000;
@@ -26,7 +31,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     if load.stages {
         let c = coll.clone();
         rows.push(
-            measure("guard stage: unguarded toggle (update_one)", load, move |_| {
+            measure(UNGUARDED, load, move |_| {
                 let c = c.clone();
                 async move {
                     let t = Toggle::random(&mut rand::rng(), SHIFTS);
@@ -44,7 +49,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     let workload = OnCall::new(coll)?;
     let batched = workload.clone();
     rows.push(
-        measure("guard: on/off call (≥1 on call)", load, move |_| {
+        measure(ONE_PER_CALL, load, move |_| {
             let workload = workload.clone();
             async move {
                 let toggle = Toggle::random(&mut rand::rng(), SHIFTS);

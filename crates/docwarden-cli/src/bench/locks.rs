@@ -19,6 +19,19 @@ use super::{BenchRow, Load, measure};
 
 const RESOURCES: i64 = 1_000;
 
+/// Acquire + release on a lock collection (an issue 14 target row).
+pub(crate) const PAIR: &str = "lock acquire+release";
+/// The acquire's command sent raw (`--stages`).
+pub(crate) const ACQUIRE_STAGE: &str =
+    "lock stage: the acquire's findOneAndUpdate (pipeline, upsert)";
+/// The release's command sent raw (`--stages`).
+pub(crate) const RELEASE_STAGE: &str = "lock stage: the release's updateOne";
+/// Seed 003's locked increment (an issue 14 target row).
+pub(crate) const DOCUMENT: &str = "document lock+release_with";
+/// Its two writes by `_id` alone (its floor, `--stages`).
+pub(crate) const DOCUMENT_STAGE: &str =
+    "document lock stage: its two writes by _id only (no condition, no fence)";
+
 pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
     let locks =
@@ -38,7 +51,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             }
         }
     }
-    let lease_row = measure("lock acquire+release", load, move |worker| {
+    let lease_row = measure(PAIR, load, move |worker| {
         let locks = locks.clone();
         let owner = owners[worker % owners.len()].clone();
         async move {
@@ -66,7 +79,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     coll.insert_many((0..RESOURCES).map(|i| doc! { "_id": i, "n": 0_i64 }))
         .await?;
     let doc_locks = DocumentLocks::new(coll, time, DocumentLockOptions::default())?;
-    let doc_row = measure("document lock+release_with", load, move |_| {
+    let doc_row = measure(DOCUMENT, load, move |_| {
         let doc_locks = doc_locks.clone();
         async move {
             let id = rand::random_range(0..RESOURCES);
@@ -77,7 +90,44 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     })
     .await?;
     rows.push(doc_row);
+    if load.stages {
+        rows.push(document_stage(db, load).await?);
+    }
     Ok(rows)
+}
+
+/// The floor of seed 003's locked increment: its two writes as raw commands by `{_id}`
+/// alone, no expiry condition and no fence — the lock's `findOneAndUpdate` (sets the
+/// lock fields, post-image) and the release's `updateOne` (the change, lock fields
+/// cleared) — on documents of the same shape, for the document-lock row to be read
+/// against.
+async fn document_stage(db: &Database, load: &Load) -> anyhow::Result<BenchRow> {
+    let coll = db.collection::<Document>("bench_doclock_stage");
+    coll.insert_many((0..RESOURCES).map(|i| doc! { "_id": i, "n": 0_i64 }))
+        .await?;
+    let options = DocumentLockOptions::default();
+    let (id_f, time_f) = (options.lock_id_field, options.lock_time_field);
+    measure(DOCUMENT_STAGE, load, move |_| {
+        let (c, id_f, time_f) = (coll.clone(), id_f.clone(), time_f.clone());
+        async move {
+            let id = rand::random_range(0..RESOURCES);
+            let locked = c
+                .find_one_and_update(
+                    doc! { "_id": id },
+                    doc! { "$set": { &id_f: "stage", &time_f: DateTime::now() } },
+                )
+                .return_document(ReturnDocument::After)
+                .await?;
+            let n = locked.and_then(|d| d.get_i64("n").ok()).unwrap_or_default();
+            c.update_one(
+                doc! { "_id": id },
+                doc! { "$set": { "n": n + 1, &id_f: Bson::Null, &time_f: Bson::Null } },
+            )
+            .await?;
+            Ok(1)
+        }
+    })
+    .await
 }
 
 /// The two writes of a fast-path acquire + release as raw commands on lock-shaped
@@ -102,7 +152,7 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     ] };
     let c = coll.clone();
     let acquire = measure(
-        "lock stage: the acquire's findOneAndUpdate (pipeline, upsert)",
+        ACQUIRE_STAGE,
         load,
         move |_| {
             let (c, fast) = (c.clone(), fast.clone());
@@ -143,7 +193,7 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     }))
     .await?;
     let release = measure(
-        "lock stage: the release's updateOne",
+        RELEASE_STAGE,
         load,
         move |_| {
             let c = c.clone();

@@ -30,12 +30,23 @@ use docwarden::queue::format::{JobState, field};
 use docwarden::queue::{JobQueue, QueueOptions, Worker, WorkerOptions};
 use docwarden_workloads::jobs::Producer;
 use docwarden_workloads::seed_claim::SeedQueue;
+use futures::TryStreamExt;
 use hdrhistogram::Histogram;
 use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};
 use tokio_util::sync::CancellationToken;
 
 use super::{BenchRow, Load, measure, per_item, per_op};
+
+/// A job's two writes and nothing else (the `Worker` rows' floor, `--stages`).
+pub(crate) const TWO_WRITES: &str =
+    "queue stage: a job's two writes only (2 updateMany of 64 by _id)";
+
+/// The name of the `Worker` row at `backlog` (issue 14 target rows at 10,000 and
+/// 100,000).
+pub(crate) fn worker_name(backlog: usize) -> String {
+    format!("queue Worker, backlog {backlog}")
+}
 
 /// The backlogs the rows keep.
 const BACKLOGS: [usize; 3] = [100, 10_000, 100_000];
@@ -93,7 +104,7 @@ async fn worker_row(
     handler: Option<Duration>,
 ) -> anyhow::Result<BenchRow> {
     let name = match handler {
-        None => format!("queue Worker, backlog {backlog}"),
+        None => worker_name(backlog),
         Some(d) => format!(
             "queue Worker, backlog {backlog}, handler awaits {} ms",
             d.as_millis()
@@ -411,5 +422,80 @@ pub(crate) async fn run(db: &Database, load: &Load, anchor: bool) -> anyhow::Res
             .drop()
             .await?;
     }
+    if load.stages {
+        rows.push(two_writes_row(db, load).await?);
+    }
     Ok(rows)
+}
+
+/// Jobs per write of [`two_writes_row`]: the `Worker`'s default claim size.
+const STAGE_BATCH: usize = 64;
+
+/// The floor of any design that writes each job twice: every task takes 64 jobs of its
+/// own and writes them twice, as two `updateMany` by `_id` — ready → running with a
+/// lease, then back to ready — on a job collection with the queue's indexes (each job
+/// moves out of the two claim indexes into the lease index and back, as a claim and a
+/// completion move it). No candidate read, no read-back, no fence, no handler: what a
+/// job's two writes cost this server, for the `Worker` rows to be read against
+/// (`docs/benchmarks.md`).
+async fn two_writes_row(db: &Database, load: &Load) -> anyhow::Result<BenchRow> {
+    let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
+    let q = JobQueue::open(db, "bench_queue_stage", time, QueueOptions::default()).await?;
+    let jobs = STAGE_BATCH * 8 * load.workers;
+    Producer::new().enqueue(&q, jobs).await?;
+    let coll = q.collection().clone();
+    let ids: Vec<Bson> = coll
+        .find(doc! {})
+        .projection(doc! { field::ID: 1 })
+        .await?
+        .try_collect::<Vec<Document>>()
+        .await?
+        .into_iter()
+        .filter_map(|d| d.get(field::ID).cloned())
+        .collect();
+    let per_task = ids.len() / load.workers;
+    anyhow::ensure!(
+        per_task >= STAGE_BATCH,
+        "the stage's jobs were not all enqueued"
+    );
+    let ids = Arc::new(ids);
+    let rounds: Arc<Vec<AtomicU64>> =
+        Arc::new((0..load.workers).map(|_| AtomicU64::new(0)).collect());
+    let row = measure(TWO_WRITES, load, move |worker| {
+        let (coll, ids, rounds) = (coll.clone(), Arc::clone(&ids), Arc::clone(&rounds));
+        async move {
+            let round = rounds[worker].fetch_add(1, Ordering::Relaxed);
+            let slots = u64::try_from(per_task / STAGE_BATCH)?;
+            let start = worker * per_task + usize::try_from(round % slots)? * STAGE_BATCH;
+            let batch = ids[start..start + STAGE_BATCH].to_vec();
+            let until = mongodb::bson::DateTime::from_millis(
+                mongodb::bson::DateTime::now().timestamp_millis() + 30_000,
+            );
+            let claim = coll
+                .update_many(
+                    doc! { field::ID: { "$in": &batch } },
+                    doc! { "$set": {
+                        field::STATE: JobState::Running.as_str(),
+                        field::LEASE: {
+                            field::lease::OWNER: "stage",
+                            field::lease::TOKEN: "t",
+                            field::lease::UNTIL: until,
+                        },
+                    } },
+                )
+                .await?;
+            coll.update_many(
+                doc! { field::ID: { "$in": &batch } },
+                doc! {
+                    "$set": { field::STATE: JobState::Ready.as_str() },
+                    "$unset": { field::LEASE: "" },
+                },
+            )
+            .await?;
+            Ok(claim.modified_count)
+        }
+    })
+    .await?;
+    q.collection().drop().await?;
+    Ok(row)
 }

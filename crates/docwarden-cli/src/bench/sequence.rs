@@ -25,6 +25,11 @@ use mongodb::bson::{Document, doc};
 use mongodb::options::ReturnDocument;
 use mongodb::{Collection, Database};
 
+/// In-order applies, one `apply` per call (an issue 14 target row).
+pub(crate) const IN_ORDER: &str = "sequence: in-order stream, every member seen";
+/// The bare write of one apply on the same documents (its floor, `--stages`).
+pub(crate) const BARE: &str = "sequence stage: update_one by key, $inc";
+
 use super::{BenchRow, Load, measure};
 
 const KEYS: i64 = 1_000;
@@ -100,7 +105,7 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
         rows.push(
             measure(
                 if operator_form {
-                    "sequence: in-order stream, every member seen"
+                    IN_ORDER
                 } else {
                     "sequence: in-order stream, every member seen, pipeline only"
                 },
@@ -242,7 +247,7 @@ async fn stages(set: &SequencedSet, load: &Load) -> anyhow::Result<Vec<BenchRow>
     let mut rows = Vec::new();
     let c = coll.clone();
     rows.push(
-        measure("sequence stage: update_one by key, $inc", load, move |_| {
+        measure(BARE, load, move |_| {
             let c = c.clone();
             async move {
                 c.update_one(

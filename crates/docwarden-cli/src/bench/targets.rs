@@ -1,0 +1,174 @@
+//! Issue 14's targets read off one run: each target row beside its **floor**, the same
+//! writes sent raw (the `--stages` rows), so a run says by itself how far a missed target
+//! is from what the server allows.
+//!
+//! A floor is the rate of the writes the workload cannot do without, as bare commands on
+//! documents of the same shape: the unguarded toggle under the guarded one, the bare
+//! `update_one` under a sequenced apply, the acquire's and the release's commands under a
+//! lock pair (two commands in a row: `1 / (1/a + 1/b)`), the two writes by `_id` under a
+//! document lock, and two `updateMany` of 64 jobs under the `Worker`. `share` is the row
+//! over its floor: what docwarden's reads, conditions and fences leave of the bare
+//! writes. When the floor itself is below the target, no design that makes those writes
+//! reaches the target on this server.
+
+use std::fmt::Write as _;
+
+use super::{BenchRow, guard, locks, queue, sequence};
+
+/// What bounds a target row from above.
+enum Floor {
+    /// One stage row.
+    Row(&'static str),
+    /// Two stage rows run one after the other by the same worker (a pair of commands).
+    Pair(&'static str, &'static str),
+}
+
+/// One target: the row's name, the ratio it should reach, and its floor.
+struct Target {
+    row: String,
+    min: f64,
+    floor: Floor,
+}
+
+fn targets() -> Vec<Target> {
+    let worker_floor = || Floor::Row(queue::TWO_WRITES);
+    vec![
+        Target {
+            row: queue::worker_name(10_000),
+            min: 1.0,
+            floor: worker_floor(),
+        },
+        Target {
+            row: queue::worker_name(100_000),
+            min: 0.5,
+            floor: worker_floor(),
+        },
+        Target {
+            row: locks::PAIR.to_owned(),
+            min: 0.4,
+            floor: Floor::Pair(locks::ACQUIRE_STAGE, locks::RELEASE_STAGE),
+        },
+        Target {
+            row: locks::DOCUMENT.to_owned(),
+            min: 0.4,
+            floor: Floor::Row(locks::DOCUMENT_STAGE),
+        },
+        Target {
+            row: guard::ONE_PER_CALL.to_owned(),
+            min: 0.8,
+            floor: Floor::Row(guard::UNGUARDED),
+        },
+        Target {
+            row: sequence::IN_ORDER.to_owned(),
+            min: 0.8,
+            floor: Floor::Row(sequence::BARE),
+        },
+    ]
+}
+
+/// The ratio of row `name` at `workers`, if the run has it.
+fn ratio(rows: &[BenchRow], name: &str, workers: usize) -> Option<f64> {
+    rows.iter()
+        .find(|r| r.name == name && r.workers == workers)
+        .map(|r| r.ratio)
+        .filter(|r| r.is_finite() && *r > 0.0)
+}
+
+impl Floor {
+    fn ratio(&self, rows: &[BenchRow], workers: usize) -> Option<f64> {
+        match self {
+            Floor::Row(name) => ratio(rows, name, workers),
+            Floor::Pair(a, b) => {
+                let (a, b) = (ratio(rows, a, workers)?, ratio(rows, b, workers)?);
+                Some(1.0 / (1.0 / a + 1.0 / b))
+            }
+        }
+    }
+}
+
+/// The targets this run measured, as a markdown table (empty when it measured none).
+pub(crate) fn markdown(rows: &[BenchRow]) -> String {
+    let mut workers: Vec<usize> = rows.iter().map(|r| r.workers).collect();
+    workers.sort_unstable();
+    workers.dedup();
+    let mut lines = String::new();
+    for target in targets() {
+        for &w in &workers {
+            let Some(got) = ratio(rows, &target.row, w) else {
+                continue;
+            };
+            let floor = target.floor.ratio(rows, w);
+            let cell = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("—".to_owned(), f);
+            let _ = writeln!(
+                lines,
+                "| {} | {w} | {got:.2}× | ≥ {:.1}× | {} | {} | {} | {} |",
+                target.row,
+                target.min,
+                if got >= target.min { "yes" } else { "no" },
+                cell(floor, &|f| format!("{f:.2}×")),
+                cell(floor, &|f| format!("{:.0} %", 100.0 * got / f)),
+                cell(floor, &|f| if f >= target.min { "yes" } else { "no" }
+                    .to_owned()),
+            );
+        }
+    }
+    if lines.is_empty() {
+        return lines;
+    }
+    format!(
+        "\nTargets (issue 14) and their floors (the same writes sent raw; `--stages`):\n\n\
+         | target row | workers | ratio | target | met | floor | share of floor | floor reaches target |\n\
+         |---|---:|---:|---:|---|---:|---:|---|\n{lines}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(name: &str, workers: usize, ratio: f64) -> BenchRow {
+        BenchRow {
+            name: name.to_owned(),
+            workers,
+            ops: 1,
+            ops_per_sec: ratio,
+            p50_us: 1,
+            p99_us: 1,
+            ratio,
+            reference_ops_per_sec: 1.0,
+            round_trips_per_op: 1.0,
+            server_cpu_us_per_op: None,
+            client_cpu_us_per_op: None,
+        }
+    }
+
+    #[test]
+    fn a_pair_of_commands_is_bounded_by_both_and_a_missing_floor_is_a_dash() {
+        let rows = vec![
+            row(locks::PAIR, 8, 0.3),
+            row(locks::ACQUIRE_STAGE, 8, 0.6),
+            row(locks::RELEASE_STAGE, 8, 0.6),
+            row(guard::ONE_PER_CALL, 8, 0.7),
+        ];
+        let table = markdown(&rows);
+        // 1 / (1/0.6 + 1/0.6) = 0.30: the pair reaches its floor, which misses 0.4.
+        assert!(
+            table.contains(
+                "| lock acquire+release | 8 | 0.30× | ≥ 0.4× | no | 0.30× | 100 % | no |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains(&format!(
+                "| {} | 8 | 0.70× | ≥ 0.8× | no | — | — | — |",
+                guard::ONE_PER_CALL
+            )),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn a_run_without_target_rows_prints_no_table() {
+        assert_eq!(markdown(&[row("update_one (reference)", 1, 1.0)]), "");
+    }
+}

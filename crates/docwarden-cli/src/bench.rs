@@ -318,6 +318,9 @@ where
     ))
 }
 
+/// The reference row's name.
+pub(crate) const REFERENCE: &str = "update_one (reference)";
+
 /// The reference: `update_one({_id}, {$inc})` on one of 1,000 documents. Returns the
 /// reference row and the handle [`Load::reference_around`] measures it again with.
 pub(crate) async fn reference(
@@ -330,10 +333,7 @@ pub(crate) async fn reference(
         .collect();
     coll.insert_many(docs).await?;
     let c = coll.clone();
-    let row = measure("update_one (reference)", load, move |_| {
-        reference_op(c.clone())
-    })
-    .await?;
+    let row = measure(REFERENCE, load, move |_| reference_op(c.clone())).await?;
     let reference = Arc::new(Reference {
         coll,
         last: std::sync::Mutex::new(row.ops_per_sec),

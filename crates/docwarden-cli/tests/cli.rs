@@ -192,7 +192,7 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
 }
 
 /// With `--stages` the bench ends with issue 14's targets, each beside its floor (the same
-/// writes sent raw), read off the same run.
+/// writes sent raw) and its CPU bound, read off the same run.
 #[test]
 fn bench_with_stages_prints_each_target_beside_its_floor() -> anyhow::Result<()> {
     let out = docwarden()
@@ -212,12 +212,14 @@ fn bench_with_stages_prints_each_target_beside_its_floor() -> anyhow::Result<()>
             .find(|l| l.starts_with(&format!("| {target} | 1 |")) && l.contains("≥ 0.4×"))
             .ok_or_else(|| anyhow::anyhow!("no target line for {target} in {text}"))?;
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
-        // | row | workers | ratio | target | met | floor | share | floor reaches |
+        // | row | workers | ratio | target | met | floor | share | floor reaches | CPU bound |
         assert!(
             cells[6].ends_with('×'),
             "{target}: a floor is measured: {line}"
         );
         assert!(cells[7].ends_with('%'), "{target}: {line}");
+        // The embedded server's CPU is read, so the CPU bound is known.
+        assert!(cells[9].ends_with('×'), "{target}: a CPU bound: {line}");
     }
     Ok(())
 }

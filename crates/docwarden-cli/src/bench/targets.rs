@@ -10,10 +10,18 @@
 //! over its floor: what docwarden's reads, conditions and fences leave of the bare
 //! writes. When the floor itself is below the target, no design that makes those writes
 //! reaches the target on this server.
+//!
+//! `CPU bound` is the reference's CPU per operation over the row's (server + client
+//! microseconds, both measured in the run): the ratio the row would have if it kept the
+//! machine's CPU as busy as the reference does. Where bench and server share a machine
+//! and the ratio is near it, the row's cost per operation decides, and only a cheaper
+//! operation moves it; well below it, the row leaves CPU idle (it waits on round trips,
+//! and more work in flight would help). `—` where a CPU reading is missing (a server
+//! given with `--uri`).
 
 use std::fmt::Write as _;
 
-use super::{BenchRow, guard, locks, queue, sequence};
+use super::{BenchRow, REFERENCE, guard, locks, queue, sequence};
 
 /// What bounds a target row from above.
 enum Floor {
@@ -66,6 +74,14 @@ fn targets() -> Vec<Target> {
     ]
 }
 
+/// Server + client CPU per operation of row `name` at `workers`, if both were measured.
+fn cpu_per_op(rows: &[BenchRow], name: &str, workers: usize) -> Option<f64> {
+    let r = rows
+        .iter()
+        .find(|r| r.name == name && r.workers == workers)?;
+    Some(r.server_cpu_us_per_op? + r.client_cpu_us_per_op?).filter(|c| *c > 0.0)
+}
+
 /// The ratio of row `name` at `workers`, if the run has it.
 fn ratio(rows: &[BenchRow], name: &str, workers: usize) -> Option<f64> {
     rows.iter()
@@ -98,10 +114,13 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
                 continue;
             };
             let floor = target.floor.ratio(rows, w);
+            let cpu_bound = cpu_per_op(rows, REFERENCE, w)
+                .zip(cpu_per_op(rows, &target.row, w))
+                .map(|(reference, row)| reference / row);
             let cell = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("—".to_owned(), f);
             let _ = writeln!(
                 lines,
-                "| {} | {w} | {got:.2}× | ≥ {:.1}× | {} | {} | {} | {} |",
+                "| {} | {w} | {got:.2}× | ≥ {:.1}× | {} | {} | {} | {} | {} |",
                 target.row,
                 target.min,
                 if got >= target.min { "yes" } else { "no" },
@@ -109,6 +128,7 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
                 cell(floor, &|f| format!("{:.0} %", 100.0 * got / f)),
                 cell(floor, &|f| if f >= target.min { "yes" } else { "no" }
                     .to_owned()),
+                cell(cpu_bound, &|c| format!("{c:.2}×")),
             );
         }
     }
@@ -116,9 +136,10 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
         return lines;
     }
     format!(
-        "\nTargets (issue 14) and their floors (the same writes sent raw; `--stages`):\n\n\
-         | target row | workers | ratio | target | met | floor | share of floor | floor reaches target |\n\
-         |---|---:|---:|---:|---|---:|---:|---|\n{lines}"
+        "\nTargets (issue 14) and their floors (the same writes sent raw; `--stages`); CPU \
+         bound: the reference's server + client CPU per operation over the row's:\n\n\
+         | target row | workers | ratio | target | met | floor | share of floor | floor reaches target | CPU bound |\n\
+         |---|---:|---:|---:|---|---:|---:|---|---:|\n{lines}"
     )
 }
 
@@ -127,6 +148,11 @@ mod tests {
     use super::*;
 
     fn row(name: &str, workers: usize, ratio: f64) -> BenchRow {
+        cpu_row(name, workers, ratio, None)
+    }
+
+    /// A row with `cpu` µs of server and as many of client CPU per operation.
+    fn cpu_row(name: &str, workers: usize, ratio: f64, cpu: Option<f64>) -> BenchRow {
         BenchRow {
             name: name.to_owned(),
             workers,
@@ -137,8 +163,8 @@ mod tests {
             ratio,
             reference_ops_per_sec: 1.0,
             round_trips_per_op: 1.0,
-            server_cpu_us_per_op: None,
-            client_cpu_us_per_op: None,
+            server_cpu_us_per_op: cpu,
+            client_cpu_us_per_op: cpu,
         }
     }
 
@@ -154,13 +180,39 @@ mod tests {
         // 1 / (1/0.6 + 1/0.6) = 0.30: the pair reaches its floor, which misses 0.4.
         assert!(
             table.contains(
-                "| lock acquire+release | 8 | 0.30× | ≥ 0.4× | no | 0.30× | 100 % | no |"
+                "| lock acquire+release | 8 | 0.30× | ≥ 0.4× | no | 0.30× | 100 % | no | — |"
             ),
             "{table}"
         );
         assert!(
             table.contains(&format!(
-                "| {} | 8 | 0.70× | ≥ 0.8× | no | — | — | — |",
+                "| {} | 8 | 0.70× | ≥ 0.8× | no | — | — | — | — |",
+                guard::ONE_PER_CALL
+            )),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_cpu_bound_is_the_reference_cpu_per_op_over_the_rows() {
+        let rows = vec![
+            cpu_row(REFERENCE, 8, 1.0, Some(50.0)),
+            cpu_row(guard::ONE_PER_CALL, 8, 0.55, Some(75.0)),
+            cpu_row(REFERENCE, 1, 1.0, Some(50.0)),
+            row(guard::ONE_PER_CALL, 1, 0.6),
+        ];
+        let table = markdown(&rows);
+        // 100 µs per reference write over 150 per guarded update.
+        assert!(
+            table.contains(&format!(
+                "| {} | 8 | 0.55× | ≥ 0.8× | no | — | — | — | 0.67× |",
+                guard::ONE_PER_CALL
+            )),
+            "{table}"
+        );
+        assert!(
+            table.contains(&format!(
+                "| {} | 1 | 0.60× | ≥ 0.8× | no | — | — | — | — |",
                 guard::ONE_PER_CALL
             )),
             "{table}"
@@ -169,6 +221,6 @@ mod tests {
 
     #[test]
     fn a_run_without_target_rows_prints_no_table() {
-        assert_eq!(markdown(&[row("update_one (reference)", 1, 1.0)]), "");
+        assert_eq!(markdown(&[row(REFERENCE, 1, 1.0)]), "");
     }
 }

@@ -208,14 +208,9 @@ impl DocumentLocks {
     ) -> Result<Option<DocumentGuard>> {
         let id = id.into();
         check_id(&id)?;
-        let LockOps {
-            filter,
-            update,
-            cutoff,
-            lock_id,
-            locked_at,
-        } = self.lock_ops(&id).await?;
+        let ops = self.lock_ops().await?;
         let after = if self.options.seed_and_filter {
+            let (filter, update) = self.operator_form(&id, &ops);
             self.coll
                 .find_one_and_update(filter, update)
                 .return_document(ReturnDocument::After)
@@ -228,12 +223,15 @@ impl DocumentLocks {
             self.coll
                 .find_one_and_update(
                     doc! { "_id": id.clone() },
-                    takeover_pipeline(id_f, time_f, cutoff, &lock_id, locked_at),
+                    takeover_pipeline(id_f, time_f, ops.cutoff, &ops.lock_id, ops.locked_at),
                 )
                 .return_document(ReturnDocument::After)
                 .await?
-                .filter(|d| d.get_str(id_f).ok() == Some(lock_id.as_str()))
+                .filter(|d| d.get_str(id_f).ok() == Some(ops.lock_id.as_str()))
         };
+        let LockOps {
+            lock_id, locked_at, ..
+        } = ops;
         self.observe(after.is_some());
         Ok(after.map(|document| DocumentGuard {
             id,
@@ -279,13 +277,11 @@ impl DocumentLocks {
                 ));
             }
         }
+        let ops = self.lock_ops().await?;
+        let (filter, mut update) = self.operator_form(&id, &ops);
         let LockOps {
-            filter,
-            mut update,
-            lock_id,
-            locked_at,
-            ..
-        } = self.lock_ops(&id).await?;
+            lock_id, locked_at, ..
+        } = ops;
         if !initial.is_empty() {
             update.insert("$setOnInsert", initial);
         }
@@ -427,50 +423,46 @@ impl DocumentLocks {
         ))
     }
 
-    /// A lock attempt's values: a fresh lock id, the lock time, the expiry cutoff, and the
-    /// operator form's filter and update (the upsert of `lock_or_create`, and `lock` under
-    /// the seed's-filter control).
-    async fn lock_ops(&self, id: &Bson) -> Result<LockOps> {
+    /// A lock attempt's values: a fresh lock id, the lock time and the expiry cutoff.
+    async fn lock_ops(&self) -> Result<LockOps> {
         let now = self.time.now().await?;
         let cutoff = DateTime::from_millis(
             now.expired_before(self.time.skew_margin_ms())
                 .timestamp_millis()
                 .saturating_sub(self.max_ms),
         );
-        let lock_id = validate::random_id();
-        let locked_at = now.estimate();
+        Ok(LockOps {
+            cutoff,
+            lock_id: validate::random_id(),
+            locked_at: now.estimate(),
+        })
+    }
+
+    /// The operator form of lock attempt `ops` on `id`: the takeover filter (the seed's
+    /// AND filter under that control) and the `$set` of the lock fields, for the upsert of
+    /// `lock_or_create` and for `lock` under the seed's-filter control. (`lock` itself
+    /// sends [`takeover_pipeline`] with the filter `{_id}`.)
+    fn operator_form(&self, id: &Bson, ops: &LockOps) -> (Document, Document) {
+        let (id_f, time_f) = (
+            self.options.lock_id_field.as_str(),
+            self.options.lock_time_field.as_str(),
+        );
         let filter = if self.options.seed_and_filter {
             doc! {
                 "_id": id.clone(),
-                self.options.lock_id_field.as_str(): Bson::Null,
-                self.options.lock_time_field.as_str(): { "$lt": cutoff },
+                id_f: Bson::Null,
+                time_f: { "$lt": ops.cutoff },
             }
         } else {
-            takeover_filter(
-                id,
-                &self.options.lock_id_field,
-                &self.options.lock_time_field,
-                cutoff,
-            )
+            takeover_filter(id, id_f, time_f, ops.cutoff)
         };
-        let update = doc! { "$set": {
-            self.options.lock_id_field.as_str(): &lock_id,
-            self.options.lock_time_field.as_str(): locked_at,
-        } };
-        Ok(LockOps {
-            filter,
-            update,
-            cutoff,
-            lock_id,
-            locked_at,
-        })
+        let update = doc! { "$set": { id_f: &ops.lock_id, time_f: ops.locked_at } };
+        (filter, update)
     }
 }
 
 /// What [`DocumentLocks::lock_ops`] returns.
 struct LockOps {
-    filter: Document,
-    update: Document,
     cutoff: DateTime,
     lock_id: String,
     locked_at: DateTime,

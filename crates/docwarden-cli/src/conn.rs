@@ -6,6 +6,9 @@ use std::time::Duration;
 use docwarden_server::{Target, connect, mask_uri};
 use mongodb::Client;
 
+/// The longest `--connect-timeout` accepted, in seconds (an hour).
+const MAX_CONNECT_TIMEOUT_SECS: u64 = 3600;
+
 /// Where to connect.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ConnArgs {
@@ -18,8 +21,9 @@ pub(crate) struct ConnArgs {
     /// at a few times the cost per write.
     #[arg(long, global = true)]
     pub(crate) data_dir: Option<PathBuf>,
-    /// Seconds to wait for the server to answer.
-    #[arg(long, default_value_t = 8, global = true)]
+    /// Seconds to wait for the server to answer (1 to 3600).
+    #[arg(long, default_value_t = 8, global = true,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_CONNECT_TIMEOUT_SECS))]
     pub(crate) connect_timeout: u64,
 }
 
@@ -60,12 +64,9 @@ impl ConnArgs {
                 }
             );
         }
-        let client = connect(
-            &target.uri(),
-            Duration::from_secs(self.connect_timeout.max(1)),
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let client = connect(&target.uri(), Duration::from_secs(self.connect_timeout))
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         tracing::debug!(uri = %mask_uri(&target.uri()), "connected");
         Ok(Session { target, client })
     }

@@ -133,6 +133,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     docwarden::validate::collection_name("elections collection", &args.elections)?;
     docwarden::validate::collection_name("rwlocks collection", &args.rwlocks)?;
     docwarden::validate::collection_name("semaphores collection", &args.semaphores)?;
+    docwarden::validate::database_name("--db", &args.db)?;
     let session = args.conn.open(quiet).await?;
     let db = session.client.database(&args.db);
     let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
@@ -170,7 +171,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 if let Some(why) = &r.malformed {
                     state.push_str(&format!(" (malformed: {why})"));
                 }
-                println!("{:<32} {:<32} {:<26} {}", r.id, r.lock_id, locked_at, state);
+                println!(
+                    "{:<32} {:<32} {:<26} {}",
+                    crate::output::cell(&r.id),
+                    crate::output::cell(&r.lock_id),
+                    locked_at,
+                    crate::output::terminal_safe(&state)
+                );
             }
         }
         return Ok(ExitCode::SUCCESS);
@@ -215,7 +222,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     } else {
                         println!("{} in {}.{}:", s.title, args.db, s.collection);
                         for line in &s.lines {
-                            println!("{line}");
+                            println!("{}", crate::output::terminal_safe(line));
                         }
                     }
                 }

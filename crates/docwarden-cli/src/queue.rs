@@ -3,6 +3,7 @@
 //! Every command acts on one named queue of the collection (`--queue`, default
 //! `default`).
 
+use crate::output::terminal_safe;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -106,7 +107,10 @@ pub(crate) fn parse_age(s: &str) -> anyhow::Result<Duration> {
         .parse()
         .map_err(|_| anyhow::anyhow!("`{s}` is not a duration like 30s, 15m, 12h or 7d"))?;
     let secs = match unit {
-        "s" | "" => n,
+        // A bare number is refused rather than read as seconds: `--older-than 5` meant as
+        // five days would otherwise delete every job finished more than 5 s ago.
+        "" => anyhow::bail!("`{s}` has no unit: write {n}s, {n}m, {n}h or {n}d"),
+        "s" => n,
         "m" => n.saturating_mul(60),
         "h" => n.saturating_mul(3600),
         "d" => n.saturating_mul(86_400),
@@ -174,7 +178,7 @@ fn render(b: &Bson) -> String {
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Bad input is refused before anything is started or written.
     docwarden::validate::collection_name("collection", &args.collection)?;
-    docwarden::validate::name("database", &args.db)?;
+    docwarden::validate::database_name("--db", &args.db)?;
     match &args.command {
         QueueCommand::Stats => {}
         QueueCommand::List {
@@ -231,7 +235,10 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 }
                 for (state, n) in &stats.by_state {
                     if JobState::parse(state).is_none() {
-                        println!("  {state:<10} {n:>10}  (not a docwarden state)");
+                        println!(
+                            "  {:<10} {n:>10}  (not a docwarden state)",
+                            crate::output::cell(state)
+                        );
                     }
                 }
                 match stats.oldest_due_ms {
@@ -286,7 +293,9 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     field::PROGRESS,
                 );
                 for j in &jobs {
-                    let s = |k: &str| j.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+                    let s = |k: &str| {
+                        crate::output::cell(j.get(k).and_then(|v| v.as_str()).unwrap_or(""))
+                    };
                     println!(
                         "{:<24} {:<10} {:>8} {:>8} {:>6} {:>7} {:<24} {:<20} {}",
                         s("id"),
@@ -321,12 +330,14 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 for (k, v) in &d {
                     match v {
                         Bson::Document(sub) => {
-                            println!("{k}:");
+                            println!("{}:", terminal_safe(k));
                             for (sk, sv) in sub {
-                                println!("  {sk}: {}", render(sv));
+                                println!("  {}: {}", terminal_safe(sk), terminal_safe(&render(sv)));
                             }
                         }
-                        other => println!("{k}: {}", render(other)),
+                        other => {
+                            println!("{}: {}", terminal_safe(k), terminal_safe(&render(other)))
+                        }
                     }
                 }
             }
@@ -463,6 +474,12 @@ mod tests {
         assert_eq!(parse_age("2d").ok(), Some(Duration::from_secs(172_800)));
         assert!(parse_age("0s").is_err());
         assert!(parse_age("5 weeks").is_err());
+        // A bare number has no unit: refused, not read as seconds (it deletes jobs).
+        let bare = parse_age("5")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(bare.contains("has no unit"), "{bare}");
         assert!(parse_id("nope").is_err());
     }
 }

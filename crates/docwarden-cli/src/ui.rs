@@ -983,7 +983,7 @@ async fn action_resume(
 }
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
-    docwarden::validate::name("database", &args.db)?;
+    docwarden::validate::database_name("--db", &args.db)?;
     for q in args
         .queues
         .iter()

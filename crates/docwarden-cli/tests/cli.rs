@@ -96,6 +96,96 @@ fn a_malformed_uri_is_refused_at_once() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Bad flags found by a new user's pass (session 14): each is refused before anything
+/// connects or runs, with exit 2 and a message naming the flag, never a panic. Before the
+/// fix, a huge `--connect-timeout` or `--duration` panicked (overflow, exit 101), a bare
+/// `--older-than 5` was read as seconds and purged, an invalid `--db` reached the server
+/// and came back as a 1 KB driver dump, and an unwritable `--report` failed only after the
+/// whole run, without naming the file.
+#[test]
+fn bad_flags_are_refused_before_anything_runs_with_the_flag_named() -> anyhow::Result<()> {
+    let unreachable = ["--uri", "mongodb://127.0.0.1:1", "--connect-timeout", "1"];
+    let report = std::env::temp_dir()
+        .join(format!("docwarden-no-such-dir-{}", std::process::id()))
+        .join("report.html");
+    let report = report.to_string_lossy().into_owned();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "doctor",
+                "--uri",
+                "mongodb://127.0.0.1:1",
+                "--connect-timeout",
+                "18446744073709551615",
+            ],
+            "--connect-timeout",
+        ),
+        (
+            vec![
+                "doctor",
+                "--uri",
+                "mongodb://127.0.0.1:1",
+                "--connect-timeout",
+                "0",
+            ],
+            "--connect-timeout",
+        ),
+        (
+            [
+                &["verify", "locks", "--duration", "18446744073709551615"][..],
+                &unreachable[..],
+            ]
+            .concat(),
+            "--duration",
+        ),
+        (
+            [
+                &["queue", "purge", "--older-than", "5"][..],
+                &unreachable[..],
+            ]
+            .concat(),
+            "`5` has no unit",
+        ),
+        (
+            [&["queue", "stats", "--db", "a.b"][..], &unreachable[..]].concat(),
+            "--db",
+        ),
+        (
+            [&["locks", "list", "--db", "a b"][..], &unreachable[..]].concat(),
+            "--db",
+        ),
+        (
+            [
+                &[
+                    "verify",
+                    "locks",
+                    "--duration",
+                    "1",
+                    "--report",
+                    report.as_str(),
+                ][..],
+                &unreachable[..],
+            ]
+            .concat(),
+            "cannot write the report to",
+        ),
+    ];
+    for (args, expected) in cases {
+        let started = Instant::now();
+        let out = docwarden().args(&args).output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("cannot reach"),
+            "{args:?} connected first: {stderr}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{args:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     let out = docwarden().arg("demo").output()?;

@@ -129,3 +129,81 @@ async fn list_filters_by_key_and_error_text() -> anyhow::Result<()> {
     assert!(!out.status.success());
     Ok(())
 }
+
+/// Stored text reaches a terminal escaped (session 14): a hand-edited `last_error` with an
+/// escape sequence and a newline must not clear the screen or fake a row in `queue list`
+/// or `queue show`, and a long one is cut in the listing (`--json` keeps it whole). Before
+/// the fix both printed the bytes as they were stored.
+#[tokio::test]
+async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cli_terminal").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let id = q
+        .enqueue(doc! { "n": 1_i64 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let hostile = format!("\u{1b}[2J cleared\nfake row\0 {}", "x".repeat(5_000));
+    t.db.collection::<mongodb::bson::Document>("jobs")
+        .update_one(
+            doc! { "_id": id },
+            doc! { "$set": { field::LAST_ERROR: &hostile } },
+        )
+        .await?;
+    let text = |args: &[&str]| -> anyhow::Result<String> {
+        let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
+            .arg("queue")
+            .args(args)
+            .args([
+                "--uri",
+                t.uri(),
+                "--db",
+                t.db.name(),
+                "--collection",
+                "jobs",
+            ])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    let listed = text(&["list"])?;
+    assert!(
+        !listed.contains('\u{1b}') && !listed.contains('\0'),
+        "{listed:?}"
+    );
+    assert_eq!(
+        listed.lines().count(),
+        2,
+        "a header and one row: {listed:?}"
+    );
+    assert!(
+        listed.contains("\\u{1b}[2J cleared\\nfake row"),
+        "{listed:?}"
+    );
+    assert!(
+        listed.len() < 1_000,
+        "the 5 KB error is cut: {} bytes",
+        listed.len()
+    );
+    let shown = text(&["show", &id.to_hex()])?;
+    assert!(
+        !shown.contains('\u{1b}') && !shown.contains('\0'),
+        "{shown:?}"
+    );
+    assert!(
+        shown.contains(&"x".repeat(5_000)),
+        "show prints the whole value"
+    );
+    let json = run(&t, &["list"])?;
+    let rows: serde_json::Value = serde_json::from_slice(&json.stdout)?;
+    assert_eq!(
+        rows[0][field::LAST_ERROR],
+        serde_json::Value::String(hostile)
+    );
+    Ok(())
+}

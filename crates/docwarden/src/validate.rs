@@ -50,6 +50,43 @@ pub fn collection_name(what: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// The characters no MongoDB database name may contain on any platform (MongoDB's
+/// "Limits and Thresholds": `/\. "$*<>:|?` on Windows, a superset of the Unix set), and
+/// NUL.
+const DATABASE_NAME_FORBIDDEN: &[char] = &[
+    '/', '\\', '.', ' ', '"', '$', '*', '<', '>', ':', '|', '?', '\0',
+];
+
+/// The longest database name MongoDB accepts, in bytes ("fewer than 64 characters").
+pub const MAX_DATABASE_NAME_LEN: usize = 63;
+
+/// Checks a MongoDB database name: non-empty, at most [`MAX_DATABASE_NAME_LEN`] bytes, none
+/// of the characters a database name may not contain on any platform (`/\. "$*<>:|?`, NUL).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn database_name(what: &'static str, value: &str) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(what, "must not be empty"));
+    }
+    if value.len() > MAX_DATABASE_NAME_LEN {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "is {} bytes, the limit is {MAX_DATABASE_NAME_LEN}",
+                value.len()
+            ),
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| DATABASE_NAME_FORBIDDEN.contains(c)) {
+        return Err(Error::invalid(
+            what,
+            format!("`{}` must not contain {c:?}", value.escape_debug()),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks that a duration is positive and fits in BSON milliseconds (`i64`), returning it
 /// in milliseconds.
 ///
@@ -120,6 +157,29 @@ mod tests {
         assert!(collection_name("collection", "locks").is_ok());
         assert!(collection_name("collection", "a$b").is_err());
         assert!(collection_name("collection", "system.x").is_err());
+    }
+
+    #[test]
+    fn database_names_are_checked() {
+        assert!(database_name("database", "docwarden").is_ok());
+        assert!(database_name("database", "app_1-test").is_ok());
+        assert!(database_name("database", &"d".repeat(MAX_DATABASE_NAME_LEN)).is_ok());
+        assert!(database_name("database", &"d".repeat(MAX_DATABASE_NAME_LEN + 1)).is_err());
+        for bad in [
+            "", "a.b", ".x", "a b", "a/b", "a\\b", "a$b", "a\"b", "a*b", "a<b", "a>b", "a:b",
+            "a|b", "a?b", "a\0b",
+        ] {
+            assert!(
+                matches!(
+                    database_name("database", bad),
+                    Err(Error::InvalidInput {
+                        what: "database",
+                        ..
+                    })
+                ),
+                "{bad:?} was accepted"
+            );
+        }
     }
 
     #[test]

@@ -4,6 +4,9 @@ use std::path::PathBuf;
 
 use crate::conn::ConnArgs;
 
+/// The longest `--duration` accepted, in seconds (a week).
+const MAX_DURATION_SECS: u64 = 7 * 24 * 3600;
+
 /// Arguments of `docwarden verify`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -14,8 +17,9 @@ pub(crate) struct Args {
     /// Concurrent workers per workload.
     #[arg(long, default_value_t = 8)]
     pub(super) workers: usize,
-    /// Seconds each workload runs.
-    #[arg(long, default_value_t = 20)]
+    /// Seconds each workload runs (1 to 604800, a week; a number without a unit).
+    #[arg(long, default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_DURATION_SECS))]
     pub(super) duration: u64,
     /// Faults to inject, comma separated (`all`: every fault the setting allows; `list`:
     /// print them and exit).

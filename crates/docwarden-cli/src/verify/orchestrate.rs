@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use anyhow::Context;
 use docwarden::check::{History, count_by_kind};
 use docwarden_workloads::Mode;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -55,6 +56,16 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             f.name()
         );
     }
+    // The report's file is created before the run, so a path that cannot be written fails
+    // at once instead of after the whole run.
+    let report_file = args
+        .report
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot write the report to {}", path.display()))
+        })
+        .transpose()?;
     let mut session = open_session(&args, &faults).await?;
     if let Some(f) = faults.iter().find(|f| f.needs_embedded()) {
         anyhow::ensure!(
@@ -108,12 +119,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|r| r.violations_by_kind.values().sum::<usize>())
         .sum();
-    if let Some(path) = &args.args.report {
-        std::fs::write(path, report::html(&results, args.args.control, seed))?;
-        if !args.args.json {
-            eprintln!("docwarden verify: report written to {}", path.display());
-        }
-    }
+    // The summary first: a report that cannot be written loses no result.
     summary::print(
         &results,
         args.args.json,
@@ -122,6 +128,16 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         &args.faults,
         total,
     )?;
+    if let (Some(path), Some(mut file)) = (&args.args.report, report_file) {
+        std::io::Write::write_all(
+            &mut file,
+            report::html(&results, args.args.control, seed).as_bytes(),
+        )
+        .with_context(|| format!("cannot write the report to {}", path.display()))?;
+        if !args.args.json {
+            eprintln!("docwarden verify: report written to {}", path.display());
+        }
+    }
     Ok(if total == 0 {
         ExitCode::SUCCESS
     } else {

@@ -343,17 +343,39 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
         QueueCommand::Retry { ids } => {
-            let ids: Vec<ObjectId> = ids
+            let mut ids: Vec<ObjectId> = ids
                 .iter()
                 .map(|s| parse_id(s))
                 .collect::<anyhow::Result<_>>()?;
+            ids.sort();
+            ids.dedup();
             let n = queue
                 .retry_dead(if ids.is_empty() { None } else { Some(&ids) })
                 .await?;
+            // Named jobs that were not retried make the command fail (as `cancel` does),
+            // so a script notices a typo, a job that is not dead, or the wrong `--queue`.
+            let missed = if ids.is_empty() {
+                0
+            } else {
+                (ids.len() as u64).saturating_sub(n)
+            };
             if args.json {
-                crate::output::print_json(&serde_json::json!({ "retried": n }))?;
+                crate::output::print_json(
+                    &serde_json::json!({ "retried": n, "not_retried": missed }),
+                )?;
             } else {
                 println!("{n} dead job(s) moved back to ready");
+                if missed > 0 {
+                    eprintln!(
+                        "docwarden: {missed} of {} named job(s) not retried: no such job, not \
+                         dead, or not in queue `{}` (see `queue show <id>`, `--queue`)",
+                        ids.len(),
+                        args.queue
+                    );
+                }
+            }
+            if missed > 0 {
+                return Ok(ExitCode::from(1));
             }
         }
         QueueCommand::Cancel { id } => {

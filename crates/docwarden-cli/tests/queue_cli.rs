@@ -207,3 +207,47 @@ async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow:
     );
     Ok(())
 }
+
+/// `queue retry <ids>` fails when a named job was not retried (session 14): before the fix
+/// an unknown id, a job that is not dead, or a dead job of another queue all printed "0 dead
+/// job(s) moved back to ready" and exited 0, so a script never noticed.
+#[tokio::test]
+async fn retry_of_named_jobs_fails_when_one_was_not_retried() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cli_retry").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let waiting = q
+        .enqueue(doc! { "n": 1_i64 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let unknown = mongodb::bson::oid::ObjectId::new();
+    for id in [unknown, waiting] {
+        let out = run(&t, &["retry", &id.to_hex()])?;
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{id}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let body: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(body["retried"], 0);
+        assert_eq!(body["not_retried"], 1);
+    }
+    // A dead job is retried: exit 0.
+    t.db.collection::<mongodb::bson::Document>("jobs")
+        .update_one(
+            doc! { "_id": waiting },
+            doc! { "$set": { field::STATE: "dead" } },
+        )
+        .await?;
+    let out = run(&t, &["retry", &waiting.to_hex()])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let body: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(body["retried"], 1);
+    Ok(())
+}

@@ -830,3 +830,40 @@ async fn the_write_concern_option_applies_to_every_write() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// Cancelling a job whose stored state docwarden never writes (a hand edit) is a typed
+/// `Malformed` error naming that state, and the job is left as it is (session 14). Before
+/// the fix it reported `AlreadyFinished(Ready)`: a state the job was not in, and not
+/// finished either.
+#[tokio::test]
+async fn cancelling_a_job_in_an_unknown_state_names_that_state() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cancel_unknown_state").await?;
+    let q = open(&t, QueueOptions::default()).await?;
+    let id = match q
+        .enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+        .await?
+    {
+        Enqueued::Created(id) => id,
+        other => anyhow::bail!("not created: {other:?}"),
+    };
+    let jobs = t.db.collection::<Document>("jobs");
+    jobs.update_one(
+        doc! { "_id": id },
+        doc! { "$set": { "state": "weird-state" } },
+    )
+    .await?;
+    match q.cancel(id).await {
+        Err(Error::Malformed { id: got, reason }) => {
+            assert_eq!(got, id.to_hex());
+            assert!(reason.contains("\"weird-state\""), "{reason}");
+        }
+        other => anyhow::bail!("expected Malformed, got {other:?}"),
+    }
+    let after = jobs
+        .find_one(doc! { "_id": id })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("job gone"))?;
+    assert_eq!(after.get_str("state")?, "weird-state");
+    assert_eq!(q.cancel(ObjectId::new()).await?, CancelOutcome::NotFound);
+    Ok(())
+}

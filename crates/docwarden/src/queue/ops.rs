@@ -351,7 +351,8 @@ impl JobQueue {
     /// [`ClaimedJob::cancellation`](super::ClaimedJob::cancellation).
     ///
     /// # Errors
-    /// A database error.
+    /// [`Error::Malformed`] if the job's stored `state` is not a docwarden state (a hand
+    /// edit; nothing is cancelled); a database error.
     pub async fn cancel(&self, id: ObjectId) -> Result<CancelOutcome> {
         let now = self.inner.time.now().await?.estimate();
         let before = self
@@ -385,7 +386,22 @@ impl JobQueue {
             .projection(doc! { field::STATE: 1 })
             .await?
         {
-            Some(d) => Ok(CancelOutcome::AlreadyFinished(state_of(&d))),
+            // A state docwarden never writes (a hand edit) is neither finished nor
+            // cancellable: say so instead of naming a state the job is not in.
+            Some(d) => match d.get_str(field::STATE).ok().and_then(JobState::parse) {
+                Some(state) => Ok(CancelOutcome::AlreadyFinished(state)),
+                None => Err(Error::Malformed {
+                    id: id.to_hex(),
+                    reason: format!(
+                        "`{}` is {}, not a docwarden job state; nothing was cancelled",
+                        field::STATE,
+                        match d.get(field::STATE) {
+                            Some(Bson::String(s)) => format!("{s:?}"),
+                            other => crate::lock::collection::describe(other).to_owned(),
+                        }
+                    ),
+                }),
+            },
             None => Ok(CancelOutcome::NotFound),
         }
     }

@@ -21,6 +21,8 @@
 //! attempts and transition times; plain HTTP: bind to loopback (the default).
 
 use std::net::SocketAddr;
+
+use anyhow::Context as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -268,7 +270,9 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let token = (!cfg.read_only).then(guard::new_token);
-    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let state = Arc::new(AppState {
         db,
@@ -996,6 +1000,12 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &args.reports {
         anyhow::ensure!(dir.is_dir(), "--reports {}: not a directory", dir.display());
     }
+    // An address that is taken fails here, before a server is started or connected to
+    // (`start` binds it again for good: a port taken in between still fails there).
+    drop(
+        std::net::TcpListener::bind(args.listen)
+            .with_context(|| format!("cannot listen on {}", args.listen))?,
+    );
     let session = args.conn.open(false).await?;
     let db = session.client.database(&args.db);
     let running = start(

@@ -186,6 +186,52 @@ fn bad_flags_are_refused_before_anything_runs_with_the_flag_named() -> anyhow::R
     Ok(())
 }
 
+/// File-system errors name the path (session 14): a `--data-dir` that is a regular file,
+/// and a `ui --listen` address already taken. Before the fix they printed "File exists (os
+/// error 17)" and "Address already in use (os error 98)" without saying which path or
+/// address.
+#[test]
+fn file_system_errors_name_the_path_or_address() -> anyhow::Result<()> {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = taken.local_addr()?.to_string();
+    let out = docwarden()
+        .args(["ui", "--listen", addr.as_str()])
+        .env_remove("MONGODB_URI")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr}")),
+        "{stderr}"
+    );
+
+    if std::env::var_os("MONGODB_URI").is_some() {
+        docwarden_testkit::skip(
+            "file_system_errors_name_the_path_or_address (its --data-dir half)",
+            "tests the embedded server's launcher and MONGODB_URI is set",
+        );
+        return Ok(());
+    }
+    let file = std::env::temp_dir().join(format!("docwarden-data-dir-file-{}", std::process::id()));
+    std::fs::write(&file, "not a directory")?;
+    let out = docwarden()
+        .args(["queue", "stats", "--data-dir"])
+        .arg(&file)
+        .env_remove("MONGODB_URI")
+        .output()?;
+    let _ = std::fs::remove_file(&file);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "cannot use {} as the embedded server's data directory",
+            file.display()
+        )),
+        "{stderr}"
+    );
+    Ok(())
+}
+
 #[test]
 fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     let out = docwarden().arg("demo").output()?;

@@ -33,6 +33,14 @@ pub enum Error {
         /// The driver's one-line reason.
         reason: String,
     },
+    /// The data directory cannot be created or used (a file in the way, no permission).
+    #[error("cannot use {} as the embedded server's data directory: {source}", path.display())]
+    DataDir {
+        /// The directory asked for.
+        path: PathBuf,
+        /// What the file system said.
+        source: std::io::Error,
+    },
     /// An I/O error while controlling the server process.
     #[error("embedded server control: {0}")]
     Io(#[from] std::io::Error),

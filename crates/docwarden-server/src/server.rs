@@ -194,7 +194,10 @@ impl EmbeddedServer {
         let binary = Self::binary()?;
         let (dir, temporary) = match &options.data_dir {
             Some(d) => {
-                std::fs::create_dir_all(d)?;
+                std::fs::create_dir_all(d).map_err(|source| Error::DataDir {
+                    path: d.clone(),
+                    source,
+                })?;
                 (d.clone(), false)
             }
             None => (

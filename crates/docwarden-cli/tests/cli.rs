@@ -232,6 +232,41 @@ fn file_system_errors_name_the_path_or_address() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `verify --list-faults --json` (and `--faults list --json`) prints JSON a machine can read
+/// (session 14; it printed the text table), and a missing module names every module.
+#[test]
+fn verify_lists_its_faults_as_json_and_names_every_module() -> anyhow::Result<()> {
+    for args in [
+        &["verify", "--list-faults", "--json"][..],
+        &["verify", "--faults", "list", "--json"][..],
+    ] {
+        let out = docwarden().args(args).output()?;
+        assert!(out.status.success(), "{args:?}");
+        let faults: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let faults = faults.as_array().cloned().unwrap_or_default();
+        assert!(faults.len() >= 10, "{args:?}: {faults:?}");
+        assert!(
+            faults
+                .iter()
+                .any(|f| f["fault"] == "pause" && f["server"] == "any")
+        );
+        assert!(
+            faults
+                .iter()
+                .any(|f| f["fault"] == "crash" && f["server"] == "embedded")
+        );
+    }
+    let out = docwarden()
+        .args(["verify", "--uri", "mongodb://127.0.0.1:1"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for module in ["locks", "semaphore", "election", "rwlock", "all"] {
+        assert!(stderr.contains(module), "{module}: {stderr}");
+    }
+    Ok(())
+}
+
 #[test]
 fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     let out = docwarden().arg("demo").output()?;

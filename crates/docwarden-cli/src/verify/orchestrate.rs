@@ -21,12 +21,21 @@ use super::{
 /// Runs `docwarden verify`.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.list_faults || args.faults.contains(&FaultArg::List) {
-        list_faults();
+        list_faults(args.json)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let module = args
-        .module
-        .ok_or_else(|| anyhow::anyhow!("which module? locks, queue, sequence, guard or all"))?;
+    let module = args.module.ok_or_else(|| {
+        anyhow::anyhow!(
+            "which module? one of {} (see --help)",
+            <Module as clap::ValueEnum>::value_variants()
+                .iter()
+                .filter_map(
+                    |m| clap::ValueEnum::to_possible_value(m).map(|v| v.get_name().to_owned())
+                )
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
     let external = args
@@ -152,7 +161,22 @@ struct Run<'a> {
 }
 
 /// Prints `--faults list`.
-fn list_faults() {
+fn list_faults(json: bool) -> anyhow::Result<()> {
+    if json {
+        let faults: Vec<serde_json::Value> = Fault::ALL
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "fault": f.name(),
+                    "server": if f.needs_embedded() { "embedded" } else { "any" },
+                    "needs_processes": f.needs_processes(),
+                    "what": f.describe(),
+                    "control": f.control(),
+                })
+            })
+            .collect();
+        return crate::output::print_json(&faults);
+    }
     println!("{:<22} {:<9} what it does", "fault", "server");
     for f in Fault::ALL {
         println!(
@@ -172,6 +196,7 @@ fn list_faults() {
         "{:<22} {:<9} every fault the setting allows (with --uri: those for any server)",
         "all", ""
     );
+    Ok(())
 }
 
 /// Opens the run's server. Fail points need test commands, and a crash needs a server that

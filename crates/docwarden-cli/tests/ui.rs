@@ -1061,3 +1061,39 @@ async fn demo_with_ui_prints_the_dashboard_url() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A count of jobs in a state docwarden never writes (a hand edit) is shown but not linked
+/// (session 14): the job list filters by docwarden's states, and the link led to a 400
+/// page. Every link the queues page keeps opens.
+#[tokio::test]
+async fn a_foreign_state_is_counted_but_not_linked_to_a_page_that_fails() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_foreign_state").await?;
+    let f = fixture(&t).await?;
+    f.queue
+        .collection()
+        .update_one(
+            doc! { field::ID: f.dead },
+            doc! { "$set": { field::STATE: "weird-state" } },
+        )
+        .await?;
+    let ui = start_ui(&t, &[]).await?;
+    let home = page(&ui, "/").await?;
+    assert!(
+        home.contains("weird-state (not a docwarden state)"),
+        "{home}"
+    );
+    assert!(home.contains("data-state=\"weird-state\""), "{home}");
+    assert!(!home.contains("in_state=weird-state"), "{home}");
+    let mut links = 0;
+    for part in home.split("href=\"").skip(1) {
+        let Some(href) = part.split('"').next() else {
+            continue;
+        };
+        if href.starts_with("/jobs?") {
+            page(&ui, &href.replace("&amp;", "&")).await?;
+            links += 1;
+        }
+    }
+    assert!(links >= 4, "{links} job links on {home}");
+    Ok(())
+}

@@ -64,8 +64,13 @@ async fn main() -> ExitCode {
     use tracing_subscriber::prelude::*;
     // stderr, filtered by RUST_LOG (default `warn`); with the `otel` feature and an OTLP
     // endpoint set, spans are also exported (`otel.rs`), filtered on their own.
+    // Colours only on a terminal (and never with NO_COLOR): a log redirected to a file or
+    // read by another program carries no escape codes.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let stderr = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),

@@ -267,6 +267,46 @@ fn verify_lists_its_faults_as_json_and_names_every_module() -> anyhow::Result<()
     Ok(())
 }
 
+/// Log lines written to a pipe carry no colour codes (session 14: a log redirected to a
+/// file was full of `ESC[2m`), and `verify --workers` has a ceiling.
+#[test]
+fn logs_to_a_pipe_have_no_escape_codes_and_workers_are_bounded() -> anyhow::Result<()> {
+    let out = docwarden()
+        .args([
+            "verify",
+            "locks",
+            "--workers",
+            "100000",
+            "--uri",
+            "mongodb://127.0.0.1:1",
+        ])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--workers 100000 is more than 1024"),
+        "{stderr}"
+    );
+    if std::env::var_os("MONGODB_URI").is_some() {
+        docwarden_testkit::skip(
+            "logs_to_a_pipe_have_no_escape_codes_and_workers_are_bounded (its log half)",
+            "logs the embedded server's start and MONGODB_URI is set",
+        );
+        return Ok(());
+    }
+    let out = docwarden()
+        .arg("doctor")
+        .env_remove("MONGODB_URI")
+        .env_remove("NO_COLOR")
+        .env("RUST_LOG", "docwarden_server=info")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("embedded secantusd-rs is up"), "{stderr}");
+    assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+    Ok(())
+}
+
 #[test]
 fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     let out = docwarden().arg("demo").output()?;

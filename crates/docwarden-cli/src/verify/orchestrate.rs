@@ -18,6 +18,9 @@ use super::{
     sequence, summary,
 };
 
+/// The most workers per workload `--workers` accepts.
+const MAX_WORKERS: usize = 1024;
+
 /// Runs `docwarden verify`.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.list_faults || args.faults.contains(&FaultArg::List) {
@@ -37,6 +40,12 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         )
     })?;
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(
+        args.workers <= MAX_WORKERS,
+        "--workers {} is more than {MAX_WORKERS}: each worker holds connections and, with \
+         --workers-as processes, is a process",
+        args.workers
+    );
     anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
     let external = args
         .conn

@@ -48,6 +48,15 @@ impl ConnArgs {
     /// Connects to `--uri` / `MONGODB_URI`, or starts the embedded server.
     pub(crate) async fn open(&self, quiet: bool) -> anyhow::Result<Session> {
         let uri = self.uri.clone().filter(|u| !u.trim().is_empty());
+        if uri.is_some()
+            && let Some(dir) = &self.data_dir
+        {
+            // Said even when quiet: the user asked for a data directory nothing will use.
+            eprintln!(
+                "docwarden: --data-dir {} is ignored: --uri / MONGODB_URI names the server",
+                dir.display()
+            );
+        }
         if uri.is_none() && !quiet {
             eprintln!("docwarden: no --uri or MONGODB_URI: starting an embedded secantusd-rs…");
         }

@@ -307,6 +307,29 @@ fn logs_to_a_pipe_have_no_escape_codes_and_workers_are_bounded() -> anyhow::Resu
     Ok(())
 }
 
+/// `--data-dir` next to `--uri` is said to be ignored (session 14: it was silently).
+#[test]
+fn a_data_dir_next_to_a_uri_is_said_to_be_ignored() -> anyhow::Result<()> {
+    let out = docwarden()
+        .args([
+            "queue",
+            "stats",
+            "--uri",
+            "mongodb://127.0.0.1:1",
+            "--connect-timeout",
+            "1",
+        ])
+        .args(["--data-dir", "/tmp/docwarden-unused-data-dir"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--data-dir /tmp/docwarden-unused-data-dir is ignored"),
+        "{stderr}"
+    );
+    assert!(!std::path::Path::new("/tmp/docwarden-unused-data-dir").exists());
+    Ok(())
+}
+
 #[test]
 fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     let out = docwarden().arg("demo").output()?;

@@ -9,22 +9,48 @@ use docwarden::queue::format::field;
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::doc;
+use mongodb::bson::oid::ObjectId;
 
-/// `docwarden queue <args> --uri … --db <the test's db> --collection jobs --json`.
+/// `docwarden queue <args> --uri … --db <the test's db> --collection jobs`.
+fn queue_command(t: &TestDb, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_docwarden"));
+    command.arg("queue").args(args).args([
+        "--uri",
+        t.uri(),
+        "--db",
+        t.db.name(),
+        "--collection",
+        "jobs",
+    ]);
+    command
+}
+
+/// [`queue_command`] with `--json`.
 fn run(t: &TestDb, args: &[&str]) -> anyhow::Result<Output> {
-    Ok(Command::new(env!("CARGO_BIN_EXE_docwarden"))
-        .arg("queue")
-        .args(args)
-        .args([
-            "--uri",
-            t.uri(),
-            "--db",
-            t.db.name(),
-            "--collection",
-            "jobs",
-            "--json",
-        ])
-        .output()?)
+    Ok(queue_command(t, args).arg("--json").output()?)
+}
+
+/// [`queue_command`]'s text output; fails if the command did.
+fn text(t: &TestDb, args: &[&str]) -> anyhow::Result<String> {
+    let out = queue_command(t, args).output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The queue `jobs` of the test's database and one job waiting in it.
+async fn one_waiting_job(t: &TestDb) -> anyhow::Result<(JobQueue, ObjectId)> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let id = q
+        .enqueue(doc! { "n": 1_i64 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    Ok((q, id))
 }
 
 #[tokio::test]
@@ -63,7 +89,7 @@ async fn list_and_show_print_progress_and_the_whole_job() -> anyhow::Result<()> 
     assert_eq!(shown[field::PROGRESS]["done"], 3);
     assert_eq!(shown[field::STATE], "running");
 
-    let out = run(&t, &["show", &mongodb::bson::oid::ObjectId::new().to_hex()])?;
+    let out = run(&t, &["show", &ObjectId::new().to_hex()])?;
     assert_eq!(out.status.code(), Some(1), "an unknown id exits 1");
     Ok(())
 }
@@ -137,13 +163,7 @@ async fn list_filters_by_key_and_error_text() -> anyhow::Result<()> {
 #[tokio::test]
 async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow::Result<()> {
     let t = TestDb::new("queue_cli_terminal").await?;
-    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
-    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
-    let id = q
-        .enqueue(doc! { "n": 1_i64 }, &EnqueueOptions::default())
-        .await?
-        .created()
-        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let (_q, id) = one_waiting_job(&t).await?;
     let hostile = format!("\u{1b}[2J cleared\nfake row\0 {}", "x".repeat(5_000));
     t.db.collection::<mongodb::bson::Document>("jobs")
         .update_one(
@@ -151,27 +171,7 @@ async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow:
             doc! { "$set": { field::LAST_ERROR: &hostile } },
         )
         .await?;
-    let text = |args: &[&str]| -> anyhow::Result<String> {
-        let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
-            .arg("queue")
-            .args(args)
-            .args([
-                "--uri",
-                t.uri(),
-                "--db",
-                t.db.name(),
-                "--collection",
-                "jobs",
-            ])
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(String::from_utf8(out.stdout)?)
-    };
-    let listed = text(&["list"])?;
+    let listed = text(&t, &["list"])?;
     assert!(
         !listed.contains('\u{1b}') && !listed.contains('\0'),
         "{listed:?}"
@@ -190,7 +190,7 @@ async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow:
         "the 5 KB error is cut: {} bytes",
         listed.len()
     );
-    let shown = text(&["show", &id.to_hex()])?;
+    let shown = text(&t, &["show", &id.to_hex()])?;
     assert!(
         !shown.contains('\u{1b}') && !shown.contains('\0'),
         "{shown:?}"
@@ -214,14 +214,8 @@ async fn text_output_escapes_control_characters_and_cuts_long_cells() -> anyhow:
 #[tokio::test]
 async fn retry_of_named_jobs_fails_when_one_was_not_retried() -> anyhow::Result<()> {
     let t = TestDb::new("queue_cli_retry").await?;
-    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
-    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
-    let waiting = q
-        .enqueue(doc! { "n": 1_i64 }, &EnqueueOptions::default())
-        .await?
-        .created()
-        .ok_or_else(|| anyhow::anyhow!("not created"))?;
-    let unknown = mongodb::bson::oid::ObjectId::new();
+    let (_q, waiting) = one_waiting_job(&t).await?;
+    let unknown = ObjectId::new();
     for id in [unknown, waiting] {
         let out = run(&t, &["retry", &id.to_hex()])?;
         assert_eq!(

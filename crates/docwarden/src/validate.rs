@@ -66,9 +66,7 @@ pub const MAX_DATABASE_NAME_LEN: usize = 63;
 /// # Errors
 /// [`Error::InvalidInput`] naming `what`.
 pub fn database_name(what: &'static str, value: &str) -> Result<()> {
-    if value.is_empty() {
-        return Err(Error::invalid(what, "must not be empty"));
-    }
+    name(what, value)?;
     if value.len() > MAX_DATABASE_NAME_LEN {
         return Err(Error::invalid(
             what,

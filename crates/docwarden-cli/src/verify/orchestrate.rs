@@ -46,7 +46,6 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
          --workers-as processes, is a process",
         args.workers
     );
-    anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
     let external = args
         .conn
         .uri

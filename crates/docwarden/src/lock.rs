@@ -35,6 +35,7 @@
 //! concern where that matters. See `docs/locks.md`.
 
 pub(crate) mod collection;
+mod deadline;
 mod document;
 mod election;
 mod fence;

@@ -39,6 +39,7 @@ use mongodb::options::{CollectionOptions, IndexOptions, ReturnDocument, WriteCon
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
+use super::deadline::Deadline;
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::backoff::Backoff;
@@ -632,14 +633,24 @@ impl LockCollection {
         Ok((committed.matched_count == 1).then_some(token))
     }
 
+    /// A fresh backoff with this handle's [`LockOptions::backoff`], for the waits of the
+    /// locks built on it (read/write locks).
+    pub(crate) fn backoff(&self) -> Result<Backoff> {
+        Backoff::new(self.options.backoff_base, self.options.backoff_max)
+    }
+
     /// Acquires `resource` for `ttl`, waiting until it is acquired or `wait` has passed
     /// (`Ok(None)`). A zero `wait` tries once. The waiter retries the moment the lock is
     /// released (a change stream on the lock document, `lock/wake.rs`), and polls every
     /// `backoff_max` for a holder whose lease lapses without a release; where change
     /// streams are refused it retries with jittered exponential backoff.
     ///
+    /// Transient errors (a failover, a restart, a network blip: [`Error::is_retryable`])
+    /// are retried with backoff within the wait, like contention (`lock/deadline.rs`).
+    ///
     /// # Errors
-    /// As [`LockCollection::try_acquire`].
+    /// As [`LockCollection::try_acquire`]; a transient error only if the wait passed with
+    /// the last attempt failing.
     #[instrument(skip(self, owner), fields(collection = %self.locks.name(), owner = owner.id(), token = tracing::field::Empty))]
     pub async fn acquire(
         &self,
@@ -648,28 +659,32 @@ impl LockCollection {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        // A wait too long to represent waits "forever".
         let called = Instant::now();
-        let deadline = called.checked_add(wait);
-        let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        let mut deadline = Deadline::after(wait);
+        let mut backoff = self.backoff()?;
         // Woken by the release itself (a change stream on this lock document), polling
         // only for expiries, or with the backoff where change streams are refused.
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
         loop {
-            if let Some(lease) = self.try_acquire(owner, resource, ttl).await? {
-                crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
-                return Ok(Some(lease));
-            }
-            let remaining = match deadline {
-                Some(deadline) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Ok(None);
-                    }
-                    Some(deadline - now)
+            match self.try_acquire(owner, resource, ttl).await {
+                Ok(Some(lease)) => {
+                    crate::observe::lock_handoff(
+                        self.locks.name(),
+                        called,
+                        Some(lease.token.get()),
+                    );
+                    return Ok(Some(lease));
                 }
-                None => None,
+                Ok(None) => deadline.attempted(),
+                Err(e) => deadline.absorb(e)?,
+            }
+            let Some(remaining) = deadline.left() else {
+                return deadline.passed();
             };
+            if deadline.failing() {
+                tokio::time::sleep(backoff.next_delay().min(remaining)).await;
+                continue;
+            }
             if self.options.wake && wake.arm().await {
                 // Just opened: a release before this instant was not seen; try again.
                 continue;
@@ -679,7 +694,7 @@ impl LockCollection {
             } else {
                 backoff.next_delay()
             };
-            wake.wait(remaining.map_or(delay, |r| delay.min(r))).await;
+            wake.wait(delay.min(remaining)).await;
         }
     }
 

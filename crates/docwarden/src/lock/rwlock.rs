@@ -33,6 +33,7 @@ use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
 use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339};
+use super::deadline::Deadline;
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::clock::{ServerTime, TimeSource};
@@ -281,10 +282,13 @@ impl RwLocks {
     }
 
     /// Takes a read lease, waiting until the writer leaves (woken by its release, see
-    /// `lock/wake.rs`) or `wait` has passed (`Ok(None)`).
+    /// `lock/wake.rs`) or `wait` has passed (`Ok(None)`). Transient errors
+    /// ([`Error::is_retryable`]) are retried with backoff within the wait
+    /// (`lock/deadline.rs`).
     ///
     /// # Errors
-    /// As [`RwLocks::try_read`].
+    /// As [`RwLocks::try_read`]; a transient error only if the wait passed with the last
+    /// attempt failing.
     pub async fn read(
         &self,
         owner: &Owner,
@@ -293,16 +297,25 @@ impl RwLocks {
         wait: Duration,
     ) -> Result<Option<ReadLease>> {
         let called = Instant::now();
-        let deadline = called.checked_add(wait);
+        let mut deadline = Deadline::after(wait);
+        let mut backoff = self.locks.backoff()?;
         let mut wake = Wake::new(self.coll(), resource, Wake::freed_lock());
         loop {
-            if let Some(lease) = self.try_read(owner, resource, ttl).await? {
-                crate::observe::lock_handoff(self.coll().name(), called, None);
-                return Ok(Some(lease));
+            match self.try_read(owner, resource, ttl).await {
+                Ok(Some(lease)) => {
+                    crate::observe::lock_handoff(self.coll().name(), called, None);
+                    return Ok(Some(lease));
+                }
+                Ok(None) => deadline.attempted(),
+                Err(e) => deadline.absorb(e)?,
             }
-            let Some(left) = time_left(deadline) else {
-                return Ok(None);
+            let Some(left) = deadline.left() else {
+                return deadline.passed();
             };
+            if deadline.failing() {
+                tokio::time::sleep(backoff.next_delay().min(left)).await;
+                continue;
+            }
             if wake.arm().await {
                 continue;
             }
@@ -402,8 +415,9 @@ impl RwLocks {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        let deadline = Instant::now().checked_add(wait);
+        let mut deadline = Deadline::after(wait);
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let mut backoff = self.locks.backoff()?;
         let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
             return Ok(None);
         };
@@ -416,62 +430,107 @@ impl RwLocks {
             doc! { "operationType": { "$in": ["update", "replace", "delete", "invalidate"] } },
         );
         loop {
-            let now = self.locks.time().now().await?;
-            let cutoff = now.expired_before(self.margin());
-            let mine = doc! {
-                "_id": resource,
-                f::OWNER: &lease.owner,
-                f::TOKEN: lease.token,
-                f::PENDING: { "$exists": false },
-            };
-            let Some(d) = self.coll().find_one(mine).await? else {
-                tracing::debug!(
-                    resource,
-                    "write intent taken over while readers were inside"
-                );
-                return Ok(None);
-            };
-            let live = live_readers(&d, cutoff);
-            let Some(first_expiry) = live.iter().min().copied() else {
-                tracing::debug!(resource, token = lease.token.get(), "write lease taken");
-                return Ok(Some(lease));
-            };
-            let Some(left) = time_left(deadline) else {
-                if let Err(e) = self.locks.release(&lease).await {
-                    tracing::debug!(error = %e, "withdrawing the write intent");
+            let delay = match self.readers_inside(&mut lease, ttl, ttl_ms).await {
+                Ok(Readers::Gone) => {
+                    tracing::debug!(resource, token = lease.token.get(), "write lease taken");
+                    return Ok(Some(lease));
                 }
-                return Ok(None);
-            };
-            // Renew while the intent is still certainly valid (the renewal requires it):
-            // a third of the ttl before it stops being so.
-            let renew_below = ttl_ms
-                .saturating_div(3)
-                .saturating_add(now.bound_ms)
-                .saturating_add(self.margin());
-            if lease.remaining_ms(&now) < renew_below {
-                match self.locks.renew(&mut lease, ttl).await {
-                    Ok(()) => {}
-                    Err(Error::LeaseLost { .. }) => return Ok(None),
-                    Err(e) => return Err(e),
+                Ok(Readers::TakenOver) => {
+                    tracing::debug!(resource, "write intent lost while readers were inside");
+                    return Ok(None);
                 }
+                Ok(Readers::Inside { until_expiry }) => {
+                    deadline.attempted();
+                    until_expiry
+                }
+                Err(e) => {
+                    if let Err(e) = deadline.absorb(e) {
+                        self.withdraw(&lease).await;
+                        return Err(e);
+                    }
+                    backoff.next_delay()
+                }
+            };
+            let Some(left) = deadline.left() else {
+                self.withdraw(&lease).await;
+                return deadline.passed();
+            };
+            if deadline.failing() {
+                tokio::time::sleep(delay.min(left)).await;
+                continue;
             }
             if wake.arm().await {
                 continue;
             }
-            // The first live reader certainly expires this long from now.
-            let until_expiry = first_expiry
-                .timestamp_millis()
-                .saturating_sub(cutoff.timestamp_millis())
-                .saturating_add(1);
-            let until_expiry = Duration::from_millis(u64::try_from(until_expiry).unwrap_or(1));
             let delay = self
                 .options
                 .poll_interval
                 .min(left)
-                .min(until_expiry)
+                .min(delay)
                 .min(ttl / 3)
                 .max(Duration::from_millis(1));
             wake.wait(delay).await;
+        }
+    }
+
+    /// One look at the readers inside while `lease` (the write intent) waits for them:
+    /// gone (the write lease is taken), the intent taken over or lapsed, or readers still
+    /// inside (the first of them certainly expires after `until_expiry`). Renews the
+    /// intent a third of the ttl before it stops being certainly valid.
+    async fn readers_inside(
+        &self,
+        lease: &mut Lease,
+        ttl: Duration,
+        ttl_ms: i64,
+    ) -> Result<Readers> {
+        let now = self.locks.time().now().await?;
+        let cutoff = now.expired_before(self.margin());
+        let mine = doc! {
+            "_id": &lease.resource,
+            f::OWNER: &lease.owner,
+            f::TOKEN: lease.token,
+            f::PENDING: { "$exists": false },
+        };
+        let Some(d) = self.coll().find_one(mine).await? else {
+            return Ok(Readers::TakenOver);
+        };
+        // A renewal that failed (a transient error) may have let the intent lapse: then
+        // it is no lease to hand out, whatever the readers did.
+        if lease.remaining_ms(&now) <= 0 {
+            return Ok(Readers::TakenOver);
+        }
+        let live = live_readers(&d, cutoff);
+        let Some(first_expiry) = live.iter().min().copied() else {
+            return Ok(Readers::Gone);
+        };
+        // Renew while the intent is still certainly valid (the renewal requires it):
+        // a third of the ttl before it stops being so.
+        let renew_below = ttl_ms
+            .saturating_div(3)
+            .saturating_add(now.bound_ms)
+            .saturating_add(self.margin());
+        if lease.remaining_ms(&now) < renew_below {
+            match self.locks.renew(lease, ttl).await {
+                Ok(()) => {}
+                Err(Error::LeaseLost { .. }) => return Ok(Readers::TakenOver),
+                Err(e) => return Err(e),
+            }
+        }
+        // The first live reader certainly expires this long from now.
+        let until_expiry = first_expiry
+            .timestamp_millis()
+            .saturating_sub(cutoff.timestamp_millis())
+            .saturating_add(1);
+        Ok(Readers::Inside {
+            until_expiry: Duration::from_millis(u64::try_from(until_expiry).unwrap_or(1)),
+        })
+    }
+
+    /// Withdraws a write intent that will not become a write lease (best effort: an
+    /// intent left behind expires with its ttl).
+    async fn withdraw(&self, lease: &Lease) {
+        if let Err(e) = self.locks.release(lease).await {
+            tracing::debug!(error = %e, "withdrawing the write intent");
         }
     }
 
@@ -521,14 +580,14 @@ impl RwLocks {
     }
 }
 
-fn time_left(deadline: Option<Instant>) -> Option<Duration> {
-    match deadline {
-        None => Some(Duration::MAX),
-        Some(d) => {
-            let now = Instant::now();
-            (now < d).then(|| d - now)
-        }
-    }
+/// What a writer waiting for the readers inside found ([`RwLocks::readers_inside`]).
+enum Readers {
+    /// No live reader: the write lease is taken.
+    Gone,
+    /// The intent was taken over, deleted, or lapsed.
+    TakenOver,
+    /// Readers are inside; the first certainly expires after `until_expiry`.
+    Inside { until_expiry: Duration },
 }
 
 /// The expiries of the reader entries that have not certainly expired at `cutoff`

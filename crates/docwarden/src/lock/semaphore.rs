@@ -37,6 +37,7 @@ use mongodb::options::{IndexOptions, ReturnDocument, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
+use super::deadline::Deadline;
 use super::lease::{Lease, Owner};
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
@@ -379,10 +380,13 @@ impl Semaphore {
     }
 
     /// Takes a permit of `resource` for `ttl`, retrying with jittered backoff until one is
-    /// granted or `wait` has passed (`Ok(None)`).
+    /// granted or `wait` has passed (`Ok(None)`). Transient errors
+    /// ([`Error::is_retryable`]) are retried within the wait like contention
+    /// (`lock/deadline.rs`).
     ///
     /// # Errors
-    /// As [`Semaphore::try_acquire`].
+    /// As [`Semaphore::try_acquire`]; a transient error only if the wait passed with the
+    /// last attempt failing.
     pub async fn acquire(
         &self,
         owner: &Owner,
@@ -391,25 +395,21 @@ impl Semaphore {
         wait: Duration,
     ) -> Result<Option<Permit>> {
         let called = Instant::now();
-        let deadline = called.checked_add(wait);
+        let mut deadline = Deadline::after(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         loop {
-            if let Some(p) = self.try_acquire(owner, resource, ttl).await? {
-                crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
-                return Ok(Some(p));
-            }
-            let delay = backoff.next_delay();
-            let delay = match deadline {
-                Some(deadline) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Ok(None);
-                    }
-                    delay.min(deadline - now)
+            match self.try_acquire(owner, resource, ttl).await {
+                Ok(Some(p)) => {
+                    crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
+                    return Ok(Some(p));
                 }
-                None => delay,
+                Ok(None) => deadline.attempted(),
+                Err(e) => deadline.absorb(e)?,
+            }
+            let Some(left) = deadline.left() else {
+                return deadline.passed();
             };
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep(backoff.next_delay().min(left)).await;
         }
     }
 

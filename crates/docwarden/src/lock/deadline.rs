@@ -1,0 +1,121 @@
+//! The wait of a blocking acquire ([`super::LockCollection::acquire`],
+//! [`super::Semaphore::acquire`], [`super::RwLocks::read`] and [`super::RwLocks::write`],
+//! [`super::Election::campaign`]) and what a transient error does to it.
+//!
+//! **Behaviour:** a blocking acquire keeps trying through errors that
+//! [`Error::is_retryable`] calls transient (not primary, stepping down, a network error, no
+//! server selectable) until its wait has passed, as it keeps trying through contention. A
+//! failover, a restart or a network blip shorter than the wait is then a delay, not an
+//! error. When the wait passes, the acquire returns the last attempt's error if that attempt
+//! failed (so "the server was unreachable" is never reported as "someone else holds it":
+//! `Ok(None)`), and `Ok(None)` otherwise. Any other error (invalid input, a malformed lock
+//! document, a refused write) ends the wait at once. A zero wait tries once, as the `try_*`
+//! calls do, and returns its error as it is.
+//!
+//! **Why retrying is safe:** an attempt whose reply was lost may have taken the lock. The
+//! next attempt then finds it held (by that attempt, under a lease its caller never saw)
+//! and waits like any other contender, until that lease expires or the wait passes. Nobody
+//! ever holds two leases at once: the cost of a lost reply is at most one ttl of waiting.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// The wait budget of one blocking acquire, and the transient error of its last attempt.
+#[derive(Debug)]
+pub(crate) struct Deadline {
+    /// `None`: a wait too long to represent, waiting "forever".
+    at: Option<Instant>,
+    /// The last attempt's error, if it was transient and absorbed.
+    last_error: Option<Error>,
+}
+
+impl Deadline {
+    /// A wait of `wait` from now.
+    pub(crate) fn after(wait: Duration) -> Self {
+        Self {
+            at: Instant::now().checked_add(wait),
+            last_error: None,
+        }
+    }
+
+    /// The time left, or `None` once the wait has passed (`Duration::MAX` for a wait
+    /// without end).
+    pub(crate) fn left(&self) -> Option<Duration> {
+        match self.at {
+            None => Some(Duration::MAX),
+            Some(at) => {
+                let now = Instant::now();
+                (now < at).then(|| at - now)
+            }
+        }
+    }
+
+    /// Records an attempt that ended without error (contention): the wait's outcome is
+    /// `Ok(None)` again if it passes now.
+    pub(crate) fn attempted(&mut self) {
+        self.last_error = None;
+    }
+
+    /// Whether the last attempt failed with a transient error (the caller then backs off
+    /// instead of waiting for a release it would not see).
+    pub(crate) fn failing(&self) -> bool {
+        self.last_error.is_some()
+    }
+
+    /// Takes an attempt's error: a transient one while time is left is kept, logged and
+    /// absorbed (`Ok(())`: try again); any other error, or any error once the wait has
+    /// passed, is returned.
+    ///
+    /// # Errors
+    /// `e` itself, when it ends the wait.
+    pub(crate) fn absorb(&mut self, e: Error) -> Result<()> {
+        if !e.is_retryable() || self.left().is_none() {
+            return Err(e);
+        }
+        tracing::debug!(error = %e, "transient error while waiting: trying again");
+        self.last_error = Some(e);
+        Ok(())
+    }
+
+    /// The outcome of a wait that passed: the last attempt's error if it failed,
+    /// `Ok(None)` if it met contention.
+    ///
+    /// # Errors
+    /// The last attempt's transient error.
+    pub(crate) fn passed<T>(self) -> Result<Option<T>> {
+        match self.last_error {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_transient_errors_are_absorbed_and_only_while_time_is_left() {
+        let transient = || Error::Unavailable { what: "test" };
+        let mut d = Deadline::after(Duration::from_secs(60));
+        assert!(d.absorb(transient()).is_ok());
+        assert!(d.failing());
+        assert!(d.absorb(Error::invalid("ttl", "zero")).is_err());
+        d.attempted();
+        assert!(!d.failing());
+        assert!(matches!(d.passed::<()>(), Ok(None)));
+
+        let mut zero = Deadline::after(Duration::ZERO);
+        assert!(zero.left().is_none());
+        assert!(zero.absorb(transient()).is_err(), "a zero wait tries once");
+
+        let mut forever = Deadline::after(Duration::MAX);
+        assert_eq!(forever.left(), Some(Duration::MAX));
+        assert!(forever.absorb(transient()).is_ok());
+        assert!(matches!(
+            forever.passed::<()>(),
+            Err(Error::Unavailable { .. })
+        ));
+    }
+}

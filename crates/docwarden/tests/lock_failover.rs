@@ -1,0 +1,152 @@
+//! A blocking acquire rides through a write outage shorter than its wait
+//! (`lock/deadline.rs`): a failover, a restart or a network blip is a delay, not an error.
+//! The outage is MongoDB's `failCommand` fail point returning `NotWritablePrimary` (10107)
+//! for the next few commands, the tool the official drivers' test suites use. Fail points
+//! are server-wide and each configuration replaces the last, so this file is its own test
+//! binary (its own embedded server) with one test that runs its cases in turn.
+
+use std::time::{Duration, Instant};
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{
+    Election, ElectionOptions, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+    Semaphore, SemaphoreOptions,
+};
+use docwarden_testkit::TestDb;
+use mongodb::bson::{Document, doc};
+
+/// NotWritablePrimary: what a stepped-down primary answers.
+const NOT_PRIMARY: i32 = 10107;
+
+/// Makes the next `times` runs of `command` fail with [`NOT_PRIMARY`] (`"alwaysOn"` with
+/// `times = 0`). The driver retries a retryable write once, so each failed call uses two.
+async fn outage(client: &mongodb::Client, command: &str, times: i32) -> anyhow::Result<()> {
+    let mode = if times == 0 {
+        mongodb::bson::Bson::String("alwaysOn".to_owned())
+    } else {
+        doc! { "times": times }.into()
+    };
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": mode,
+            "data": { "failCommands": [command], "errorCode": NOT_PRIMARY },
+        })
+        .await?;
+    Ok(())
+}
+
+async fn over(client: &mongodb::Client) -> mongodb::error::Result<Document> {
+    client
+        .database("admin")
+        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+        .await
+}
+
+#[tokio::test]
+async fn blocking_acquires_ride_through_an_outage_shorter_than_their_wait() -> anyhow::Result<()> {
+    let test = "blocking_acquires_ride_through_an_outage_shorter_than_their_wait";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = over(&t.client).await {
+        docwarden_testkit::skip(
+            test,
+            &format!("the server has no failCommand fail point: {e}"),
+        );
+        return Ok(());
+    }
+    // A short heartbeat: after a not-primary error the driver waits for its next check of
+    // the server before it selects it again (10 s by default).
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.heartbeat_freq = Some(Duration::from_millis(500));
+    let client = mongodb::Client::with_options(options)?;
+    let db = client.database(t.db.name());
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(50));
+    let locks = LockCollection::open(&db, "locks", time.clone(), fast.clone()).await?;
+    let semaphore = Semaphore::open(
+        &db,
+        "permits",
+        time.clone(),
+        SemaphoreOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(50)),
+    )
+    .await?;
+    let rw = RwLocks::new(
+        LockCollection::open(&db, "rw", time.clone(), fast).await?,
+        RwLockOptions::default(),
+    )?;
+    let election = Election::new(locks.clone(), "leader", ElectionOptions::default())?;
+    let owner = Owner::random();
+    let ttl = Duration::from_secs(30);
+    let wait = Duration::from_secs(20);
+    let mut failed = Vec::new();
+
+    // Each acquire meets three failed attempts (six failed commands) before the outage
+    // ends; before `lock/deadline.rs` the first one ended the wait with the error.
+    outage(&client, "findAndModify", 6).await?;
+    match locks.acquire(&owner, "a", ttl, wait).await {
+        Ok(Some(lease)) => locks.release(&lease).await?,
+        other => failed.push(format!("LockCollection::acquire: {other:?}")),
+    }
+    over(&client).await?;
+
+    outage(&client, "findAndModify", 6).await?;
+    match semaphore.acquire(&owner, "s", ttl, wait).await {
+        Ok(Some(permit)) => semaphore.release(&permit).await?,
+        other => failed.push(format!("Semaphore::acquire: {other:?}")),
+    }
+    over(&client).await?;
+
+    outage(&client, "update", 6).await?;
+    match rw.read(&owner, "r", ttl, wait).await {
+        Ok(Some(lease)) => rw.release_read(&lease).await?,
+        other => failed.push(format!("RwLocks::read: {other:?}")),
+    }
+    over(&client).await?;
+
+    // The writer's wait for the readers inside reads the lock document (`find`).
+    outage(&client, "find", 3).await?;
+    match rw.write(&owner, "w", ttl, wait).await {
+        Ok(Some(lease)) => rw.release_write(&lease).await?,
+        other => failed.push(format!("RwLocks::write (waiting for readers): {other:?}")),
+    }
+    over(&client).await?;
+
+    outage(&client, "findAndModify", 6).await?;
+    match election.campaign(&owner, wait).await {
+        Ok(Some(leadership)) => leadership.resign().await?,
+        other => failed.push(format!("Election::campaign: {other:?}")),
+    }
+    over(&client).await?;
+
+    // A zero wait tries once and reports the error as it is.
+    outage(&client, "findAndModify", 2).await?;
+    match locks.acquire(&owner, "z", ttl, Duration::ZERO).await {
+        Err(e) if e.is_retryable() => {}
+        other => failed.push(format!("acquire with a zero wait: {other:?}")),
+    }
+    over(&client).await?;
+
+    // An outage longer than the wait: the error, not "someone else holds it" (`Ok(None)`),
+    // and not much later than the wait.
+    outage(&client, "findAndModify", 0).await?;
+    let started = Instant::now();
+    let short = Duration::from_millis(1500);
+    match locks.acquire(&owner, "long", ttl, short).await {
+        Err(e) if e.is_retryable() => {}
+        other => failed.push(format!("acquire through a longer outage: {other:?}")),
+    }
+    let took = started.elapsed();
+    over(&client).await?;
+    if took > short + Duration::from_secs(5) {
+        failed.push(format!("acquire through a longer outage took {took:?}"));
+    }
+
+    assert!(
+        failed.is_empty(),
+        "{} blocking acquires did not ride through the outage as specified:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    Ok(())
+}

@@ -602,6 +602,48 @@ async fn a_running_job_whose_lease_until_is_not_a_date_is_swept_and_reclaimed() 
     Ok(())
 }
 
+/// Session 15: the sweep computed `stalls + 1` with `$ifNull`, so one expired running job
+/// whose `stalls` an operator set to a string (or an array) failed the whole `updateMany`
+/// ("$add only supports numeric or date types"): every other expired job stayed
+/// `running` for ever, and the sweep inside each claim only logged the failure. A
+/// `stalls` that is not a number now counts as 0, and the sweep goes on.
+#[tokio::test]
+async fn a_running_job_whose_stalls_is_not_a_number_does_not_block_the_sweep() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_unreadable_stalls").await?;
+    let q = open(
+        &t,
+        QueueOptions::default()
+            .lease_ttl(Duration::from_millis(300))
+            .reap_interval(Duration::from_secs(3600)),
+    )
+    .await?;
+    let coll = t.db.collection::<Document>("jobs");
+    let mut ids = Vec::new();
+    for stalls in [Bson::String("many".into()), Bson::Array(vec![]), Bson::Int64(2)] {
+        q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
+        let job = q
+            .claim("gone")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        coll.update_one(doc! { "_id": job.id() }, doc! { "$set": { "stalls": stalls } })
+            .await?;
+        ids.push(job.id());
+    }
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let swept = q.reap_expired().await;
+    assert!(
+        matches!(swept, Ok(3)),
+        "one hand-edited job failed the sweep of every expired lease: {swept:?}"
+    );
+    for (id, stalls) in ids.iter().zip([1, 1, 3]) {
+        let job = q.get(*id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+        assert_eq!(job.state, JobState::Retrying);
+        assert_eq!(job.stalls, stalls, "a stalls that is not a number counts as 0");
+    }
+    Ok(())
+}
+
 /// Finding 8: a ready job whose `run_at` is not a date never matches the claim's
 /// `{run_at: {$lte: now}}`: it stayed ready forever, reported nowhere.
 #[tokio::test]

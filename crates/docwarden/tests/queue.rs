@@ -644,6 +644,54 @@ async fn a_running_job_whose_stalls_is_not_a_number_does_not_block_the_sweep() -
     Ok(())
 }
 
+/// Session 15: a due job whose `attempts` an operator set to `i64::MAX` parsed fine, but
+/// the claim's `$inc` of it fails on the server ("Failed to apply $inc"): being the head
+/// of the queue, it failed every claim and every batch claim, so no job behind it ever
+/// ran. It is malformed (no claim can count it up) and goes to `dead` with the reason.
+#[tokio::test]
+async fn a_job_whose_attempts_cannot_be_counted_up_does_not_block_the_queue() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_attempts_at_max").await?;
+    let q = open(&t, QueueOptions::default().partitions(1)).await?;
+    let coll = t.db.collection::<Document>("jobs");
+    let head = q
+        .enqueue(doc! { "n": 0 }, &EnqueueOptions::default().priority(9))
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    coll.update_one(
+        doc! { "_id": head },
+        doc! { "$set": { "attempts": i64::MAX } },
+    )
+    .await?;
+    q.enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+        .await?;
+    for batch in [false, true] {
+        let claimed = if batch {
+            q.claim_batch("w", 4).await.map(|v| v.len())
+        } else {
+            q.claim("w").await.map(|j| usize::from(j.is_some()))
+        };
+        assert!(
+            matches!(claimed, Ok(1)),
+            "batch {batch}: the job behind the edited one was not claimed: {claimed:?}"
+        );
+        if !batch {
+            coll.update_one(doc! { "_id": head }, doc! { "$set": { "state": "ready", "attempts": i64::MAX } })
+                .await?;
+            q.enqueue(doc! { "n": 2 }, &EnqueueOptions::default())
+                .await?;
+        }
+    }
+    let d = coll
+        .find_one(doc! { "_id": head })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(d.get_str("state")?, "dead");
+    assert!(d.get_str("last_error")?.contains("attempts"), "{d}");
+    Ok(())
+}
+
 /// Finding 8: a ready job whose `run_at` is not a date never matches the claim's
 /// `{run_at: {$lte: now}}`: it stayed ready forever, reported nowhere.
 #[tokio::test]

@@ -378,11 +378,20 @@ impl EnqueueOptions {
     }
 }
 
+/// The random suffix a worker adds to its name to make its owner id: `-` and eight hex
+/// digits.
+pub(crate) const WORKER_SUFFIX_LEN: usize = 9;
+
+/// The longest [`WorkerOptions::name`], in bytes: the owner id (the name and a random
+/// suffix) must itself be a valid name of at most [`validate::MAX_NAME_LEN`] bytes.
+pub const MAX_WORKER_NAME_LEN: usize = validate::MAX_NAME_LEN - WORKER_SUFFIX_LEN;
+
 /// Options of a [`Worker`](super::Worker).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct WorkerOptions {
-    /// Worker name stored in `lease.owner`; a random suffix is added. Default "worker".
+    /// Worker name stored in `lease.owner`; a random suffix is added. At most
+    /// [`MAX_WORKER_NAME_LEN`] bytes. Default "worker".
     pub name: String,
     /// Handlers running at once. Default 4.
     pub concurrency: usize,
@@ -516,6 +525,16 @@ impl WorkerOptions {
 
     pub(crate) fn validate(&self, lease_ttl: Duration) -> Result<()> {
         validate::name("worker name", &self.name)?;
+        if self.name.len() > MAX_WORKER_NAME_LEN {
+            // The owner id adds a suffix: a longer name makes every claim refuse it.
+            return Err(Error::invalid(
+                "worker name",
+                format!(
+                    "is {} bytes, the limit is {MAX_WORKER_NAME_LEN} (the owner id adds {WORKER_SUFFIX_LEN})",
+                    self.name.len()
+                ),
+            ));
+        }
         validate::duration_ms("scheduler period", self.schedule_every)?;
         validate::positive("concurrency", self.concurrency)?;
         validate::positive("batch size", self.batch_size)?;
@@ -571,5 +590,31 @@ mod tests {
                 .validate(ttl)
                 .is_err()
         );
+    }
+
+    /// Session 15: a worker name of 504 to 512 bytes passed validation, but the owner id
+    /// (the name and its 9-byte random suffix) was over `MAX_NAME_LEN`, so `spawn`
+    /// returned a worker whose every claim failed with `InvalidInput` (counted in
+    /// `claim_errors`, nothing claimed, nothing reported to the caller).
+    #[test]
+    fn a_worker_name_leaves_room_for_the_owner_suffix() {
+        let ttl = Duration::from_secs(3);
+        let longest = "w".repeat(MAX_WORKER_NAME_LEN);
+        assert!(WorkerOptions::default().name(&longest).validate(ttl).is_ok());
+        let owner = format!("{longest}-{:08x}", u32::MAX);
+        assert_eq!(owner.len(), MAX_WORKER_NAME_LEN + WORKER_SUFFIX_LEN);
+        assert!(validate::name("owner", &owner).is_ok());
+        for len in [MAX_WORKER_NAME_LEN + 1, validate::MAX_NAME_LEN] {
+            assert!(
+                matches!(
+                    WorkerOptions::default().name("w".repeat(len)).validate(ttl),
+                    Err(Error::InvalidInput {
+                        what: "worker name",
+                        ..
+                    })
+                ),
+                "a {len}-byte worker name was accepted"
+            );
+        }
     }
 }

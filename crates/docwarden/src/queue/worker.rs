@@ -286,6 +286,7 @@ impl Worker {
             .heartbeat_every
             .unwrap_or(ttl / 3)
             .max(Duration::from_millis(1));
+        // `-` and eight hex digits: `WORKER_SUFFIX_LEN` bytes, room left by the validation.
         let owner = format!("{}-{:08x}", options.name, rand::random::<u32>());
         let counters = Arc::new(Counters::default());
         let listener_alive = Arc::new(());

@@ -379,6 +379,57 @@ async fn a_payload_over_16_mib_is_refused_and_nothing_is_enqueued() -> anyhow::R
     Ok(())
 }
 
+/// Session 15: enqueue left 16 KiB of room in the job document, but a completion may add
+/// a result of up to `MAX_RESULT_BYTES` (1 MiB) and progress of up to
+/// `MAX_PROGRESS_BYTES`. A job whose payload was accepted could not be completed with a
+/// result its handler was allowed to return: the server refused the write (code 10334),
+/// the worker's job stayed running until its lease expired, ran again, and died as
+/// "lease expired before the job finished". The largest payload enqueue accepts now
+/// leaves room for the largest progress and result.
+#[tokio::test]
+async fn the_largest_accepted_payload_can_still_be_completed_with_the_largest_result()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_room_for_result").await?;
+    let q = open(&t, QueueOptions::default()).await?;
+    let blob = |n: usize| {
+        Bson::Binary(mongodb::bson::Binary {
+            subtype: mongodb::bson::spec::BinarySubtype::Generic,
+            bytes: vec![7_u8; n],
+        })
+    };
+    // The largest payload accepted (binary search; a refusal sends nothing).
+    let (mut ok, mut refused) = (0_usize, 16 * 1024 * 1024);
+    while refused - ok > 1 {
+        let mid = (ok + refused) / 2;
+        match q
+            .enqueue_many([(blob(mid), EnqueueOptions::default())])
+            .await
+        {
+            Err(Error::InvalidInput {
+                what: "payload", ..
+            }) => refused = mid,
+            Ok(_) => {
+                ok = mid;
+                t.db.collection::<Document>("jobs").delete_many(doc! {}).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    q.enqueue(blob(ok), &EnqueueOptions::default()).await?;
+    let job = q.claim("w").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    // `{"v": <binary>}` is 13 bytes around the binary's bytes.
+    q.progress(&job, blob(docwarden::queue::MAX_PROGRESS_BYTES - 13))
+        .await?;
+    let completed = q
+        .complete(&job, blob(docwarden::queue::MAX_RESULT_BYTES - 13))
+        .await;
+    assert!(
+        completed.is_ok(),
+        "a {ok}-byte payload was accepted and cannot be completed: {completed:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_worker_whose_clock_is_30s_ahead_cannot_steal_a_live_lease() -> anyhow::Result<()> {
     let t = TestDb::new("queue_clock_ahead").await?;

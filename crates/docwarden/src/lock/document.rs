@@ -200,7 +200,9 @@ impl DocumentLocks {
     /// there is no such document ([`DocumentLocks::lock_or_create`] creates it).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a null, empty or array id; a database error.
+    /// [`Error::InvalidInput`] for an id that is not a plain value
+    /// ([`crate::validate::document_id`]: null, empty, an array, a regex, a document with a
+    /// `$` key); a database error.
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock(
         &self,
@@ -248,7 +250,8 @@ impl DocumentLocks {
     /// document (exactly one wins, the others get `Ok(None)`).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] if `initial` has `$` fields, the lock fields, or an
+    /// [`Error::InvalidInput`] for an id that is not a plain value (as
+    /// [`DocumentLocks::lock`]), or if `initial` has `$` fields, the lock fields, or an
     /// `_id` other than `id`; a database error.
     #[instrument(skip(self, id, initial), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock_or_create(
@@ -558,13 +561,7 @@ pub(crate) fn takeover_pipeline(
 }
 
 fn check_id(id: &Bson) -> Result<()> {
-    match id {
-        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => {
-            Err(Error::invalid("document id", "must be a plain value"))
-        }
-        Bson::String(s) => validate::name("document id", s),
-        _ => Ok(()),
-    }
+    validate::document_id("document id", id)
 }
 
 #[cfg(test)]

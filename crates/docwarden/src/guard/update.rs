@@ -394,7 +394,10 @@ impl Guarded {
     /// [`GuardOutcome::Applied`].
     ///
     /// # Errors
-    /// [`Error::Database`] if the server fails the update (a validator refusal is code
+    /// [`Error::InvalidInput`] if `target` is not a plain document id
+    /// ([`crate::validate::document_id`]: a document with a `$` key would be read as a
+    /// query operator and match another document; null, an array, a regex); nothing is
+    /// sent. [`Error::Database`] if the server fails the update (a validator refusal is code
     /// 121); [`Error::Unavailable`] if the document changed between every one of
     /// `max_attempts` updates and the reads explaining them (retry later).
     #[instrument(skip(self, target, change, invariants), fields(coll = %self.coll.name(), field = %change.field))]
@@ -405,6 +408,7 @@ impl Guarded {
         invariants: &[Invariant],
     ) -> Result<GuardOutcome> {
         let target = target.into();
+        crate::validate::document_id("target", &target)?;
         // Built once for the first attempt and handed to the driver as they are; a retry
         // (rare: the document changed between a miss and its diagnosis) builds them again.
         let mut first = Some((change.filter(&target), change.pipeline(invariants)));

@@ -142,6 +142,24 @@ pub(crate) fn stored_seq(value: &Bson) -> Option<i64> {
     }
 }
 
+/// [`Error::Malformed`] if a stored sequence number (or watermark) at `path` is there but
+/// not a number (a hand edit: a string, a document). The pipelines compare it in BSON
+/// order, where a string is above every number, so every later operation would be
+/// reported [`ApplyOutcome::Stale`] and dropped, for good.
+pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Result<()> {
+    match get_path(doc, path) {
+        None
+        | Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => Ok(()),
+        Some(other) => Err(Error::Malformed {
+            id: key.to_string(),
+            reason: format!(
+                "`{path}` must be a sequence number, found {:?}",
+                other.element_type()
+            ),
+        }),
+    }
+}
+
 /// The collection with `write_concern` set (its read concern and selection criteria
 /// kept), or the collection as given when `write_concern` is `None`.
 pub(crate) fn with_write_concern(

@@ -1514,3 +1514,57 @@ async fn registrar_batches_store_what_the_sequential_consumer_stores() -> anyhow
     assert!(violations[1] > 0, "control: {violations:?}");
     Ok(())
 }
+
+/// Session 15: a stored sequence number or watermark hand-edited into a string (above
+/// every number in BSON order) made every later operation on that key come back
+/// `Stale`, so the messages were dropped for good with an outcome that says a newer one
+/// had won. It is `Malformed` now, naming the path; a genuinely stale message stays
+/// `Stale`.
+#[tokio::test]
+async fn a_sequence_number_edited_into_a_string_is_malformed_not_stale() -> anyhow::Result<()> {
+    let t = TestDb::new("seq_edited_number").await?;
+    let set = SequencedSet::open(&t.db, "s", SetOptions::default()).await?;
+    let fields = SequencedFields::open(&t.db, "f", FieldsOptions::default()).await?;
+    let malformed = |r: &docwarden::Result<ApplyOutcome>| matches!(r, Err(Error::Malformed { .. }));
+    // Registers: `_seq.<field>`.
+    assert_eq!(fields.set("a", "v", 1, 5).await?, ApplyOutcome::Applied);
+    assert_eq!(fields.set("a", "v", 0, 4).await?, ApplyOutcome::Stale);
+    t.db.collection::<Document>("f")
+        .update_one(doc! { "_id": "a" }, doc! { "$set": { "_seq.v": "5" } })
+        .await?;
+    let r = fields.set("a", "v", 2, 6).await;
+    assert!(malformed(&r), "register: {r:?}");
+    // Sets: the member's entry seq, and the compaction watermark.
+    assert_eq!(set.add("k", "m", 5).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add("k", "m", 4).await?, ApplyOutcome::Stale);
+    let sets = t.db.collection::<Document>("s");
+    let entry = set
+        .collection()
+        .find_one(doc! { "_id": "k" })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no document"))?;
+    let state = entry
+        .get_document("_seq_sets")?
+        .get_document("members")?
+        .get_document("state")?
+        .keys()
+        .next()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no entry"))?;
+    sets.update_one(
+        doc! { "_id": "k" },
+        doc! { "$set": { format!("{}.{state}.seq", "_seq_sets.members.state"): "5" } },
+    )
+    .await?;
+    let r = set.remove("k", "m", 6).await;
+    assert!(malformed(&r), "set entry: {r:?}");
+    assert_eq!(set.add("k2", "m", 1).await?, ApplyOutcome::Applied);
+    sets.update_one(
+        doc! { "_id": "k2" },
+        doc! { "$set": { set.floor_field(): "0" } },
+    )
+    .await?;
+    let r = set.add("k2", "n", 2).await;
+    assert!(malformed(&r), "set floor: {r:?}");
+    Ok(())
+}

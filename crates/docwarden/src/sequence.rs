@@ -66,7 +66,7 @@ pub mod set;
 
 pub use batch::SetOp;
 pub use compact::CompactionReport;
-pub use register::{FieldsOptions, SequencedFields};
+pub use register::{FieldsOptions, MAX_VALUE_BYTES, SequencedFields};
 pub use set::{MemberState, SequencedSet, SetOptions};
 
 use mongodb::bson::{Bson, Document};

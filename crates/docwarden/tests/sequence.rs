@@ -1568,3 +1568,31 @@ async fn a_sequence_number_edited_into_a_string_is_malformed_not_stale() -> anyh
     assert!(malformed(&r), "set floor: {r:?}");
     Ok(())
 }
+
+/// Session 15: a register value is carried about seven times by its update (compared,
+/// written, and its tie key in the filter and the pipeline): a 9 MiB value made a 66 MB
+/// command that the driver refused with a bare database error ("Message length … over
+/// maximum"), a 17 MiB one "malformed value". A value over `MAX_VALUE_BYTES` is now
+/// `InvalidInput { what: "value" }`, nothing sent; one at the limit is stored.
+#[tokio::test]
+async fn a_register_value_over_the_limit_is_refused_and_one_at_the_limit_is_stored()
+-> anyhow::Result<()> {
+    let t = TestDb::new("seq_value_limit").await?;
+    let fields = SequencedFields::open(&t.db, "f", FieldsOptions::default()).await?;
+    // `{"v": "<n bytes>"}` is 4 + 1 + 2 + 4 + n + 1 + 1 bytes.
+    let at_limit = "x".repeat(docwarden::sequence::MAX_VALUE_BYTES - 13);
+    assert_eq!(
+        fields.set("a", "v", at_limit.as_str(), 1).await?,
+        ApplyOutcome::Applied
+    );
+    for n in [docwarden::sequence::MAX_VALUE_BYTES, 9 * 1024 * 1024] {
+        let r = fields.set("b", "v", "x".repeat(n).as_str(), 1).await;
+        assert!(
+            matches!(r, Err(Error::InvalidInput { what: "value", .. })),
+            "{n} bytes: {:?}",
+            r.map_err(|e| e.to_string().chars().take(200).collect::<String>())
+        );
+    }
+    assert_eq!(fields.get("b", "v").await?, None, "nothing stored");
+    Ok(())
+}

@@ -12,6 +12,12 @@ use crate::validate;
 /// Most claim partitions a queue may have ([`QueueOptions::partitions`]).
 pub const MAX_PARTITIONS: u32 = 1024;
 
+/// The longest named queue ([`QueueOptions::queue`]), in bytes: its concurrency
+/// semaphore's resource `queue:<name>` must be a valid name of at most
+/// [`validate::MAX_NAME_LEN`] bytes.
+pub const MAX_QUEUE_NAME_LEN: usize =
+    validate::MAX_NAME_LEN - crate::format::job::limit::QUEUE_RESOURCE.len() - 1;
+
 /// How a single claim talks to the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -65,7 +71,8 @@ pub struct QueueOptions {
     /// field, and every claim, sweep and operator command matches it, so several
     /// queues share one collection and its indexes, each with its own options
     /// document. `None` (the default, also what `"default"` means) is the default queue,
-    /// whose jobs carry no `queue` field (jobs of formats 1 and 2 belong to it).
+    /// whose jobs carry no `queue` field (jobs of formats 1 and 2 belong to it). At most
+    /// [`MAX_QUEUE_NAME_LEN`] bytes.
     pub queue: Option<String>,
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
@@ -207,6 +214,15 @@ impl QueueOptions {
         validate::duration_ms("reap interval", self.reap_interval)?;
         if let Some(q) = &self.queue {
             validate::name("queue name", q)?;
+            // The queue's own semaphore resource is `queue:<name>` (queue/limit.rs), which
+            // must itself be a valid name.
+            let limit = MAX_QUEUE_NAME_LEN;
+            if q.len() > limit {
+                return Err(Error::invalid(
+                    "queue name",
+                    format!("is {} bytes, the limit is {limit}", q.len()),
+                ));
+            }
         }
         if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
             return Err(Error::invalid(
@@ -328,7 +344,9 @@ impl EnqueueOptions {
         self
     }
     /// At most N jobs of `key` run at once (N: [`LimitOptions::key_concurrency`] or
-    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)).
+    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)). The
+    /// key is at most [`validate::MAX_NAME_LEN`] − 4 bytes: its semaphore resource is
+    /// `key:<key>`.
     pub fn concurrency_key(mut self, key: impl Into<String>) -> Self {
         self.limits.concurrency_key = Some(key.into());
         self
@@ -600,7 +618,12 @@ mod tests {
     fn a_worker_name_leaves_room_for_the_owner_suffix() {
         let ttl = Duration::from_secs(3);
         let longest = "w".repeat(MAX_WORKER_NAME_LEN);
-        assert!(WorkerOptions::default().name(&longest).validate(ttl).is_ok());
+        assert!(
+            WorkerOptions::default()
+                .name(&longest)
+                .validate(ttl)
+                .is_ok()
+        );
         let owner = format!("{longest}-{:08x}", u32::MAX);
         assert_eq!(owner.len(), MAX_WORKER_NAME_LEN + WORKER_SUFFIX_LEN);
         assert!(validate::name("owner", &owner).is_ok());

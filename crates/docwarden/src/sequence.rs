@@ -148,8 +148,9 @@ pub(crate) fn stored_seq(value: &Bson) -> Option<i64> {
 /// reported [`ApplyOutcome::Stale`] and dropped, for good.
 pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Result<()> {
     match get_path(doc, path) {
-        None
-        | Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => Ok(()),
+        None | Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => {
+            Ok(())
+        }
         Some(other) => Err(Error::Malformed {
             id: key.to_string(),
             reason: format!(

@@ -97,14 +97,20 @@ pub fn database_name(what: &'static str, value: &str) -> Result<()> {
 pub fn document_id(what: &'static str, id: &mongodb::bson::Bson) -> Result<()> {
     use mongodb::bson::Bson;
     match id {
-        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => Err(
-            Error::invalid(what, format!("a {:?} is not a document id", id.element_type())),
-        ),
+        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => {
+            Err(Error::invalid(
+                what,
+                format!("a {:?} is not a document id", id.element_type()),
+            ))
+        }
         Bson::String(s) => name(what, s),
         Bson::Document(d) => match d.keys().find(|k| k.starts_with('$')) {
             Some(k) => Err(Error::invalid(
                 what,
-                format!("`{}` is a query operator, not part of a document id", k.escape_debug()),
+                format!(
+                    "`{}` is a query operator, not part of a document id",
+                    k.escape_debug()
+                ),
             )),
             None => Ok(()),
         },

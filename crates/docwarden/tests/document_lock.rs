@@ -427,7 +427,10 @@ async fn an_operator_document_as_id_locks_nothing() -> anyhow::Result<()> {
         }),
     ] {
         let locked = locks.lock(id.clone()).await;
-        assert!(locked.as_ref().is_err_and(invalid), "lock({id}): {locked:?}");
+        assert!(
+            locked.as_ref().is_err_and(invalid),
+            "lock({id}): {locked:?}"
+        );
         let created = locks.lock_or_create(id.clone(), doc! {}).await;
         assert!(
             created.as_ref().is_err_and(invalid),
@@ -440,6 +443,10 @@ async fn an_operator_document_as_id_locks_nothing() -> anyhow::Result<()> {
         0,
         "a document was locked"
     );
-    assert_eq!(coll.count_documents(doc! {}).await?, 2, "a document was created");
+    assert_eq!(
+        coll.count_documents(doc! {}).await?,
+        2,
+        "a document was created"
+    );
     Ok(())
 }

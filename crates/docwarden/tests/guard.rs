@@ -657,10 +657,7 @@ async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> 
     let invalid = |e: Option<&docwarden::Error>| {
         matches!(
             e,
-            Some(docwarden::Error::InvalidInput {
-                what: "target",
-                ..
-            })
+            Some(docwarden::Error::InvalidInput { what: "target", .. })
         )
     };
     for target in [
@@ -675,7 +672,10 @@ async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> 
         assert!(invalid(one.as_ref().err()), "update({target}): {one:?}");
         let many = g
             .update_many(
-                &[(Bson::Int32(2), debit.clone()), (target.clone(), debit.clone())],
+                &[
+                    (Bson::Int32(2), debit.clone()),
+                    (target.clone(), debit.clone()),
+                ],
                 &[nonneg.clone()],
             )
             .await;

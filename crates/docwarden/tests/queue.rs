@@ -410,13 +410,18 @@ async fn the_largest_accepted_payload_can_still_be_completed_with_the_largest_re
             }) => refused = mid,
             Ok(_) => {
                 ok = mid;
-                t.db.collection::<Document>("jobs").delete_many(doc! {}).await?;
+                t.db.collection::<Document>("jobs")
+                    .delete_many(doc! {})
+                    .await?;
             }
             Err(e) => return Err(e.into()),
         }
     }
     q.enqueue(blob(ok), &EnqueueOptions::default()).await?;
-    let job = q.claim("w").await?.ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
     // `{"v": <binary>}` is 13 bytes around the binary's bytes.
     q.progress(&job, blob(docwarden::queue::MAX_PROGRESS_BYTES - 13))
         .await?;
@@ -671,14 +676,21 @@ async fn a_running_job_whose_stalls_is_not_a_number_does_not_block_the_sweep() -
     .await?;
     let coll = t.db.collection::<Document>("jobs");
     let mut ids = Vec::new();
-    for stalls in [Bson::String("many".into()), Bson::Array(vec![]), Bson::Int64(2)] {
+    for stalls in [
+        Bson::String("many".into()),
+        Bson::Array(vec![]),
+        Bson::Int64(2),
+    ] {
         q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
         let job = q
             .claim("gone")
             .await?
             .ok_or_else(|| anyhow::anyhow!("no job"))?;
-        coll.update_one(doc! { "_id": job.id() }, doc! { "$set": { "stalls": stalls } })
-            .await?;
+        coll.update_one(
+            doc! { "_id": job.id() },
+            doc! { "$set": { "stalls": stalls } },
+        )
+        .await?;
         ids.push(job.id());
     }
     tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -690,7 +702,10 @@ async fn a_running_job_whose_stalls_is_not_a_number_does_not_block_the_sweep() -
     for (id, stalls) in ids.iter().zip([1, 1, 3]) {
         let job = q.get(*id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
         assert_eq!(job.state, JobState::Retrying);
-        assert_eq!(job.stalls, stalls, "a stalls that is not a number counts as 0");
+        assert_eq!(
+            job.stalls, stalls,
+            "a stalls that is not a number counts as 0"
+        );
     }
     Ok(())
 }
@@ -728,8 +743,11 @@ async fn a_job_whose_attempts_cannot_be_counted_up_does_not_block_the_queue() ->
             "batch {batch}: the job behind the edited one was not claimed: {claimed:?}"
         );
         if !batch {
-            coll.update_one(doc! { "_id": head }, doc! { "$set": { "state": "ready", "attempts": i64::MAX } })
-                .await?;
+            coll.update_one(
+                doc! { "_id": head },
+                doc! { "$set": { "state": "ready", "attempts": i64::MAX } },
+            )
+            .await?;
             q.enqueue(doc! { "n": 2 }, &EnqueueOptions::default())
                 .await?;
         }

@@ -111,13 +111,7 @@ async fn an_oversized_result_in_a_bulk_is_that_jobs_own_error() -> anyhow::Resul
             Err(e) => anyhow::bail!("{oversized} bytes failed the whole bulk: {e}"),
         };
         assert!(
-            matches!(
-                outcomes[1],
-                Err(Error::InvalidInput {
-                    what: "result",
-                    ..
-                })
-            ),
+            matches!(outcomes[1], Err(Error::InvalidInput { what: "result", .. })),
             "{oversized} bytes: {:?}",
             outcomes[1]
         );
@@ -125,7 +119,12 @@ async fn an_oversized_result_in_a_bulk_is_that_jobs_own_error() -> anyhow::Resul
         let states: Vec<JobState> = {
             let mut v = Vec::new();
             for j in &batch {
-                v.push(q.get(j.id()).await?.ok_or_else(|| anyhow::anyhow!("gone"))?.state);
+                v.push(
+                    q.get(j.id())
+                        .await?
+                        .ok_or_else(|| anyhow::anyhow!("gone"))?
+                        .state,
+                );
             }
             v
         };

@@ -202,7 +202,10 @@ async fn one_schedule_that_cannot_tick_does_not_stop_the_others() -> anyhow::Res
         .await?;
     let schedules = t.db.collection::<Document>("jobs.schedules");
     schedules
-        .update_one(doc! { "_id": "too-big" }, doc! { "$set": { "payload": big } })
+        .update_one(
+            doc! { "_id": "too-big" },
+            doc! { "$set": { "payload": big } },
+        )
         .await?;
     schedules
         .update_one(
@@ -221,11 +224,10 @@ async fn one_schedule_that_cannot_tick_does_not_stop_the_others() -> anyhow::Res
         Err(e) => anyhow::bail!("one schedule failed the whole pass: {e}"),
     };
     assert_eq!(report.errors, 2, "{report:?}");
-    let healthy = t
-        .db
-        .collection::<Document>("jobs")
-        .count_documents(doc! { field::SCHEDULE: "healthy" })
-        .await?;
+    let healthy =
+        t.db.collection::<Document>("jobs")
+            .count_documents(doc! { field::SCHEDULE: "healthy" })
+            .await?;
     assert_eq!(healthy, 1, "the healthy schedule ticked: {report:?}");
     Ok(())
 }

@@ -26,9 +26,9 @@ use mongodb::{ClientSession, IndexModel};
 
 use super::job::{JobState, claimable_states, field, unfinished_states};
 use super::options::{EnqueueOptions, OnDuplicate, RunAt, Safeguard};
+use super::transition::{MAX_PROGRESS_BYTES, MAX_RESULT_BYTES};
 use super::{JobQueue, index};
 use crate::error::{Error, Result, is_duplicate_key};
-use super::transition::{MAX_PROGRESS_BYTES, MAX_RESULT_BYTES};
 use crate::validate::MAX_DOCUMENT_BYTES;
 
 /// The largest new job document, in BSON bytes: 16 MiB less room for what the job

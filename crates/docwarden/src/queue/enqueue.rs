@@ -373,12 +373,26 @@ impl JobQueue {
                 let set = doc! { "$set": {
                     field::FOLLOW_UP: { field::follow_up::PAYLOAD: payload.clone() },
                 } };
-                if let Some(job) = self
+                let stored = match self
                     .inner
                     .coll
                     .find_one_and_update(running.clone(), set)
                     .projection(doc! { field::ID: 1 })
-                    .await?
+                    .await
+                {
+                    Ok(stored) => stored,
+                    // The running job and this follow-up payload do not fit in one
+                    // document (BSONObjectTooLarge 10334, or MongoDB's 17419 for an
+                    // update): nothing was written.
+                    Err(e) if matches!(crate::error::error_code(&e), Some(10334 | 17419)) => {
+                        return Err(Error::invalid(
+                            "payload",
+                            "too large to be stored as a follow-up of the key's running job (the job would be over 16 MiB); nothing was written",
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                if let Some(job) = stored
                     && let Ok(existing) = job.get_object_id(field::ID)
                 {
                     return Ok(Enqueued::FollowUp(existing));

@@ -239,7 +239,9 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `update` is not an operator document or touches the
-    /// token field (nothing is written); a database error.
+    /// fence's own fields — the token field; a guard's lock id; a job's `state` and
+    /// `lease.token` — by a path it writes, a path containing one, or a `$rename` onto one
+    /// (nothing is written); a database error.
     #[instrument(skip_all)]
     pub async fn apply<H: Fenced + ?Sized>(
         &self,
@@ -305,7 +307,14 @@ impl Fence {
         filter: Document,
         update: Document,
     ) -> Result<FenceOutcome> {
-        check_operator_update(&update, None)?;
+        // The fields the condition reads (the lock id; the job's state and token): an
+        // update that changed them would move the fence itself.
+        let fence_fields: Vec<&str> = condition
+            .keys()
+            .map(String::as_str)
+            .filter(|k| *k != "_id")
+            .collect();
+        check_operator_update(&update, &fence_fields)?;
         if update.is_empty() {
             return Err(Error::invalid(
                 "fenced update",
@@ -345,7 +354,7 @@ pub(crate) fn fenced_filter(field: &str, token: i64, filter: Document) -> Docume
 
 /// The caller's operator update with `$set: {field: token}` added.
 pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Result<Document> {
-    check_operator_update(&update, Some(field))?;
+    check_operator_update(&update, &[field])?;
     match update.get_mut("$set") {
         Some(Bson::Document(set)) => {
             set.insert(field, token);
@@ -357,8 +366,20 @@ pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Re
     Ok(update)
 }
 
-/// Refuses anything but an operator update, and one touching `protected` (if given).
-fn check_operator_update(update: &Document, protected: Option<&str>) -> Result<()> {
+/// Whether writing path `path` changes `field`: the same path, one inside it, or one
+/// that contains it (`lease` contains `lease.token`).
+fn touches(path: &str, field: &str) -> bool {
+    let nested = |inner: &str, outer: &str| {
+        inner
+            .strip_prefix(outer)
+            .is_some_and(|rest| rest.starts_with('.'))
+    };
+    path == field || nested(path, field) || nested(field, path)
+}
+
+/// Refuses anything but an operator update, and one touching a `protected` field: by a
+/// path it writes, a path containing it, or as the target of a `$rename`.
+fn check_operator_update(update: &Document, protected: &[&str]) -> Result<()> {
     for (op, value) in update {
         if !op.starts_with('$') {
             return Err(Error::invalid(
@@ -372,15 +393,19 @@ fn check_operator_update(update: &Document, protected: Option<&str>) -> Result<(
                 format!("`{op}` must take a document"),
             ));
         };
-        if let Some(field) = protected
-            && fields
-                .keys()
-                .any(|k| k == field || k.starts_with(&format!("{field}.")))
-        {
-            return Err(Error::invalid(
-                "fenced update",
-                format!("must not touch the token field `{field}`"),
-            ));
+        // `$rename` writes its values (the new names) as well as its keys.
+        let renamed = (op == "$rename").then(|| fields.values().filter_map(Bson::as_str));
+        let written = fields
+            .keys()
+            .map(String::as_str)
+            .chain(renamed.into_iter().flatten());
+        for path in written {
+            if let Some(field) = protected.iter().find(|f| touches(path, f)) {
+                return Err(Error::invalid(
+                    "fenced update",
+                    format!("must not touch the fence field `{field}` (it writes `{path}`)"),
+                ));
+            }
         }
     }
     Ok(())
@@ -407,7 +432,37 @@ mod tests {
         assert!(fenced_update("f", 3, doc! { "$set": { "f": 9 } }).is_err());
         assert!(fenced_update("f", 3, doc! { "$unset": { "f.x": "" } }).is_err());
         assert!(fenced_update("f", 3, doc! { "n": 1 }).is_err());
+        // Session 15: a `$rename` onto the token field, and a write of a path that
+        // contains a dotted token field, passed the check (the server then refused the
+        // update with a bare conflict error, or it replaced the stored token).
+        assert!(fenced_update("f", 3, doc! { "$rename": { "x": "f" } }).is_err());
+        assert!(fenced_update("meta.f", 3, doc! { "$set": { "meta": {} } }).is_err());
+        assert!(fenced_update("meta.f", 3, doc! { "$set": { "meta.g": 1 } }).is_ok());
+        assert!(fenced_update("f", 3, doc! { "$set": { "ff": 1, "g.f": 1 } }).is_ok());
         Ok(())
+    }
+
+    /// Session 15: for a document lock or a job claim the update was not checked at all,
+    /// so a fenced write could change the fence itself (the lock id, the job's state or
+    /// token) and report `Applied`: the guard's release, the job's completion then
+    /// failed as lost. The condition's fields are protected like a lease's token field.
+    #[test]
+    fn a_matching_fence_refuses_updates_of_its_own_fields() {
+        let job = crate::queue::job::fence_filter(&Bson::Int32(1), "t");
+        let fields: Vec<&str> = job
+            .keys()
+            .map(String::as_str)
+            .filter(|k| *k != "_id")
+            .collect();
+        for bad in [
+            doc! { "$set": { "state": "succeeded" } },
+            doc! { "$set": { "lease": {} } },
+            doc! { "$unset": { "lease.token": "" } },
+            doc! { "$rename": { "x": "state" } },
+        ] {
+            assert!(check_operator_update(&bad, &fields).is_err(), "{bad}");
+        }
+        assert!(check_operator_update(&doc! { "$set": { "progress": 1 } }, &fields).is_ok());
     }
 
     #[test]

@@ -486,7 +486,13 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
                 format!("`{op}` is not an update operator"),
             ));
         }
-        for k in fields.keys() {
+        // `$rename` writes its values (the new names) as well as its keys.
+        let renamed = (op == "$rename").then(|| fields.values().filter_map(Bson::as_str));
+        for k in fields
+            .keys()
+            .map(String::as_str)
+            .chain(renamed.into_iter().flatten())
+        {
             let root = k.split('.').next().unwrap_or(k);
             if root == "_id" || root == id_f || root == time_f {
                 return Err(Error::invalid(
@@ -580,6 +586,11 @@ mod tests {
             doc! { "$inc": { "n": 1 }, "$set": { "l": null, "t": null } }
         );
         assert!(release_update("l", "t", doc! { "$set": { "l": 1 } }).is_err());
+        // Session 15: a `$rename` onto a lock field or `_id` passed (the server then
+        // refused the update with a bare conflict error).
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "l" } }).is_err());
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "_id" } }).is_err());
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "y" } }).is_ok());
         assert!(release_update("l", "t", doc! { "$unset": { "t.x": "" } }).is_err());
         assert!(release_update("l", "t", doc! { "$set": { "_id": 2 } }).is_err());
         assert!(release_update("l", "t", doc! { "v": 1 }).is_err());

@@ -668,7 +668,9 @@ async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> 
             options: String::new(),
         }),
     ] {
-        let one = g.update(target.clone(), &debit, &[nonneg.clone()]).await;
+        let one = g
+            .update(target.clone(), &debit, std::slice::from_ref(&nonneg))
+            .await;
         assert!(invalid(one.as_ref().err()), "update({target}): {one:?}");
         let many = g
             .update_many(
@@ -676,7 +678,7 @@ async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> 
                     (Bson::Int32(2), debit.clone()),
                     (target.clone(), debit.clone()),
                 ],
-                &[nonneg.clone()],
+                std::slice::from_ref(&nonneg),
             )
             .await;
         assert!(

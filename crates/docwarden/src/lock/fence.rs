@@ -215,10 +215,16 @@ impl Fence {
     /// Fenced writes to `coll`, without touching the server: it only validates.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for an empty or `$`-prefixed token field.
+    /// [`Error::InvalidInput`] for a token field that is not a plain field path: empty, a
+    /// `$`-prefixed or empty segment (`a..b`, `a.`), or `_id` or a path inside it.
     pub fn new(coll: Collection<Document>, options: FenceOptions) -> Result<Self> {
         validate::name("token field", &options.token_field)?;
-        if options.token_field.starts_with('$') || options.token_field == "_id" {
+        let mut segments = options.token_field.split('.');
+        if segments.clone().any(|s| s.is_empty() || s.starts_with('$'))
+            || segments.next() == Some("_id")
+        {
+            // Else every apply fails on the server (an empty field name, an immutable
+            // `_id`) with a bare database error.
             return Err(Error::invalid("token field", "must be a plain field name"));
         }
         Ok(Self {
@@ -463,6 +469,30 @@ mod tests {
             assert!(check_operator_update(&bad, &fields).is_err(), "{bad}");
         }
         assert!(check_operator_update(&doc! { "$set": { "progress": 1 } }, &fields).is_ok());
+    }
+
+    /// Session 15: `a..b`, `a.`, `a.$b` and `_id.t` passed as token fields; every apply
+    /// then failed on the server with a bare database error.
+    #[tokio::test]
+    async fn token_fields_are_plain_paths() -> anyhow::Result<()> {
+        let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:1").await?;
+        let coll = client.database("none").collection::<Document>("c");
+        for ok in ["fence_token", "meta.token"] {
+            assert!(Fence::new(coll.clone(), FenceOptions::default().token_field(ok)).is_ok());
+        }
+        for bad in ["", "$t", "a..b", "a.", ".a", "a.$b", "_id", "_id.t"] {
+            assert!(
+                matches!(
+                    Fence::new(coll.clone(), FenceOptions::default().token_field(bad)),
+                    Err(Error::InvalidInput {
+                        what: "token field",
+                        ..
+                    })
+                ),
+                "{bad:?} was accepted"
+            );
+        }
+        Ok(())
     }
 
     #[test]

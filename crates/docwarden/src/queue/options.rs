@@ -396,6 +396,11 @@ impl EnqueueOptions {
     }
 }
 
+/// Most handlers one [`Worker`](super::Worker) runs at once
+/// ([`WorkerOptions::concurrency`]). The worker starts every handler slot at spawn: an
+/// unbounded count (a typo, `usize::MAX`) made it spawn tasks until memory ran out.
+pub const MAX_CONCURRENCY: usize = 4096;
+
 /// The random suffix a worker adds to its name to make its owner id: `-` and eight hex
 /// digits.
 pub(crate) const WORKER_SUFFIX_LEN: usize = 9;
@@ -411,7 +416,7 @@ pub struct WorkerOptions {
     /// Worker name stored in `lease.owner`; a random suffix is added. At most
     /// [`MAX_WORKER_NAME_LEN`] bytes. Default "worker".
     pub name: String,
-    /// Handlers running at once. Default 4.
+    /// Handlers running at once: at least 1, at most [`MAX_CONCURRENCY`]. Default 4.
     pub concurrency: usize,
     /// Most jobs taken by one claim. The worker claims for all its free handler slots
     /// at once (plus its prefetch), up to this many jobs per claim. Default 128; `1`
@@ -555,6 +560,12 @@ impl WorkerOptions {
         }
         validate::duration_ms("scheduler period", self.schedule_every)?;
         validate::positive("concurrency", self.concurrency)?;
+        if self.concurrency > MAX_CONCURRENCY {
+            return Err(Error::invalid(
+                "concurrency",
+                format!("{} is more than {MAX_CONCURRENCY}", self.concurrency),
+            ));
+        }
         validate::positive("batch size", self.batch_size)?;
         if let Some(hb) = self.heartbeat_every {
             validate::duration_ms("heartbeat period", hb)?;
@@ -608,6 +619,31 @@ mod tests {
                 .validate(ttl)
                 .is_err()
         );
+    }
+
+    /// Session 15: `concurrency(usize::MAX)` passed validation, and the spawned worker
+    /// then started handler slots until the process ran out of memory.
+    #[test]
+    fn concurrency_is_bounded() {
+        let ttl = Duration::from_secs(3);
+        assert!(
+            WorkerOptions::default()
+                .concurrency(MAX_CONCURRENCY)
+                .validate(ttl)
+                .is_ok()
+        );
+        for n in [MAX_CONCURRENCY + 1, usize::MAX] {
+            assert!(
+                matches!(
+                    WorkerOptions::default().concurrency(n).validate(ttl),
+                    Err(Error::InvalidInput {
+                        what: "concurrency",
+                        ..
+                    })
+                ),
+                "{n} handlers were accepted"
+            );
+        }
     }
 
     /// Session 15: a worker name of 504 to 512 bytes passed validation, but the owner id

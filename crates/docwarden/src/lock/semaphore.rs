@@ -741,6 +741,10 @@ fn admitted(after: &Document, nonce: &str) -> Admission {
     let room = match after.get(field::PERMITS) {
         Some(Bson::Int64(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < *n,
         Some(Bson::Int32(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < i64::from(*n),
+        // A double is what mongosh writes for `permits: 3`; the pipeline honours any number
+        // (`$isNumber`), so this must too, or a full semaphore reads as "block used up"
+        // and every contended acquire refills token blocks until its rounds run out.
+        Some(Bson::Double(n)) => u32::try_from(holders.len()).map_or(f64::MAX, f64::from) < *n,
         _ => true,
     };
     if room {
@@ -818,6 +822,12 @@ mod tests {
         assert!(matches!(admitted(&d, "m"), Admission::Full));
         let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
         assert!(matches!(admitted(&e, "m"), Admission::Exhausted));
+        // Session 15: `permits` as a double (mongosh's `permits: 1`) read as "no limit
+        // stored", so a full semaphore looked exhausted: every contended acquire refilled
+        // MAX_ROUNDS token blocks (8 million tokens, ~6 ms) before answering `None`.
+        let d = doc! { "_id": "r", "permits": 1.0, "token": 5_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
+        assert!(matches!(admitted(&d, "m"), Admission::Full));
     }
 
     #[test]

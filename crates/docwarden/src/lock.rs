@@ -50,7 +50,7 @@ pub use crate::format::lock as format;
 pub use crate::token::FencingToken;
 #[doc(hidden)]
 pub use collection::AcquirePause;
-pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord};
+pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord, MAX_GC_AFTER};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
 pub use election::{Election, ElectionOptions, Leader, Leadership, Observer};
 #[doc(hidden)]

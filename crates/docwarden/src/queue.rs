@@ -66,7 +66,8 @@ pub use ops::{CancelOutcome, JobListFilter, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{
-    ClaimStrategy, EnqueueOptions, MAX_PARTITIONS, QueueOptions, RunAt, WorkerOptions,
+    ClaimStrategy, EnqueueOptions, MAX_CONCURRENCY, MAX_PARTITIONS, MAX_QUEUE_NAME_LEN,
+    MAX_WORKER_NAME_LEN, QueueOptions, RunAt, WorkerOptions,
 };
 // Issue 15, job lifecycle: uniqueness policies, snooze, progress and result limits.
 pub use options::OnDuplicate;

@@ -66,7 +66,7 @@ pub mod set;
 
 pub use batch::SetOp;
 pub use compact::CompactionReport;
-pub use register::{FieldsOptions, SequencedFields};
+pub use register::{FieldsOptions, MAX_VALUE_BYTES, SequencedFields};
 pub use set::{MemberState, SequencedSet, SetOptions};
 
 use mongodb::bson::{Bson, Document};
@@ -139,6 +139,25 @@ pub(crate) fn stored_seq(value: &Bson) -> Option<i64> {
         Bson::Int64(n) => Some(*n),
         Bson::Int32(n) => Some(i64::from(*n)),
         _ => None,
+    }
+}
+
+/// [`Error::Malformed`] if a stored sequence number (or watermark) at `path` is there but
+/// not a number (a hand edit: a string, a document). The pipelines compare it in BSON
+/// order, where a string is above every number, so every later operation would be
+/// reported [`ApplyOutcome::Stale`] and dropped, for good.
+pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Result<()> {
+    match get_path(doc, path) {
+        None | Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => {
+            Ok(())
+        }
+        Some(other) => Err(Error::Malformed {
+            id: key.to_string(),
+            reason: format!(
+                "`{path}` must be a sequence number, found {:?}",
+                other.element_type()
+            ),
+        }),
     }
 }
 

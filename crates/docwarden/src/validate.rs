@@ -85,6 +85,39 @@ pub fn database_name(what: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks a document `_id` the caller names (a guarded update's target, a document lock's
+/// id) before it goes into a filter `{_id: id}`: not null, undefined, an array or a
+/// regular expression (none can be an `_id`; a regex would *match* ids), not a string
+/// [`name`] refuses, and not a document with a `$`-prefixed key, which the server would
+/// read as a query operator (`{_id: {$gt: 0}}` matches some other document) and which no
+/// `_id` may contain.
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`.
+pub fn document_id(what: &'static str, id: &mongodb::bson::Bson) -> Result<()> {
+    use mongodb::bson::Bson;
+    match id {
+        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => {
+            Err(Error::invalid(
+                what,
+                format!("a {:?} is not a document id", id.element_type()),
+            ))
+        }
+        Bson::String(s) => name(what, s),
+        Bson::Document(d) => match d.keys().find(|k| k.starts_with('$')) {
+            Some(k) => Err(Error::invalid(
+                what,
+                format!(
+                    "`{}` is a query operator, not part of a document id",
+                    k.escape_debug()
+                ),
+            )),
+            None => Ok(()),
+        },
+        _ => Ok(()),
+    }
+}
+
 /// Checks that a duration is positive and fits in BSON milliseconds (`i64`), returning it
 /// in milliseconds.
 ///
@@ -176,6 +209,39 @@ mod tests {
                     })
                 ),
                 "{bad:?} was accepted"
+            );
+        }
+    }
+
+    /// Session 15: an operator document or a regex as an id matched some *other*
+    /// document (a guarded update applied to it, a document lock locked it).
+    #[test]
+    fn document_ids_are_checked() {
+        use mongodb::bson::{Bson, Regex, doc};
+        for ok in [
+            Bson::Int32(1),
+            Bson::String("a".into()),
+            Bson::Document(doc! { "tenant": 1, "n": 2 }),
+        ] {
+            assert!(document_id("target", &ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            Bson::Null,
+            Bson::String(String::new()),
+            Bson::Array(vec![Bson::Int32(1)]),
+            Bson::RegularExpression(Regex {
+                pattern: ".*".into(),
+                options: String::new(),
+            }),
+            Bson::Document(doc! { "$gt": 0 }),
+            Bson::Document(doc! { "a": 1, "$ne": 0 }),
+        ] {
+            assert!(
+                matches!(
+                    document_id("target", &bad),
+                    Err(Error::InvalidInput { what: "target", .. })
+                ),
+                "{bad} was accepted"
             );
         }
     }

@@ -397,3 +397,56 @@ async fn bad_input_is_refused_and_nothing_is_written() -> anyhow::Result<()> {
     assert_eq!(locks.release(guard).await?, FenceOutcome::Applied);
     Ok(())
 }
+
+/// Session 15: an id that is a query operator document went into the filter `{_id: id}`
+/// as given: `lock({$gt: 0})` locked whichever document came first, and
+/// `lock_or_create({$gt: 5}, …)` inserted a new document under a random ObjectId. Both
+/// are `InvalidInput` now, and nothing is locked or created.
+#[tokio::test]
+async fn an_operator_document_as_id_locks_nothing() -> anyhow::Result<()> {
+    let t = TestDb::new("doclock_operator_id").await?;
+    let coll = t.db.collection::<Document>("dummies");
+    coll.insert_many(vec![doc! { "_id": 1, "n": 0 }, doc! { "_id": 2, "n": 0 }])
+        .await?;
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+    let invalid = |e: &Error| {
+        matches!(
+            e,
+            Error::InvalidInput {
+                what: "document id",
+                ..
+            }
+        )
+    };
+    for id in [
+        Bson::Document(doc! { "$gt": 0 }),
+        Bson::Document(doc! { "$in": [1, 2] }),
+        Bson::RegularExpression(mongodb::bson::Regex {
+            pattern: "^".into(),
+            options: String::new(),
+        }),
+    ] {
+        let locked = locks.lock(id.clone()).await;
+        assert!(
+            locked.as_ref().is_err_and(invalid),
+            "lock({id}): {locked:?}"
+        );
+        let created = locks.lock_or_create(id.clone(), doc! {}).await;
+        assert!(
+            created.as_ref().is_err_and(invalid),
+            "lock_or_create({id}): {created:?}"
+        );
+    }
+    assert_eq!(
+        coll.count_documents(doc! { "lock_id": { "$exists": true } })
+            .await?,
+        0,
+        "a document was locked"
+    );
+    assert_eq!(
+        coll.count_documents(doc! {}).await?,
+        2,
+        "a document was created"
+    );
+    Ok(())
+}

@@ -636,3 +636,65 @@ async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Re
     assert_eq!(outcomes[0].1, outcomes[1].1, "and so are the documents");
     Ok(())
 }
+
+/// Session 15: the target went into the filter `{_id: target}` as given, so a target that
+/// is a query operator document (`{$gt: 0}`, `{$in: [..]}`, say an id taken from a JSON
+/// request) applied the change to whichever document matched, and the outcome said
+/// `Applied`. Now it is `InvalidInput { what: "target" }` and nothing is written, for
+/// `update` and `update_many` alike.
+#[tokio::test]
+async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_operator_target").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "balance": 10 },
+        doc! { "_id": 2, "balance": 10 },
+    ])
+    .await?;
+    let g = Guarded::open(&t.db, "accounts", GuardOptions::default()).await?;
+    let nonneg = Invariant::field_cmp("non-negative", "balance", CmpOp::Gte, 0)?;
+    let debit = Change::inc("balance", -5)?;
+    let invalid = |e: Option<&docwarden::Error>| {
+        matches!(
+            e,
+            Some(docwarden::Error::InvalidInput { what: "target", .. })
+        )
+    };
+    for target in [
+        Bson::Document(doc! { "$gt": 0 }),
+        Bson::Document(doc! { "$in": [1, 2] }),
+        Bson::RegularExpression(mongodb::bson::Regex {
+            pattern: "^".into(),
+            options: String::new(),
+        }),
+    ] {
+        let one = g
+            .update(target.clone(), &debit, std::slice::from_ref(&nonneg))
+            .await;
+        assert!(invalid(one.as_ref().err()), "update({target}): {one:?}");
+        let many = g
+            .update_many(
+                &[
+                    (Bson::Int32(2), debit.clone()),
+                    (target.clone(), debit.clone()),
+                ],
+                std::slice::from_ref(&nonneg),
+            )
+            .await;
+        assert!(
+            invalid(many.as_ref().err()),
+            "update_many(.., {target}): {many:?}"
+        );
+    }
+    let balances: Vec<i32> = coll
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await?
+        .try_collect::<Vec<Document>>()
+        .await?
+        .iter()
+        .map(|d| d.get_i32("balance").unwrap())
+        .collect();
+    assert_eq!(balances, vec![10, 10], "a document was changed");
+    Ok(())
+}

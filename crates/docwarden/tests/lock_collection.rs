@@ -679,3 +679,73 @@ async fn the_watchdog_reports_expiry_when_the_server_is_unreachable() -> anyhow:
     assert!(next.is_some());
     Ok(())
 }
+
+/// Session 15: `Fence::apply` refused an update that names the token field, but not a
+/// `$rename` onto it (the server then refused the update with a bare conflict error);
+/// and for a job claim it checked nothing, so a fenced write could move the fence itself
+/// (`$set: {state: "succeeded"}` was `Applied`, and the claim's own completion then
+/// failed as lost). Both are `InvalidInput` now, nothing written.
+#[tokio::test]
+async fn a_fenced_update_cannot_touch_the_fence_itself() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_fence_own_fields").await?;
+    let locks = open(&t).await?;
+    let accounts = t.db.collection::<Document>("accounts");
+    accounts.insert_one(doc! { "_id": 1, "n": 0 }).await?;
+    let fence = Fence::new(accounts.clone(), FenceOptions::default())?;
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", Duration::from_secs(30))
+        .await?
+        .context("free")?;
+    let invalid = |r: &docwarden::Result<FenceOutcome>| {
+        matches!(
+            r,
+            Err(Error::InvalidInput {
+                what: "fenced update",
+                ..
+            })
+        )
+    };
+    let renamed = fence
+        .apply(
+            &lease,
+            doc! { "_id": 1 },
+            doc! { "$rename": { "n": "fence_token" } },
+        )
+        .await;
+    assert!(
+        invalid(&renamed),
+        "lease, $rename onto the token: {renamed:?}"
+    );
+    // A job claim's fence: the job's state and token.
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = docwarden::queue::JobQueue::open(
+        &t.db,
+        "jobs",
+        time,
+        docwarden::queue::QueueOptions::default(),
+    )
+    .await?;
+    q.enqueue(doc! {}, &docwarden::queue::EnqueueOptions::default())
+        .await?;
+    let job = q.claim("w").await?.context("no job")?;
+    let jobs = Fence::new(q.collection().clone(), FenceOptions::default())?;
+    let moved = jobs
+        .apply(
+            &job,
+            doc! { "_id": job.id() },
+            doc! { "$set": { "state": "succeeded" } },
+        )
+        .await;
+    assert!(invalid(&moved), "job, $set of its state: {moved:?}");
+    assert_eq!(
+        jobs.apply(
+            &job,
+            doc! { "_id": job.id() },
+            doc! { "$set": { "note": 1 } }
+        )
+        .await?,
+        FenceOutcome::Applied
+    );
+    q.complete(&job, mongodb::bson::Bson::Null).await?;
+    Ok(())
+}

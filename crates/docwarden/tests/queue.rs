@@ -379,6 +379,62 @@ async fn a_payload_over_16_mib_is_refused_and_nothing_is_enqueued() -> anyhow::R
     Ok(())
 }
 
+/// Session 15: enqueue left 16 KiB of room in the job document, but a completion may add
+/// a result of up to `MAX_RESULT_BYTES` (1 MiB) and progress of up to
+/// `MAX_PROGRESS_BYTES`. A job whose payload was accepted could not be completed with a
+/// result its handler was allowed to return: the server refused the write (code 10334),
+/// the worker's job stayed running until its lease expired, ran again, and died as
+/// "lease expired before the job finished". The largest payload enqueue accepts now
+/// leaves room for the largest progress and result.
+#[tokio::test]
+async fn the_largest_accepted_payload_can_still_be_completed_with_the_largest_result()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_room_for_result").await?;
+    let q = open(&t, QueueOptions::default()).await?;
+    let blob = |n: usize| {
+        Bson::Binary(mongodb::bson::Binary {
+            subtype: mongodb::bson::spec::BinarySubtype::Generic,
+            bytes: vec![7_u8; n],
+        })
+    };
+    // The largest payload accepted (binary search; a refusal sends nothing).
+    let (mut ok, mut refused) = (0_usize, 16 * 1024 * 1024);
+    while refused - ok > 1 {
+        let mid = (ok + refused) / 2;
+        match q
+            .enqueue_many([(blob(mid), EnqueueOptions::default())])
+            .await
+        {
+            Err(Error::InvalidInput {
+                what: "payload", ..
+            }) => refused = mid,
+            Ok(_) => {
+                ok = mid;
+                t.db.collection::<Document>("jobs")
+                    .delete_many(doc! {})
+                    .await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    q.enqueue(blob(ok), &EnqueueOptions::default()).await?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    // `{"v": <binary>}` is 13 bytes around the binary's bytes.
+    q.progress(&job, blob(docwarden::queue::MAX_PROGRESS_BYTES - 13))
+        .await?;
+    let completed = q
+        .complete(&job, blob(docwarden::queue::MAX_RESULT_BYTES - 13))
+        .await;
+    assert!(
+        completed.is_ok(),
+        "a {ok}-byte payload was accepted and cannot be completed: {completed:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_worker_whose_clock_is_30s_ahead_cannot_steal_a_live_lease() -> anyhow::Result<()> {
     let t = TestDb::new("queue_clock_ahead").await?;
@@ -599,6 +655,109 @@ async fn a_running_job_whose_lease_until_is_not_a_date_is_swept_and_reclaimed() 
         ));
     }
     assert_eq!(q.stats().await?.unreadable_leases, 0);
+    Ok(())
+}
+
+/// Session 15: the sweep computed `stalls + 1` with `$ifNull`, so one expired running job
+/// whose `stalls` an operator set to a string (or an array) failed the whole `updateMany`
+/// ("$add only supports numeric or date types"): every other expired job stayed
+/// `running` for ever, and the sweep inside each claim only logged the failure. A
+/// `stalls` that is not a number now counts as 0, and the sweep goes on.
+#[tokio::test]
+async fn a_running_job_whose_stalls_is_not_a_number_does_not_block_the_sweep() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_unreadable_stalls").await?;
+    let q = open(
+        &t,
+        QueueOptions::default()
+            .lease_ttl(Duration::from_millis(300))
+            .reap_interval(Duration::from_secs(3600)),
+    )
+    .await?;
+    let coll = t.db.collection::<Document>("jobs");
+    let mut ids = Vec::new();
+    for stalls in [
+        Bson::String("many".into()),
+        Bson::Array(vec![]),
+        Bson::Int64(2),
+    ] {
+        q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
+        let job = q
+            .claim("gone")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        coll.update_one(
+            doc! { "_id": job.id() },
+            doc! { "$set": { "stalls": stalls } },
+        )
+        .await?;
+        ids.push(job.id());
+    }
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let swept = q.reap_expired().await;
+    assert!(
+        matches!(swept, Ok(3)),
+        "one hand-edited job failed the sweep of every expired lease: {swept:?}"
+    );
+    for (id, stalls) in ids.iter().zip([1, 1, 3]) {
+        let job = q.get(*id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+        assert_eq!(job.state, JobState::Retrying);
+        assert_eq!(
+            job.stalls, stalls,
+            "a stalls that is not a number counts as 0"
+        );
+    }
+    Ok(())
+}
+
+/// Session 15: a due job whose `attempts` an operator set to `i64::MAX` parsed fine, but
+/// the claim's `$inc` of it fails on the server ("Failed to apply $inc"): being the head
+/// of the queue, it failed every claim and every batch claim, so no job behind it ever
+/// ran. It is malformed (no claim can count it up) and goes to `dead` with the reason.
+#[tokio::test]
+async fn a_job_whose_attempts_cannot_be_counted_up_does_not_block_the_queue() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_attempts_at_max").await?;
+    let q = open(&t, QueueOptions::default().partitions(1)).await?;
+    let coll = t.db.collection::<Document>("jobs");
+    let head = q
+        .enqueue(doc! { "n": 0 }, &EnqueueOptions::default().priority(9))
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    coll.update_one(
+        doc! { "_id": head },
+        doc! { "$set": { "attempts": i64::MAX } },
+    )
+    .await?;
+    q.enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+        .await?;
+    for batch in [false, true] {
+        let claimed = if batch {
+            q.claim_batch("w", 4).await.map(|v| v.len())
+        } else {
+            q.claim("w").await.map(|j| usize::from(j.is_some()))
+        };
+        assert!(
+            matches!(claimed, Ok(1)),
+            "batch {batch}: the job behind the edited one was not claimed: {claimed:?}"
+        );
+        if !batch {
+            coll.update_one(
+                doc! { "_id": head },
+                doc! { "$set": { "state": "ready", "attempts": i64::MAX } },
+            )
+            .await?;
+            q.enqueue(doc! { "n": 2 }, &EnqueueOptions::default())
+                .await?;
+        }
+    }
+    let d = coll
+        .find_one(doc! { "_id": head })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(d.get_str("state")?, "dead");
+    assert!(d.get_str("last_error")?.contains("attempts"), "{d}");
     Ok(())
 }
 

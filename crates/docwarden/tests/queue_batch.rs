@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::queue::{EnqueueOptions, JobQueue, JobState, QueueOptions};
+use docwarden::queue::{EnqueueOptions, JobQueue, JobState, MAX_RESULT_BYTES, QueueOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, Document, doc};
 
@@ -79,6 +79,65 @@ async fn a_bulk_of_completions_reports_each_jobs_own_outcome() -> anyhow::Result
 
 /// A job stored before partitions existed (format 1, no `partition` field) is still
 /// claimed by batch claims and by the worker's claims.
+/// Session 15: `complete` refuses a result over `MAX_RESULT_BYTES`, but `complete_many`
+/// sent any result: 2 MiB was stored (over the documented limit), and one result over
+/// 16 MiB failed the whole bulk, so the other jobs' completions were not written either.
+/// Each oversized result is now that job's own `InvalidInput`, nothing written for it,
+/// and the others complete.
+#[tokio::test]
+async fn an_oversized_result_in_a_bulk_is_that_jobs_own_error() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_bulk_oversized_result").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    let blob = |n: usize| {
+        Bson::Binary(mongodb::bson::Binary {
+            subtype: mongodb::bson::spec::BinarySubtype::Generic,
+            bytes: vec![7; n],
+        })
+    };
+    for oversized in [MAX_RESULT_BYTES + 1, 17 * 1024 * 1024] {
+        q.enqueue_many((0..3).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+            .await?;
+        let batch = q.claim_batch("w", 3).await?;
+        assert_eq!(batch.len(), 3);
+        let outcomes = q
+            .complete_many(&[
+                (batch[0].clone(), Bson::Null),
+                (batch[1].clone(), blob(oversized)),
+                (batch[2].clone(), Bson::Null),
+            ])
+            .await;
+        let outcomes = match outcomes {
+            Ok(o) => o,
+            Err(e) => anyhow::bail!("{oversized} bytes failed the whole bulk: {e}"),
+        };
+        assert!(
+            matches!(outcomes[1], Err(Error::InvalidInput { what: "result", .. })),
+            "{oversized} bytes: {:?}",
+            outcomes[1]
+        );
+        assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
+        let states: Vec<JobState> = {
+            let mut v = Vec::new();
+            for j in &batch {
+                v.push(
+                    q.get(j.id())
+                        .await?
+                        .ok_or_else(|| anyhow::anyhow!("gone"))?
+                        .state,
+                );
+            }
+            v
+        };
+        assert_eq!(
+            states,
+            vec![JobState::Succeeded, JobState::Running, JobState::Succeeded],
+            "{oversized} bytes"
+        );
+        q.fail(&batch[1], "done").await?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn jobs_without_a_partition_are_still_claimed() -> anyhow::Result<()> {
     let t = TestDb::new("queue_format1").await?;

@@ -1098,3 +1098,46 @@ async fn uniqueness_policies_one_enqueue_at_a_time() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Session 15: a follow-up payload is stored in the key's running job next to its own
+/// payload; when the two did not fit in one document the server refused the write and
+/// the enqueue returned a bare database error (BSONObjectTooLarge). It is
+/// `InvalidInput { what: "payload" }` now, and the running job is unchanged.
+#[tokio::test]
+async fn a_follow_up_too_large_for_the_running_job_is_invalid_input() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_follow_up_size").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let blob = || {
+        Bson::Binary(mongodb::bson::Binary {
+            subtype: mongodb::bson::spec::BinarySubtype::Generic,
+            bytes: vec![7; 9 * 1024 * 1024],
+        })
+    };
+    let follow_up = EnqueueOptions::default()
+        .dedupe_key("k")
+        .on_duplicate(OnDuplicate::FollowUp);
+    q.enqueue(doc! { "b": blob() }, &follow_up).await?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let second = q.enqueue(doc! { "b": blob() }, &follow_up).await;
+    assert!(
+        matches!(
+            second,
+            Err(Error::InvalidInput {
+                what: "payload",
+                ..
+            })
+        ),
+        "{:?}",
+        second.map_err(|e| e.to_string().chars().take(200).collect::<String>())
+    );
+    let stored = q
+        .get(job.id())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(stored.follow_up, None, "nothing was written");
+    q.complete(&job, Bson::Null).await?;
+    Ok(())
+}

@@ -158,3 +158,79 @@ async fn a_backlog_does_not_starve_another_tenant() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Session 15: the semaphore resource of a concurrency key is `key:<key>`, and of a named
+/// queue's own limit `queue:<name>`; both were validated as names of up to
+/// `MAX_NAME_LEN` bytes *before* the prefix. A job with a 509–512-byte concurrency key was
+/// enqueued, and then every limited claim failed on it (the permit's resource was too
+/// long): the job headed the queue, so nothing behind it ran either. The key (and a
+/// limited named queue's name) now leave room for the prefix, and are refused with
+/// `InvalidInput` when they do not.
+#[tokio::test]
+async fn a_concurrency_key_leaves_room_for_its_semaphore_prefix() -> anyhow::Result<()> {
+    let t = TestDb::new("limits_long_key").await?;
+    let q = JobQueue::open(
+        &t.db,
+        "jobs",
+        time(&t)?,
+        QueueOptions::default().limits(LimitOptions::default().key_concurrency(1)),
+    )
+    .await?;
+    let max = docwarden::validate::MAX_NAME_LEN;
+    let longest = "k".repeat(max - "key:".len());
+    q.enqueue(
+        doc! { "n": 1 },
+        &EnqueueOptions::default().concurrency_key(longest.as_str()),
+    )
+    .await?;
+    let claimed = q.claim_limited("w", 4).await?;
+    assert_eq!(claimed.len(), 1, "the longest key accepted can be claimed");
+    let too_long = "k".repeat(max);
+    let enqueued = q
+        .enqueue(
+            doc! { "n": 2 },
+            &EnqueueOptions::default().concurrency_key(too_long.as_str()),
+        )
+        .await;
+    assert!(
+        matches!(
+            enqueued,
+            Err(docwarden::Error::InvalidInput {
+                what: "concurrency key",
+                ..
+            })
+        ),
+        "{enqueued:?}"
+    );
+    let set = q.set_concurrency_limit(&too_long, 2).await;
+    assert!(
+        matches!(set, Err(docwarden::Error::InvalidInput { .. })),
+        "{set:?}"
+    );
+    q.enqueue(
+        doc! { "n": 3 },
+        &EnqueueOptions::default().concurrency_key("ok"),
+    )
+    .await?;
+    let next = q.claim_limited("w", 4).await;
+    assert!(
+        matches!(&next, Ok(v) if v.len() == 1),
+        "a job behind a refused one is claimed: {next:?}"
+    );
+    // A limited named queue's own resource is `queue:<name>`.
+    let named = JobQueue::open(
+        &t.db,
+        "jobs",
+        time(&t)?,
+        QueueOptions::default()
+            .queue("q".repeat(max))
+            .limits(LimitOptions::default().queue_concurrency(1)),
+    )
+    .await;
+    assert!(
+        matches!(named, Err(docwarden::Error::InvalidInput { .. })),
+        "{:?}",
+        named.map(|_| ())
+    );
+    Ok(())
+}

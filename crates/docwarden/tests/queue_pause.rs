@@ -162,3 +162,37 @@ async fn a_worker_started_on_a_paused_queue_waits_for_the_resume() -> anyhow::Re
     w.shutdown().await;
     Ok(())
 }
+
+/// Session 15: a worker waits for its first read of the queue's control document before
+/// it claims. When that read failed (the server unreachable: a wrong port, a short
+/// timeout) the failure was logged at debug level only and the worker's report stayed
+/// all zeros, `claim_errors` included: a worker that could not work looked idle and
+/// healthy. Failed control reads now count in `claim_errors` (and the first ones are
+/// logged as warnings). No server is needed: the client points at a closed port.
+#[tokio::test]
+async fn a_worker_that_cannot_read_the_control_document_reports_errors() -> anyhow::Result<()> {
+    let client = mongodb::Client::with_uri_str(
+        "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=100&connectTimeoutMS=100",
+    )
+    .await?;
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let queue = JobQueue::new(
+        client.database("unreachable").collection("jobs"),
+        time,
+        QueueOptions::default(),
+    )?;
+    let worker = Worker::spawn(
+        queue,
+        WorkerOptions::default()
+            .change_stream(false)
+            .poll(Duration::from_millis(50), Duration::from_millis(200)),
+        |_job| async move { Ok(Bson::Null) },
+    )?;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let report = worker.shutdown().await;
+    assert!(
+        report.claim_errors >= 2,
+        "an unreachable server left no trace in the report: {report:?}"
+    );
+    Ok(())
+}

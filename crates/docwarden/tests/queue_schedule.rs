@@ -162,3 +162,72 @@ async fn missed_ticks_follow_the_policy() -> anyhow::Result<()> {
     assert_eq!(q.schedules().await?.len(), 1);
     Ok(())
 }
+
+/// Session 15: `schedule` stored a payload too large for a job (its ticks could never be
+/// enqueued), and `run_due_ticks` stopped at the first schedule whose tick failed for a
+/// reason of its own (that payload; a hand-edited `last_tick` before 1970, whose tick
+/// has no job id): the pass returned the error, so the queue's other schedules never
+/// ticked again. Now `schedule` refuses the payload, and a pass skips such a schedule
+/// (counted in `errors`, logged) and runs the others.
+#[tokio::test]
+async fn one_schedule_that_cannot_tick_does_not_stop_the_others() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_schedule_unfireable").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let every = ScheduleSpec::every(Duration::from_millis(100))?;
+    let big = mongodb::bson::Bson::Binary(mongodb::bson::Binary {
+        subtype: mongodb::bson::spec::BinarySubtype::Generic,
+        bytes: vec![7; 15 * 1024 * 1024 + 512 * 1024],
+    });
+    let refused = q
+        .schedule(&Schedule::new("too-big", every.clone(), big.clone()))
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(docwarden::Error::InvalidInput {
+                what: "payload",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert!(q.schedules().await?.is_empty(), "nothing stored");
+    // The same schedules as a hand edit (or an older version) would leave them.
+    q.schedule(&Schedule::new("too-big", every.clone(), doc! {}))
+        .await?;
+    q.schedule(&Schedule::new("before-1970", every.clone(), doc! {}))
+        .await?;
+    q.schedule(&Schedule::new("healthy", every, doc! {}))
+        .await?;
+    let schedules = t.db.collection::<Document>("jobs.schedules");
+    schedules
+        .update_one(
+            doc! { "_id": "too-big" },
+            doc! { "$set": { "payload": big } },
+        )
+        .await?;
+    schedules
+        .update_one(
+            doc! { "_id": "before-1970" },
+            doc! { "$set": {
+                // Its next tick comes out 8 ms before 1970: no tick job id exists.
+                "last_tick": mongodb::bson::DateTime::from_millis(-10_000),
+                "anchor": mongodb::bson::DateTime::from_millis(i64::MIN),
+            } },
+        )
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pass = q.run_due_ticks().await;
+    let report = match pass {
+        Ok(r) => r,
+        Err(e) => anyhow::bail!("one schedule failed the whole pass: {e}"),
+    };
+    assert_eq!(report.errors, 2, "{report:?}");
+    let healthy =
+        t.db.collection::<Document>("jobs")
+            .count_documents(doc! { field::SCHEDULE: "healthy" })
+            .await?;
+    assert_eq!(healthy, 1, "the healthy schedule ticked: {report:?}");
+    Ok(())
+}

@@ -1514,3 +1514,85 @@ async fn registrar_batches_store_what_the_sequential_consumer_stores() -> anyhow
     assert!(violations[1] > 0, "control: {violations:?}");
     Ok(())
 }
+
+/// Session 15: a stored sequence number or watermark hand-edited into a string (above
+/// every number in BSON order) made every later operation on that key come back
+/// `Stale`, so the messages were dropped for good with an outcome that says a newer one
+/// had won. It is `Malformed` now, naming the path; a genuinely stale message stays
+/// `Stale`.
+#[tokio::test]
+async fn a_sequence_number_edited_into_a_string_is_malformed_not_stale() -> anyhow::Result<()> {
+    let t = TestDb::new("seq_edited_number").await?;
+    let set = SequencedSet::open(&t.db, "s", SetOptions::default()).await?;
+    let fields = SequencedFields::open(&t.db, "f", FieldsOptions::default()).await?;
+    let malformed = |r: &docwarden::Result<ApplyOutcome>| matches!(r, Err(Error::Malformed { .. }));
+    // Registers: `_seq.<field>`.
+    assert_eq!(fields.set("a", "v", 1, 5).await?, ApplyOutcome::Applied);
+    assert_eq!(fields.set("a", "v", 0, 4).await?, ApplyOutcome::Stale);
+    t.db.collection::<Document>("f")
+        .update_one(doc! { "_id": "a" }, doc! { "$set": { "_seq.v": "5" } })
+        .await?;
+    let r = fields.set("a", "v", 2, 6).await;
+    assert!(malformed(&r), "register: {r:?}");
+    // Sets: the member's entry seq, and the compaction watermark.
+    assert_eq!(set.add("k", "m", 5).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add("k", "m", 4).await?, ApplyOutcome::Stale);
+    let sets = t.db.collection::<Document>("s");
+    let entry = set
+        .collection()
+        .find_one(doc! { "_id": "k" })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no document"))?;
+    let state = entry
+        .get_document("_seq_sets")?
+        .get_document("members")?
+        .get_document("state")?
+        .keys()
+        .next()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no entry"))?;
+    sets.update_one(
+        doc! { "_id": "k" },
+        doc! { "$set": { format!("{}.{state}.seq", "_seq_sets.members.state"): "5" } },
+    )
+    .await?;
+    let r = set.remove("k", "m", 6).await;
+    assert!(malformed(&r), "set entry: {r:?}");
+    assert_eq!(set.add("k2", "m", 1).await?, ApplyOutcome::Applied);
+    sets.update_one(
+        doc! { "_id": "k2" },
+        doc! { "$set": { set.floor_field(): "0" } },
+    )
+    .await?;
+    let r = set.add("k2", "n", 2).await;
+    assert!(malformed(&r), "set floor: {r:?}");
+    Ok(())
+}
+
+/// Session 15: a register value is carried about seven times by its update (compared,
+/// written, and its tie key in the filter and the pipeline): a 9 MiB value made a 66 MB
+/// command that the driver refused with a bare database error ("Message length … over
+/// maximum"), a 17 MiB one "malformed value". A value over `MAX_VALUE_BYTES` is now
+/// `InvalidInput { what: "value" }`, nothing sent; one at the limit is stored.
+#[tokio::test]
+async fn a_register_value_over_the_limit_is_refused_and_one_at_the_limit_is_stored()
+-> anyhow::Result<()> {
+    let t = TestDb::new("seq_value_limit").await?;
+    let fields = SequencedFields::open(&t.db, "f", FieldsOptions::default()).await?;
+    // `{"v": "<n bytes>"}` is 4 + 1 + 2 + 4 + n + 1 + 1 bytes.
+    let at_limit = "x".repeat(docwarden::sequence::MAX_VALUE_BYTES - 13);
+    assert_eq!(
+        fields.set("a", "v", at_limit.as_str(), 1).await?,
+        ApplyOutcome::Applied
+    );
+    for n in [docwarden::sequence::MAX_VALUE_BYTES, 9 * 1024 * 1024] {
+        let r = fields.set("b", "v", "x".repeat(n).as_str(), 1).await;
+        assert!(
+            matches!(r, Err(Error::InvalidInput { what: "value", .. })),
+            "{n} bytes: {:?}",
+            r.map_err(|e| e.to_string().chars().take(200).collect::<String>())
+        );
+    }
+    assert_eq!(fields.get("b", "v").await?, None, "nothing stored");
+    Ok(())
+}

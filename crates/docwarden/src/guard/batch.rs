@@ -28,13 +28,18 @@ impl Guarded {
     /// (see [`crate::guard`]'s batch module), outcomes in the same order.
     ///
     /// # Errors
-    /// As [`Guarded::update`] for the changes that need their own round trip; a database
-    /// error of the bulk (network, write concern).
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) if any target is not a plain
+    /// document id (as [`Guarded::update`]; nothing is sent); as [`Guarded::update`] for
+    /// the changes that need their own round trip; a database error of the bulk (network,
+    /// write concern).
     pub async fn update_many(
         &self,
         changes: &[(Bson, Change)],
         invariants: &[Invariant],
     ) -> Result<Vec<GuardOutcome>> {
+        for (target, _) in changes {
+            crate::validate::document_id("target", target)?;
+        }
         // Per change: `None` not run by a bulk; `Some(true)` written; `Some(false)` run
         // and not written.
         let mut ran: Vec<Option<bool>> = vec![None; changes.len()];

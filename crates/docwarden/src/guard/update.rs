@@ -79,15 +79,15 @@ impl Change {
     /// element has the key the outcome is [`GuardOutcome::NoSuchMember`].
     ///
     /// # Errors
-    /// [`Error::InvalidInput`]: `array` or `key_field` is not a top-level field name, or
-    /// `fields` is empty or has a key with a dot or a leading `$`.
+    /// [`Error::InvalidInput`]: `array` or `key_field` is not a top-level field name
+    /// (`array` is `_id`), or `fields` is empty or has a key with a dot or a leading `$`.
     pub fn set_member(
         array: &str,
         key_field: &str,
         key: impl Into<Bson>,
         fields: Document,
     ) -> Result<Self> {
-        field_name("array", array)?;
+        change_field("array", array)?;
         field_name("key field", key_field)?;
         if fields.is_empty() {
             return Err(Error::invalid("fields", "must set at least one field"));
@@ -109,9 +109,9 @@ impl Change {
     /// [`GuardOutcome::NoSuchMember`] if there is none.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad field name.
+    /// [`Error::InvalidInput`] for a bad field name or `_id`.
     pub fn pull_member(array: &str, key_field: &str, key: impl Into<Bson>) -> Result<Self> {
-        field_name("array", array)?;
+        change_field("array", array)?;
         field_name("key field", key_field)?;
         Ok(Self {
             field: array.to_owned(),
@@ -125,9 +125,9 @@ impl Change {
     /// Append `element` to `array` (a missing array is created).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad field name.
+    /// [`Error::InvalidInput`] for a bad field name or `_id`.
     pub fn push(array: &str, element: impl Into<Bson>) -> Result<Self> {
-        field_name("array", array)?;
+        change_field("array", array)?;
         Ok(Self {
             field: array.to_owned(),
             kind: Kind::Push {
@@ -139,9 +139,9 @@ impl Change {
     /// Add `by` to a numeric top-level `field` (a missing field counts as 0).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad field name or a non-numeric `by`.
+    /// [`Error::InvalidInput`] for a bad field name, `_id`, or a non-numeric `by`.
     pub fn inc(field: &str, by: impl Into<Bson>) -> Result<Self> {
-        field_name("field", field)?;
+        change_field("field", field)?;
         let by = by.into();
         if !matches!(
             by,
@@ -160,10 +160,7 @@ impl Change {
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name or `_id`.
     pub fn set(field: &str, value: impl Into<Bson>) -> Result<Self> {
-        field_name("field", field)?;
-        if field == "_id" {
-            return Err(Error::invalid("field", "`_id` cannot be changed"));
-        }
+        change_field("field", field)?;
         Ok(Self {
             field: field.to_owned(),
             kind: Kind::Set {
@@ -305,6 +302,16 @@ impl Change {
     }
 }
 
+/// Checks the top-level field a change writes: a [`field_name`], and not `_id`, which no
+/// update may change (the server would refuse the write with a bare database error).
+fn change_field(what: &'static str, name: &str) -> Result<()> {
+    field_name(what, name)?;
+    if name == "_id" {
+        return Err(Error::invalid(what, "`_id` cannot be changed"));
+    }
+    Ok(())
+}
+
 /// Options of a [`Guarded`] handle.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -394,7 +401,10 @@ impl Guarded {
     /// [`GuardOutcome::Applied`].
     ///
     /// # Errors
-    /// [`Error::Database`] if the server fails the update (a validator refusal is code
+    /// [`Error::InvalidInput`] if `target` is not a plain document id
+    /// ([`crate::validate::document_id`]: a document with a `$` key would be read as a
+    /// query operator and match another document; null, an array, a regex); nothing is
+    /// sent. [`Error::Database`] if the server fails the update (a validator refusal is code
     /// 121); [`Error::Unavailable`] if the document changed between every one of
     /// `max_attempts` updates and the reads explaining them (retry later).
     #[instrument(skip(self, target, change, invariants), fields(coll = %self.coll.name(), field = %change.field))]
@@ -405,6 +415,7 @@ impl Guarded {
         invariants: &[Invariant],
     ) -> Result<GuardOutcome> {
         let target = target.into();
+        crate::validate::document_id("target", &target)?;
         // Built once for the first attempt and handed to the driver as they are; a retry
         // (rare: the document changed between a miss and its diagnosis) builds them again.
         let mut first = Some((change.filter(&target), change.pipeline(invariants)));
@@ -485,6 +496,19 @@ mod tests {
         assert!(Change::inc("balance", "x").is_err());
         assert!(Change::inc("balance", 5_i64).is_ok());
         assert!(Change::set("_id", 5_i64).is_err());
+        // Session 15: only `set` refused `_id`; the others built a change the server
+        // then refused with a bare database error (or NoSuchMember).
+        for c in [
+            Change::inc("_id", 1_i64),
+            Change::push("_id", 1_i64),
+            Change::pull_member("_id", "k", 1_i64),
+            Change::set_member("_id", "k", 1_i64, doc! { "a": 1 }),
+        ] {
+            assert!(
+                matches!(c, Err(Error::InvalidInput { .. })),
+                "a change of `_id` was built: {c:?}"
+            );
+        }
         assert!(Change::push("", 5_i64).is_err());
     }
 

@@ -55,12 +55,18 @@ const GC_INDEX: &str = "expires_at_gc";
 /// is 1, the first after a deletion of its lock document is above the previous block.
 const TOKEN_BLOCK: i64 = 1_000_000;
 
+/// The longest [`LockOptions::gc_after`]: MongoDB refuses a TTL index whose
+/// `expireAfterSeconds` does not fit in a 32-bit integer (about 68 years).
+pub const MAX_GC_AFTER: Duration = Duration::from_secs(i32::MAX as u64);
+
 /// Options of a [`LockCollection`], validated once by [`LockCollection::new`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct LockOptions {
     /// How long after `expires_at` the TTL index may delete a lock document (garbage
-    /// collection only; expiry itself is decided in the acquire filter). Default 1 hour.
+    /// collection only; expiry itself is decided in the acquire filter). Default 1 hour;
+    /// at least one second and at most [`MAX_GC_AFTER`] (a TTL index's
+    /// `expireAfterSeconds` is a 32-bit integer).
     pub gc_after: Duration,
     /// First delay of a blocking [`LockCollection::acquire`] retry. Default 5 ms.
     pub backoff_base: Duration,
@@ -163,6 +169,16 @@ impl LockOptions {
         let gc = validate::duration_ms("gc_after", self.gc_after)?;
         if gc < 1_000 {
             return Err(Error::invalid("gc_after", "must be at least one second"));
+        }
+        if self.gc_after > MAX_GC_AFTER {
+            // Else `open` fails creating the TTL index (a bare database error).
+            return Err(Error::invalid(
+                "gc_after",
+                format!(
+                    "must be at most {} s (a TTL index's expireAfterSeconds is 32-bit)",
+                    MAX_GC_AFTER.as_secs()
+                ),
+            ));
         }
         Backoff::new(self.backoff_base, self.backoff_max)?;
         if self.token_block < 1 {
@@ -1005,6 +1021,33 @@ fn record(d: &Document, cutoff: DateTime) -> LockRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Session 15: a `gc_after` over `i32::MAX` seconds passed validation, and `open` then
+    /// failed creating the TTL index (`CannotCreateIndex`, a bare database error).
+    #[test]
+    fn gc_after_fits_a_ttl_index() {
+        assert!(
+            LockOptions::default()
+                .gc_after(MAX_GC_AFTER)
+                .validate()
+                .is_ok()
+        );
+        for too_long in [
+            MAX_GC_AFTER + Duration::from_secs(1),
+            Duration::from_millis(u64::try_from(i64::MAX).unwrap_or(u64::MAX)),
+        ] {
+            assert!(
+                matches!(
+                    LockOptions::default().gc_after(too_long).validate(),
+                    Err(Error::InvalidInput {
+                        what: "gc_after",
+                        ..
+                    })
+                ),
+                "{too_long:?} was accepted"
+            );
+        }
+    }
 
     fn lease() -> Lease {
         Lease {

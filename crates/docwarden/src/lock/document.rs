@@ -200,7 +200,9 @@ impl DocumentLocks {
     /// there is no such document ([`DocumentLocks::lock_or_create`] creates it).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a null, empty or array id; a database error.
+    /// [`Error::InvalidInput`] for an id that is not a plain value
+    /// ([`crate::validate::document_id`]: null, empty, an array, a regex, a document with a
+    /// `$` key); a database error.
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock(
         &self,
@@ -248,7 +250,8 @@ impl DocumentLocks {
     /// document (exactly one wins, the others get `Ok(None)`).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] if `initial` has `$` fields, the lock fields, or an
+    /// [`Error::InvalidInput`] for an id that is not a plain value (as
+    /// [`DocumentLocks::lock`]), or if `initial` has `$` fields, the lock fields, or an
     /// `_id` other than `id`; a database error.
     #[instrument(skip(self, id, initial), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock_or_create(
@@ -483,7 +486,13 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
                 format!("`{op}` is not an update operator"),
             ));
         }
-        for k in fields.keys() {
+        // `$rename` writes its values (the new names) as well as its keys.
+        let renamed = (op == "$rename").then(|| fields.values().filter_map(Bson::as_str));
+        for k in fields
+            .keys()
+            .map(String::as_str)
+            .chain(renamed.into_iter().flatten())
+        {
             let root = k.split('.').next().unwrap_or(k);
             if root == "_id" || root == id_f || root == time_f {
                 return Err(Error::invalid(
@@ -558,13 +567,7 @@ pub(crate) fn takeover_pipeline(
 }
 
 fn check_id(id: &Bson) -> Result<()> {
-    match id {
-        Bson::Null | Bson::Undefined | Bson::Array(_) | Bson::RegularExpression(_) => {
-            Err(Error::invalid("document id", "must be a plain value"))
-        }
-        Bson::String(s) => validate::name("document id", s),
-        _ => Ok(()),
-    }
+    validate::document_id("document id", id)
 }
 
 #[cfg(test)]
@@ -583,6 +586,11 @@ mod tests {
             doc! { "$inc": { "n": 1 }, "$set": { "l": null, "t": null } }
         );
         assert!(release_update("l", "t", doc! { "$set": { "l": 1 } }).is_err());
+        // Session 15: a `$rename` onto a lock field or `_id` passed (the server then
+        // refused the update with a bare conflict error).
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "l" } }).is_err());
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "_id" } }).is_err());
+        assert!(release_update("l", "t", doc! { "$rename": { "x": "y" } }).is_ok());
         assert!(release_update("l", "t", doc! { "$unset": { "t.x": "" } }).is_err());
         assert!(release_update("l", "t", doc! { "$set": { "_id": 2 } }).is_err());
         assert!(release_update("l", "t", doc! { "v": 1 }).is_err());

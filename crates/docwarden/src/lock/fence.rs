@@ -215,10 +215,16 @@ impl Fence {
     /// Fenced writes to `coll`, without touching the server: it only validates.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for an empty or `$`-prefixed token field.
+    /// [`Error::InvalidInput`] for a token field that is not a plain field path: empty, a
+    /// `$`-prefixed or empty segment (`a..b`, `a.`), or `_id` or a path inside it.
     pub fn new(coll: Collection<Document>, options: FenceOptions) -> Result<Self> {
         validate::name("token field", &options.token_field)?;
-        if options.token_field.starts_with('$') || options.token_field == "_id" {
+        let mut segments = options.token_field.split('.');
+        if segments.clone().any(|s| s.is_empty() || s.starts_with('$'))
+            || segments.next() == Some("_id")
+        {
+            // Else every apply fails on the server (an empty field name, an immutable
+            // `_id`) with a bare database error.
             return Err(Error::invalid("token field", "must be a plain field name"));
         }
         Ok(Self {
@@ -239,7 +245,9 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `update` is not an operator document or touches the
-    /// token field (nothing is written); a database error.
+    /// fence's own fields — the token field; a guard's lock id; a job's `state` and
+    /// `lease.token` — by a path it writes, a path containing one, or a `$rename` onto one
+    /// (nothing is written); a database error.
     #[instrument(skip_all)]
     pub async fn apply<H: Fenced + ?Sized>(
         &self,
@@ -305,7 +313,14 @@ impl Fence {
         filter: Document,
         update: Document,
     ) -> Result<FenceOutcome> {
-        check_operator_update(&update, None)?;
+        // The fields the condition reads (the lock id; the job's state and token): an
+        // update that changed them would move the fence itself.
+        let fence_fields: Vec<&str> = condition
+            .keys()
+            .map(String::as_str)
+            .filter(|k| *k != "_id")
+            .collect();
+        check_operator_update(&update, &fence_fields)?;
         if update.is_empty() {
             return Err(Error::invalid(
                 "fenced update",
@@ -345,7 +360,7 @@ pub(crate) fn fenced_filter(field: &str, token: i64, filter: Document) -> Docume
 
 /// The caller's operator update with `$set: {field: token}` added.
 pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Result<Document> {
-    check_operator_update(&update, Some(field))?;
+    check_operator_update(&update, &[field])?;
     match update.get_mut("$set") {
         Some(Bson::Document(set)) => {
             set.insert(field, token);
@@ -357,8 +372,20 @@ pub(crate) fn fenced_update(field: &str, token: i64, mut update: Document) -> Re
     Ok(update)
 }
 
-/// Refuses anything but an operator update, and one touching `protected` (if given).
-fn check_operator_update(update: &Document, protected: Option<&str>) -> Result<()> {
+/// Whether writing path `path` changes `field`: the same path, one inside it, or one
+/// that contains it (`lease` contains `lease.token`).
+fn touches(path: &str, field: &str) -> bool {
+    let nested = |inner: &str, outer: &str| {
+        inner
+            .strip_prefix(outer)
+            .is_some_and(|rest| rest.starts_with('.'))
+    };
+    path == field || nested(path, field) || nested(field, path)
+}
+
+/// Refuses anything but an operator update, and one touching a `protected` field: by a
+/// path it writes, a path containing it, or as the target of a `$rename`.
+fn check_operator_update(update: &Document, protected: &[&str]) -> Result<()> {
     for (op, value) in update {
         if !op.starts_with('$') {
             return Err(Error::invalid(
@@ -372,15 +399,19 @@ fn check_operator_update(update: &Document, protected: Option<&str>) -> Result<(
                 format!("`{op}` must take a document"),
             ));
         };
-        if let Some(field) = protected
-            && fields
-                .keys()
-                .any(|k| k == field || k.starts_with(&format!("{field}.")))
-        {
-            return Err(Error::invalid(
-                "fenced update",
-                format!("must not touch the token field `{field}`"),
-            ));
+        // `$rename` writes its values (the new names) as well as its keys.
+        let renamed = (op == "$rename").then(|| fields.values().filter_map(Bson::as_str));
+        let written = fields
+            .keys()
+            .map(String::as_str)
+            .chain(renamed.into_iter().flatten());
+        for path in written {
+            if let Some(field) = protected.iter().find(|f| touches(path, f)) {
+                return Err(Error::invalid(
+                    "fenced update",
+                    format!("must not touch the fence field `{field}` (it writes `{path}`)"),
+                ));
+            }
         }
     }
     Ok(())
@@ -407,6 +438,60 @@ mod tests {
         assert!(fenced_update("f", 3, doc! { "$set": { "f": 9 } }).is_err());
         assert!(fenced_update("f", 3, doc! { "$unset": { "f.x": "" } }).is_err());
         assert!(fenced_update("f", 3, doc! { "n": 1 }).is_err());
+        // Session 15: a `$rename` onto the token field, and a write of a path that
+        // contains a dotted token field, passed the check (the server then refused the
+        // update with a bare conflict error, or it replaced the stored token).
+        assert!(fenced_update("f", 3, doc! { "$rename": { "x": "f" } }).is_err());
+        assert!(fenced_update("meta.f", 3, doc! { "$set": { "meta": {} } }).is_err());
+        assert!(fenced_update("meta.f", 3, doc! { "$set": { "meta.g": 1 } }).is_ok());
+        assert!(fenced_update("f", 3, doc! { "$set": { "ff": 1, "g.f": 1 } }).is_ok());
+        Ok(())
+    }
+
+    /// Session 15: for a document lock or a job claim the update was not checked at all,
+    /// so a fenced write could change the fence itself (the lock id, the job's state or
+    /// token) and report `Applied`: the guard's release, the job's completion then
+    /// failed as lost. The condition's fields are protected like a lease's token field.
+    #[test]
+    fn a_matching_fence_refuses_updates_of_its_own_fields() {
+        let job = crate::queue::job::fence_filter(&Bson::Int32(1), "t");
+        let fields: Vec<&str> = job
+            .keys()
+            .map(String::as_str)
+            .filter(|k| *k != "_id")
+            .collect();
+        for bad in [
+            doc! { "$set": { "state": "succeeded" } },
+            doc! { "$set": { "lease": {} } },
+            doc! { "$unset": { "lease.token": "" } },
+            doc! { "$rename": { "x": "state" } },
+        ] {
+            assert!(check_operator_update(&bad, &fields).is_err(), "{bad}");
+        }
+        assert!(check_operator_update(&doc! { "$set": { "progress": 1 } }, &fields).is_ok());
+    }
+
+    /// Session 15: `a..b`, `a.`, `a.$b` and `_id.t` passed as token fields; every apply
+    /// then failed on the server with a bare database error.
+    #[tokio::test]
+    async fn token_fields_are_plain_paths() -> anyhow::Result<()> {
+        let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:1").await?;
+        let coll = client.database("none").collection::<Document>("c");
+        for ok in ["fence_token", "meta.token"] {
+            assert!(Fence::new(coll.clone(), FenceOptions::default().token_field(ok)).is_ok());
+        }
+        for bad in ["", "$t", "a..b", "a.", ".a", "a.$b", "_id", "_id.t"] {
+            assert!(
+                matches!(
+                    Fence::new(coll.clone(), FenceOptions::default().token_field(bad)),
+                    Err(Error::InvalidInput {
+                        what: "token field",
+                        ..
+                    })
+                ),
+                "{bad:?} was accepted"
+            );
+        }
         Ok(())
     }
 

@@ -355,7 +355,7 @@ impl Semaphore {
                 self.refill(resource).await?;
                 continue;
             };
-            match admitted(&after, &nonce) {
+            match admitted(&after, &nonce, self.default_permits) {
                 Admission::Granted(token) => {
                     crate::observe::lock_acquired(self.docs.name(), Some(token));
                     tracing::debug!(resource, token, "permit acquired");
@@ -724,8 +724,9 @@ enum Admission {
 }
 
 /// What an acquire's returned document says: our holder (by nonce) is in it, or the
-/// semaphore is full, or the block is used up (or the document has none yet).
-fn admitted(after: &Document, nonce: &str) -> Admission {
+/// semaphore is full, or the block is used up (or the document has none yet). Permits are
+/// read as the acquire pipeline reads them: a stored number, else `default_permits`.
+fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     let holders = after
         .get_array(field::HOLDERS)
         .map(Vec::as_slice)
@@ -741,7 +742,12 @@ fn admitted(after: &Document, nonce: &str) -> Admission {
     let room = match after.get(field::PERMITS) {
         Some(Bson::Int64(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < *n,
         Some(Bson::Int32(n)) => i64::try_from(holders.len()).unwrap_or(i64::MAX) < i64::from(*n),
-        _ => true,
+        // A double is what mongosh writes for `permits: 3`; the pipeline honours any number
+        // (`$isNumber`), so this must too, or a full semaphore reads as "block used up"
+        // and every contended acquire refills token blocks until its rounds run out.
+        Some(Bson::Double(n)) => u32::try_from(holders.len()).map_or(f64::MAX, f64::from) < *n,
+        // Missing, or not a number (a hand edit): the pipeline used the default.
+        _ => i64::try_from(holders.len()).unwrap_or(i64::MAX) < default_permits,
     };
     if room {
         Admission::Exhausted
@@ -814,10 +820,23 @@ mod tests {
     fn admission_is_read_from_the_document() {
         let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "n"), Admission::Granted(5)));
-        assert!(matches!(admitted(&d, "m"), Admission::Full));
+        assert!(matches!(admitted(&d, "n", 3), Admission::Granted(5)));
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
         let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
-        assert!(matches!(admitted(&e, "m"), Admission::Exhausted));
+        assert!(matches!(admitted(&e, "m", 3), Admission::Exhausted));
+        // Session 15: `permits` as a double (mongosh's `permits: 1`) read as "no limit
+        // stored", so a full semaphore looked exhausted: every contended acquire refilled
+        // MAX_ROUNDS token blocks (8 million tokens, ~6 ms) before answering `None`.
+        let d = doc! { "_id": "r", "permits": 1.0, "token": 5_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
+        // Permits missing or not a number: the pipeline admits by the handle's default,
+        // and so does this reading (a string read as "no limit" made a full semaphore
+        // refill its token block for every round of a contended acquire).
+        let s = doc! { "_id": "r", "permits": "1", "token": 5_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
+        assert!(matches!(admitted(&s, "m", 1), Admission::Full));
+        assert!(matches!(admitted(&s, "m", 2), Admission::Exhausted));
     }
 
     #[test]

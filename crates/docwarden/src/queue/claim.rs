@@ -669,8 +669,13 @@ impl JobQueue {
     async fn sweep_running(&self, filter: Document, reason: Bson, now: &ServerTime) -> Result<u64> {
         let out_of_attempts = doc! { "$gte": ["$attempts", "$max_attempts"] };
         // Stall accounting: every takeover counts one stall; past `max_stalls` (when the
-        // job has one) the job is dead with `STALLED_REASON`.
-        let stalls = doc! { "$add": [{ "$ifNull": ["$stalls", 0_i64] }, 1_i64] };
+        // job has one) the job is dead with `STALLED_REASON`. A `stalls` that is not a
+        // number (missing, or a hand edit) counts as 0: `$add` on a string would fail the
+        // whole `updateMany`, and with it the sweep of every other expired lease.
+        let stalls = doc! { "$add": [
+            { "$cond": [{ "$isNumber": "$stalls" }, "$stalls", 0_i64] },
+            1_i64,
+        ] };
         let stalled = doc! { "$and": [
             { "$in": [{ "$type": "$max_stalls" }, ["int", "long"]] },
             { "$gt": [stalls.clone(), "$max_stalls"] },

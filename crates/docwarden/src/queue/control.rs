@@ -183,14 +183,18 @@ impl JobQueue {
 /// document at once, on every change-stream event on it, and every `poll` (the
 /// fallback when change streams are refused or an event is missed). The first value
 /// sent is the first successful read; until then the receiver's initial value holds
-/// (workers start with "paused" so that they never claim before they know).
+/// (workers start with "paused" so that they never claim before they know). Every failed
+/// read calls `failed` (a worker counts it: until the first read succeeds it claims
+/// nothing, and must not look idle and healthy).
 pub(crate) async fn watch_pause(
     queue: JobQueue,
     tx: watch::Sender<bool>,
     poll: Duration,
     change_stream: bool,
     stop: CancellationToken,
+    failed: impl Fn() + Send,
 ) {
+    let mut read_once = false;
     let pipeline = vec![doc! { "$match": { "documentKey._id": control_id(queue.queue_name()) } }];
     let mut stream = None;
     loop {
@@ -210,13 +214,21 @@ pub(crate) async fn watch_pause(
         // otherwise be missed until the next poll.
         match queue.is_paused().await {
             Ok(p) => {
+                read_once = true;
                 tx.send_if_modified(|cur| {
                     let changed = *cur != p;
                     *cur = p;
                     changed
                 });
             }
-            Err(e) => tracing::debug!(error = %e, "cannot read the control document"),
+            Err(e) => {
+                failed();
+                if read_once {
+                    tracing::debug!(error = %e, "cannot read the control document");
+                } else {
+                    tracing::warn!(error = %e, "cannot read the control document; not claiming until it is read");
+                }
+            }
         }
         let sleep = tokio::time::sleep(poll);
         match stream.as_mut() {

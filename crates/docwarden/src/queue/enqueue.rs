@@ -26,9 +26,17 @@ use mongodb::{ClientSession, IndexModel};
 
 use super::job::{JobState, claimable_states, field, unfinished_states};
 use super::options::{EnqueueOptions, OnDuplicate, RunAt, Safeguard};
+use super::transition::{MAX_PROGRESS_BYTES, MAX_RESULT_BYTES};
 use super::{JobQueue, index};
 use crate::error::{Error, Result, is_duplicate_key};
 use crate::validate::MAX_DOCUMENT_BYTES;
+
+/// The largest new job document, in BSON bytes: 16 MiB less room for what the job
+/// gains later — a result of up to [`MAX_RESULT_BYTES`], progress of up to
+/// [`MAX_PROGRESS_BYTES`], and 16 KiB for the lease, `last_error`, `settled` and
+/// counters — so that every transition a handler is allowed to ask for can be stored.
+const MAX_NEW_JOB_BYTES: usize =
+    MAX_DOCUMENT_BYTES - MAX_RESULT_BYTES - MAX_PROGRESS_BYTES - 16 * 1024;
 
 /// What an enqueue did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,13 +120,11 @@ impl JobQueue {
         let mut bytes = Vec::new();
         d.to_writer(&mut bytes)
             .map_err(|e| Error::invalid("payload", format!("cannot be encoded as BSON: {e}")))?;
-        // Leave room for the lease, result and error a job gains later.
-        let limit = MAX_DOCUMENT_BYTES - 16 * 1024;
-        if bytes.len() > limit {
+        if bytes.len() > MAX_NEW_JOB_BYTES {
             return Err(Error::invalid(
                 "payload",
                 format!(
-                    "the job document would be {} bytes; the limit is {limit} (16 MiB less room for the lease and result)",
+                    "the job document would be {} bytes; the limit is {MAX_NEW_JOB_BYTES} (16 MiB less room for the result, progress, lease and error it gains later)",
                     bytes.len()
                 ),
             ));
@@ -367,12 +373,26 @@ impl JobQueue {
                 let set = doc! { "$set": {
                     field::FOLLOW_UP: { field::follow_up::PAYLOAD: payload.clone() },
                 } };
-                if let Some(job) = self
+                let stored = match self
                     .inner
                     .coll
                     .find_one_and_update(running.clone(), set)
                     .projection(doc! { field::ID: 1 })
-                    .await?
+                    .await
+                {
+                    Ok(stored) => stored,
+                    // The running job and this follow-up payload do not fit in one
+                    // document (BSONObjectTooLarge 10334, or MongoDB's 17419 for an
+                    // update): nothing was written.
+                    Err(e) if matches!(crate::error::error_code(&e), Some(10334 | 17419)) => {
+                        return Err(Error::invalid(
+                            "payload",
+                            "too large to be stored as a follow-up of the key's running job (the job would be over 16 MiB); nothing was written",
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                if let Some(job) = stored
                     && let Ok(existing) = job.get_object_id(field::ID)
                 {
                     return Ok(Enqueued::FollowUp(existing));

@@ -211,6 +211,14 @@ impl Job {
         if attempts < 0 {
             return Err(malformed(&raw_id, "`attempts` must not be negative"));
         }
+        if attempts == i64::MAX {
+            // No claim can count it up (the server refuses the `$inc`): parsed as valid, it
+            // would fail every claim of the queue it heads.
+            return Err(malformed(
+                &raw_id,
+                "`attempts` is the largest int64 and cannot be counted up",
+            ));
+        }
         let lease = match d.get(field::LEASE) {
             None | Some(Bson::Null) => None,
             Some(Bson::Document(l)) => {

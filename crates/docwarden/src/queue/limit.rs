@@ -126,8 +126,10 @@ pub struct JobLimits {
 
 impl JobLimits {
     pub(crate) fn validate(&self) -> Result<()> {
+        if let Some(key) = &self.concurrency_key {
+            concurrency_key(key)?;
+        }
         for (what, v) in [
-            ("concurrency key", &self.concurrency_key),
             ("rate key", &self.rate_key),
             ("fairness key", &self.fairness_key),
         ] {
@@ -137,6 +139,25 @@ impl JobLimits {
         }
         Ok(())
     }
+}
+
+/// Checks a concurrency key: a [`validate::name`] that leaves room for the
+/// [`KEY_PREFIX`](lcoll::KEY_PREFIX) of its semaphore resource, which must itself be a
+/// valid name (a longer key was enqueued, and then failed every limited claim).
+fn concurrency_key(key: &str) -> Result<()> {
+    validate::name("concurrency key", key)?;
+    let limit = validate::MAX_NAME_LEN - lcoll::KEY_PREFIX.len();
+    if key.len() > limit {
+        return Err(Error::invalid(
+            "concurrency key",
+            format!(
+                "is {} bytes, the limit is {limit} (its semaphore resource adds `{}`)",
+                key.len(),
+                lcoll::KEY_PREFIX
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// FNV-1a, 64 bits: the fairness partition of a key is `fnv1a64(key) mod partitions`
@@ -528,7 +549,7 @@ impl JobQueue {
     /// # Errors
     /// [`Error::InvalidInput`] for a bad key or `n = 0`; a database error.
     pub async fn set_concurrency_limit(&self, key: &str, n: u32) -> Result<()> {
-        validate::name("concurrency key", key)?;
+        concurrency_key(key)?;
         self.inner
             .limits
             .keys

@@ -12,6 +12,12 @@ use crate::validate;
 /// Most claim partitions a queue may have ([`QueueOptions::partitions`]).
 pub const MAX_PARTITIONS: u32 = 1024;
 
+/// The longest named queue ([`QueueOptions::queue`]), in bytes: its concurrency
+/// semaphore's resource `queue:<name>` must be a valid name of at most
+/// [`validate::MAX_NAME_LEN`] bytes.
+pub const MAX_QUEUE_NAME_LEN: usize =
+    validate::MAX_NAME_LEN - crate::format::job::limit::QUEUE_RESOURCE.len() - 1;
+
 /// How a single claim talks to the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -65,7 +71,8 @@ pub struct QueueOptions {
     /// field, and every claim, sweep and operator command matches it, so several
     /// queues share one collection and its indexes, each with its own options
     /// document. `None` (the default, also what `"default"` means) is the default queue,
-    /// whose jobs carry no `queue` field (jobs of formats 1 and 2 belong to it).
+    /// whose jobs carry no `queue` field (jobs of formats 1 and 2 belong to it). At most
+    /// [`MAX_QUEUE_NAME_LEN`] bytes.
     pub queue: Option<String>,
     /// A safeguard switched off, for the controls of the concurrency tests only.
     #[doc(hidden)]
@@ -207,6 +214,15 @@ impl QueueOptions {
         validate::duration_ms("reap interval", self.reap_interval)?;
         if let Some(q) = &self.queue {
             validate::name("queue name", q)?;
+            // The queue's own semaphore resource is `queue:<name>` (queue/limit.rs), which
+            // must itself be a valid name.
+            let limit = MAX_QUEUE_NAME_LEN;
+            if q.len() > limit {
+                return Err(Error::invalid(
+                    "queue name",
+                    format!("is {} bytes, the limit is {limit}", q.len()),
+                ));
+            }
         }
         if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
             return Err(Error::invalid(
@@ -328,7 +344,9 @@ impl EnqueueOptions {
         self
     }
     /// At most N jobs of `key` run at once (N: [`LimitOptions::key_concurrency`] or
-    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)).
+    /// [`JobQueue::set_concurrency_limit`](super::JobQueue::set_concurrency_limit)). The
+    /// key is at most [`validate::MAX_NAME_LEN`] − 4 bytes: its semaphore resource is
+    /// `key:<key>`.
     pub fn concurrency_key(mut self, key: impl Into<String>) -> Self {
         self.limits.concurrency_key = Some(key.into());
         self
@@ -378,13 +396,27 @@ impl EnqueueOptions {
     }
 }
 
+/// Most handlers one [`Worker`](super::Worker) runs at once
+/// ([`WorkerOptions::concurrency`]). The worker starts every handler slot at spawn: an
+/// unbounded count (a typo, `usize::MAX`) made it spawn tasks until memory ran out.
+pub const MAX_CONCURRENCY: usize = 4096;
+
+/// The random suffix a worker adds to its name to make its owner id: `-` and eight hex
+/// digits.
+pub(crate) const WORKER_SUFFIX_LEN: usize = 9;
+
+/// The longest [`WorkerOptions::name`], in bytes: the owner id (the name and a random
+/// suffix) must itself be a valid name of at most [`validate::MAX_NAME_LEN`] bytes.
+pub const MAX_WORKER_NAME_LEN: usize = validate::MAX_NAME_LEN - WORKER_SUFFIX_LEN;
+
 /// Options of a [`Worker`](super::Worker).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct WorkerOptions {
-    /// Worker name stored in `lease.owner`; a random suffix is added. Default "worker".
+    /// Worker name stored in `lease.owner`; a random suffix is added. At most
+    /// [`MAX_WORKER_NAME_LEN`] bytes. Default "worker".
     pub name: String,
-    /// Handlers running at once. Default 4.
+    /// Handlers running at once: at least 1, at most [`MAX_CONCURRENCY`]. Default 4.
     pub concurrency: usize,
     /// Most jobs taken by one claim. The worker claims for all its free handler slots
     /// at once (plus its prefetch), up to this many jobs per claim. Default 128; `1`
@@ -516,8 +548,24 @@ impl WorkerOptions {
 
     pub(crate) fn validate(&self, lease_ttl: Duration) -> Result<()> {
         validate::name("worker name", &self.name)?;
+        if self.name.len() > MAX_WORKER_NAME_LEN {
+            // The owner id adds a suffix: a longer name makes every claim refuse it.
+            return Err(Error::invalid(
+                "worker name",
+                format!(
+                    "is {} bytes, the limit is {MAX_WORKER_NAME_LEN} (the owner id adds {WORKER_SUFFIX_LEN})",
+                    self.name.len()
+                ),
+            ));
+        }
         validate::duration_ms("scheduler period", self.schedule_every)?;
         validate::positive("concurrency", self.concurrency)?;
+        if self.concurrency > MAX_CONCURRENCY {
+            return Err(Error::invalid(
+                "concurrency",
+                format!("{} is more than {MAX_CONCURRENCY}", self.concurrency),
+            ));
+        }
         validate::positive("batch size", self.batch_size)?;
         if let Some(hb) = self.heartbeat_every {
             validate::duration_ms("heartbeat period", hb)?;
@@ -571,5 +619,61 @@ mod tests {
                 .validate(ttl)
                 .is_err()
         );
+    }
+
+    /// Session 15: `concurrency(usize::MAX)` passed validation, and the spawned worker
+    /// then started handler slots until the process ran out of memory.
+    #[test]
+    fn concurrency_is_bounded() {
+        let ttl = Duration::from_secs(3);
+        assert!(
+            WorkerOptions::default()
+                .concurrency(MAX_CONCURRENCY)
+                .validate(ttl)
+                .is_ok()
+        );
+        for n in [MAX_CONCURRENCY + 1, usize::MAX] {
+            assert!(
+                matches!(
+                    WorkerOptions::default().concurrency(n).validate(ttl),
+                    Err(Error::InvalidInput {
+                        what: "concurrency",
+                        ..
+                    })
+                ),
+                "{n} handlers were accepted"
+            );
+        }
+    }
+
+    /// Session 15: a worker name of 504 to 512 bytes passed validation, but the owner id
+    /// (the name and its 9-byte random suffix) was over `MAX_NAME_LEN`, so `spawn`
+    /// returned a worker whose every claim failed with `InvalidInput` (counted in
+    /// `claim_errors`, nothing claimed, nothing reported to the caller).
+    #[test]
+    fn a_worker_name_leaves_room_for_the_owner_suffix() {
+        let ttl = Duration::from_secs(3);
+        let longest = "w".repeat(MAX_WORKER_NAME_LEN);
+        assert!(
+            WorkerOptions::default()
+                .name(&longest)
+                .validate(ttl)
+                .is_ok()
+        );
+        let owner = format!("{longest}-{:08x}", u32::MAX);
+        assert_eq!(owner.len(), MAX_WORKER_NAME_LEN + WORKER_SUFFIX_LEN);
+        assert!(validate::name("owner", &owner).is_ok());
+        for len in [MAX_WORKER_NAME_LEN + 1, validate::MAX_NAME_LEN] {
+            assert!(
+                matches!(
+                    WorkerOptions::default().name("w".repeat(len)).validate(ttl),
+                    Err(Error::InvalidInput {
+                        what: "worker name",
+                        ..
+                    })
+                ),
+                "a {len}-byte worker name was accepted"
+            );
+        }
     }
 }

@@ -218,7 +218,10 @@ pub struct SchedulerReport {
     pub duplicates: u64,
     /// Due ticks skipped by the missed-tick policy.
     pub skipped: u64,
-    /// Passes that failed (a database error; retried at the next pass).
+    /// Passes that failed (a database error; retried at the next pass), and schedules a
+    /// pass skipped because their document does not parse or their tick cannot be
+    /// enqueued (a hand edit: a payload too large for a job, a tick before 1970); the
+    /// pass goes on with the other schedules, and each is logged.
     pub errors: u64,
 }
 
@@ -429,9 +432,13 @@ impl JobQueue {
     /// replacement); a new schedule's first tick is its first one after now.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name, spec, or template; a database error.
+    /// [`Error::InvalidInput`] for a bad name, spec, or template (a payload too large for
+    /// a job, as [`JobQueue::enqueue`] refuses it); a database error.
     pub async fn schedule(&self, s: &Schedule) -> Result<()> {
         s.validate()?;
+        // The template as a tick's job (checked the way every tick will be): a payload
+        // no tick could enqueue is refused here, not at every pass.
+        self.new_job(s.payload.clone(), &tick_options(s)).await?;
         let now = self.time().now().await?.estimate();
         let mut set = doc! {
             sf::QUEUE: self.queue_value(),
@@ -537,9 +544,21 @@ impl JobQueue {
         for d in docs {
             match parse(&d) {
                 Ok((s, _, last, anchor)) => {
-                    self.fire(&coll, s, last, anchor, &mut report).await?;
+                    let name = s.name.clone();
+                    match self.fire(&coll, s, last, anchor, &mut report).await {
+                        Ok(()) => {}
+                        // This schedule's own fault (a hand edit): skip it, run the others.
+                        Err(e @ (Error::InvalidInput { .. } | Error::Malformed { .. })) => {
+                            report.errors += 1;
+                            tracing::warn!(schedule = %name, error = %e, "schedule skipped: its tick cannot be enqueued");
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
-                Err(e) => tracing::warn!(error = %e, "schedule document skipped"),
+                Err(e) => {
+                    report.errors += 1;
+                    tracing::warn!(error = %e, "schedule document skipped");
+                }
             }
         }
         Ok(report)
@@ -599,9 +618,8 @@ impl JobQueue {
 
     /// Inserts the job of `s`'s tick `tick` with its deterministic `_id`.
     async fn enqueue_tick(&self, s: &Schedule, tick: DateTime) -> Result<TickOutcome> {
-        let mut opts = EnqueueOptions::default().priority(s.priority);
+        let mut opts = tick_options(s);
         opts.run_at = RunAt::At(tick);
-        opts.max_attempts = s.max_attempts;
         let mut d = self.new_job(s.payload.clone(), &opts).await?;
         let id = if self.options().unsafe_without == Some(Safeguard::ScheduleTickId) {
             ObjectId::new()
@@ -620,6 +638,13 @@ impl JobQueue {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// The enqueue options of `s`'s tick jobs (the tick's `run_at` aside).
+fn tick_options(s: &Schedule) -> EnqueueOptions {
+    let mut opts = EnqueueOptions::default().priority(s.priority);
+    opts.max_attempts = s.max_attempts;
+    opts
 }
 
 /// `<name>.schedules` of `db`, with the meta collection's write concern.
@@ -672,6 +697,7 @@ pub(crate) async fn run_scheduler(
                     .duplicates
                     .fetch_add(r.duplicates, Ordering::Relaxed);
                 counters.skipped.fetch_add(r.skipped, Ordering::Relaxed);
+                counters.errors.fetch_add(r.errors, Ordering::Relaxed);
             }
             Err(e) => {
                 counters.errors.fetch_add(1, Ordering::Relaxed);

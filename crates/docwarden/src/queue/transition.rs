@@ -604,22 +604,40 @@ impl JobQueue {
 
     /// Completes many claimed jobs in one unordered bulk of per-job fenced updates (jobs
     /// of one claim completed with the same result share one `multi` statement that
-    /// fences each document by its own `_id`, state and token): each job's own outcome, in input order — `Ok(())`, or
-    /// [`Error::LeaseLost`] with nothing written for that job.
+    /// fences each document by its own `_id`, state and token): each job's own outcome, in input order — `Ok(())`,
+    /// [`Error::LeaseLost`] with nothing written for that job, or
+    /// [`Error::InvalidInput`] for a result larger than [`MAX_RESULT_BYTES`] (as
+    /// [`JobQueue::complete`]; that job is not sent, the others are).
     ///
     /// # Errors
     /// A database error for the bulk as a whole (retry it: a retried bulk reports what
     /// the lost attempt applied).
     pub async fn complete_many(&self, jobs: &[(ClaimedJob, Bson)]) -> Result<Vec<Result<()>>> {
-        let items: Vec<(ClaimedJob, Transition)> = jobs
-            .iter()
-            .map(|(j, r)| (j.clone(), Transition::Complete(r.clone())))
-            .collect();
-        Ok(self
-            .settle_many(&items)
-            .await?
+        // `None`: sent in the bulk; `Some(e)`: refused before anything was sent.
+        let mut refused: Vec<Option<Error>> = Vec::with_capacity(jobs.len());
+        let mut items: Vec<(ClaimedJob, Transition)> = Vec::with_capacity(jobs.len());
+        for (j, r) in jobs {
+            match check_size("result", r, MAX_RESULT_BYTES) {
+                Ok(()) => {
+                    items.push((j.clone(), Transition::Complete(r.clone())));
+                    refused.push(None);
+                }
+                Err(e) => refused.push(Some(e)),
+            }
+        }
+        let mut settled = self.settle_many(&items).await?.into_iter();
+        Ok(refused
             .into_iter()
-            .map(|r| r.map(|_| ()))
+            .zip(jobs)
+            .map(|(refused, (job, _))| match refused {
+                Some(e) => Err(e),
+                // `settle_many` answers one outcome per item, in order; were one missing,
+                // the job would be reported as not completed by this call.
+                None => settled.next().map_or_else(
+                    || Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
+                    |r| r.map(|_| ()),
+                ),
+            })
             .collect())
     }
 

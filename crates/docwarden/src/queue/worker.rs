@@ -81,7 +81,9 @@ pub struct WorkerReport {
     pub lease_lost: u64,
     /// Jobs released at shutdown.
     pub released: u64,
-    /// Claims that failed with a database error (the worker backed off).
+    /// Claims that failed with a database error (the worker backed off), and failed reads
+    /// of the queue's control document (pause and resume): a worker claims nothing until
+    /// it has read it once, so a worker that cannot reach the server counts here.
     pub claim_errors: u64,
     /// Jobs cancelled while running here whose handler was signalled
     /// ([`ClaimedJob::cancellation`]); their later transitions are refused by the fence.
@@ -286,6 +288,7 @@ impl Worker {
             .heartbeat_every
             .unwrap_or(ttl / 3)
             .max(Duration::from_millis(1));
+        // `-` and eight hex digits: `WORKER_SUFFIX_LEN` bytes, room left by the validation.
         let owner = format!("{}-{:08x}", options.name, rand::random::<u32>());
         let counters = Arc::new(Counters::default());
         let listener_alive = Arc::new(());
@@ -440,6 +443,10 @@ async fn supervise(
                 ctx.options.poll_max,
                 ctx.options.change_stream && ctx.options.watch_control,
                 stop_listening.clone(),
+                {
+                    let counters = Arc::clone(&ctx.counters);
+                    move || Counters::bump(&counters.claim_errors)
+                },
             )
             .in_current_span(),
         );

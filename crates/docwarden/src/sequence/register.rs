@@ -36,6 +36,13 @@ pub const SEQ_FIELD: &str = "_seq";
 /// The sub-document holding each register's tie key ([`tie_key`]).
 pub const TIE_FIELD: &str = "_seq_tie";
 
+/// The largest register value, as the BSON size of `{"v": value}` (2 MiB). An update
+/// carries the value about seven times (the pipeline compares and writes it, and the
+/// filter and the pipeline carry its tie key), and a command may not exceed 16 MiB; the
+/// stored document holds it twice (value and tie key). A larger value is refused before
+/// anything is sent ([`tie_key`]).
+pub const MAX_VALUE_BYTES: usize = 2 * 1024 * 1024;
+
 /// The tie key of a register value: the BSON encoding of the one-field document
 /// `{"v": value}`, preceded by its length as a 4-byte big-endian integer, stored as BSON
 /// binary (subtype 0). It decides between values at equal sequence numbers that MongoDB's
@@ -47,12 +54,22 @@ pub const TIE_FIELD: &str = "_seq_tie";
 /// bytes, type byte 0x12).
 ///
 /// # Errors
-/// [`Error::InvalidInput`] if the value cannot be encoded (larger than BSON allows).
+/// [`Error::InvalidInput`] if the value cannot be encoded (larger than BSON allows) or is
+/// larger than [`MAX_VALUE_BYTES`].
 pub fn tie_key(value: &Bson) -> Result<Vec<u8>> {
     let mut encoded = Vec::new();
     doc! { "v": value.clone() }
         .to_writer(&mut encoded)
         .map_err(|e| Error::invalid("value", format!("cannot be encoded as BSON: {e}")))?;
+    if encoded.len() > MAX_VALUE_BYTES {
+        return Err(Error::invalid(
+            "value",
+            format!(
+                "is {} bytes as BSON; the limit of a register value is {MAX_VALUE_BYTES}",
+                encoded.len()
+            ),
+        ));
+    }
     let len = u32::try_from(encoded.len())
         .map_err(|_| Error::invalid("value", "larger than a BSON document can be"))?;
     let mut key = len.to_be_bytes().to_vec();
@@ -179,7 +196,8 @@ impl SequencedFields {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad key, a field name that is not plain (see
-    /// [`encode::field`]; it must also differ from the key field) or a negative `seq`;
+    /// [`encode::field`]; it must also differ from the key field), a negative `seq` or a
+    /// value larger than [`MAX_VALUE_BYTES`] (nothing is sent);
     /// [`Error::Malformed`] if the stored document is not in the expected shape;
     /// [`Error::Database`] otherwise (a duplicate-key error from a consumer
     /// racing to create the document is absorbed, not returned).
@@ -237,7 +255,8 @@ impl SequencedFields {
     /// `docs/sequence.md`).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] if the value cannot be encoded (see [`tie_key`]).
+    /// [`Error::InvalidInput`] if the value cannot be encoded or is too large (see
+    /// [`tie_key`]).
     pub fn pipeline(field: &str, value: Bson, seq: i64) -> Result<Vec<Document>> {
         let tie = binary(tie_key(&value)?);
         Ok(Self::pipeline_with_tie(field, value, tie, seq, true))
@@ -378,6 +397,7 @@ fn holds(
             });
         }
     };
+    super::check_stored_number(doc, seq_path, key)?;
     Ok(
         super::get_path(doc, seq_path).and_then(super::stored_seq) == Some(seq)
             && stored_tie.as_slice() == tie,

@@ -336,11 +336,12 @@ impl SequencedSet {
                 doc! { present_path.as_str(): { "$ne": present } },
             ],
             || self.pipeline(member, seq, present),
-            doc! { entry.as_str(): 1 },
+            doc! { entry.as_str(): 1, self.floor_field.as_str(): 1 },
             |d| {
                 if hinted && let Ok(mut seen) = seen.lock() {
                     *seen = entry_state(d, &entry);
                 }
+                super::check_stored_number(d, &self.floor_field, &key)?;
                 holds(d, &entry, seq, present, &key)
             },
             &key,
@@ -672,6 +673,7 @@ fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Re
         id: key.to_string(),
         reason: format!("`{entry}` is not a document"),
     })?;
+    super::check_stored_number(e, "seq", key)?;
     Ok(e.get("seq").and_then(super::stored_seq) == Some(seq)
         && e.get("present") == Some(&Bson::Boolean(present)))
 }

@@ -1596,3 +1596,44 @@ async fn a_register_value_over_the_limit_is_refused_and_one_at_the_limit_is_stor
     assert_eq!(fields.get("b", "v").await?, None, "nothing stored");
     Ok(())
 }
+
+/// The `input` of every `$filter` / `$map` in `value` that is a `$let` variable (`"$$…"`).
+fn iterated_variables(value: &Bson, found: &mut Vec<String>) {
+    match value {
+        Bson::Document(d) => {
+            for (k, v) in d {
+                if k == "input"
+                    && let Bson::String(s) = v
+                    && s.starts_with("$$")
+                {
+                    found.push(s.clone());
+                }
+                iterated_variables(v, found);
+            }
+        }
+        Bson::Array(a) => a.iter().for_each(|v| iterated_variables(v, found)),
+        _ => {}
+    }
+}
+
+/// Session 15: a first-seen member's add iterated a `$let` variable holding every state
+/// entry (`$filter` over `$$es`), which the embedded server copies for each element it
+/// visits: O(entries²), 1 s per add at 2,000 members (`docs/surrogate.md`). The
+/// pipeline now reads the entries by expression, linear on both servers. (Speed is for
+/// benchmarks; this checks the shape that caused it.)
+#[tokio::test]
+async fn a_set_pipeline_never_iterates_a_variable() -> anyhow::Result<()> {
+    let t = TestDb::new("a_set_pipeline_never_iterates_a_variable").await?;
+    let set = student_set(&t).await?;
+    let mut found = Vec::new();
+    for present in [true, false] {
+        for stage in set.pipeline("CS 101", 7, present) {
+            iterated_variables(&Bson::Document(stage), &mut found);
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the set's pipeline iterates variables: {found:?}"
+    );
+    Ok(())
+}

@@ -8,6 +8,7 @@
 //! `docwarden-server` crate, re-exported here.
 
 mod commands;
+mod fail_point;
 mod skip;
 mod testdb;
 
@@ -16,5 +17,6 @@ pub use docwarden_server::{
     EmbeddedServer, Error, INSTALL_HINT, Result, SECANTUS_VERSION, ServerOptions, Target, connect,
     mask_uri, uri_from_env,
 };
+pub use fail_point::{fail_commands, fail_commands_off};
 pub use skip::{SKIP_LOG_ENV, skip, skip_log};
 pub use testdb::{TestDb, shared_uri};

@@ -13,7 +13,7 @@ use docwarden::lock::{
     Semaphore, SemaphoreOptions,
 };
 use docwarden_testkit::TestDb;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, Document, doc};
 
 /// NotWritablePrimary: what a stepped-down primary answers.
 const NOT_PRIMARY: i32 = 10107;
@@ -22,26 +22,16 @@ const NOT_PRIMARY: i32 = 10107;
 /// `times = 0`). The driver retries a retryable write once, so each failed call uses two.
 async fn outage(client: &mongodb::Client, command: &str, times: i32) -> anyhow::Result<()> {
     let mode = if times == 0 {
-        mongodb::bson::Bson::String("alwaysOn".to_owned())
+        Bson::String("alwaysOn".to_owned())
     } else {
         doc! { "times": times }.into()
     };
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": mode,
-            "data": { "failCommands": [command], "errorCode": NOT_PRIMARY },
-        })
-        .await?;
+    docwarden_testkit::fail_commands(client, &[command], NOT_PRIMARY, mode).await?;
     Ok(())
 }
 
 async fn over(client: &mongodb::Client) -> mongodb::error::Result<Document> {
-    client
-        .database("admin")
-        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
-        .await
+    docwarden_testkit::fail_commands_off(client).await
 }
 
 #[tokio::test]

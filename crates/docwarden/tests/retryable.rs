@@ -19,21 +19,11 @@ async fn fail_next(
     code: i32,
     times: i32,
 ) -> mongodb::error::Result<Document> {
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": times },
-            "data": { "failCommands": [command], "errorCode": code },
-        })
-        .await
+    docwarden_testkit::fail_commands(client, &[command], code, doc! { "times": times }.into()).await
 }
 
 async fn fail_off(client: &mongodb::Client) -> mongodb::error::Result<Document> {
-    client
-        .database("admin")
-        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
-        .await
+    docwarden_testkit::fail_commands_off(client).await
 }
 
 #[tokio::test]

@@ -38,3 +38,28 @@ pub async fn fail_commands_off(client: &Client) -> mongodb::error::Result<Docume
         .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
         .await
 }
+
+/// A client of `t`'s server for a test that injects faults with [`fail_commands`], or
+/// `None` (the skip is reported for `test`) where the server has no fail points. The
+/// client checks the server every 500 ms: after a not-primary error the driver waits for
+/// its next check before it selects the server again (10 s by default), and waits up to
+/// 20 s for one.
+///
+/// # Errors
+/// The URI does not parse or the client cannot be built.
+pub async fn fail_point_client(
+    t: &crate::TestDb,
+    test: &str,
+) -> mongodb::error::Result<Option<Client>> {
+    if let Err(e) = fail_commands_off(&t.client).await {
+        crate::skip(
+            test,
+            &format!("the server has no failCommand fail point: {e}"),
+        );
+        return Ok(None);
+    }
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.heartbeat_freq = Some(std::time::Duration::from_millis(500));
+    options.server_selection_timeout = Some(std::time::Duration::from_secs(20));
+    Client::with_options(options).map(Some)
+}

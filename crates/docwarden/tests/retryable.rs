@@ -30,19 +30,9 @@ async fn fail_off(client: &mongodb::Client) -> mongodb::error::Result<Document> 
 async fn not_primary_and_shutdown_errors_are_retryable_on_every_write_path() -> anyhow::Result<()> {
     let test = "not_primary_and_shutdown_errors_are_retryable_on_every_write_path";
     let t = TestDb::new(test).await?;
-    if let Err(e) = fail_off(&t.client).await {
-        docwarden_testkit::skip(
-            test,
-            &format!("the server has no failCommand fail point: {e}"),
-        );
+    let Some(client) = docwarden_testkit::fail_point_client(&t, test).await? else {
         return Ok(());
-    }
-    // A short heartbeat: after a not-primary error the driver waits for its next check of
-    // the server before it selects it again (10 s by default).
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    options.heartbeat_freq = Some(Duration::from_millis(500));
-    options.server_selection_timeout = Some(Duration::from_secs(20));
-    let client = mongodb::Client::with_options(options)?;
+    };
     let db = client.database(t.db.name());
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let locks = LockCollection::open(&db, "locks", time.clone(), LockOptions::default()).await?;

@@ -682,17 +682,9 @@ impl LockCollection {
         // only for expiries, or with the backoff where change streams are refused.
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
         loop {
-            match self.try_acquire(owner, resource, ttl).await {
-                Ok(Some(lease)) => {
-                    crate::observe::lock_handoff(
-                        self.locks.name(),
-                        called,
-                        Some(lease.token.get()),
-                    );
-                    return Ok(Some(lease));
-                }
-                Ok(None) => deadline.attempted(),
-                Err(e) => deadline.absorb(e)?,
+            if let Some(lease) = deadline.attempt(self.try_acquire(owner, resource, ttl).await)? {
+                crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
+                return Ok(Some(lease));
             }
             let Some(remaining) = deadline.left() else {
                 return deadline.passed();

@@ -78,6 +78,23 @@ impl Deadline {
         Ok(())
     }
 
+    /// Takes one attempt's result: `Some(value)` when it succeeded; `None` after
+    /// contention ([`Deadline::attempted`]) or a transient error absorbed while time is
+    /// left ([`Deadline::absorb`]).
+    ///
+    /// # Errors
+    /// The attempt's error, when it ends the wait.
+    pub(crate) fn attempt<T>(&mut self, result: Result<Option<T>>) -> Result<Option<T>> {
+        match result {
+            Ok(Some(value)) => Ok(Some(value)),
+            Ok(None) => {
+                self.attempted();
+                Ok(None)
+            }
+            Err(e) => self.absorb(e).map(|()| None),
+        }
+    }
+
     /// The outcome of a wait that passed: the last attempt's error if it failed,
     /// `Ok(None)` if it met contention.
     ///
@@ -105,6 +122,13 @@ mod tests {
         d.attempted();
         assert!(!d.failing());
         assert!(matches!(d.passed::<()>(), Ok(None)));
+
+        let mut d = Deadline::after(Duration::from_secs(60));
+        assert!(matches!(d.attempt(Ok(Some(1))), Ok(Some(1))));
+        assert!(matches!(d.attempt::<i32>(Err(transient())), Ok(None)));
+        assert!(d.failing());
+        assert!(matches!(d.attempt::<i32>(Ok(None)), Ok(None)));
+        assert!(!d.failing());
 
         let mut zero = Deadline::after(Duration::ZERO);
         assert!(zero.left().is_none());

@@ -301,13 +301,9 @@ impl RwLocks {
         let mut backoff = self.locks.backoff()?;
         let mut wake = Wake::new(self.coll(), resource, Wake::freed_lock());
         loop {
-            match self.try_read(owner, resource, ttl).await {
-                Ok(Some(lease)) => {
-                    crate::observe::lock_handoff(self.coll().name(), called, None);
-                    return Ok(Some(lease));
-                }
-                Ok(None) => deadline.attempted(),
-                Err(e) => deadline.absorb(e)?,
+            if let Some(lease) = deadline.attempt(self.try_read(owner, resource, ttl).await)? {
+                crate::observe::lock_handoff(self.coll().name(), called, None);
+                return Ok(Some(lease));
             }
             let Some(left) = deadline.left() else {
                 return deadline.passed();

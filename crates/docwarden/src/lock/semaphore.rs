@@ -398,13 +398,9 @@ impl Semaphore {
         let mut deadline = Deadline::after(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         loop {
-            match self.try_acquire(owner, resource, ttl).await {
-                Ok(Some(p)) => {
-                    crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
-                    return Ok(Some(p));
-                }
-                Ok(None) => deadline.attempted(),
-                Err(e) => deadline.absorb(e)?,
+            if let Some(p) = deadline.attempt(self.try_acquire(owner, resource, ttl).await)? {
+                crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
+                return Ok(Some(p));
             }
             let Some(left) = deadline.left() else {
                 return deadline.passed();

@@ -12,8 +12,8 @@ use docwarden::lock::{
     Election, ElectionOptions, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
     Semaphore, SemaphoreOptions,
 };
-use docwarden_testkit::TestDb;
-use mongodb::bson::{Bson, Document, doc};
+use docwarden_testkit::{TestDb, fail_commands_off};
+use mongodb::bson::{Bson, doc};
 
 /// NotWritablePrimary: what a stepped-down primary answers.
 const NOT_PRIMARY: i32 = 10107;
@@ -28,10 +28,6 @@ async fn outage(client: &mongodb::Client, command: &str, times: i32) -> anyhow::
     };
     docwarden_testkit::fail_commands(client, &[command], NOT_PRIMARY, mode).await?;
     Ok(())
-}
-
-async fn over(client: &mongodb::Client) -> mongodb::error::Result<Document> {
-    docwarden_testkit::fail_commands_off(client).await
 }
 
 #[tokio::test]
@@ -69,21 +65,21 @@ async fn blocking_acquires_ride_through_an_outage_shorter_than_their_wait() -> a
         Ok(Some(lease)) => locks.release(&lease).await?,
         other => failed.push(format!("LockCollection::acquire: {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     outage(&client, "findAndModify", 6).await?;
     match semaphore.acquire(&owner, "s", ttl, wait).await {
         Ok(Some(permit)) => semaphore.release(&permit).await?,
         other => failed.push(format!("Semaphore::acquire: {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     outage(&client, "update", 6).await?;
     match rw.read(&owner, "r", ttl, wait).await {
         Ok(Some(lease)) => rw.release_read(&lease).await?,
         other => failed.push(format!("RwLocks::read: {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     // The writer's wait for the readers inside reads the lock document (`find`).
     outage(&client, "find", 3).await?;
@@ -91,14 +87,14 @@ async fn blocking_acquires_ride_through_an_outage_shorter_than_their_wait() -> a
         Ok(Some(lease)) => rw.release_write(&lease).await?,
         other => failed.push(format!("RwLocks::write (waiting for readers): {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     outage(&client, "findAndModify", 6).await?;
     match election.campaign(&owner, wait).await {
         Ok(Some(leadership)) => leadership.resign().await?,
         other => failed.push(format!("Election::campaign: {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     // A zero wait tries once and reports the error as it is.
     outage(&client, "findAndModify", 2).await?;
@@ -106,7 +102,7 @@ async fn blocking_acquires_ride_through_an_outage_shorter_than_their_wait() -> a
         Err(e) if e.is_retryable() => {}
         other => failed.push(format!("acquire with a zero wait: {other:?}")),
     }
-    over(&client).await?;
+    fail_commands_off(&client).await?;
 
     // An outage longer than the wait: the error, not "someone else holds it" (`Ok(None)`),
     // and not much later than the wait.
@@ -118,7 +114,7 @@ async fn blocking_acquires_ride_through_an_outage_shorter_than_their_wait() -> a
         other => failed.push(format!("acquire through a longer outage: {other:?}")),
     }
     let took = started.elapsed();
-    over(&client).await?;
+    fail_commands_off(&client).await?;
     if took > short + Duration::from_secs(5) {
         failed.push(format!("acquire through a longer outage took {took:?}"));
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner};
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
-use docwarden_testkit::TestDb;
+use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{Document, doc};
 
 /// Makes the next `times` runs of `command` fail with `code` (and no error labels).
@@ -20,10 +20,6 @@ async fn fail_next(
     times: i32,
 ) -> mongodb::error::Result<Document> {
     docwarden_testkit::fail_commands(client, &[command], code, doc! { "times": times }.into()).await
-}
-
-async fn fail_off(client: &mongodb::Client) -> mongodb::error::Result<Document> {
-    docwarden_testkit::fail_commands_off(client).await
 }
 
 #[tokio::test]
@@ -50,7 +46,7 @@ async fn not_primary_and_shutdown_errors_are_retryable_on_every_write_path() -> 
             Err(e) if e.is_retryable() => {}
             other => not_retryable.push(format!("try_acquire with {code}: {other:?}")),
         }
-        fail_off(&client).await?;
+        fail_commands_off(&client).await?;
         let mut lease = loop {
             // The caller's retry succeeds once the fault is gone.
             if let Some(l) = locks
@@ -65,7 +61,7 @@ async fn not_primary_and_shutdown_errors_are_retryable_on_every_write_path() -> 
             Err(e) if e.is_retryable() => {}
             other => not_retryable.push(format!("renew with {code}: {other:?}")),
         }
-        fail_off(&client).await?;
+        fail_commands_off(&client).await?;
         fail_next(&client, "insert", code, 2).await?;
         match queue
             .enqueue(doc! { "code": code }, &EnqueueOptions::default())
@@ -74,7 +70,7 @@ async fn not_primary_and_shutdown_errors_are_retryable_on_every_write_path() -> 
             Err(e) if e.is_retryable() => {}
             other => not_retryable.push(format!("enqueue with {code}: {other:?}")),
         }
-        fail_off(&client).await?;
+        fail_commands_off(&client).await?;
         // A multi-document update is not a retryable write: the server attaches no
         // RetryableWriteError label, so only the code tells.
         fail_next(&client, "update", code, 2).await?;
@@ -82,14 +78,14 @@ async fn not_primary_and_shutdown_errors_are_retryable_on_every_write_path() -> 
             Err(e) if e.is_retryable() => {}
             other => not_retryable.push(format!("release_all with {code}: {other:?}")),
         }
-        fail_off(&client).await?;
+        fail_commands_off(&client).await?;
         // Reads carry no write label either.
         fail_next(&client, "find", code, 2).await?;
         match queue.get(mongodb::bson::oid::ObjectId::new()).await {
             Err(e) if e.is_retryable() => {}
             other => not_retryable.push(format!("get with {code}: {other:?}")),
         }
-        fail_off(&client).await?;
+        fail_commands_off(&client).await?;
     }
     assert!(
         not_retryable.is_empty(),

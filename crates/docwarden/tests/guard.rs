@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use docwarden::guard::{
-    self, Change, CmpOp, GuardOptions, GuardOutcome, Guarded, IndexUse, Invariant, Operand,
-    ValidatorInstall, ValidatorOptions,
+    self, Change, CmpOp, Condition, GuardOptions, GuardOutcome, Guarded, IndexUse, Invariant,
+    Operand, ValidatorInstall, ValidatorOptions,
 };
 use docwarden_testkit::TestDb;
 use docwarden_workloads::{Mode as WorkloadMode, RunConfig, on_call};
@@ -696,5 +696,146 @@ async fn an_operator_document_as_target_changes_nothing() -> anyhow::Result<()> 
         .map(|d| d.get_i32("balance").unwrap())
         .collect();
     assert_eq!(balances, vec![10, 10], "a document was changed");
+    Ok(())
+}
+
+/// Whether `value` (a pipeline, an expression) contains a `$let` anywhere.
+fn binds_a_variable(value: &Bson) -> bool {
+    match value {
+        Bson::Document(d) => d.iter().any(|(k, v)| k == "$let" || binds_a_variable(v)),
+        Bson::Array(a) => a.iter().any(binds_a_variable),
+        _ => false,
+    }
+}
+
+/// Session 16: the update bound the field's new value to a `$let` variable
+/// (`dw_value`) and the invariants iterated it. The embedded server copies a `$let`'s
+/// variables for every element an iteration inside it visits, so a guarded update of a
+/// 1,000-element array cost 70 ms there, against 2.7 ms now (`docs/surrogate.md`). The
+/// pipeline now keeps the new and old values side by side in the field between two
+/// stages, which is linear on both servers. Only an invariant that reads `$$ROOT` still
+/// binds the new document. (Speed is for benchmarks; this checks the shape that caused it.)
+#[test]
+fn a_guard_pipeline_binds_no_variable_unless_an_invariant_reads_the_root() -> anyhow::Result<()> {
+    let invariants = [
+        on_call(),
+        within_capacity(),
+        Invariant::at_most("few", "bookings", 3, Condition::eq("vip", true))?,
+        Invariant::field_cmp("non-negative", "balance", CmpOp::Gte, 0)?,
+        Invariant::raw(
+            "sub-path",
+            doc! { "$lte": [{ "$sum": "$bookings.seats" }, 9] },
+        )?,
+    ];
+    let changes = [
+        Change::set_member("doctors", "name", "Bob", doc! { "on_call": false })?,
+        Change::pull_member("bookings", "id", "a")?,
+        Change::push("bookings", doc! { "id": "b", "seats": 2 })?,
+        Change::inc("balance", -5)?,
+        Change::set("balance", 7)?,
+    ];
+    for change in &changes {
+        let pipeline = Bson::Array(
+            change
+                .pipeline(&invariants)
+                .into_iter()
+                .map(Bson::Document)
+                .collect(),
+        );
+        assert!(
+            !binds_a_variable(&pipeline),
+            "{change:?} binds a variable: {pipeline}"
+        );
+    }
+    let via_root = Invariant::raw("root", doc! { "$lt": ["$$ROOT.balance", 100] })?;
+    let bound = changes[3].pipeline(&[via_root]);
+    assert!(binds_a_variable(&Bson::Array(
+        bound.into_iter().map(Bson::Document).collect()
+    )));
+    Ok(())
+}
+
+/// The two-stage update writes exactly the new value, whatever the stored field holds: an
+/// embedded document is replaced, not merged into (a plain object in `$set` would merge);
+/// a missing field is created by `push` and `inc`; a field that is not an array has no
+/// member to change; and a refused change leaves the field as it was, bytes and all.
+#[tokio::test]
+async fn a_guarded_update_writes_exactly_the_new_value_whatever_the_field_holds()
+-> anyhow::Result<()> {
+    let t = TestDb::new("guard_exact_new_value").await?;
+    let coll = t.db.collection::<Document>("docs");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "profile": { "b": 2, "c": [1, 2] }, "z": 1 },
+        doc! { "_id": 2, "z": 1 },
+        doc! { "_id": 3, "doctors": { "name": "Bob", "on_call": true }, "z": 1 },
+        doc! { "_id": 4, "doctors": [{ "name": "Bob", "on_call": true }, 5, [1]], "z": 1 },
+    ])
+    .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let any = Invariant::raw("anything", doc! { "$literal": true })?;
+    let never = Invariant::raw("never", doc! { "$eq": ["$profile.a", 99] })?;
+    let get = |id: i32| {
+        let coll = coll.clone();
+        async move { coll.find_one(doc! { "_id": id }).await.map(Option::unwrap) }
+    };
+
+    let set = Change::set("profile", doc! { "a": 1 })?;
+    assert_eq!(
+        g.update(1, &set, std::slice::from_ref(&never)).await?,
+        GuardOutcome::Rejected {
+            invariant: "never".into()
+        }
+    );
+    assert_eq!(
+        get(1).await?,
+        doc! { "_id": 1, "profile": { "b": 2, "c": [1, 2] }, "z": 1 }
+    );
+    assert_eq!(
+        g.update(1, &set, std::slice::from_ref(&any)).await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        get(1).await?,
+        doc! { "_id": 1, "profile": { "a": 1 }, "z": 1 }
+    );
+
+    assert_eq!(
+        g.update(2, &Change::push("list", 5)?, std::slice::from_ref(&any))
+            .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        g.update(2, &Change::inc("n", 2)?, std::slice::from_ref(&any))
+            .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        get(2).await?,
+        doc! { "_id": 2, "z": 1, "list": [5], "n": 2 }
+    );
+
+    let off = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false })?;
+    assert_eq!(
+        g.update(3, &off, std::slice::from_ref(&any)).await?,
+        GuardOutcome::NoSuchMember
+    );
+    assert_eq!(
+        get(3).await?,
+        doc! { "_id": 3, "doctors": { "name": "Bob", "on_call": true }, "z": 1 }
+    );
+    assert_eq!(
+        g.update(4, &off, &[on_call()]).await?,
+        GuardOutcome::Rejected {
+            invariant: on_call::RULE.into()
+        }
+    );
+    assert_eq!(
+        g.update(4, &off, std::slice::from_ref(&any)).await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        get(4).await?,
+        doc! { "_id": 4, "doctors": [{ "name": "Bob", "on_call": false }, 5, [1]], "z": 1 }
+    );
     Ok(())
 }

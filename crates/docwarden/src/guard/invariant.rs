@@ -382,14 +382,15 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
     }
 }
 
-/// Rewrites an expression so that paths into top-level `field` read `$$var` (the field's
-/// new value) and every other path reads the stored document. `None` if the expression
+/// Rewrites an expression so that paths into top-level `field` read the path `to` instead
+/// (`$field.a` becomes `<to>.a`; `to` is where the field's new value is, such as
+/// `$field.new`) and every other path reads the stored document. `None` if the expression
 /// refers to the whole document (`$$ROOT`, `$$CURRENT`), which needs [`rebase`].
-pub(crate) fn rebase_field(expr: &Bson, field: &str, var: &str) -> Option<Bson> {
-    rebase_path(expr, &format!("${field}"), &format!("$${var}"))
+pub(crate) fn rebase_field(expr: &Bson, field: &str, to: &str) -> Option<Bson> {
+    rebase_path(expr, &format!("${field}"), to)
 }
 
-/// [`rebase_field`] with its two paths built once: `whole` is `$field`, `to` is `$$var`.
+/// [`rebase_field`] with its paths built once: `whole` is `$field`.
 fn rebase_path(expr: &Bson, whole: &str, to: &str) -> Option<Bson> {
     Some(match expr {
         Bson::String(s) => {
@@ -489,13 +490,13 @@ mod tests {
             { "$sum": "$bookings.seats" }, "$capacity", "$bookingsX", "$bookings"
         ]});
         assert_eq!(
-            rebase_field(&e, "bookings", "v"),
+            rebase_field(&e, "bookings", "$bookings.new"),
             Some(Bson::Document(doc! { "$lte": [
-                { "$sum": "$$v.seats" }, "$capacity", "$bookingsX", "$$v"
+                { "$sum": "$bookings.new.seats" }, "$capacity", "$bookingsX", "$bookings.new"
             ]}))
         );
         let root = Bson::Document(doc! { "$eq": ["$$ROOT.a", 1] });
-        assert_eq!(rebase_field(&root, "a", "v"), None);
+        assert_eq!(rebase_field(&root, "a", "$a.new"), None);
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Guarded updates: one atomic `updateOne` that writes a change only if the document after
 //! the change satisfies every invariant.
 //!
-//! The change is an aggregation expression `NEW` for the one top-level field it touches.
-//! The update is the pipeline `[{$set: {field: {$let: {vars: {dw_value: NEW}, in:
-//! {$cond: [inv₁′ ∧ inv₂′ …, $$dw_value, $field]}}}}}]`, where `invᵢ′` reads the changed
-//! field from `$$dw_value` (the whole new document is bound when an invariant reads
-//! `$$ROOT`), with the filter `{_id}` alone: a member change's `$map` matches the member
+//! The change is an aggregation expression `NEW` for the one top-level field `F` it
+//! touches. The update is the two-stage pipeline `[{$set: {F: {$mergeObjects: [{new: NEW,
+//! old: $F}]}}}, {$set: {F: {$cond: [inv₁′ ∧ inv₂′ …, $F.new, $F.old]}}}]`, where `invᵢ′`
+//! reads the changed field from `$F.new` (when an invariant reads `$$ROOT`, the whole new
+//! document is bound with `$let` instead), with the filter `{_id}` alone: a member change's `$map` matches the member
 //! by key per element (`$elemMatch` semantics) and leaves the array as it is when no
 //! element has the key. The server evaluates the pipeline on the document it writes,
 //! atomically, so two racing writers cannot both pass a check that only one of them may
@@ -22,6 +22,11 @@ use mongodb::bson::{Bson, Document, doc};
 use tracing::{debug, instrument};
 
 use super::invariant::{Invariant, NEW_VAR, field_name, rebase_field};
+
+/// The key of the field's new value inside the field, between the update's two stages.
+const WRAP_NEW: &str = "new";
+/// The key of the field's stored value inside the field, between the update's two stages.
+const WRAP_OLD: &str = "old";
 use crate::error::{Error, Result};
 
 /// What a guarded update did.
@@ -219,15 +224,15 @@ impl Change {
         Bson::Document(e)
     }
 
-    /// Whether the member this change needs is there (`true` for changes without one).
-    fn member_present(&self) -> Bson {
-        let path = self.path();
+    /// Whether the member this change needs is in the array at `path` (`true` for changes
+    /// without one).
+    fn member_present(&self, path: &str) -> Bson {
         match &self.kind {
             Kind::SetMember { key_field, key, .. } | Kind::PullMember { key_field, key } => {
                 Bson::Document(doc! { "$cond": [
-                    { "$isArray": &path },
+                    { "$isArray": path },
                     { "$anyElementTrue": [{ "$map": {
-                        "input": &path,
+                        "input": path,
                         "as": "m",
                         "in": { "$eq": [format!("$$m.{key_field}"), { "$literal": key.clone() }] },
                     }}]},
@@ -257,48 +262,101 @@ impl Change {
         doc! { "_id": target.clone() }
     }
 
-    /// The pipeline update: `{$set: {field: $cond[every invariant holds on the new
-    /// document, new value, old value]}}` (for inspection).
+    /// The pipeline update (for inspection). The first stage keeps the field's new and old
+    /// values side by side in the field itself (`{new, old}`), the second keeps the new one
+    /// if every invariant holds on it and the old one otherwise. No variable holds the
+    /// value: the embedded server copies a `$let`'s variables for every element an
+    /// iteration inside it visits, which made a check over a bound 1,000-element array
+    /// cost 70 ms there (`docs/surrogate.md`); reading a field path is linear on both
+    /// servers, and MongoDB computes the new value once either way. Only an invariant that
+    /// reads `$$ROOT` binds the whole new document.
     pub fn pipeline(&self, invariants: &[Invariant]) -> Vec<Document> {
-        const VALUE_VAR: &str = "dw_value";
-        let narrow: Option<Vec<Bson>> = invariants
-            .iter()
-            .map(|i| rebase_field(i.expr(), &self.field, VALUE_VAR))
-            .collect();
-        let guarded = match narrow {
-            // Only the changed field is rebound: no copy of the whole document.
-            Some(checks) => Bson::Document(doc! { "$let": {
-                "vars": { VALUE_VAR: self.new_value() },
-                "in": { "$cond": [{ "$and": checks }, format!("$${VALUE_VAR}"), self.path()] },
-            }}),
+        match self.checks_at_new(invariants) {
+            Some(checks) => vec![
+                self.side_by_side(),
+                doc! { "$set": { &self.field: { "$cond": [
+                    { "$and": checks },
+                    self.wrapped(WRAP_NEW),
+                    self.wrapped(WRAP_OLD),
+                ]}}},
+            ],
             // An invariant reads `$$ROOT`: bind the whole new document.
             None => {
                 let checks: Vec<Bson> = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
-                self.over_new(Bson::Document(doc! { "$cond": [
-                    { "$and": checks },
-                    format!("$${NEW_VAR}.{}", self.field),
-                    self.path(),
-                ]}))
+                vec![
+                    doc! { "$set": { &self.field: self.over_new(Bson::Document(doc! { "$cond": [
+                        { "$and": checks },
+                        format!("$${NEW_VAR}.{}", self.field),
+                        self.path(),
+                    ]}))}},
+                ]
             }
-        };
-        vec![doc! { "$set": { &self.field: guarded } }]
+        }
     }
 
-    /// The aggregation that explains why the filter did not match.
-    pub(crate) fn diagnose(&self, target: &Bson, invariants: &[Invariant]) -> Vec<Document> {
-        let checks: Vec<Bson> = invariants
+    /// `{$set: {F: {new: NEW, old: $F}}}`: the first stage of [`Change::pipeline`] and of
+    /// the diagnosis. `$mergeObjects` makes the object an expression that replaces the
+    /// field (a plain object in `$set` would merge into an embedded document, or into
+    /// every element of an array).
+    fn side_by_side(&self) -> Document {
+        doc! { "$set": { &self.field: { "$mergeObjects": [{
+            WRAP_NEW: self.new_value(),
+            WRAP_OLD: self.path(),
+        }]}}}
+    }
+
+    /// `$F.new` or `$F.old` after [`Change::side_by_side`].
+    fn wrapped(&self, which: &str) -> String {
+        format!("${}.{which}", self.field)
+    }
+
+    /// The invariants with every path into the changed field reading its new value
+    /// (`$F.new`) after [`Change::side_by_side`]; `None` if one reads `$$ROOT`.
+    fn checks_at_new(&self, invariants: &[Invariant]) -> Option<Vec<Bson>> {
+        let new = self.wrapped(WRAP_NEW);
+        invariants
             .iter()
-            .map(|i| Bson::Document(doc! { "$and": [i.expr_over(NEW_VAR)] }))
-            .collect();
-        vec![
-            doc! { "$match": { "_id": target.clone() } },
-            doc! { "$project": {
-                "_id": 0,
-                "member": { "$and": [self.member_present()] },
-                "same": { "$eq": [self.new_value(), self.path()] },
-                "ok": self.over_new(Bson::Array(checks)),
-            }},
-        ]
+            .map(|i| rebase_field(i.expr(), &self.field, &new))
+            .collect()
+    }
+
+    /// The aggregation that explains why the filter did not match: whether the member is
+    /// there, whether the change would leave the field as it is, and each invariant on
+    /// the new value (the same stages as [`Change::pipeline`]).
+    pub(crate) fn diagnose(&self, target: &Bson, invariants: &[Invariant]) -> Vec<Document> {
+        let by_id = doc! { "$match": { "_id": target.clone() } };
+        let ok_each = |checks: Vec<Bson>| {
+            Bson::Array(
+                checks
+                    .into_iter()
+                    .map(|c| Bson::Document(doc! { "$and": [c] }))
+                    .collect(),
+            )
+        };
+        match self.checks_at_new(invariants) {
+            Some(checks) => vec![
+                by_id,
+                self.side_by_side(),
+                doc! { "$project": {
+                    "_id": 0,
+                    "member": { "$and": [self.member_present(&self.wrapped(WRAP_OLD))] },
+                    "same": { "$eq": [self.wrapped(WRAP_NEW), self.wrapped(WRAP_OLD)] },
+                    "ok": ok_each(checks),
+                }},
+            ],
+            None => {
+                let checks = invariants.iter().map(|i| i.expr_over(NEW_VAR)).collect();
+                vec![
+                    by_id,
+                    doc! { "$project": {
+                        "_id": 0,
+                        "member": { "$and": [self.member_present(&self.path())] },
+                        "same": { "$eq": [self.new_value(), self.path()] },
+                        "ok": self.over_new(ok_each(checks)),
+                    }},
+                ]
+            }
+        }
     }
 }
 
@@ -518,9 +576,9 @@ mod tests {
         let c = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false }).unwrap();
         assert_eq!(c.filter(&Bson::Int32(1)), doc! { "_id": 1 });
         let p = c.pipeline(&[inv]);
-        assert_eq!(p.len(), 1);
-        let text = format!("{}", p[0]);
-        assert!(text.contains("$$dw_value"), "{text}");
+        assert_eq!(p.len(), 2);
+        let text = format!("{}", p[1]);
+        assert!(text.contains("\"$doctors.new\""), "{text}");
         assert!(!text.contains("\"$doctors.on_call\""), "{text}");
     }
 }

@@ -128,23 +128,49 @@ fn parse_state(s: &str) -> anyhow::Result<JobState> {
     JobState::parse(s).ok_or_else(|| anyhow::anyhow!("unknown state `{s}`"))
 }
 
-/// One job as a line of the listing.
+/// One job as a row of the listing, with typed JSON values: numbers stay numbers, dates
+/// are RFC 3339 strings, an id is its hex string, and `progress` is the stored document
+/// as relaxed extended JSON. A field the job lacks is `null`. The keys are the stored
+/// field names (`_id` shown as `id`, the lease's owner as `owner`).
 fn summary(d: &Document) -> serde_json::Value {
-    let text = |k: &str| d.get(k).map(render).unwrap_or_default();
-    // The listing's keys are the stored field names (`_id` shown as `id`, the lease's
-    // owner as `owner`).
+    let value = |k: &str| d.get(k).map_or(serde_json::Value::Null, json_value);
     serde_json::json!({
-        "id": text(field::ID),
-        (field::STATE): text(field::STATE),
-        (field::PRIORITY): text(field::PRIORITY),
-        (field::ATTEMPTS): format!("{}/{}", text(field::ATTEMPTS), text(field::MAX_ATTEMPTS)),
-        (field::RUN_AT): text(field::RUN_AT),
-        (field::lease::OWNER): d.get_document(field::LEASE).ok().map(|l| l.get(field::lease::OWNER).map(render).unwrap_or_default()),
-        (field::LAST_ERROR): d.get(field::LAST_ERROR).filter(|b| **b != Bson::Null).map(render),
-        (field::PROGRESS): d.get(field::PROGRESS).filter(|b| **b != Bson::Null).map(render),
-        (field::STALLS): d.get(field::STALLS).map(render),
-        (field::SNOOZES): d.get(field::SNOOZES).map(render),
+        "id": value(field::ID),
+        (field::STATE): value(field::STATE),
+        (field::PRIORITY): value(field::PRIORITY),
+        (field::ATTEMPTS): value(field::ATTEMPTS),
+        (field::MAX_ATTEMPTS): value(field::MAX_ATTEMPTS),
+        (field::RUN_AT): value(field::RUN_AT),
+        (field::lease::OWNER): d
+            .get_document(field::LEASE)
+            .ok()
+            .and_then(|l| l.get(field::lease::OWNER))
+            .map_or(serde_json::Value::Null, json_value),
+        (field::LAST_ERROR): value(field::LAST_ERROR),
+        (field::PROGRESS): value(field::PROGRESS),
+        (field::STALLS): value(field::STALLS),
+        (field::SNOOZES): value(field::SNOOZES),
     })
+}
+
+/// A stored value as JSON for [`summary`]: an `ObjectId` as its hex string, a date as RFC
+/// 3339, anything else as relaxed extended JSON (numbers, strings, documents, arrays).
+fn json_value(b: &Bson) -> serde_json::Value {
+    match b {
+        Bson::ObjectId(o) => serde_json::Value::String(o.to_hex()),
+        Bson::DateTime(_) => serde_json::Value::String(render(b)),
+        other => other.clone().into_relaxed_extjson(),
+    }
+}
+
+/// A [`summary`] value as a cell of the text listing: strings as they are, `null` empty,
+/// anything else as compact JSON.
+fn cell_text(v: Option<&serde_json::Value>) -> String {
+    match v {
+        None | Some(serde_json::Value::Null) => String::new(),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+    }
 }
 
 /// Prints the queue's control state after a pause or resume.
@@ -293,15 +319,18 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     field::PROGRESS,
                 );
                 for j in &jobs {
-                    let s = |k: &str| {
-                        crate::output::cell(j.get(k).and_then(|v| v.as_str()).unwrap_or(""))
-                    };
+                    let s = |k: &str| crate::output::cell(&cell_text(j.get(k)));
+                    let attempts = format!(
+                        "{}/{}",
+                        cell_text(j.get(field::ATTEMPTS)),
+                        cell_text(j.get(field::MAX_ATTEMPTS))
+                    );
                     println!(
                         "{:<24} {:<10} {:>8} {:>8} {:>6} {:>7} {:<24} {:<20} {}",
                         s("id"),
                         s(field::STATE),
                         s(field::PRIORITY),
-                        s(field::ATTEMPTS),
+                        crate::output::cell(&attempts),
                         s(field::STALLS),
                         s(field::SNOOZES),
                         s(field::RUN_AT),

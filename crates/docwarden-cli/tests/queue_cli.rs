@@ -75,8 +75,23 @@ async fn list_and_show_print_progress_and_the_whole_job() -> anyhow::Result<()> 
     );
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let row = &listed[0];
-    let progress = row[field::PROGRESS].as_str().unwrap_or_default();
-    assert!(progress.contains("\"done\": 3"), "{row}");
+    // Typed values (session 16; every value was a string before, `attempts` was "1/5").
+    assert_eq!(row[field::PROGRESS]["done"], 3, "{row}");
+    assert_eq!(row[field::PRIORITY], 0, "{row}");
+    assert_eq!(row[field::ATTEMPTS], 1, "{row}");
+    assert_eq!(row[field::MAX_ATTEMPTS], 5, "{row}");
+    assert_eq!(row[field::STATE], "running", "{row}");
+    assert_eq!(row[field::lease::OWNER], "w", "{row}");
+    assert_eq!(row[field::LAST_ERROR], serde_json::Value::Null, "{row}");
+    assert!(
+        row[field::RUN_AT]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z')),
+        "{row}"
+    );
+    let listed = text(&t, &["list"])?;
+    assert!(listed.contains(r#"{"done":3,"of":7}"#), "{listed}");
+    assert!(listed.contains(" 1/5 "), "{listed}");
 
     let id = job.id().to_hex();
     let out = run(&t, &["show", &id])?;

@@ -164,7 +164,8 @@ impl KindNames {
     }
 }
 
-/// Which collections are shown: the ones named, or else those discovered at each read.
+/// Which collections are shown: per kind, the ones named, or else those discovered at
+/// each read (`--queue jobs` alone still discovers the lock collections).
 #[derive(Debug, Clone)]
 pub(crate) struct Catalogue {
     queues: Arc<Vec<String>>,
@@ -174,14 +175,24 @@ pub(crate) struct Catalogue {
 impl Catalogue {
     /// The collections to show now.
     pub(crate) async fn get(&self, db: &Database) -> anyhow::Result<Catalog> {
-        if self.queues.is_empty() && self.locks.is_empty() {
-            data::discover(db, &[], &[]).await
-        } else {
-            Ok(Catalog {
+        if !self.queues.is_empty() && !self.locks.is_empty() {
+            return Ok(Catalog {
                 queues: self.queues.to_vec(),
                 locks: self.locks.to_vec(),
-            })
+            });
         }
+        let found = data::discover(db, &[], &[]).await?;
+        let named_or = |named: &Arc<Vec<String>>, found: Vec<String>| {
+            if named.is_empty() {
+                found
+            } else {
+                named.to_vec()
+            }
+        };
+        Ok(Catalog {
+            queues: named_or(&self.queues, found.queues),
+            locks: named_or(&self.locks, found.locks),
+        })
     }
 }
 

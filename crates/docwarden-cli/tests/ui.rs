@@ -1097,3 +1097,44 @@ async fn a_foreign_state_is_counted_but_not_linked_to_a_page_that_fails() -> any
     assert!(links >= 4, "{links} job links on {home}");
     Ok(())
 }
+
+/// Session 16 (docs review): naming one kind of collection turned discovery off for the
+/// other, although `--help` promises it per option (`--queue jobs` alone showed no lock
+/// collection); and a queue's concurrency-limit semaphore `jobs.limits` (it has
+/// `jobs.limits.tokens`) was discovered as a plain lease collection.
+#[tokio::test]
+async fn the_kind_not_named_is_discovered_and_a_queues_limits_are_not_leases() -> anyhow::Result<()>
+{
+    let t = TestDb::new("ui_discover_per_kind").await?;
+    let _f = fixture(&t).await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let limits = Semaphore::open(
+        &t.db,
+        "jobs.limits",
+        time.clone(),
+        SemaphoreOptions::default().default_permits(2),
+    )
+    .await?;
+    limits
+        .try_acquire(&Owner::random(), "tenant-7", Duration::from_secs(300))
+        .await?
+        .context("no permit")?;
+    let other = LockCollection::open(&t.db, "other_locks", time, LockOptions::default()).await?;
+    other
+        .try_acquire(&Owner::random(), "payroll-7", Duration::from_secs(300))
+        .await?
+        .context("no lease")?;
+
+    let ui = start_ui(&t, &["--queue", "jobs"]).await?;
+    let locks = page(&ui, "/locks").await?;
+    for lease in ["invoice-42", "payroll-7"] {
+        assert!(locks.contains(lease), "{lease} not discovered: {locks}");
+    }
+    assert!(
+        !locks.contains("jobs.limits") && !locks.contains("tenant-7"),
+        "the queue's limit semaphore listed as leases: {locks}"
+    );
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("data-queue=\"jobs\""), "{home}");
+    Ok(())
+}

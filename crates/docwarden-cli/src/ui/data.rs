@@ -20,6 +20,8 @@ use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 /// "The fencing-token counter"). The library names it inside `LockCollection::new` and
 /// does not export the suffix yet.
 const LOCK_TOKENS_SUFFIX: &str = ".tokens";
+/// A queue's concurrency-limit semaphore collection: `<queue>.limits`.
+const LIMITS_SUFFIX: &str = docwarden::queue::format::limit::COLLECTION_SUFFIX;
 
 /// Minutes of history the queue page charts.
 pub(crate) const HISTORY_MINUTES: i64 = 15;
@@ -37,7 +39,9 @@ pub(crate) struct Catalog {
 }
 
 /// Finds docwarden's collections in `db`: a queue `q` is recognised by `q.meta`, a lock
-/// collection `l` by `l.tokens`; the names given explicitly are always included.
+/// collection `l` by `l.tokens`, except a queue's own concurrency-limit semaphore
+/// (`q.limits`, which has `q.limits.tokens`: its documents are permits, not leases); the
+/// names given explicitly are always included.
 pub(crate) async fn discover(
     db: &Database,
     queues: &[String],
@@ -53,9 +57,14 @@ pub(crate) async fn discover(
             q.insert(base.to_owned());
         }
         if let Some(base) = name.strip_suffix(LOCK_TOKENS_SUFFIX) {
-            // The counter exists from the first acquire; the lock collection may have
-            // been dropped or not created yet: still list it (it shows no leases).
-            l.insert(base.to_owned());
+            let queue_limits = base
+                .strip_suffix(LIMITS_SUFFIX)
+                .is_some_and(|q| names.contains(&format!("{q}{}", meta::COLLECTION_SUFFIX)));
+            if !queue_limits {
+                // The counter exists from the first acquire; the lock collection may have
+                // been dropped or not created yet: still list it (it shows no leases).
+                l.insert(base.to_owned());
+            }
         }
     }
     Ok(Catalog {

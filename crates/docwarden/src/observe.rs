@@ -17,11 +17,13 @@
 //!   a lost reply counts what the read-back shows applied, once).
 //! - `docwarden_queue_lease_losses_total`: a fenced transition or heartbeat of a job the
 //!   server refused because the claim no longer held it.
-//! - `docwarden_lock_acquisitions_total{outcome}`: each [`LockCollection::try_acquire`]
-//!   call that acquired (`acquired`) or found the lock held (`busy`); `acquire` counts
-//!   each of its tries.
+//! - `docwarden_lock_acquisitions_total{outcome}`: each try to take a lock that acquired
+//!   (`acquired`) or found it held (`busy`), for every lock kind: a lease
+//!   ([`LockCollection::try_acquire`]; a blocking `acquire` counts each of its tries), a
+//!   semaphore permit, a read or write lock, and a document lock.
 //!
-//! Labels: `queue` is the queue's collection name, `collection` the lock collection's.
+//! Labels: `queue` is [`JobQueue::metrics_label`] (the collection's name for its default
+//! queue, `<collection>/<queue>` for a named queue), `collection` the lock collection's.
 //!
 //! **Limits.** Counters are per process and start at zero with it. A job whose
 //! heartbeat is refused while its finished handler's transition is still queued counts
@@ -36,6 +38,7 @@
 //! `token` (on an acquire, recorded once known). Disabled spans cost a callsite check.
 //!
 //! [`LockCollection::try_acquire`]: crate::lock::LockCollection::try_acquire
+//! [`JobQueue::metrics_label`]: crate::queue::JobQueue::metrics_label
 
 use std::time::{Duration, Instant};
 

@@ -56,25 +56,36 @@ pub(super) enum WorkersAs {
     Tasks,
 }
 
-/// A module to verify.
+/// A module to verify. `all` runs the first four; the others run only when named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(super) enum Module {
+    /// Leases kept by a watchdog, writes fenced by their token: no overlapping leases, no
+    /// stale write accepted, tokens increasing (part of `all`).
     Locks,
+    /// The job queue: every job's effect committed once, none by a stale holder, no job
+    /// lost (part of `all`).
     Queue,
+    /// Sequenced sets: the same state for any delivery order of the same messages (part
+    /// of `all`).
     Sequence,
+    /// Guarded updates: the business rule holds after every write (part of `all`).
     Guard,
-    /// Periodic jobs (issue 15): every tick enqueued once.
+    /// Periodic jobs: every tick enqueued once (not part of `all`).
     Schedule,
-    /// The semaphore (issue 16): never more than N holders (not part of `all`).
+    /// The semaphore: never more than N holders (not part of `all`).
     Semaphore,
-    /// Queue concurrency limits (issue 15): never more than N running per key.
+    /// Queue concurrency limits: never more than N running jobs per key (not part of
+    /// `all`).
     Limits,
-    /// Queue rate limits (issue 15): never more than N starts per interval per key.
+    /// Queue rate limits: never more than N starts per interval per key (not part of
+    /// `all`).
     Rate,
-    /// Leader election (issue 16); not part of `all`.
+    /// Leader election: one leader per term, writes fenced by the term (not part of
+    /// `all`).
     Election,
-    /// Read/write locks (issue 16); not part of `all`.
+    /// Read/write locks: many readers or one writer (not part of `all`).
     Rwlock,
+    /// `locks`, `queue`, `sequence` and `guard`.
     All,
 }
 

@@ -62,7 +62,7 @@ pub use control::{PauseOutcome, QueueControl};
 pub use enqueue::Enqueued;
 pub use job::{ClaimedJob, Job, JobLease, JobState};
 pub use limit::{JobLimits, LimitOptions, fairness_partition};
-pub use ops::{CancelOutcome, JobListFilter, QueueStats};
+pub use ops::{CancelOutcome, JobListFilter, PURGE_BATCH, QueueStats};
 #[doc(hidden)]
 pub use options::Safeguard;
 pub use options::{

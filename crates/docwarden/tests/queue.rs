@@ -1026,3 +1026,45 @@ async fn cancelling_a_job_in_an_unknown_state_names_that_state() -> anyhow::Resu
     assert_eq!(q.cancel(ObjectId::new()).await?, CancelOutcome::NotFound);
     Ok(())
 }
+
+/// Session 16: `purge` deleted every finished job of the queue in one `deleteMany`; at
+/// millions of jobs that one statement held the collection's writes for its whole run on
+/// the embedded server (and replicated as one burst on MongoDB). It now deletes in batches
+/// of `PURGE_BATCH` by `_id`, re-checking state and age, and leaves everything else.
+#[tokio::test]
+async fn purge_deletes_in_batches_and_only_old_finished_jobs() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_purge_batches").await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
+    let db = client.database(t.db.name());
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+    // Finished jobs written directly (an hour old), two batches and a half, and jobs that
+    // must stay: unfinished, finished a moment ago, and another queue's.
+    let old = mongodb::bson::DateTime::from_millis(
+        mongodb::bson::DateTime::now().timestamp_millis() - 3_600_000,
+    );
+    let n = usize::try_from(docwarden::queue::PURGE_BATCH)? * 5 / 2;
+    let states = ["succeeded", "dead", "cancelled"];
+    let finished: Vec<Document> = (0..n)
+        .map(|i| doc! { "state": states[i % 3], "finished_at": old, "attempts": 1_i64 })
+        .collect();
+    q.collection().insert_many(finished).await?;
+    q.collection()
+        .insert_many(vec![
+            doc! { "state": "ready", "finished_at": old },
+            doc! { "state": "succeeded", "finished_at": mongodb::bson::DateTime::now() },
+            doc! { "state": "succeeded", "finished_at": old, "queue": "other" },
+        ])
+        .await?;
+    log.take();
+    assert_eq!(q.purge(Duration::from_secs(60)).await?, u64::try_from(n)?);
+    let counts = log.take_counts();
+    assert_eq!(
+        counts.get("delete"),
+        Some(&3),
+        "one delete per batch: {counts:?}"
+    );
+    assert_eq!(q.collection().count_documents(doc! {}).await?, 3);
+    assert_eq!(q.purge(Duration::from_secs(60)).await?, 0);
+    Ok(())
+}

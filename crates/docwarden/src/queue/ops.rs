@@ -15,6 +15,9 @@ use super::{JobQueue, index};
 use crate::error::{Error, Result};
 use crate::validate;
 
+/// Jobs deleted per statement by [`JobQueue::purge`].
+pub const PURGE_BATCH: i64 = 10_000;
+
 /// The `last_error` an operator's [`JobQueue::cancel`] stores.
 pub(crate) const CANCELLED_REASON: &str = "cancelled by an operator";
 
@@ -409,22 +412,59 @@ impl JobQueue {
     /// Deletes finished jobs (succeeded, dead, cancelled) that finished more than
     /// `older_than` ago. Returns how many were deleted.
     ///
+    /// The deletion goes in batches of [`PURGE_BATCH`] jobs: a read of their ids on the
+    /// `state, finished_at` index, then one `deleteMany` by those ids that checks the state
+    /// and age again. No single statement deletes millions of documents, so workers keep
+    /// writing between batches (the embedded server runs a collection's writes one at a
+    /// time; MongoDB replicates each batch before the next). A job retried in between
+    /// (`retry_dead`) is not deleted. A purge stopped half way has deleted whole batches.
+    ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a zero duration; a database error.
+    /// [`Error::InvalidInput`] for a zero duration; a database error (the batches
+    /// deleted before it stay deleted).
     pub async fn purge(&self, older_than: Duration) -> Result<u64> {
         let ms = validate::duration_ms("purge age", older_than)?;
         let now = self.inner.time.now().await?;
         let cutoff = mongodb::bson::DateTime::from_millis(now.estimate_ms.saturating_sub(ms));
-        let r = self
-            .inner
-            .coll
-            .delete_many(doc! {
-                field::STATE: { "$in": finished_states() },
-                field::FINISHED_AT: { "$lt": cutoff },
-                field::QUEUE: self.queue_value(),
-            })
-            .await?;
-        Ok(r.deleted_count)
+        let finished = doc! {
+            field::STATE: { "$in": finished_states() },
+            field::FINISHED_AT: { "$lt": cutoff },
+            field::QUEUE: self.queue_value(),
+        };
+        let mut deleted = 0;
+        loop {
+            let ids: Vec<Bson> = self
+                .inner
+                .coll
+                .find(finished.clone())
+                .projection(doc! { field::ID: 1 })
+                .limit(PURGE_BATCH)
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await?
+                .into_iter()
+                .filter_map(|mut d| d.remove(field::ID))
+                .collect();
+            if ids.is_empty() {
+                break;
+            }
+            let full = i64::try_from(ids.len()).unwrap_or(i64::MAX) >= PURGE_BATCH;
+            let r = self
+                .inner
+                .coll
+                .delete_many(doc! { "$and": [
+                    { field::ID: { "$in": ids } },
+                    finished.clone(),
+                ] })
+                .await?;
+            deleted += r.deleted_count;
+            // A batch that deleted nothing changed under us entirely (retried): stop
+            // rather than read it again.
+            if !full || r.deleted_count == 0 {
+                break;
+            }
+        }
+        Ok(deleted)
     }
 
     /// The server's `explain` (queryPlanner) of the claim as sent — the find equivalent

@@ -752,16 +752,31 @@ fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     }
 }
 
+/// The stored `permits` as the acquire enforces them (it admits while the holders are
+/// fewer than any number, `$isNumber`): an int64 or int32 as is, a double — what mongosh
+/// writes for `permits: 3` — rounded up (`3.0` is 3; `2.5` admits a third holder).
+/// `None` when missing or not a number the listing can show (the handle's default applies
+/// to a missing or non-numeric value).
+fn stored_permits(value: Option<&Bson>) -> Option<i64> {
+    match value {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        // Within ±2^53 every double is exact and its ceiling fits an i64.
+        Some(Bson::Double(n)) if n.is_finite() && n.abs() <= 9_007_199_254_740_992.0 =>
+        {
+            #[allow(clippy::cast_possible_truncation)]
+            Some(n.ceil() as i64)
+        }
+        _ => None,
+    }
+}
+
 fn record(d: &Document, cutoff: DateTime) -> SemaphoreRecord {
     let resource = match d.get(field::ID) {
         Some(Bson::String(s)) => s.clone(),
         other => other.map(ToString::to_string).unwrap_or_default(),
     };
-    let permits = match d.get(field::PERMITS) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    };
+    let permits = stored_permits(d.get(field::PERMITS));
     let holders = d
         .get_array(field::HOLDERS)
         .map(|hs| {

@@ -88,3 +88,69 @@ async fn after_renewals_the_watchdog_claims_at_most_expires_at_minus_bound_and_m
     );
     Ok(())
 }
+
+/// Session 16: the watchdog's state is updated by its task only, so a holder that resumed
+/// after a pause longer than its lease (a GC pause, a blocked runtime thread, SIGSTOP)
+/// read `lease()` = `Some`, `is_lost()` = `false` — and an election's leader kept leading —
+/// while another owner already held the resource: two holders. The accessors now check
+/// `valid_until` themselves. The pause is the test's only runtime thread blocked; the
+/// competitor runs on its own thread, runtime and client.
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_resuming_after_a_pause_longer_than_its_lease_is_told_at_once()
+-> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_pause").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(1);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease.clone(), ttl, WatchdogOptions::default())?;
+    // Let the watchdog read the server time and renew once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    anyhow::ensure!(dog.lease().is_some(), "lost before the pause");
+
+    let uri = t.uri().to_owned();
+    let db_name = t.db.name().to_owned();
+    let competitor = std::thread::spawn(move || -> anyhow::Result<bool> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let client = mongodb::Client::with_uri_str(&uri).await?;
+            let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+            let locks = LockCollection::new(
+                client.database(&db_name).collection("locks"),
+                time,
+                LockOptions::default(),
+            )?;
+            let give_up = Instant::now() + Duration::from_millis(2_500);
+            while Instant::now() < give_up {
+                if locks
+                    .try_acquire(&Owner::random(), "r", Duration::from_secs(30))
+                    .await?
+                    .is_some()
+                {
+                    return Ok(true);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(false)
+        })
+    });
+    // The pause: this thread (the runtime the watchdog runs on) is blocked.
+    std::thread::sleep(Duration::from_millis(3_000));
+    // Read before anything yields to the watchdog task.
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let taken_over = competitor
+        .join()
+        .map_err(|_| anyhow::anyhow!("competitor panicked"))??;
+    assert!(taken_over, "the competitor never got the lapsed lease");
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "after the pause the watchdog said held = {held}, lost = {lost}, while another owner held the lock"
+    );
+    Ok(())
+}

@@ -11,7 +11,12 @@
 //!
 //! **Limits:** the holder learns of a loss at the next renewal attempt at the latest, not
 //! before: work that must never overlap another holder's has to be fenced (see
-//! [`super::Fence`]). A holder that is paused is paused together with its watchdog.
+//! [`super::Fence`]). A holder that is paused is paused together with its watchdog;
+//! [`Watchdog::lease`] and [`Watchdog::is_lost`] compare [`Watchdog::valid_until`] with the
+//! monotonic clock at the call, so a holder that resumes past it is told at once, before
+//! the task runs again. The monotonic clock (`Instant`) does not advance while the whole
+//! machine is suspended (Linux `CLOCK_MONOTONIC`): a suspended VM or laptop resumes
+//! believing less time has passed; only fencing protects against that.
 
 use std::time::{Duration, Instant};
 
@@ -66,9 +71,25 @@ pub enum LostReason {
 
 #[derive(Clone, Debug)]
 enum State {
-    /// The lease as last renewed, and until when it is certainly valid.
+    /// The lease as acquired, before the task has read the server time (the instant is
+    /// the start: not yet known to be valid beyond it).
+    Starting(Lease, Instant),
+    /// The lease as last renewed, and until when it is certainly valid. Past that instant
+    /// it is reported lost even if the task has not run since (a paused or starved
+    /// process): the task's own `Lost` may come late.
     Held(Lease, Instant),
     Lost(LostReason, Lease),
+}
+
+impl State {
+    /// The lease while it counts as held at `now`.
+    fn held_at(&self, now: Instant) -> Option<&Lease> {
+        match self {
+            State::Starting(l, _) => Some(l),
+            State::Held(l, until) if now < *until => Some(l),
+            State::Held(..) | State::Lost(..) => None,
+        }
+    }
 }
 
 /// Keeps a lease alive; see the module docs.
@@ -95,7 +116,7 @@ impl Watchdog {
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
         // Not known to be valid until the task has read the server time.
-        let (tx, rx) = watch::channel(State::Held(lease.clone(), Instant::now()));
+        let (tx, rx) = watch::channel(State::Starting(lease.clone(), Instant::now()));
         let cancel = CancellationToken::new();
         let span =
             tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token.get());
@@ -110,15 +131,16 @@ impl Watchdog {
         })
     }
 
-    /// The lease as last renewed, or `None` once it is lost.
+    /// The lease as last renewed, or `None` once it is lost or past
+    /// [`Watchdog::valid_until`] (checked at the call: a holder that resumes after a pause
+    /// longer than the lease is told at once, before the watchdog task has run again).
+    /// Between [`Watchdog::start`] and the task's first read of the server time it is the
+    /// lease as acquired.
     pub fn lease(&self) -> Option<Lease> {
         if self.cancel.is_cancelled() {
             return None;
         }
-        match &*self.rx.borrow() {
-            State::Held(l, _) => Some(l.clone()),
-            State::Lost(..) => None,
-        }
+        self.rx.borrow().held_at(Instant::now()).cloned()
     }
 
     /// Until when the lease is certainly valid by the local monotonic clock, or `None` once
@@ -130,14 +152,16 @@ impl Watchdog {
             return None;
         }
         match &*self.rx.borrow() {
-            State::Held(_, until) => Some(*until),
+            State::Starting(_, until) | State::Held(_, until) => Some(*until),
             State::Lost(..) => None,
         }
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is lost, or no longer certainly valid by the local monotonic
+    /// clock ([`Watchdog::valid_until`] has passed, even if the watchdog task has not run
+    /// since), as [`Watchdog::lease`] tells it.
     pub fn is_lost(&self) -> bool {
-        matches!(&*self.rx.borrow(), State::Lost(..))
+        self.rx.borrow().held_at(Instant::now()).is_none()
     }
 
     /// Resolves as soon as the lease is lost (use it in a `select!` next to the work).
@@ -146,7 +170,7 @@ impl Watchdog {
         match rx.wait_for(|s| matches!(s, State::Lost(..))).await {
             Ok(state) => match &*state {
                 State::Lost(reason, _) => *reason,
-                State::Held(..) => LostReason::Stopped,
+                State::Starting(..) | State::Held(..) => LostReason::Stopped,
             },
             Err(_) => LostReason::Stopped,
         }
@@ -168,7 +192,7 @@ impl Watchdog {
         }
         let state = self.rx.borrow().clone();
         match state {
-            State::Held(lease, _) => self.locks.release(&lease).await,
+            State::Starting(lease, _) | State::Held(lease, _) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
                 token: lease.token.into(),

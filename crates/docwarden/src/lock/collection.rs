@@ -48,6 +48,10 @@ use crate::error::{self, Error, Result};
 use crate::token::FencingToken;
 use crate::validate;
 
+/// How many earlier attempts' nonces a blocking acquire recognises as its own (see
+/// [`acquire_filter_or_mine`]); an older one's lost acquisition is waited out as before.
+const MAX_UNKNOWN: usize = 16;
+
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
 
@@ -455,12 +459,28 @@ impl LockCollection {
         resource: &str,
         ttl: Duration,
     ) -> Result<Option<Lease>> {
+        self.attempt(owner, resource, ttl, &validate::random_id(), &[])
+            .await
+    }
+
+    /// One acquire attempt with acquisition nonce `nonce`. `unknown`: the nonces of this
+    /// blocking acquire's earlier attempts that failed with a transient error, so may have
+    /// taken the lock without the reply saying so (see [`acquire_filter`]); empty for
+    /// [`LockCollection::try_acquire`].
+    async fn attempt(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        nonce: &str,
+        unknown: &[String],
+    ) -> Result<Option<Lease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
-        let nonce = validate::random_id();
+        let nonce = nonce.to_owned();
         let acquired_at = now.estimate();
         let expires_at = now.plus_ms(ttl_ms);
 
@@ -468,7 +488,7 @@ impl LockCollection {
         // the whole acquire (the fast path); otherwise it writes a `pending` nonce.
         let filter = match self.options.unsafe_control {
             UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
-            _ => acquire_filter(resource, cutoff),
+            _ => acquire_filter_or_mine(resource, cutoff, unknown),
         };
         let update = acquire_pipeline(owner.id(), &nonce, acquired_at, expires_at);
         let after = match self
@@ -681,8 +701,20 @@ impl LockCollection {
         // Woken by the release itself (a change stream on this lock document), polling
         // only for expiries, or with the backoff where change streams are refused.
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
+        // Attempts that failed with a transient error may have taken the lock all the same
+        // (a lost reply): the next attempts take it back from them rather than waiting
+        // behind them until their ttl.
+        let mut unknown: Vec<String> = Vec::new();
         loop {
-            if let Some(lease) = deadline.attempt(self.try_acquire(owner, resource, ttl).await)? {
+            let nonce = validate::random_id();
+            let result = self.attempt(owner, resource, ttl, &nonce, &unknown).await;
+            if matches!(&result, Err(e) if e.is_retryable()) {
+                if unknown.len() >= MAX_UNKNOWN {
+                    unknown.remove(0);
+                }
+                unknown.push(nonce);
+            }
+            if let Some(lease) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
                 return Ok(Some(lease));
             }
@@ -843,14 +875,31 @@ fn lost(lease: &Lease) -> Error {
 /// it would be locked forever. It is treated as expired. Tokens still increase: the token
 /// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
-    doc! { "$and": [
-        { "_id": resource },
-        { "$or": [
-            { "owner": Bson::Null },
-            { "expires_at": { "$lt": cutoff } },
-            { "expires_at": { "$not": { "$type": "date" } } },
-        ] },
-    ] }
+    acquire_filter_or_mine(resource, cutoff, &[])
+}
+
+/// [`acquire_filter`], and also the lock as left by one of `unknown`: acquisitions of the
+/// same blocking acquire whose attempt failed with a transient error (a lost reply: the
+/// write may have applied). Taking such a lock again is taking it from oneself: nobody
+/// else was told they hold it, and the pipeline hands out a fresh token (or a new block).
+/// Only *earlier* attempts' nonces are listed, never the current one's, so a delayed
+/// execution of an earlier attempt cannot take the lock back from the attempt that
+/// reported it. With `unknown` empty (every first attempt, every `try_acquire`) this is
+/// [`acquire_filter`] itself: the hot path is unchanged.
+pub(crate) fn acquire_filter_or_mine(
+    resource: &str,
+    cutoff: DateTime,
+    unknown: &[String],
+) -> Document {
+    let mut free = vec![
+        Bson::Document(doc! { "owner": Bson::Null }),
+        Bson::Document(doc! { "expires_at": { "$lt": cutoff } }),
+        Bson::Document(doc! { "expires_at": { "$not": { "$type": "date" } } }),
+    ];
+    if !unknown.is_empty() {
+        free.push(Bson::Document(doc! { "acquisition": { "$in": unknown } }));
+    }
+    doc! { "$and": [{ "_id": resource }, { "$or": free }] }
 }
 
 /// The acquire's update: take the lock (writing the acquisition's random nonce in
@@ -1061,6 +1110,25 @@ mod tests {
                 { "owner": null },
                 { "expires_at": { "$lt": DateTime::from_millis(1_000) } },
                 { "expires_at": { "$not": { "$type": "date" } } },
+            ] }] }
+        );
+    }
+
+    #[test]
+    fn a_retrying_acquire_also_matches_its_earlier_attempts_acquisitions() {
+        let cutoff = DateTime::from_millis(1_000);
+        assert_eq!(
+            acquire_filter_or_mine("r", cutoff, &[]),
+            acquire_filter("r", cutoff)
+        );
+        let f = acquire_filter_or_mine("r", cutoff, &["n1".to_owned(), "n2".to_owned()]);
+        assert_eq!(
+            f,
+            doc! { "$and": [{ "_id": "r" }, { "$or": [
+                { "owner": null },
+                { "expires_at": { "$lt": cutoff } },
+                { "expires_at": { "$not": { "$type": "date" } } },
+                { "acquisition": { "$in": ["n1", "n2"] } },
             ] }] }
         );
     }

@@ -1,0 +1,89 @@
+//! An acquire whose write applied but whose reply was lost (`lock/deadline.rs`): the
+//! blocking acquire tries again within its wait, and must recognise the acquisition the
+//! lost reply made instead of waiting behind it, as "someone else", until its ttl.
+//!
+//! The lost reply is MongoDB's `failCommand` fail point with a `writeConcernError`: the
+//! command runs, then the reply carries a retryable write concern error (91,
+//! ShutdownInProgress), and the driver's own retry gets one too — what a failover between
+//! the write and its acknowledgement looks like to the client. Fail points are server-wide,
+//! so this file is its own test binary with one test that runs its cases in turn.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden_testkit::{TestDb, fail_commands_off};
+use mongodb::bson::{Document, doc};
+
+/// The next `times` runs of `command` apply, then answer with a retryable write concern
+/// error.
+async fn lose_replies(client: &mongodb::Client, command: &str, times: i32) -> anyhow::Result<()> {
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": times },
+            "data": {
+                "failCommands": [command],
+                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+            },
+        })
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> anyhow::Result<()> {
+    let test = "a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made";
+    let t = TestDb::new(test).await?;
+    let Some(client) = docwarden_testkit::fail_point_client(&t, test).await? else {
+        return Ok(());
+    };
+    let db = client.database(t.db.name());
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(50));
+    let locks = LockCollection::open(&db, "locks", time.clone(), fast.clone()).await?;
+    let ttl = Duration::from_secs(60);
+    let wait = Duration::from_secs(3);
+    let mut violations = Vec::new();
+
+    // The lock collection: fast path (a block exists) and slow path (a new resource).
+    let owner = Owner::random();
+    let first = locks
+        .try_acquire(&owner, "fast", ttl)
+        .await?
+        .context("seed")?;
+    locks.release(&first).await?;
+    for resource in ["fast", "slow"] {
+        lose_replies(&client, "findAndModify", 2).await?;
+        let got = locks.acquire(&owner, resource, ttl, wait).await;
+        fail_commands_off(&client).await?;
+        let stored = db
+            .collection::<Document>("locks")
+            .find_one(doc! { "_id": resource })
+            .await?
+            .context("lock document")?;
+        let held_by_us = stored.get_str("owner").ok() == Some(owner.id());
+        match got {
+            Ok(Some(lease)) => {
+                if stored.get_i64("token").ok() != Some(lease.token.get()) {
+                    violations.push(format!("{resource}: lease {lease:?}, stored {stored}"));
+                }
+                locks.release(&lease).await?;
+            }
+            other if held_by_us => violations.push(format!(
+                "{resource}: acquire said {other:?}, the lock is held by this owner until its ttl: {stored}"
+            )),
+            other => violations.push(format!("{resource}: {other:?}, stored {stored}")),
+        }
+    }
+
+    assert!(
+        violations.is_empty(),
+        "{} acquires misreported a lost reply:\n{}",
+        violations.len(),
+        violations.join("\n")
+    );
+    Ok(())
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{LockCollection, LockOptions, Owner};
+use docwarden::lock::{LockCollection, LockOptions, Owner, Semaphore, SemaphoreOptions};
 use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{Document, doc};
 
@@ -44,6 +44,13 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(50));
     let locks = LockCollection::open(&db, "locks", time.clone(), fast.clone()).await?;
+    let semaphore = Semaphore::open(
+        &db,
+        "permits",
+        time.clone(),
+        SemaphoreOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(50)),
+    )
+    .await?;
     let ttl = Duration::from_secs(60);
     let wait = Duration::from_secs(3);
     let mut violations = Vec::new();
@@ -77,6 +84,29 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
             )),
             other => violations.push(format!("{resource}: {other:?}, stored {stored}")),
         }
+    }
+
+    // The semaphore (one permit): the lost reply's holder entry counts.
+    let sem_owner = Owner::random();
+    let seed = semaphore
+        .try_acquire(&sem_owner, "s", ttl)
+        .await?
+        .context("seed")?;
+    semaphore.release(&seed).await?;
+    lose_replies(&client, "findAndModify", 2).await?;
+    let got = semaphore.acquire(&sem_owner, "s", ttl, wait).await;
+    fail_commands_off(&client).await?;
+    let status = semaphore.status("s").await?.context("semaphore document")?;
+    let ours = status
+        .holders
+        .iter()
+        .filter(|h| h.owner == sem_owner.id())
+        .count();
+    match got {
+        Ok(Some(permit)) if ours == 1 => semaphore.release(&permit).await?,
+        other => violations.push(format!(
+            "semaphore: acquire said {other:?}, {ours} holder entries of this owner: {status:?}"
+        )),
     }
 
     assert!(

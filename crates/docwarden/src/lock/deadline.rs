@@ -16,7 +16,9 @@
 //! lock collection's acquire (and the election and the write lock built on it) then takes
 //! it back from itself: each later attempt also matches the acquisitions of the earlier
 //! attempts that failed transiently (their nonces, the last 16), never the current one's,
-//! and hands out a fresh token; nobody else was ever told they hold it. Where an acquire
+//! and hands out a fresh token; nobody else was ever told they hold it. The semaphore's
+//! acquire likewise returns the permit such an attempt was granted instead of taking a
+//! second one. Where an acquire
 //! does not recognise its own lost acquisition (a read lease, a `try_*` call retried by its
 //! caller), the next attempt finds it held and waits like any other contender, until that
 //! lease expires or the wait passes. Nobody ever holds two leases at once: the cost of an

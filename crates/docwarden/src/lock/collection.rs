@@ -543,12 +543,11 @@ impl LockCollection {
         // The slow path. `previous` is the token the document kept (0 for a new document or
         // a hand-edited token): the new block starts above it.
         let previous = match after.get("token") {
-            Some(Bson::Int64(t)) => *t,
             None => 0,
-            Some(other) => {
-                tracing::warn!(resource, token = %describe(Some(other)), "took over a lock whose token was not an int64 (edited by hand?)");
+            Some(value) => stored_number(Some(value)).unwrap_or_else(|| {
+                tracing::warn!(resource, token = %describe(Some(value)), "took over a lock whose token is not a number (edited by hand?)");
                 0
-            }
+            }),
         };
         if !matches!(after.get("expires_at"), Some(Bson::DateTime(_))) {
             // Unreachable: the pipeline just wrote a date.
@@ -610,9 +609,9 @@ impl LockCollection {
                 .await;
             match answer {
                 Ok(Some(counter)) => {
-                    return counter.get_i64("token").map_err(|e| Error::Malformed {
+                    return stored_number(counter.get("token")).ok_or_else(|| Error::Malformed {
                         id: resource.to_owned(),
-                        reason: format!("token counter: {e}"),
+                        reason: format!("token counter is {}", describe(counter.get("token"))),
                     });
                 }
                 Ok(None) if attempts < 3 => {}
@@ -999,6 +998,25 @@ fn reserve_pipeline(previous: i64, block: i64) -> Vec<Document> {
     ] } } }]
 }
 
+/// A stored integer as docwarden and other writers leave it: an int64 or int32 as is, a
+/// double — what mongosh writes for `token: 100` — rounded up (a bound "tokens handed out
+/// are at most this" stays one). `None` for anything else, or a double outside the
+/// int64 range.
+pub(crate) fn stored_number(value: Option<&Bson>) -> Option<i64> {
+    // 2^63 as a double: every double below it in magnitude converts exactly after `ceil`.
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+    match value {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        Some(Bson::Double(n)) if n.is_finite() && n.ceil() < LIMIT && n.ceil() >= -LIMIT =>
+        {
+            #[allow(clippy::cast_possible_truncation)]
+            Some(n.ceil() as i64)
+        }
+        _ => None,
+    }
+}
+
 /// The BSON type of a stored value in words, for reports: `"a string"`, `"missing"`.
 pub(crate) fn describe(value: Option<&Bson>) -> &'static str {
     match value {
@@ -1112,6 +1130,22 @@ mod tests {
                 { "expires_at": { "$not": { "$type": "date" } } },
             ] }] }
         );
+    }
+
+    #[test]
+    fn stored_numbers_of_every_numeric_type_are_read() {
+        assert_eq!(stored_number(Some(&Bson::Int64(7))), Some(7));
+        assert_eq!(stored_number(Some(&Bson::Int32(7))), Some(7));
+        assert_eq!(stored_number(Some(&Bson::Double(7.0))), Some(7));
+        assert_eq!(
+            stored_number(Some(&Bson::Double(6.5))),
+            Some(7),
+            "rounded up"
+        );
+        assert_eq!(stored_number(Some(&Bson::Double(1e300))), None);
+        assert_eq!(stored_number(Some(&Bson::Double(f64::NAN))), None);
+        assert_eq!(stored_number(Some(&Bson::String("7".into()))), None);
+        assert_eq!(stored_number(None), None);
     }
 
     #[test]

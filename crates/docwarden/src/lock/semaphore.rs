@@ -479,10 +479,8 @@ impl Semaphore {
             Err(e) if error::is_duplicate_key(&e) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        let previous = match marked.get(field::TOKEN) {
-            Some(Bson::Int64(t)) => *t,
-            _ => 0,
-        };
+        // A hand-written token (a double from mongosh) still counts: the block goes above.
+        let previous = super::collection::stored_number(marked.get(field::TOKEN)).unwrap_or(0);
         let block = self.options.token_block;
         let overflow = || Error::Malformed {
             id: resource.to_owned(),
@@ -524,10 +522,15 @@ impl Semaphore {
                 .await;
             match answer {
                 Ok(Some(c)) => {
-                    return c.get_i64(field::TOKEN).map_err(|e| Error::Malformed {
-                        id: resource.to_owned(),
-                        reason: format!("semaphore token counter: {e}"),
-                    });
+                    return super::collection::stored_number(c.get(field::TOKEN)).ok_or_else(
+                        || Error::Malformed {
+                            id: resource.to_owned(),
+                            reason: format!(
+                                "semaphore token counter is {}",
+                                super::collection::describe(c.get(field::TOKEN))
+                            ),
+                        },
+                    );
                 }
                 Ok(None) if attempt < 3 => {}
                 Err(e) if attempt < 3 && error::is_duplicate_key(&e) => {}
@@ -843,17 +846,7 @@ fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: 
 /// `None` when missing or not a number the listing can show (the handle's default applies
 /// to a missing or non-numeric value).
 fn stored_permits(value: Option<&Bson>) -> Option<i64> {
-    match value {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        // Within ±2^53 every double is exact and its ceiling fits an i64.
-        Some(Bson::Double(n)) if n.is_finite() && n.abs() <= 9_007_199_254_740_992.0 =>
-        {
-            #[allow(clippy::cast_possible_truncation)]
-            Some(n.ceil() as i64)
-        }
-        _ => None,
-    }
+    super::collection::stored_number(value)
 }
 
 fn record(d: &Document, cutoff: DateTime) -> SemaphoreRecord {

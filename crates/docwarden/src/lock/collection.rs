@@ -1280,6 +1280,13 @@ mod tests {
     /// and deletion), and a replayed lease matches only the committed acquisition that
     /// handed it out (issue 11, finding 2: not a newer one of the same owner id, not one
     /// whose token is pending).
+    ///
+    /// Session 16: any step's reply may be lost (the write applies, the attempt fails):
+    /// the step-2 failure frees the half-acquired lock as `try_acquire` does, and the
+    /// actor's next attempt in the same blocking acquire also matches the acquisitions of
+    /// its failed attempts ([`acquire_filter_or_mine`]). A third property: an attempt that
+    /// takes a lock only by that match takes it from an acquisition no lease was ever
+    /// handed out for.
     mod acquire_model {
         use mongodb::bson::{Bson, DateTime, Document, doc};
         use proptest::prelude::*;
@@ -1308,16 +1315,20 @@ mod tests {
 
         #[derive(Clone, Debug)]
         enum Op {
-            Step(usize),
+            /// The actor's next step; `true`: its write applies but its reply is lost.
+            Step(usize, bool),
             Expire,
             Delete,
             ReleaseAll(usize),
-            Replay { lease: usize, release: bool },
+            Replay {
+                lease: usize,
+                release: bool,
+            },
         }
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                8 => (0..4_usize).prop_map(Op::Step),
+                8 => (0..4_usize, prop::bool::weighted(0.15)).prop_map(|(a, lost)| Op::Step(a, lost)),
                 2 => Just(Op::Expire),
                 1 => Just(Op::Delete),
                 1 => (0..2_usize).prop_map(Op::ReleaseAll),
@@ -1404,13 +1415,24 @@ mod tests {
                 let mut leases: Vec<(Lease, u64)> = Vec::new();
                 let mut highest = 0_i64;
                 let mut nonces = 0_u64;
+                // Per actor: the nonces of its blocking acquire's failed attempts.
+                let mut unknown: Vec<Vec<u64>> = vec![Vec::new(); 4];
                 for op in ops {
                     match op {
-                        Op::Step(a) => match phases[a].clone() {
+                        Op::Step(a, lost) => match phases[a].clone() {
                             Phase::Idle => {
                                 let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
-                                if !free {
+                                let mine = doc.as_ref().is_some_and(|d| unknown[a].contains(&d.acquisition));
+                                if !free && !mine {
                                     continue;
+                                }
+                                if !free
+                                    && let Some(d) = &doc
+                                {
+                                    prop_assert!(
+                                        leases.iter().all(|(_, n)| *n != d.acquisition),
+                                        "took back acquisition {} that handed out a lease", d.acquisition
+                                    );
                                 }
                                 nonces += 1;
                                 let (token, ceiling) = doc.as_ref().map_or((None, None), |d| (d.token, d.ceiling));
@@ -1430,7 +1452,14 @@ mod tests {
                                 if let Some(t) = next {
                                     prop_assert!(t > highest, "fast token {t} after {highest}");
                                     highest = t;
-                                    leases.push((lease(owner_of(a), t), nonces));
+                                    if lost {
+                                        unknown[a].push(nonces);
+                                    } else {
+                                        leases.push((lease(owner_of(a), t), nonces));
+                                        unknown[a].clear();
+                                    }
+                                } else if lost {
+                                    unknown[a].push(nonces);
                                 } else {
                                     phases[a] = Phase::Pending { nonce: nonces, previous: token.unwrap_or(0) };
                                 }
@@ -1439,9 +1468,25 @@ mod tests {
                                 // reserve_pipeline.
                                 counter = counter.max(previous) + block;
                                 phases[a] = Phase::Reserved { nonce, ceiling: counter };
+                                if lost {
+                                    // The attempt fails: it frees the half-acquired lock
+                                    // (owner and pending nonce) and the block is never used.
+                                    phases[a] = Phase::Idle;
+                                    unknown[a].push(nonce);
+                                    if let Some(d) = doc.as_mut()
+                                        && d.owner.as_deref() == Some(owner_of(a).as_str())
+                                        && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
+                                    {
+                                        d.owner = None;
+                                        d.pending = None;
+                                    }
+                                }
                             }
                             Phase::Reserved { nonce, ceiling } => {
                                 phases[a] = Phase::Idle;
+                                if lost {
+                                    unknown[a].push(nonce);
+                                }
                                 let Some(d) = doc.as_mut() else { continue };
                                 if d.owner.as_deref() == Some(owner_of(a).as_str())
                                     && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
@@ -1452,7 +1497,10 @@ mod tests {
                                     d.pending = None;
                                     prop_assert!(t > highest, "slow token {t} after {highest}");
                                     highest = t;
-                                    leases.push((lease(owner_of(a), t), nonce));
+                                    if !lost {
+                                        leases.push((lease(owner_of(a), t), nonce));
+                                        unknown[a].clear();
+                                    }
                                 }
                             }
                         },

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner, WatchdogOptions};
 use docwarden_testkit::TestDb;
 
@@ -151,6 +151,38 @@ async fn a_holder_resuming_after_a_pause_longer_than_its_lease_is_told_at_once()
     assert_eq!(
         violations, 0,
         "after the pause the watchdog said held = {held}, lost = {lost}, while another owner held the lock"
+    );
+    Ok(())
+}
+
+/// Session 16: a suspend of the whole machine (a VM paused, a laptop asleep) is not counted
+/// by the monotonic clock (Linux `CLOCK_MONOTONIC`), only by the wall clock: on resume the
+/// watchdog's deadline by `Instant` had not passed, and `lease()` said held. The suspend is
+/// simulated as the clock tests do: the time source's wall clock steps ahead by more than
+/// the lease while the monotonic clock does not move.
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_resuming_from_a_suspend_longer_than_its_lease_is_told_at_once()
+-> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_suspend").await?;
+    let local = LocalClock::system();
+    let time =
+        TimeSource::server_with_local(t.client.clone(), local.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(2);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    anyhow::ensure!(dog.lease().is_some(), "lost before the suspend");
+    // The suspend: 10 s by the wall clock, nothing by the monotonic clock.
+    local.step_ms(10_000);
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "after a 10 s suspend of a 2 s lease the watchdog said held = {held}, lost = {lost}"
     );
     Ok(())
 }

@@ -15,8 +15,11 @@
 //! [`Watchdog::lease`] and [`Watchdog::is_lost`] compare [`Watchdog::valid_until`] with the
 //! monotonic clock at the call, so a holder that resumes past it is told at once, before
 //! the task runs again. The monotonic clock (`Instant`) does not advance while the whole
-//! machine is suspended (Linux `CLOCK_MONOTONIC`): a suspended VM or laptop resumes
-//! believing less time has passed; only fencing protects against that.
+//! machine is suspended (Linux `CLOCK_MONOTONIC`), so they also compare the same deadline
+//! on the wall clock (the time source's [`crate::clock::LocalClock`]), which does: a
+//! suspended VM or laptop that resumes past it is told too. The price: a forward step of
+//! the wall clock (NTP) reports the lease lost until the next renewal; a backward step is
+//! caught by the monotonic deadline. Fence the writes anyway.
 
 use std::time::{Duration, Instant};
 
@@ -28,7 +31,7 @@ use tracing::Instrument;
 
 use super::collection::LockCollection;
 use super::lease::Lease;
-use crate::clock::ServerTime;
+use crate::clock::{LocalClock, ServerTime};
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -74,21 +77,31 @@ enum State {
     /// The lease as acquired, before the task has read the server time (the instant is
     /// the start: not yet known to be valid beyond it).
     Starting(Lease, Instant),
-    /// The lease as last renewed, and until when it is certainly valid. Past that instant
-    /// it is reported lost even if the task has not run since (a paused or starved
-    /// process): the task's own `Lost` may come late.
-    Held(Lease, Instant),
+    /// The lease as last renewed, and until when it is certainly valid: by the monotonic
+    /// clock, and the same deadline on the wall clock (milliseconds), which also counts a
+    /// suspend of the whole machine. Past either it is reported lost even if the task has
+    /// not run since (a paused or starved process): the task's own `Lost` may come late.
+    Held(Lease, Instant, i64),
     Lost(LostReason, Lease),
 }
 
 impl State {
-    /// The lease while it counts as held at `now`.
-    fn held_at(&self, now: Instant) -> Option<&Lease> {
+    /// The lease while it counts as held at `now` (wall clock: `wall_ms`).
+    fn held_at(&self, now: Instant, wall_ms: i64) -> Option<&Lease> {
         match self {
             State::Starting(l, _) => Some(l),
-            State::Held(l, until) if now < *until => Some(l),
+            State::Held(l, until, wall_until) if now < *until && wall_ms < *wall_until => Some(l),
             State::Held(..) | State::Lost(..) => None,
         }
+    }
+
+    /// `Held` until `valid_until`, with the wall-clock deadline read from `local` now.
+    fn held(lease: Lease, valid_until: Instant, local: &LocalClock) -> Self {
+        let left = valid_until.saturating_duration_since(Instant::now());
+        let wall_until = local
+            .now_ms()
+            .saturating_add(i64::try_from(left.as_millis()).unwrap_or(i64::MAX));
+        State::Held(lease, valid_until, wall_until)
     }
 }
 
@@ -98,6 +111,8 @@ pub struct Watchdog {
     rx: watch::Receiver<State>,
     cancel: CancellationToken,
     locks: LockCollection,
+    /// The time source's wall clock, for the accessors' second deadline.
+    local: LocalClock,
     task: Option<JoinHandle<()>>,
 }
 
@@ -126,21 +141,26 @@ impl Watchdog {
         Ok(Self {
             rx,
             cancel,
+            local: locks.time().local(),
             locks,
             task: Some(task),
         })
     }
 
     /// The lease as last renewed, or `None` once it is lost or past
-    /// [`Watchdog::valid_until`] (checked at the call: a holder that resumes after a pause
-    /// longer than the lease is told at once, before the watchdog task has run again).
+    /// [`Watchdog::valid_until`] by the monotonic clock or the same deadline by the wall
+    /// clock (checked at the call: a holder that resumes after a pause or a suspend longer
+    /// than the lease is told at once, before the watchdog task has run again).
     /// Between [`Watchdog::start`] and the task's first read of the server time it is the
     /// lease as acquired.
     pub fn lease(&self) -> Option<Lease> {
         if self.cancel.is_cancelled() {
             return None;
         }
-        self.rx.borrow().held_at(Instant::now()).cloned()
+        self.rx
+            .borrow()
+            .held_at(Instant::now(), self.local.now_ms())
+            .cloned()
     }
 
     /// Until when the lease is certainly valid by the local monotonic clock, or `None` once
@@ -152,16 +172,19 @@ impl Watchdog {
             return None;
         }
         match &*self.rx.borrow() {
-            State::Starting(_, until) | State::Held(_, until) => Some(*until),
+            State::Starting(_, until) | State::Held(_, until, _) => Some(*until),
             State::Lost(..) => None,
         }
     }
 
-    /// Whether the lease is lost, or no longer certainly valid by the local monotonic
-    /// clock ([`Watchdog::valid_until`] has passed, even if the watchdog task has not run
-    /// since), as [`Watchdog::lease`] tells it.
+    /// Whether the lease is lost, or no longer certainly valid by the local monotonic or
+    /// wall clock ([`Watchdog::valid_until`] has passed, even if the watchdog task has not
+    /// run since), as [`Watchdog::lease`] tells it.
     pub fn is_lost(&self) -> bool {
-        self.rx.borrow().held_at(Instant::now()).is_none()
+        self.rx
+            .borrow()
+            .held_at(Instant::now(), self.local.now_ms())
+            .is_none()
     }
 
     /// Resolves as soon as the lease is lost (use it in a `select!` next to the work).
@@ -192,7 +215,7 @@ impl Watchdog {
         }
         let state = self.rx.borrow().clone();
         match state {
-            State::Starting(lease, _) | State::Held(lease, _) => self.locks.release(&lease).await,
+            State::Starting(lease, _) | State::Held(lease, ..) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
                 token: lease.token.into(),
@@ -222,7 +245,8 @@ async fn run(
         Ok(now) => initial_valid_until(started, &lease, &now, margin),
         Err(_) => started,
     };
-    let _ = tx.send(State::Held(lease.clone(), valid_until));
+    let local = locks.time().local();
+    let _ = tx.send(State::held(lease.clone(), valid_until, &local));
     let mut next = next_renewal(Instant::now(), interval, valid_until);
     loop {
         let wake = next.min(valid_until);
@@ -254,7 +278,7 @@ async fn run(
                 valid_until = renewed_valid_until(attempt_started, ttl, &now, margin);
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
-                let _ = tx.send(State::Held(lease.clone(), valid_until));
+                let _ = tx.send(State::held(lease.clone(), valid_until, &local));
             }
             Ok(Err(Error::LeaseLost { .. })) => {
                 tracing::warn!("lease lost: renewal refused");

@@ -497,6 +497,23 @@ impl TimeSource {
         })
     }
 
+    /// [`TimeSource::now`] without any I/O: the projection of the last sample if it is
+    /// still fresh (`None` otherwise; a local source always answers).
+    pub(crate) fn now_if_fresh(&self) -> Option<ServerTime> {
+        match &self.inner.mode {
+            Mode::Local => Some(ServerTime {
+                estimate_ms: self.inner.local.now_ms(),
+                bound_ms: 0,
+            }),
+            Mode::Server { state, .. } => {
+                let current = *state.read().unwrap_or_else(|p| p.into_inner());
+                current
+                    .filter(|est| self.staleness(est) == Staleness::Fresh)
+                    .map(|est| self.project(est))
+            }
+        }
+    }
+
     /// The configured skew margin in milliseconds.
     pub fn skew_margin_ms(&self) -> i64 {
         millis(self.inner.options.skew_margin)

@@ -186,3 +186,30 @@ async fn a_holder_resuming_from_a_suspend_longer_than_its_lease_is_told_at_once(
     );
     Ok(())
 }
+
+/// Session 16: until the watchdog task first read the server time, `lease()` returned the
+/// lease as acquired with no deadline at all, so a holder whose thread blocked right after
+/// `watch` (before the task ever ran) was told "held" long after the lease had lapsed.
+/// The start now takes its deadline from the time source's fresh sample (no I/O).
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_blocked_right_after_starting_the_watchdog_is_told_at_once() -> anyhow::Result<()>
+{
+    let t = TestDb::new("lock_watchdog_blocked_at_start").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(1);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+    // Blocked before the watchdog task ever ran, for twice the lease.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "2 s after a 1 s lease the watchdog said held = {held}, lost = {lost}"
+    );
+    Ok(())
+}

@@ -130,8 +130,20 @@ impl Watchdog {
         validate::duration_ms("ttl", ttl)?;
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
-        // Not known to be valid until the task has read the server time.
-        let (tx, rx) = watch::channel(State::Starting(lease.clone(), Instant::now()));
+        // Valid until the deadline the time source's fresh sample gives, as after a
+        // renewal (no I/O: the acquire just read it), so that a holder blocked before the
+        // task first runs is not told "held" past it; without a fresh sample, not known
+        // to be valid until the task has read the server time.
+        let started = Instant::now();
+        let initial = match locks.time().now_if_fresh() {
+            Some(now) => State::held(
+                lease.clone(),
+                initial_valid_until(started, &lease, &now, margin_of(&locks)),
+                &locks.time().local(),
+            ),
+            None => State::Starting(lease.clone(), started),
+        };
+        let (tx, rx) = watch::channel(initial);
         let cancel = CancellationToken::new();
         let span =
             tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token.get());
@@ -151,8 +163,8 @@ impl Watchdog {
     /// [`Watchdog::valid_until`] by the monotonic clock or the same deadline by the wall
     /// clock (checked at the call: a holder that resumes after a pause or a suspend longer
     /// than the lease is told at once, before the watchdog task has run again).
-    /// Between [`Watchdog::start`] and the task's first read of the server time it is the
-    /// lease as acquired.
+    /// Only if the time source had no fresh sample at [`Watchdog::start`] is it, until the
+    /// task's first read of the server time, the lease as acquired.
     pub fn lease(&self) -> Option<Lease> {
         if self.cancel.is_cancelled() {
             return None;
@@ -238,7 +250,7 @@ async fn run(
     tx: watch::Sender<State>,
     cancel: CancellationToken,
 ) {
-    let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
+    let margin = margin_of(&locks);
     // Until when the lease is certainly valid, by the local monotonic clock.
     let started = Instant::now();
     let mut valid_until = match locks.time().now().await {
@@ -303,6 +315,11 @@ async fn run(
             }
         }
     }
+}
+
+/// The time source's skew margin as a duration.
+fn margin_of(locks: &LockCollection) -> Duration {
+    Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0))
 }
 
 /// Until when a lease expiring at `expires_at` is certainly valid by the local monotonic

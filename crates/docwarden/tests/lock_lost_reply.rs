@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{LockCollection, LockOptions, Owner, Semaphore, SemaphoreOptions};
+use docwarden::lock::{
+    LockCollection, LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
+};
 use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{Document, doc};
 
@@ -108,6 +110,52 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
             "semaphore: acquire said {other:?}, {ours} holder entries of this owner: {status:?}"
         )),
     }
+
+    // A writer waiting for a reader, whose renewals of its intent all apply but lose their
+    // replies: its copy of the lease lapses and `write` gives up with `Ok(None)`. The
+    // intent the renewals extended must not stay behind, keeping readers out for a ttl.
+    let rw = RwLocks::new(
+        LockCollection::open(&db, "rw", time.clone(), fast).await?,
+        RwLockOptions::default().poll_interval(Duration::from_millis(50)),
+    )?;
+    let reader = rw
+        .try_read(&Owner::random(), "w", Duration::from_secs(3))
+        .await?
+        .context("reader")?;
+    let writer = Owner::random();
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+            },
+        })
+        .await?;
+    let got = rw
+        .write(
+            &writer,
+            "w",
+            Duration::from_secs(1),
+            Duration::from_millis(2_500),
+        )
+        .await;
+    fail_commands_off(&client).await?;
+    let stored = db
+        .collection::<Document>("rw")
+        .find_one(doc! { "_id": "w" })
+        .await?
+        .context("rw document")?;
+    match got {
+        Ok(None) if stored.get_str("owner").ok() == Some(writer.id()) => violations.push(format!(
+            "rwlock: write gave up with Ok(None) and left its intent in place: {stored}"
+        )),
+        Ok(None) => {}
+        other => violations.push(format!("rwlock: write said {other:?}: {stored}")),
+    }
+    rw.release_read(&reader).await.ok();
 
     assert!(
         violations.is_empty(),

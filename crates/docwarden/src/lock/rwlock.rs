@@ -437,6 +437,10 @@ impl RwLocks {
                 }
                 Ok(Readers::TakenOver) => {
                     tracing::debug!(resource, "write intent lost while readers were inside");
+                    // Lapsed by this copy of the lease only (renewals that applied but
+                    // lost their replies extended it on the server): withdraw it, or it
+                    // keeps readers out until then. A no-op when it was taken over.
+                    self.withdraw(&lease).await;
                     return Ok(None);
                 }
                 Ok(Readers::Inside { until_expiry }) => {

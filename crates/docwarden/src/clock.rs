@@ -267,6 +267,11 @@ impl PrimaryWatch {
     }
 }
 
+/// The most `hello` exchanges one refresh may make ([`ClockOptions::samples`]): the best
+/// of a few round trips is as good as the best of many, and the refresh holds up every
+/// `now()` of its source while it runs.
+pub const MAX_SAMPLES: usize = 16;
+
 /// Options of a [`TimeSource`], validated by [`TimeSource::server`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -277,7 +282,9 @@ pub struct ClockOptions {
     pub skew_margin: Duration,
     /// Assumed worst drift of the local monotonic clock, parts per million. Default 500.
     pub drift_ppm: u32,
-    /// `hello` exchanges per refresh; the one with the shortest round trip wins. Default 3.
+    /// `hello` exchanges per refresh; the one with the shortest round trip wins. Default 3;
+    /// at least 1 and at most [`MAX_SAMPLES`] (each is a round trip, and every `now()` of
+    /// the source waits for a refresh in progress).
     pub samples: usize,
     /// How long one refresh may take before the previous sample is used. Default 5 s.
     pub hello_timeout: Duration,
@@ -361,6 +368,12 @@ impl ClockOptions {
             return Err(Error::invalid("clock step tolerance", "is too long"));
         }
         validate::positive("clock samples", self.samples)?;
+        if self.samples > MAX_SAMPLES {
+            return Err(Error::invalid(
+                "clock samples",
+                format!("must be at most {MAX_SAMPLES}"),
+            ));
+        }
         validate::duration_ms("clock hello timeout", self.hello_timeout)?;
         Ok(())
     }
@@ -482,6 +495,23 @@ impl TimeSource {
                 counters: Counters::default(),
             }),
         })
+    }
+
+    /// [`TimeSource::now`] without any I/O: the projection of the last sample if it is
+    /// still fresh (`None` otherwise; a local source always answers).
+    pub(crate) fn now_if_fresh(&self) -> Option<ServerTime> {
+        match &self.inner.mode {
+            Mode::Local => Some(ServerTime {
+                estimate_ms: self.inner.local.now_ms(),
+                bound_ms: 0,
+            }),
+            Mode::Server { state, .. } => {
+                let current = *state.read().unwrap_or_else(|p| p.into_inner());
+                current
+                    .filter(|est| self.staleness(est) == Staleness::Fresh)
+                    .map(|est| self.project(est))
+            }
+        }
     }
 
     /// The configured skew margin in milliseconds.
@@ -821,6 +851,12 @@ mod tests {
                 .is_err()
         );
         assert!(ClockOptions::default().samples(0).validate().is_err());
+        assert!(
+            ClockOptions::default()
+                .samples(MAX_SAMPLES)
+                .validate()
+                .is_ok()
+        );
     }
 
     #[tokio::test]

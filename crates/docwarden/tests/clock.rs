@@ -268,3 +268,24 @@ async fn a_new_primary_makes_the_next_now_resample() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Session 16: `samples` was unbounded. Each sample is a `hello` round trip (with its own
+/// `hello_timeout`) made while every other `now()` of the source waits for the refresh, so
+/// `samples(usize::MAX)` stalled every lease operation for good instead of being refused.
+/// The limit is `docwarden::clock::MAX_SAMPLES` (16).
+#[tokio::test]
+async fn clock_samples_are_bounded() -> anyhow::Result<()> {
+    let t = TestDb::new("clock_samples_bounded").await?;
+    for (samples, ok) in [(1, true), (16, true), (17, false), (usize::MAX, false)] {
+        let r = TimeSource::server(t.client.clone(), ClockOptions::default().samples(samples));
+        match r {
+            Ok(_) => assert!(ok, "{samples} samples were accepted"),
+            Err(docwarden::Error::InvalidInput {
+                what: "clock samples",
+                ..
+            }) => assert!(!ok, "{samples} samples were refused"),
+            Err(e) => anyhow::bail!("{samples} samples: {e}"),
+        }
+    }
+    Ok(())
+}

@@ -749,3 +749,50 @@ async fn a_fenced_update_cannot_touch_the_fence_itself() -> anyhow::Result<()> {
     q.complete(&job, mongodb::bson::Bson::Null).await?;
     Ok(())
 }
+
+/// Session 16: numbers an operator writes with mongosh are doubles. A token counter
+/// re-seeded by hand (`{$set: {token: 100}}` in `<name>.tokens`, stored 100.0) made every
+/// later slow-path acquire fail ("token counter: … not an int64"): the resource could not
+/// be locked again. A lock document whose token was restored by hand as a double (with
+/// the counter lost) was read as "no previous token" (0): the next block started at the
+/// bottom and handed out a token below one already handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_written_by_hand_as_doubles_are_read_as_numbers() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_tokens_as_doubles").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    // Block size 1: every acquire reserves from the counter (the slow path).
+    let locks =
+        LockCollection::open(&t.db, LOCKS, time, LockOptions::default().token_block(1)).await?;
+    let counter = t.db.collection::<Document>(&format!("{LOCKS}.tokens"));
+    let lock_docs = t.db.collection::<Document>(LOCKS);
+    let owner = Owner::random();
+    let ttl = Duration::from_secs(30);
+    let mut failures = Vec::new();
+
+    // The counter re-seeded above every token handed out, as a double.
+    let first = locks.try_acquire(&owner, "a", ttl).await?.context("a")?;
+    locks.release(&first).await?;
+    counter
+        .update_one(doc! { "_id": "a" }, doc! { "$set": { "token": 100.0 } })
+        .await?;
+    match locks.try_acquire(&owner, "a", ttl).await {
+        Ok(Some(lease)) if lease.token.get() > 100 => locks.release(&lease).await?,
+        other => failures.push(format!("counter re-seeded as 100.0: {other:?}")),
+    }
+
+    // The lock document's token restored as a double, the counter lost.
+    let first = locks.try_acquire(&owner, "b", ttl).await?.context("b")?;
+    locks.release(&first).await?;
+    lock_docs
+        .update_one(doc! { "_id": "b" }, doc! { "$set": { "token": 500.0 } })
+        .await?;
+    counter.delete_one(doc! { "_id": "b" }).await?;
+    match locks.try_acquire(&owner, "b", ttl).await {
+        Ok(Some(lease)) if lease.token.get() > 500 => locks.release(&lease).await?,
+        other => failures.push(format!(
+            "lock token restored as 500.0, counter lost: {other:?} (a token at or below 500 repeats one handed out)"
+        )),
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}

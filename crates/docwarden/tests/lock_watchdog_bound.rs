@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner, WatchdogOptions};
 use docwarden_testkit::TestDb;
 
@@ -85,6 +85,131 @@ async fn after_renewals_the_watchdog_claims_at_most_expires_at_minus_bound_and_m
     assert!(
         violations.is_empty(),
         "the watchdog over-claims the lease after renewals: {violations:?}"
+    );
+    Ok(())
+}
+
+/// Session 16: the watchdog's state is updated by its task only, so a holder that resumed
+/// after a pause longer than its lease (a GC pause, a blocked runtime thread, SIGSTOP)
+/// read `lease()` = `Some`, `is_lost()` = `false` — and an election's leader kept leading —
+/// while another owner already held the resource: two holders. The accessors now check
+/// `valid_until` themselves. The pause is the test's only runtime thread blocked; the
+/// competitor runs on its own thread, runtime and client.
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_resuming_after_a_pause_longer_than_its_lease_is_told_at_once()
+-> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_pause").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(1);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease.clone(), ttl, WatchdogOptions::default())?;
+    // Let the watchdog read the server time and renew once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    anyhow::ensure!(dog.lease().is_some(), "lost before the pause");
+
+    let uri = t.uri().to_owned();
+    let db_name = t.db.name().to_owned();
+    let competitor = std::thread::spawn(move || -> anyhow::Result<bool> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let client = mongodb::Client::with_uri_str(&uri).await?;
+            let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+            let locks = LockCollection::new(
+                client.database(&db_name).collection("locks"),
+                time,
+                LockOptions::default(),
+            )?;
+            let give_up = Instant::now() + Duration::from_millis(2_500);
+            while Instant::now() < give_up {
+                if locks
+                    .try_acquire(&Owner::random(), "r", Duration::from_secs(30))
+                    .await?
+                    .is_some()
+                {
+                    return Ok(true);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(false)
+        })
+    });
+    // The pause: this thread (the runtime the watchdog runs on) is blocked.
+    std::thread::sleep(Duration::from_millis(3_000));
+    // Read before anything yields to the watchdog task.
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let taken_over = competitor
+        .join()
+        .map_err(|_| anyhow::anyhow!("competitor panicked"))??;
+    assert!(taken_over, "the competitor never got the lapsed lease");
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "after the pause the watchdog said held = {held}, lost = {lost}, while another owner held the lock"
+    );
+    Ok(())
+}
+
+/// Session 16: a suspend of the whole machine (a VM paused, a laptop asleep) is not counted
+/// by the monotonic clock (Linux `CLOCK_MONOTONIC`), only by the wall clock: on resume the
+/// watchdog's deadline by `Instant` had not passed, and `lease()` said held. The suspend is
+/// simulated as the clock tests do: the time source's wall clock steps ahead by more than
+/// the lease while the monotonic clock does not move.
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_resuming_from_a_suspend_longer_than_its_lease_is_told_at_once()
+-> anyhow::Result<()> {
+    let t = TestDb::new("lock_watchdog_suspend").await?;
+    let local = LocalClock::system();
+    let time =
+        TimeSource::server_with_local(t.client.clone(), local.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(2);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    anyhow::ensure!(dog.lease().is_some(), "lost before the suspend");
+    // The suspend: 10 s by the wall clock, nothing by the monotonic clock.
+    local.step_ms(10_000);
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "after a 10 s suspend of a 2 s lease the watchdog said held = {held}, lost = {lost}"
+    );
+    Ok(())
+}
+
+/// Session 16: until the watchdog task first read the server time, `lease()` returned the
+/// lease as acquired with no deadline at all, so a holder whose thread blocked right after
+/// `watch` (before the task ever ran) was told "held" long after the lease had lapsed.
+/// The start now takes its deadline from the time source's fresh sample (no I/O).
+#[tokio::test(flavor = "current_thread")]
+async fn a_holder_blocked_right_after_starting_the_watchdog_is_told_at_once() -> anyhow::Result<()>
+{
+    let t = TestDb::new("lock_watchdog_blocked_at_start").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let ttl = Duration::from_secs(1);
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", ttl)
+        .await?
+        .context("acquire")?;
+    let dog = locks.watch(lease, ttl, WatchdogOptions::default())?;
+    // Blocked before the watchdog task ever ran, for twice the lease.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let (held, lost) = (dog.lease().is_some(), dog.is_lost());
+    let violations = usize::from(held) + usize::from(!lost);
+    assert_eq!(
+        violations, 0,
+        "2 s after a 1 s lease the watchdog said held = {held}, lost = {lost}"
     );
     Ok(())
 }

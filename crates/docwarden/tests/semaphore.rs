@@ -186,3 +186,36 @@ async fn a_permit_fences_writes_and_a_lapsed_one_cannot_renew() -> anyhow::Resul
     assert_eq!(sem.status("r").await?.context("doc")?.holders.len(), 0);
     Ok(())
 }
+
+/// Session 16: `permits` written by mongosh is a double (`{$set: {permits: 3}}` stores
+/// 3.0). The acquire counts it as 3 (`$isNumber`), but `status` and `list` showed `None`
+/// (the default), so an operator read a limit that was not the one enforced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn permits_written_as_a_double_are_shown_as_enforced() -> anyhow::Result<()> {
+    let t = TestDb::new("sem_permits_double").await?;
+    let sem = Semaphore::open(&t.db, SEM, time(&t)?, SemaphoreOptions::default()).await?;
+    let raw = t.db.collection::<Document>(SEM);
+    raw.insert_one(doc! { "_id": "r", "permits": 3.0, "holders": [] })
+        .await?;
+    raw.insert_one(doc! { "_id": "q", "permits": 2_i32, "holders": [] })
+        .await?;
+    let ttl = Duration::from_secs(30);
+    let mut held = 0;
+    while sem.try_acquire(&Owner::random(), "r", ttl).await?.is_some() {
+        held += 1;
+        anyhow::ensure!(held <= 10, "no limit enforced");
+    }
+    assert_eq!(held, 3, "the acquire enforces 3.0 as 3");
+    let status = sem.status("r").await?.context("status")?;
+    assert_eq!((status.permits, status.live()), (Some(3), 3));
+    let listed = sem.list(None, false).await?;
+    let permits: Vec<(String, Option<i64>)> = listed
+        .iter()
+        .map(|r| (r.resource.clone(), r.permits))
+        .collect();
+    assert_eq!(
+        permits,
+        vec![("q".to_owned(), Some(2)), ("r".to_owned(), Some(3))]
+    );
+    Ok(())
+}

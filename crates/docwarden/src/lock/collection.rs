@@ -48,6 +48,10 @@ use crate::error::{self, Error, Result};
 use crate::token::FencingToken;
 use crate::validate;
 
+/// How many earlier attempts' nonces a blocking acquire recognises as its own (see
+/// [`acquire_filter_or_mine`]); an older one's lost acquisition is waited out as before.
+const MAX_UNKNOWN: usize = 16;
+
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
 
@@ -455,12 +459,28 @@ impl LockCollection {
         resource: &str,
         ttl: Duration,
     ) -> Result<Option<Lease>> {
+        self.attempt(owner, resource, ttl, &validate::random_id(), &[])
+            .await
+    }
+
+    /// One acquire attempt with acquisition nonce `nonce`. `unknown`: the nonces of this
+    /// blocking acquire's earlier attempts that failed with a transient error, so may have
+    /// taken the lock without the reply saying so (see [`acquire_filter`]); empty for
+    /// [`LockCollection::try_acquire`].
+    async fn attempt(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        nonce: &str,
+        unknown: &[String],
+    ) -> Result<Option<Lease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
-        let nonce = validate::random_id();
+        let nonce = nonce.to_owned();
         let acquired_at = now.estimate();
         let expires_at = now.plus_ms(ttl_ms);
 
@@ -468,7 +488,7 @@ impl LockCollection {
         // the whole acquire (the fast path); otherwise it writes a `pending` nonce.
         let filter = match self.options.unsafe_control {
             UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
-            _ => acquire_filter(resource, cutoff),
+            _ => acquire_filter_or_mine(resource, cutoff, unknown),
         };
         let update = acquire_pipeline(owner.id(), &nonce, acquired_at, expires_at);
         let after = match self
@@ -523,12 +543,11 @@ impl LockCollection {
         // The slow path. `previous` is the token the document kept (0 for a new document or
         // a hand-edited token): the new block starts above it.
         let previous = match after.get("token") {
-            Some(Bson::Int64(t)) => *t,
             None => 0,
-            Some(other) => {
-                tracing::warn!(resource, token = %describe(Some(other)), "took over a lock whose token was not an int64 (edited by hand?)");
+            Some(value) => stored_number(Some(value)).unwrap_or_else(|| {
+                tracing::warn!(resource, token = %describe(Some(value)), "took over a lock whose token is not a number (edited by hand?)");
                 0
-            }
+            }),
         };
         if !matches!(after.get("expires_at"), Some(Bson::DateTime(_))) {
             // Unreachable: the pipeline just wrote a date.
@@ -590,9 +609,9 @@ impl LockCollection {
                 .await;
             match answer {
                 Ok(Some(counter)) => {
-                    return counter.get_i64("token").map_err(|e| Error::Malformed {
+                    return stored_number(counter.get("token")).ok_or_else(|| Error::Malformed {
                         id: resource.to_owned(),
-                        reason: format!("token counter: {e}"),
+                        reason: format!("token counter is {}", describe(counter.get("token"))),
                     });
                 }
                 Ok(None) if attempts < 3 => {}
@@ -681,8 +700,20 @@ impl LockCollection {
         // Woken by the release itself (a change stream on this lock document), polling
         // only for expiries, or with the backoff where change streams are refused.
         let mut wake = Wake::new(&self.locks, resource, Wake::freed_lock());
+        // Attempts that failed with a transient error may have taken the lock all the same
+        // (a lost reply): the next attempts take it back from them rather than waiting
+        // behind them until their ttl.
+        let mut unknown: Vec<String> = Vec::new();
         loop {
-            if let Some(lease) = deadline.attempt(self.try_acquire(owner, resource, ttl).await)? {
+            let nonce = validate::random_id();
+            let result = self.attempt(owner, resource, ttl, &nonce, &unknown).await;
+            if matches!(&result, Err(e) if e.is_retryable()) {
+                if unknown.len() >= MAX_UNKNOWN {
+                    unknown.remove(0);
+                }
+                unknown.push(nonce);
+            }
+            if let Some(lease) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
                 return Ok(Some(lease));
             }
@@ -843,14 +874,31 @@ fn lost(lease: &Lease) -> Error {
 /// it would be locked forever. It is treated as expired. Tokens still increase: the token
 /// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
-    doc! { "$and": [
-        { "_id": resource },
-        { "$or": [
-            { "owner": Bson::Null },
-            { "expires_at": { "$lt": cutoff } },
-            { "expires_at": { "$not": { "$type": "date" } } },
-        ] },
-    ] }
+    acquire_filter_or_mine(resource, cutoff, &[])
+}
+
+/// [`acquire_filter`], and also the lock as left by one of `unknown`: acquisitions of the
+/// same blocking acquire whose attempt failed with a transient error (a lost reply: the
+/// write may have applied). Taking such a lock again is taking it from oneself: nobody
+/// else was told they hold it, and the pipeline hands out a fresh token (or a new block).
+/// Only *earlier* attempts' nonces are listed, never the current one's, so a delayed
+/// execution of an earlier attempt cannot take the lock back from the attempt that
+/// reported it. With `unknown` empty (every first attempt, every `try_acquire`) this is
+/// [`acquire_filter`] itself: the hot path is unchanged.
+pub(crate) fn acquire_filter_or_mine(
+    resource: &str,
+    cutoff: DateTime,
+    unknown: &[String],
+) -> Document {
+    let mut free = vec![
+        Bson::Document(doc! { "owner": Bson::Null }),
+        Bson::Document(doc! { "expires_at": { "$lt": cutoff } }),
+        Bson::Document(doc! { "expires_at": { "$not": { "$type": "date" } } }),
+    ];
+    if !unknown.is_empty() {
+        free.push(Bson::Document(doc! { "acquisition": { "$in": unknown } }));
+    }
+    doc! { "$and": [{ "_id": resource }, { "$or": free }] }
 }
 
 /// The acquire's update: take the lock (writing the acquisition's random nonce in
@@ -948,6 +996,25 @@ fn reserve_pipeline(previous: i64, block: i64) -> Vec<Document> {
         { "$max": [ { "$ifNull": [ "$token", 0_i64 ] }, previous ] },
         block,
     ] } } }]
+}
+
+/// A stored integer as docwarden and other writers leave it: an int64 or int32 as is, a
+/// double — what mongosh writes for `token: 100` — rounded up (a bound "tokens handed out
+/// are at most this" stays one). `None` for anything else, or a double outside the
+/// int64 range.
+pub(crate) fn stored_number(value: Option<&Bson>) -> Option<i64> {
+    // 2^63 as a double: every double below it in magnitude converts exactly after `ceil`.
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+    match value {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        Some(Bson::Double(n)) if n.is_finite() && n.ceil() < LIMIT && n.ceil() >= -LIMIT =>
+        {
+            #[allow(clippy::cast_possible_truncation)]
+            Some(n.ceil() as i64)
+        }
+        _ => None,
+    }
 }
 
 /// The BSON type of a stored value in words, for reports: `"a string"`, `"missing"`.
@@ -1066,6 +1133,41 @@ mod tests {
     }
 
     #[test]
+    fn stored_numbers_of_every_numeric_type_are_read() {
+        assert_eq!(stored_number(Some(&Bson::Int64(7))), Some(7));
+        assert_eq!(stored_number(Some(&Bson::Int32(7))), Some(7));
+        assert_eq!(stored_number(Some(&Bson::Double(7.0))), Some(7));
+        assert_eq!(
+            stored_number(Some(&Bson::Double(6.5))),
+            Some(7),
+            "rounded up"
+        );
+        assert_eq!(stored_number(Some(&Bson::Double(1e300))), None);
+        assert_eq!(stored_number(Some(&Bson::Double(f64::NAN))), None);
+        assert_eq!(stored_number(Some(&Bson::String("7".into()))), None);
+        assert_eq!(stored_number(None), None);
+    }
+
+    #[test]
+    fn a_retrying_acquire_also_matches_its_earlier_attempts_acquisitions() {
+        let cutoff = DateTime::from_millis(1_000);
+        assert_eq!(
+            acquire_filter_or_mine("r", cutoff, &[]),
+            acquire_filter("r", cutoff)
+        );
+        let f = acquire_filter_or_mine("r", cutoff, &["n1".to_owned(), "n2".to_owned()]);
+        assert_eq!(
+            f,
+            doc! { "$and": [{ "_id": "r" }, { "$or": [
+                { "owner": null },
+                { "expires_at": { "$lt": cutoff } },
+                { "expires_at": { "$not": { "$type": "date" } } },
+                { "acquisition": { "$in": ["n1", "n2"] } },
+            ] }] }
+        );
+    }
+
+    #[test]
     fn renew_requires_identity_and_certain_validity() {
         let now = ServerTime {
             estimate_ms: 1_000,
@@ -1178,6 +1280,13 @@ mod tests {
     /// and deletion), and a replayed lease matches only the committed acquisition that
     /// handed it out (issue 11, finding 2: not a newer one of the same owner id, not one
     /// whose token is pending).
+    ///
+    /// Session 16: any step's reply may be lost (the write applies, the attempt fails):
+    /// the step-2 failure frees the half-acquired lock as `try_acquire` does, and the
+    /// actor's next attempt in the same blocking acquire also matches the acquisitions of
+    /// its failed attempts ([`acquire_filter_or_mine`]). A third property: an attempt that
+    /// takes a lock only by that match takes it from an acquisition no lease was ever
+    /// handed out for.
     mod acquire_model {
         use mongodb::bson::{Bson, DateTime, Document, doc};
         use proptest::prelude::*;
@@ -1206,16 +1315,20 @@ mod tests {
 
         #[derive(Clone, Debug)]
         enum Op {
-            Step(usize),
+            /// The actor's next step; `true`: its write applies but its reply is lost.
+            Step(usize, bool),
             Expire,
             Delete,
             ReleaseAll(usize),
-            Replay { lease: usize, release: bool },
+            Replay {
+                lease: usize,
+                release: bool,
+            },
         }
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                8 => (0..4_usize).prop_map(Op::Step),
+                8 => (0..4_usize, prop::bool::weighted(0.15)).prop_map(|(a, lost)| Op::Step(a, lost)),
                 2 => Just(Op::Expire),
                 1 => Just(Op::Delete),
                 1 => (0..2_usize).prop_map(Op::ReleaseAll),
@@ -1302,13 +1415,24 @@ mod tests {
                 let mut leases: Vec<(Lease, u64)> = Vec::new();
                 let mut highest = 0_i64;
                 let mut nonces = 0_u64;
+                // Per actor: the nonces of its blocking acquire's failed attempts.
+                let mut unknown: Vec<Vec<u64>> = vec![Vec::new(); 4];
                 for op in ops {
                     match op {
-                        Op::Step(a) => match phases[a].clone() {
+                        Op::Step(a, lost) => match phases[a].clone() {
                             Phase::Idle => {
                                 let free = doc.as_ref().is_none_or(|d| d.owner.is_none() || d.expired);
-                                if !free {
+                                let mine = doc.as_ref().is_some_and(|d| unknown[a].contains(&d.acquisition));
+                                if !free && !mine {
                                     continue;
+                                }
+                                if !free
+                                    && let Some(d) = &doc
+                                {
+                                    prop_assert!(
+                                        leases.iter().all(|(_, n)| *n != d.acquisition),
+                                        "took back acquisition {} that handed out a lease", d.acquisition
+                                    );
                                 }
                                 nonces += 1;
                                 let (token, ceiling) = doc.as_ref().map_or((None, None), |d| (d.token, d.ceiling));
@@ -1328,7 +1452,14 @@ mod tests {
                                 if let Some(t) = next {
                                     prop_assert!(t > highest, "fast token {t} after {highest}");
                                     highest = t;
-                                    leases.push((lease(owner_of(a), t), nonces));
+                                    if lost {
+                                        unknown[a].push(nonces);
+                                    } else {
+                                        leases.push((lease(owner_of(a), t), nonces));
+                                        unknown[a].clear();
+                                    }
+                                } else if lost {
+                                    unknown[a].push(nonces);
                                 } else {
                                     phases[a] = Phase::Pending { nonce: nonces, previous: token.unwrap_or(0) };
                                 }
@@ -1337,9 +1468,25 @@ mod tests {
                                 // reserve_pipeline.
                                 counter = counter.max(previous) + block;
                                 phases[a] = Phase::Reserved { nonce, ceiling: counter };
+                                if lost {
+                                    // The attempt fails: it frees the half-acquired lock
+                                    // (owner and pending nonce) and the block is never used.
+                                    phases[a] = Phase::Idle;
+                                    unknown[a].push(nonce);
+                                    if let Some(d) = doc.as_mut()
+                                        && d.owner.as_deref() == Some(owner_of(a).as_str())
+                                        && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
+                                    {
+                                        d.owner = None;
+                                        d.pending = None;
+                                    }
+                                }
                             }
                             Phase::Reserved { nonce, ceiling } => {
                                 phases[a] = Phase::Idle;
+                                if lost {
+                                    unknown[a].push(nonce);
+                                }
                                 let Some(d) = doc.as_mut() else { continue };
                                 if d.owner.as_deref() == Some(owner_of(a).as_str())
                                     && d.pending.as_deref() == Some(format!("n{nonce}").as_str())
@@ -1350,7 +1497,10 @@ mod tests {
                                     d.pending = None;
                                     prop_assert!(t > highest, "slow token {t} after {highest}");
                                     highest = t;
-                                    leases.push((lease(owner_of(a), t), nonce));
+                                    if !lost {
+                                        leases.push((lease(owner_of(a), t), nonce));
+                                        unknown[a].clear();
+                                    }
                                 }
                             }
                         },

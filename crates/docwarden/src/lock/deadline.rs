@@ -13,9 +13,16 @@
 //! calls do, and returns its error as it is.
 //!
 //! **Why retrying is safe:** an attempt whose reply was lost may have taken the lock. The
-//! next attempt then finds it held (by that attempt, under a lease its caller never saw)
-//! and waits like any other contender, until that lease expires or the wait passes. Nobody
-//! ever holds two leases at once: the cost of a lost reply is at most one ttl of waiting.
+//! lock collection's acquire (and the election and the write lock built on it) then takes
+//! it back from itself: each later attempt also matches the acquisitions of the earlier
+//! attempts that failed transiently (their nonces, the last 16), never the current one's,
+//! and hands out a fresh token; nobody else was ever told they hold it. The semaphore's
+//! acquire likewise returns the permit such an attempt was granted instead of taking a
+//! second one. Where an acquire
+//! does not recognise its own lost acquisition (a read lease, a `try_*` call retried by its
+//! caller), the next attempt finds it held and waits like any other contender, until that
+//! lease expires or the wait passes. Nobody ever holds two leases at once: the cost of an
+//! unrecognised lost reply is at most one ttl of waiting.
 
 use std::time::{Duration, Instant};
 

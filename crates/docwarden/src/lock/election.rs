@@ -342,7 +342,8 @@ impl Leadership {
         self.watchdog.valid_until()
     }
 
-    /// Whether leadership is known to be lost.
+    /// Whether leadership is lost, or no longer certainly valid by the local monotonic
+    /// clock (see [`Watchdog::is_lost`]).
     pub fn is_lost(&self) -> bool {
         self.watchdog.is_lost()
     }

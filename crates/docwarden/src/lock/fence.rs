@@ -19,7 +19,9 @@
 //! document yet, the old holder's write still goes through (its token is still the highest
 //! the storage has seen); register the new token first ([`Fence::apply`] with an empty
 //! update) when that matters. One document must be fenced by the tokens of one resource
-//! only: tokens of different resources are not comparable.
+//! only: tokens of different resources are not comparable. A fenced write is not
+//! idempotent: sent again after an error whose write had applied, an `$inc` applies twice
+//! (the same token passes again); retry only idempotent updates.
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};

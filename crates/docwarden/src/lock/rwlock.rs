@@ -22,7 +22,11 @@
 //! token); readers' reads cannot be fenced, so a reader that must not act on data a
 //! writer changed must check [`ReadLease::is_certainly_valid`] after reading. Readers
 //! already inside may renew while a writer waits; a writer waits for them at most its
-//! `wait`. Writers among themselves have no order (whoever takes the lease first).
+//! `wait`. Writers among themselves have no order (whoever takes the lease first). The
+//! lock collection's `gc_after` must exceed the longest time a read lease is held
+//! (renewals included) after a writer's intent ended: while a writer is set, and after
+//! its release, the document's `expires_at` (the TTL index's field) is the writer's, and
+//! the TTL index may delete the document with live readers inside (`docs/locks.md`).
 
 use std::time::{Duration, Instant};
 
@@ -433,6 +437,10 @@ impl RwLocks {
                 }
                 Ok(Readers::TakenOver) => {
                     tracing::debug!(resource, "write intent lost while readers were inside");
+                    // Lapsed by this copy of the lease only (renewals that applied but
+                    // lost their replies extended it on the server): withdraw it, or it
+                    // keeps readers out until then. A no-op when it was taken over.
+                    self.withdraw(&lease).await;
                     return Ok(None);
                 }
                 Ok(Readers::Inside { until_expiry }) => {

@@ -53,6 +53,10 @@ const TOKEN_BLOCK: i64 = 1_000_000;
 /// loses to a racing refill leaves a fresh block behind, so the next attempt is fast).
 const MAX_ROUNDS: usize = 8;
 
+/// How many earlier attempts' nonces a blocking acquire recognises as its own (see
+/// [`Semaphore::acquire`]); an older one's lost permit is waited out until its ttl.
+const MAX_UNKNOWN: usize = 16;
+
 /// Options of a [`Semaphore`], validated once by [`Semaphore::new`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -325,19 +329,36 @@ impl Semaphore {
         resource: &str,
         ttl: Duration,
     ) -> Result<Option<Permit>> {
+        self.attempt(owner, resource, ttl, &validate::random_id(), &[])
+            .await
+    }
+
+    /// One acquire attempt with acquisition nonce `nonce` (every round of it: a round
+    /// that answered was not admitted). `unknown`: the nonces of this blocking acquire's
+    /// earlier attempts that failed with a transient error, whose holder entry (a lost
+    /// reply) is taken back rather than a second permit taken; empty for
+    /// [`Semaphore::try_acquire`].
+    async fn attempt(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        nonce: &str,
+        unknown: &[String],
+    ) -> Result<Option<Permit>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         for _ in 0..MAX_ROUNDS {
             let now = self.time.now().await?;
             let cutoff = now.expired_before(self.time.skew_margin_ms());
-            let nonce = validate::random_id();
             let acquired_at = now.estimate();
             let expires_at = now.plus_ms(ttl_ms);
             let update = acquire_pipeline(
                 &AcquireArgs {
                     owner: owner.id(),
-                    nonce: &nonce,
+                    nonce,
+                    unknown,
                     acquired_at,
                     expires_at,
                     cutoff,
@@ -355,10 +376,25 @@ impl Semaphore {
                 self.refill(resource).await?;
                 continue;
             };
-            match admitted(&after, &nonce, self.default_permits) {
+            match admitted(&after, nonce, unknown, self.default_permits) {
                 Admission::Granted(token) => {
                     crate::observe::lock_acquired(self.docs.name(), Some(token));
                     tracing::debug!(resource, token, "permit acquired");
+                    return Ok(Some(Permit {
+                        resource: resource.to_owned(),
+                        owner: owner.id().to_owned(),
+                        token: FencingToken::new(token),
+                        acquired_at,
+                        expires_at,
+                    }));
+                }
+                Admission::Recovered {
+                    token,
+                    acquired_at,
+                    expires_at,
+                } => {
+                    crate::observe::lock_acquired(self.docs.name(), Some(token));
+                    tracing::debug!(resource, token, "permit of a lost reply taken back");
                     return Ok(Some(Permit {
                         resource: resource.to_owned(),
                         owner: owner.id().to_owned(),
@@ -397,8 +433,19 @@ impl Semaphore {
         let called = Instant::now();
         let mut deadline = Deadline::after(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        // Attempts that failed with a transient error may have been admitted all the same
+        // (a lost reply): later attempts take that permit back instead of a second one.
+        let mut unknown: Vec<String> = Vec::new();
         loop {
-            if let Some(p) = deadline.attempt(self.try_acquire(owner, resource, ttl).await)? {
+            let nonce = validate::random_id();
+            let result = self.attempt(owner, resource, ttl, &nonce, &unknown).await;
+            if matches!(&result, Err(e) if e.is_retryable()) {
+                if unknown.len() >= MAX_UNKNOWN {
+                    unknown.remove(0);
+                }
+                unknown.push(nonce);
+            }
+            if let Some(p) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
                 return Ok(Some(p));
             }
@@ -432,10 +479,8 @@ impl Semaphore {
             Err(e) if error::is_duplicate_key(&e) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        let previous = match marked.get(field::TOKEN) {
-            Some(Bson::Int64(t)) => *t,
-            _ => 0,
-        };
+        // A hand-written token (a double from mongosh) still counts: the block goes above.
+        let previous = super::collection::stored_number(marked.get(field::TOKEN)).unwrap_or(0);
         let block = self.options.token_block;
         let overflow = || Error::Malformed {
             id: resource.to_owned(),
@@ -477,10 +522,15 @@ impl Semaphore {
                 .await;
             match answer {
                 Ok(Some(c)) => {
-                    return c.get_i64(field::TOKEN).map_err(|e| Error::Malformed {
-                        id: resource.to_owned(),
-                        reason: format!("semaphore token counter: {e}"),
-                    });
+                    return super::collection::stored_number(c.get(field::TOKEN)).ok_or_else(
+                        || Error::Malformed {
+                            id: resource.to_owned(),
+                            reason: format!(
+                                "semaphore token counter is {}",
+                                super::collection::describe(c.get(field::TOKEN))
+                            ),
+                        },
+                    );
                 }
                 Ok(None) if attempt < 3 => {}
                 Err(e) if attempt < 3 && error::is_duplicate_key(&e) => {}
@@ -647,6 +697,9 @@ fn holder_match(permit: &Permit) -> Document {
 struct AcquireArgs<'a> {
     owner: &'a str,
     nonce: &'a str,
+    /// Earlier attempts' nonces (see [`Semaphore::acquire`]): no admission while a live
+    /// holder carries one of them.
+    unknown: &'a [String],
     acquired_at: DateTime,
     expires_at: DateTime,
     cutoff: DateTime,
@@ -681,6 +734,20 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
         { "$lt": [&token, &ceiling] },
         { "$lt": [{ "$size": &holders }, { "$cond": [{ "$isNumber": &permits }, &permits, a.default_permits] }] },
     ] };
+    let admit = if a.unknown.is_empty() {
+        admit
+    } else {
+        // A live holder of an earlier attempt of this acquire: take that one back.
+        let acquisition = format!("$$h.{}", field::holder::ACQUISITION);
+        doc! { "$and": [
+            admit,
+            { "$not": [{ "$anyElementTrue": [{ "$map": {
+                "input": &holders,
+                "as": "h",
+                "in": { "$in": [{ "$ifNull": [acquisition, Bson::Null] }, a.unknown] },
+            } }] }] },
+        ] }
+    };
     let next = doc! { "$add": [&token, 1_i64] };
     let holder = doc! {
         field::holder::OWNER: { "$literal": a.owner },
@@ -715,6 +782,12 @@ fn commit_pipeline(base: i64, ceiling: i64) -> Vec<Document> {
 
 enum Admission {
     Granted(i64),
+    /// The live holder entry of an earlier attempt whose reply was lost.
+    Recovered {
+        token: i64,
+        acquired_at: DateTime,
+        expires_at: DateTime,
+    },
     Full,
     Exhausted,
 }
@@ -722,7 +795,7 @@ enum Admission {
 /// What an acquire's returned document says: our holder (by nonce) is in it, or the
 /// semaphore is full, or the block is used up (or the document has none yet). Permits are
 /// read as the acquire pipeline reads them: a stored number, else `default_permits`.
-fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
+fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: i64) -> Admission {
     let holders = after
         .get_array(field::HOLDERS)
         .map(Vec::as_slice)
@@ -733,6 +806,21 @@ fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
             && let Ok(t) = h.get_i64(field::holder::TOKEN)
         {
             return Admission::Granted(t);
+        }
+    }
+    for h in holders {
+        if let Bson::Document(h) = h
+            && let Ok(acquisition) = h.get_str(field::holder::ACQUISITION)
+            && unknown.iter().any(|u| u == acquisition)
+            && let Ok(token) = h.get_i64(field::holder::TOKEN)
+            && let Ok(acquired_at) = h.get_datetime(field::holder::ACQUIRED_AT)
+            && let Ok(expires_at) = h.get_datetime(field::holder::UNTIL)
+        {
+            return Admission::Recovered {
+                token,
+                acquired_at: *acquired_at,
+                expires_at: *expires_at,
+            };
         }
     }
     let room = match after.get(field::PERMITS) {
@@ -752,16 +840,21 @@ fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     }
 }
 
+/// The stored `permits` as the acquire enforces them (it admits while the holders are
+/// fewer than any number, `$isNumber`): an int64 or int32 as is, a double — what mongosh
+/// writes for `permits: 3` — rounded up (`3.0` is 3; `2.5` admits a third holder).
+/// `None` when missing or not a number the listing can show (the handle's default applies
+/// to a missing or non-numeric value).
+fn stored_permits(value: Option<&Bson>) -> Option<i64> {
+    super::collection::stored_number(value)
+}
+
 fn record(d: &Document, cutoff: DateTime) -> SemaphoreRecord {
     let resource = match d.get(field::ID) {
         Some(Bson::String(s)) => s.clone(),
         other => other.map(ToString::to_string).unwrap_or_default(),
     };
-    let permits = match d.get(field::PERMITS) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    };
+    let permits = stored_permits(d.get(field::PERMITS));
     let holders = d
         .get_array(field::HOLDERS)
         .map(|hs| {
@@ -816,23 +909,34 @@ mod tests {
     fn admission_is_read_from_the_document() {
         let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "n", 3), Admission::Granted(5)));
-        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
+        assert!(matches!(admitted(&d, "n", &[], 3), Admission::Granted(5)));
+        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
         let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
-        assert!(matches!(admitted(&e, "m", 3), Admission::Exhausted));
+        assert!(matches!(admitted(&e, "m", &[], 3), Admission::Exhausted));
         // Session 15: `permits` as a double (mongosh's `permits: 1`) read as "no limit
         // stored", so a full semaphore looked exhausted: every contended acquire refilled
         // MAX_ROUNDS token blocks (8 million tokens, ~6 ms) before answering `None`.
         let d = doc! { "_id": "r", "permits": 1.0, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
+        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
         // Permits missing or not a number: the pipeline admits by the handle's default,
         // and so does this reading (a string read as "no limit" made a full semaphore
         // refill its token block for every round of a contended acquire).
         let s = doc! { "_id": "r", "permits": "1", "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&s, "m", 1), Admission::Full));
-        assert!(matches!(admitted(&s, "m", 2), Admission::Exhausted));
+        assert!(matches!(admitted(&s, "m", &[], 1), Admission::Full));
+        assert!(matches!(admitted(&s, "m", &[], 2), Admission::Exhausted));
+    }
+
+    #[test]
+    fn an_earlier_attempts_holder_is_recovered_not_doubled() {
+        let d = doc! { "_id": "r", "permits": 2_i64, "token": 5_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "lost", "acquired_at": DateTime::from_millis(1), "until": DateTime::from_millis(2) }] };
+        assert!(matches!(
+            admitted(&d, "now", &["lost".to_owned()], 3),
+            Admission::Recovered { token: 5, .. }
+        ));
+        assert!(matches!(admitted(&d, "now", &[], 3), Admission::Exhausted));
     }
 
     #[test]
@@ -841,6 +945,7 @@ mod tests {
             &AcquireArgs {
                 owner: "o",
                 nonce: "n",
+                unknown: &[],
                 acquired_at: DateTime::from_millis(1),
                 expires_at: DateTime::from_millis(2),
                 cutoff: DateTime::from_millis(0),
@@ -853,6 +958,7 @@ mod tests {
             &AcquireArgs {
                 owner: "o",
                 nonce: "n",
+                unknown: &[],
                 acquired_at: DateTime::from_millis(1),
                 expires_at: DateTime::from_millis(2),
                 cutoff: DateTime::from_millis(0),

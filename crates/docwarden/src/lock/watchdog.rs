@@ -11,7 +11,15 @@
 //!
 //! **Limits:** the holder learns of a loss at the next renewal attempt at the latest, not
 //! before: work that must never overlap another holder's has to be fenced (see
-//! [`super::Fence`]). A holder that is paused is paused together with its watchdog.
+//! [`super::Fence`]). A holder that is paused is paused together with its watchdog;
+//! [`Watchdog::lease`] and [`Watchdog::is_lost`] compare [`Watchdog::valid_until`] with the
+//! monotonic clock at the call, so a holder that resumes past it is told at once, before
+//! the task runs again. The monotonic clock (`Instant`) does not advance while the whole
+//! machine is suspended (Linux `CLOCK_MONOTONIC`), so they also compare the same deadline
+//! on the wall clock (the time source's [`crate::clock::LocalClock`]), which does: a
+//! suspended VM or laptop that resumes past it is told too. The price: a forward step of
+//! the wall clock (NTP) reports the lease lost until the next renewal; a backward step is
+//! caught by the monotonic deadline. Fence the writes anyway.
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +31,7 @@ use tracing::Instrument;
 
 use super::collection::LockCollection;
 use super::lease::Lease;
-use crate::clock::ServerTime;
+use crate::clock::{LocalClock, ServerTime};
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -66,9 +74,35 @@ pub enum LostReason {
 
 #[derive(Clone, Debug)]
 enum State {
-    /// The lease as last renewed, and until when it is certainly valid.
-    Held(Lease, Instant),
+    /// The lease as acquired, before the task has read the server time (the instant is
+    /// the start: not yet known to be valid beyond it).
+    Starting(Lease, Instant),
+    /// The lease as last renewed, and until when it is certainly valid: by the monotonic
+    /// clock, and the same deadline on the wall clock (milliseconds), which also counts a
+    /// suspend of the whole machine. Past either it is reported lost even if the task has
+    /// not run since (a paused or starved process): the task's own `Lost` may come late.
+    Held(Lease, Instant, i64),
     Lost(LostReason, Lease),
+}
+
+impl State {
+    /// The lease while it counts as held at `now` (wall clock: `wall_ms`).
+    fn held_at(&self, now: Instant, wall_ms: i64) -> Option<&Lease> {
+        match self {
+            State::Starting(l, _) => Some(l),
+            State::Held(l, until, wall_until) if now < *until && wall_ms < *wall_until => Some(l),
+            State::Held(..) | State::Lost(..) => None,
+        }
+    }
+
+    /// `Held` until `valid_until`, with the wall-clock deadline read from `local` now.
+    fn held(lease: Lease, valid_until: Instant, local: &LocalClock) -> Self {
+        let left = valid_until.saturating_duration_since(Instant::now());
+        let wall_until = local
+            .now_ms()
+            .saturating_add(i64::try_from(left.as_millis()).unwrap_or(i64::MAX));
+        State::Held(lease, valid_until, wall_until)
+    }
 }
 
 /// Keeps a lease alive; see the module docs.
@@ -77,6 +111,8 @@ pub struct Watchdog {
     rx: watch::Receiver<State>,
     cancel: CancellationToken,
     locks: LockCollection,
+    /// The time source's wall clock, for the accessors' second deadline.
+    local: LocalClock,
     task: Option<JoinHandle<()>>,
 }
 
@@ -94,8 +130,20 @@ impl Watchdog {
         validate::duration_ms("ttl", ttl)?;
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
-        // Not known to be valid until the task has read the server time.
-        let (tx, rx) = watch::channel(State::Held(lease.clone(), Instant::now()));
+        // Valid until the deadline the time source's fresh sample gives, as after a
+        // renewal (no I/O: the acquire just read it), so that a holder blocked before the
+        // task first runs is not told "held" past it; without a fresh sample, not known
+        // to be valid until the task has read the server time.
+        let started = Instant::now();
+        let initial = match locks.time().now_if_fresh() {
+            Some(now) => State::held(
+                lease.clone(),
+                initial_valid_until(started, &lease, &now, margin_of(&locks)),
+                &locks.time().local(),
+            ),
+            None => State::Starting(lease.clone(), started),
+        };
+        let (tx, rx) = watch::channel(initial);
         let cancel = CancellationToken::new();
         let span =
             tracing::info_span!("watchdog", resource = %lease.resource, token = lease.token.get());
@@ -105,20 +153,26 @@ impl Watchdog {
         Ok(Self {
             rx,
             cancel,
+            local: locks.time().local(),
             locks,
             task: Some(task),
         })
     }
 
-    /// The lease as last renewed, or `None` once it is lost.
+    /// The lease as last renewed, or `None` once it is lost or past
+    /// [`Watchdog::valid_until`] by the monotonic clock or the same deadline by the wall
+    /// clock (checked at the call: a holder that resumes after a pause or a suspend longer
+    /// than the lease is told at once, before the watchdog task has run again).
+    /// Only if the time source had no fresh sample at [`Watchdog::start`] is it, until the
+    /// task's first read of the server time, the lease as acquired.
     pub fn lease(&self) -> Option<Lease> {
         if self.cancel.is_cancelled() {
             return None;
         }
-        match &*self.rx.borrow() {
-            State::Held(l, _) => Some(l.clone()),
-            State::Lost(..) => None,
-        }
+        self.rx
+            .borrow()
+            .held_at(Instant::now(), self.local.now_ms())
+            .cloned()
     }
 
     /// Until when the lease is certainly valid by the local monotonic clock, or `None` once
@@ -130,14 +184,19 @@ impl Watchdog {
             return None;
         }
         match &*self.rx.borrow() {
-            State::Held(_, until) => Some(*until),
+            State::Starting(_, until) | State::Held(_, until, _) => Some(*until),
             State::Lost(..) => None,
         }
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is lost, or no longer certainly valid by the local monotonic or
+    /// wall clock ([`Watchdog::valid_until`] has passed, even if the watchdog task has not
+    /// run since), as [`Watchdog::lease`] tells it.
     pub fn is_lost(&self) -> bool {
-        matches!(&*self.rx.borrow(), State::Lost(..))
+        self.rx
+            .borrow()
+            .held_at(Instant::now(), self.local.now_ms())
+            .is_none()
     }
 
     /// Resolves as soon as the lease is lost (use it in a `select!` next to the work).
@@ -146,7 +205,7 @@ impl Watchdog {
         match rx.wait_for(|s| matches!(s, State::Lost(..))).await {
             Ok(state) => match &*state {
                 State::Lost(reason, _) => *reason,
-                State::Held(..) => LostReason::Stopped,
+                State::Starting(..) | State::Held(..) => LostReason::Stopped,
             },
             Err(_) => LostReason::Stopped,
         }
@@ -168,7 +227,7 @@ impl Watchdog {
         }
         let state = self.rx.borrow().clone();
         match state {
-            State::Held(lease, _) => self.locks.release(&lease).await,
+            State::Starting(lease, _) | State::Held(lease, ..) => self.locks.release(&lease).await,
             State::Lost(_, lease) => Err(Error::LeaseLost {
                 resource: lease.resource,
                 token: lease.token.into(),
@@ -191,14 +250,15 @@ async fn run(
     tx: watch::Sender<State>,
     cancel: CancellationToken,
 ) {
-    let margin = Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0));
+    let margin = margin_of(&locks);
     // Until when the lease is certainly valid, by the local monotonic clock.
     let started = Instant::now();
     let mut valid_until = match locks.time().now().await {
         Ok(now) => initial_valid_until(started, &lease, &now, margin),
         Err(_) => started,
     };
-    let _ = tx.send(State::Held(lease.clone(), valid_until));
+    let local = locks.time().local();
+    let _ = tx.send(State::held(lease.clone(), valid_until, &local));
     let mut next = next_renewal(Instant::now(), interval, valid_until);
     loop {
         let wake = next.min(valid_until);
@@ -230,7 +290,7 @@ async fn run(
                 valid_until = renewed_valid_until(attempt_started, ttl, &now, margin);
                 next = next_renewal(attempt_started, interval, valid_until);
                 tracing::trace!("renewed");
-                let _ = tx.send(State::Held(lease.clone(), valid_until));
+                let _ = tx.send(State::held(lease.clone(), valid_until, &local));
             }
             Ok(Err(Error::LeaseLost { .. })) => {
                 tracing::warn!("lease lost: renewal refused");
@@ -255,6 +315,11 @@ async fn run(
             }
         }
     }
+}
+
+/// The time source's skew margin as a duration.
+fn margin_of(locks: &LockCollection) -> Duration {
+    Duration::from_millis(u64::try_from(locks.time().skew_margin_ms()).unwrap_or(0))
 }
 
 /// Until when a lease expiring at `expires_at` is certainly valid by the local monotonic

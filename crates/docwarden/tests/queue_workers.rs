@@ -672,3 +672,98 @@ async fn slow_handlers_never_hold_a_job_they_cannot_start() -> anyhow::Result<()
     );
     Ok(())
 }
+
+/// Decrements the count of running handlers when the handler ends or is dropped.
+struct Running(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A worker cut off from the server (its heartbeats fail, the rest of the cluster is fine)
+/// kept running its handler past the lease: once the lease expired, the sweep handed the
+/// job to another worker and both handlers ran the job at once. A worker must drop a
+/// handler whose lease it could not renew before the lease expires (by its own monotonic
+/// clock, from when it sent the claim or the last heartbeat that renewed it), so the
+/// sweep's takeover never overlaps it. Counts: handlers of the job running at once (at
+/// most 1), and the second worker must get the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expires()
+-> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let test = "queue_partitioned_worker";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    // Worker A's own client, named so that the fail point cuts off only its writes.
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("partitioned-worker".into());
+    let client_a = mongodb::Client::with_options(options)?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(1))
+        .reap_interval(Duration::from_millis(100));
+    let qa = open(&client_a.database(t.db.name()), &client_a, opts.clone()).await?;
+    let qb = open(&t.db, &t.client, opts).await?;
+    let running = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let starts = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (running, most, starts) = (running.clone(), most.clone(), starts.clone());
+        move |_job: ClaimedJob| {
+            let (running, most, starts) = (running.clone(), most.clone(), starts.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                let _guard = Running(running);
+                most.fetch_max(now, Ordering::SeqCst);
+                starts.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                HandlerResult::Ok(Bson::Null)
+            }
+        }
+    };
+    let worker_options = WorkerOptions::default()
+        .concurrency(1)
+        .batch_size(1)
+        .change_stream(false)
+        .poll(Duration::from_millis(20), Duration::from_millis(100));
+    qa.enqueue(doc! { "n": 1 }, &EnqueueOptions::default().max_attempts(5))
+        .await?;
+    let a = Worker::spawn(qa, worker_options.clone().name("a"), handler.clone())?;
+    let started = Instant::now();
+    while starts.load(Ordering::SeqCst) == 0 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "A never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A's heartbeats (and every other write of its client) fail from now on.
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": { "failCommands": ["update"], "errorCode": 2, "appName": "partitioned-worker" },
+        })
+        .await?;
+    let b = Worker::spawn(qb, worker_options.name("b"), handler)?;
+    let waited = Instant::now();
+    while starts.load(Ordering::SeqCst) < 2 && waited.elapsed() < Duration::from_secs(8) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    let took_over = starts.load(Ordering::SeqCst);
+    let overlap = most.load(Ordering::SeqCst);
+    a.kill().await;
+    b.kill().await;
+    assert_eq!(took_over, 2, "the second worker never got the job");
+    assert_eq!(
+        overlap, 1,
+        "{overlap} handlers ran the job at once: the cut-off worker's handler outlived its lease"
+    );
+    Ok(())
+}

@@ -15,8 +15,10 @@
 //! per job: each job gets its own outcome (counted in [`WorkerReport`]).
 //!
 //! **Guarantee:** while a job is held (waiting or running), its lease is extended every
-//! `heartbeat_every`; if a heartbeat finds the lease lost, the handler is dropped (or
-//! never started) and nothing is written for it. Idle workers wake on a change-stream
+//! `heartbeat_every`; if a heartbeat finds the lease lost, or no heartbeat renewed the
+//! lease before it expires by the worker's own monotonic clock (heartbeats failing: a
+//! worker cut off from the server), the handler is dropped (or never started) and
+//! nothing is written for it, before the sweep can hand the job to another worker. Idle workers wake on a change-stream
 //! event for new or released jobs (a new job is claimed by `_id` straight from the
 //! event: one round trip), and otherwise poll with a jittered backoff between
 //! `poll_min` and `poll_max`. The change stream, which the server pays for on every
@@ -166,8 +168,9 @@ struct Ctx {
     /// [`Worker::listener_probe`]).
     listener_alive: Arc<()>,
     /// Every lease the worker holds (waiting, running, or transition queued), with the
-    /// token that drops its handler when a heartbeat finds the lease lost.
-    held: Mutex<HashMap<ObjectId, (ClaimedJob, CancellationToken)>>,
+    /// token that drops its handler when a heartbeat finds the lease lost, and when the
+    /// lease certainly holds until by this process's monotonic clock (see [`HeldJob`]).
+    held: Mutex<HashMap<ObjectId, HeldJob>>,
     /// Jobs claimed whose handler has not finished (waiting + running).
     outstanding: AtomicUsize,
     /// Handler slots waiting for a job.
@@ -218,15 +221,34 @@ impl Ctx {
             });
     }
 
-    fn hold(&self, jobs: &[ClaimedJob]) -> Vec<CancellationToken> {
+    /// Holds `jobs`, claimed by a claim sent at `sent` (their leases run from then).
+    fn hold(&self, jobs: &[ClaimedJob], sent: tokio::time::Instant) -> Vec<CancellationToken> {
+        let valid_until = sent + self.queue.options().lease_ttl;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         jobs.iter()
             .map(|j| {
                 let lost = CancellationToken::new();
-                held.insert(j.id(), (j.clone(), lost.clone()));
+                held.insert(
+                    j.id(),
+                    HeldJob {
+                        job: j.clone(),
+                        lost: lost.clone(),
+                        valid_until,
+                    },
+                );
                 lost
             })
             .collect()
+    }
+
+    /// When the lease of held job `id` certainly still holds until (monotonic clock);
+    /// `None` once the job is no longer held.
+    fn valid_until(&self, id: &ObjectId) -> Option<tokio::time::Instant> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .map(|h| h.valid_until)
     }
     fn forget(&self, id: &ObjectId) {
         self.held
@@ -239,9 +261,24 @@ impl Ctx {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .map(|(j, _)| j.clone())
+            .map(|h| h.job.clone())
             .collect()
     }
+}
+
+/// A job the worker holds.
+struct HeldJob {
+    job: ClaimedJob,
+    /// Cancelled when the lease is lost: drops the handler (or never starts it).
+    lost: CancellationToken,
+    /// The lease certainly holds until then, by this process's monotonic clock: the
+    /// instant the claim (or the last heartbeat that renewed the lease) was sent, plus the
+    /// lease TTL. The server computed the lease's expiry from a clock reading taken after
+    /// that instant, so this is never later than the lease's expiry; the sweep takes the
+    /// job over only after the expiry plus the clock bound and the skew margin. A handler
+    /// still running then is dropped ([`lease_expiry`]): a worker cut off from the server,
+    /// whose heartbeats fail, never runs a job another worker may have taken over.
+    valid_until: tokio::time::Instant,
 }
 
 /// A running worker, started by [`Worker::spawn`]. Dropping it aborts the worker like
@@ -650,7 +687,7 @@ async fn claim_loop(
                     ctx.prefetch.store(grown, Ordering::Relaxed);
                 }
                 Counters::add(&ctx.counters.claimed, jobs.len());
-                let tokens = ctx.hold(&jobs);
+                let tokens = ctx.hold(&jobs, claim_started);
                 for handoff in jobs.into_iter().zip(tokens) {
                     if job_tx.send(handoff).is_err() {
                         return;
@@ -777,7 +814,13 @@ async fn run_job(
 ) -> Option<Transition> {
     let span = tracing::info_span!("job", id = %job.id(), queue = %ctx.queue.collection().name(), name = ctx.queue.queue_name(), attempt = job.job.attempts, token = job.lease.token.as_str());
     async move {
-        if lost.is_cancelled() {
+        if lost.is_cancelled()
+            || ctx
+                .valid_until(&job.id())
+                .is_some_and(|t| t <= tokio::time::Instant::now())
+        {
+            // Lost, or not renewed in time while it waited for a slot (the sweep takes
+            // it back): never started.
             return None;
         }
         let handler = (ctx.handler)(job.clone());
@@ -803,6 +846,12 @@ async fn run_job(
                 tracing::warn!("lease lost while the handler ran; handler dropped");
                 None
             }
+            () = lease_expiry(ctx, job.id()) => {
+                tracing::warn!("lease not renewed before it expired (heartbeats failing); handler dropped");
+                Counters::bump(&ctx.counters.lease_lost);
+                job.cancellation().cancel();
+                None
+            }
             () = grace => {
                 tracing::warn!("job cancelled and its handler ran past the cancel grace; handler dropped");
                 None
@@ -812,6 +861,21 @@ async fn run_job(
     }
     .instrument(span)
     .await
+}
+
+/// Resolves once the lease of held job `id` is past its [`HeldJob::valid_until`] without a
+/// renewal; never while it is renewed in time, or once the job is no longer held (a
+/// heartbeat that removed it has signalled the handler already).
+async fn lease_expiry(ctx: &Ctx, id: ObjectId) {
+    loop {
+        let Some(until) = ctx.valid_until(&id) else {
+            return std::future::pending().await;
+        };
+        if until <= tokio::time::Instant::now() {
+            return;
+        }
+        tokio::time::sleep_until(until).await;
+    }
 }
 
 /// Why a handler's result cannot be stored (over [`MAX_RESULT_BYTES`]), if it cannot.
@@ -937,12 +1001,22 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
         if jobs.is_empty() {
             continue;
         }
+        // The leases this heartbeat renews run from now at the latest.
+        let sent = tokio::time::Instant::now();
         // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
         let permits = ctx.queue.renew_permits(&jobs).await;
         match ctx.queue.heartbeat_detail(&jobs).await {
             Ok(held) => {
                 for ((job, still), permit) in jobs.iter().zip(held).zip(permits) {
                     if still == Held::Yes && permit {
+                        if let Some(h) = ctx
+                            .held
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_mut(&job.id())
+                        {
+                            h.valid_until = h.valid_until.max(sent + ctx.queue.options().lease_ttl);
+                        }
                         continue;
                     }
                     let gone = ctx
@@ -950,7 +1024,9 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&job.id());
-                    let Some((_, lost)) = gone else { continue };
+                    let Some(HeldJob { lost, .. }) = gone else {
+                        continue;
+                    };
                     job.cancellation().cancel();
                     if still == Held::Cancelled {
                         // Cancelled by an operator: the handler is signalled and may

@@ -15,7 +15,8 @@
 //! then it claims the job by `_id` with the claim filter re-checked in the write; if that
 //! fails it gives the permits and the start back. Each permit is a
 //! [`crate::lock::Semaphore`] permit (one atomic write, expiry by server time) whose ttl is
-//! the job lease's ttl and half again, renewed by the worker's heartbeat before the job's
+//! the job lease's ttl and half again, renewed by every heartbeat of the job (the
+//! worker's, [`JobQueue::heartbeat`], [`JobQueue::heartbeat_many`]) before the job's
 //! lease and released after the job's final transition is written. So a job never runs
 //! without its permits, and a crashed worker's permits expire after its job leases.
 //!

@@ -644,16 +644,22 @@ impl JobQueue {
     /// Extends the leases of many claimed jobs to `lease_ttl` from now (server time) in
     /// one unordered bulk of per-job fenced updates (one `multi` statement per claim
     /// token, fencing each document by its own `_id`, state and token), and says for each job, in input order,
-    /// whether its claim still holds it (a short bulk is read back by `_id`).
+    /// whether its claim still holds it (a short bulk is read back by `_id`). The
+    /// permits of a job claimed with [`JobQueue::claim_limited`] are renewed first (one
+    /// write per permit; none for a job without permits), and a job whose permit was
+    /// lost counts as not held: stop it as a lost lease.
     ///
     /// # Errors
     /// A database error for the bulk as a whole.
     pub async fn heartbeat_many(&self, jobs: &[ClaimedJob]) -> Result<Vec<bool>> {
+        // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
+        let permits = self.renew_permits(jobs).await;
         Ok(self
             .heartbeat_detail(jobs)
             .await?
             .into_iter()
-            .map(|h| h == Held::Yes)
+            .zip(permits)
+            .map(|(h, permit)| h == Held::Yes && permit)
             .collect())
     }
 
@@ -739,12 +745,18 @@ impl JobQueue {
     }
 
     /// Extends the lease to `lease_ttl` from now (server time) and returns the new
-    /// expiry.
+    /// expiry. The permits of a job claimed with [`JobQueue::claim_limited`] are renewed
+    /// first (one write per permit; none for a job without permits).
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the claim no longer holds the
-    /// job; a database error.
+    /// job, or a permit of a limited job was lost (stop the job); a database error.
     pub async fn heartbeat(&self, job: &ClaimedJob) -> Result<DateTime> {
+        // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
+        if self.renew_permits(std::slice::from_ref(job)).await != [true] {
+            crate::observe::lease_lost(self.metrics_label());
+            return Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token));
+        }
         let now = self.inner.time.now().await?;
         let until = now.plus_ms(self.inner.ttl_ms);
         self.fenced(

@@ -767,3 +767,43 @@ async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expir
     );
     Ok(())
 }
+
+/// A heartbeat that raced the worker's own completion counted it as a lost lease: the
+/// heartbeat bulk came back short because the completion had just landed, the read-back
+/// found the job `succeeded`, and the job — still held until the writer's reply — was
+/// dropped and counted in `lease_lost` as well as in `succeeded`. No lease is lost here
+/// (30 s TTL), so every job must count once, as succeeded. Counts: lease losses (0),
+/// succeeded (every job).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_heartbeat_races_completion").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let n = 1_000_u64;
+    q.enqueue_many((0..1_000_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .concurrency(8)
+            .heartbeat_every(Duration::from_millis(1))
+            .change_stream(false),
+        |_job| async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(Bson::Null)
+        },
+    )?;
+    wait_for(
+        q.collection(),
+        doc! { "state": "succeeded" },
+        n,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let report = w.shutdown().await;
+    assert_eq!(report.succeeded, n, "{report:?}");
+    assert_eq!(
+        report.lease_lost, 0,
+        "jobs completed by this worker were also counted as lost leases: {report:?}"
+    );
+    Ok(())
+}

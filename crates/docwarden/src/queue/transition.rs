@@ -655,7 +655,7 @@ impl JobQueue {
         // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
         let permits = self.renew_permits(jobs).await;
         Ok(self
-            .heartbeat_detail(jobs)
+            .heartbeat_detail(jobs, &[])
             .await?
             .into_iter()
             .zip(permits)
@@ -667,9 +667,25 @@ impl JobQueue {
     /// operator's cancel keeps the token: the handler is signalled, not dropped) from a
     /// lost one.
     #[tracing::instrument(name = "heartbeat", skip_all, fields(queue = %self.collection().name(), jobs = jobs.len(), lost = tracing::field::Empty), level = "debug")]
-    pub(crate) async fn heartbeat_detail(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
+    ///
+    /// `settling[i]` says that job `i`'s final transition is already on its way (the
+    /// worker's writer): its own write may be what moved it, so it is not counted as a
+    /// lease loss here (the transition's fenced write reports a real one).
+    pub(crate) async fn heartbeat_detail(
+        &self,
+        jobs: &[ClaimedJob],
+        settling: &[bool],
+    ) -> Result<Vec<Held>> {
         let held = self.heartbeat_unobserved(jobs).await?;
-        crate::observe::heartbeats(self.metrics_label(), &held);
+        let counted: Vec<Held> = held
+            .iter()
+            .enumerate()
+            .map(|(i, h)| match h {
+                Held::Lost if settling.get(i) == Some(&true) => Held::Yes,
+                h => *h,
+            })
+            .collect();
+        crate::observe::heartbeats(self.metrics_label(), &counted);
         Ok(held)
     }
 

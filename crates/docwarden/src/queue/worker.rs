@@ -234,11 +234,25 @@ impl Ctx {
                         job: j.clone(),
                         lost: lost.clone(),
                         valid_until,
+                        settling: false,
                     },
                 );
                 lost
             })
             .collect()
+    }
+
+    /// Marks held job `id` as having its final transition queued for the writer: from
+    /// now on the writer's reply, not a heartbeat, tells its outcome.
+    fn settling(&self, id: &ObjectId) {
+        if let Some(h) = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(id)
+        {
+            h.settling = true;
+        }
     }
 
     /// When the lease of held job `id` certainly still holds until (monotonic clock);
@@ -256,12 +270,13 @@ impl Ctx {
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
     }
-    fn held_jobs(&self) -> Vec<ClaimedJob> {
+    /// The jobs held, each with whether its final transition is queued (settling).
+    fn held_jobs(&self) -> Vec<(ClaimedJob, bool)> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .map(|h| h.job.clone())
+            .map(|h| (h.job.clone(), h.settling))
             .collect()
     }
 }
@@ -279,6 +294,11 @@ struct HeldJob {
     /// still running then is dropped ([`lease_expiry`]): a worker cut off from the server,
     /// whose heartbeats fail, never runs a job another worker may have taken over.
     valid_until: tokio::time::Instant,
+    /// Its final transition is queued for (or in flight in) the writer. A heartbeat that
+    /// finds such a job no longer running under its token leaves it to the writer: the
+    /// transition may just have landed (our own completion, not a lost lease), and if the
+    /// lease was lost the fenced transition says so.
+    settling: bool,
 }
 
 /// A running worker, started by [`Worker::spawn`]. Dropping it aborts the worker like
@@ -546,6 +566,7 @@ async fn supervise(
     }
     for (job, _) in waiting {
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
+        ctx.settling(&job.id());
         let _ = final_tx.send((job, Transition::Release));
     }
     let running = ctx.outstanding.load(Ordering::Relaxed);
@@ -792,6 +813,7 @@ async fn run_slot(
         ctx.slot_freed.notify_one();
         match final_transition {
             Some(t) => {
+                ctx.settling(&job.id());
                 if finals.send((job, t)).is_err() {
                     return;
                 }
@@ -997,7 +1019,7 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
             () = tokio::time::sleep(ctx.heartbeat_every) => {}
             () = ctx.check_now.notified() => {}
         }
-        let jobs = ctx.held_jobs();
+        let (jobs, settling): (Vec<ClaimedJob>, Vec<bool>) = ctx.held_jobs().into_iter().unzip();
         if jobs.is_empty() {
             continue;
         }
@@ -1005,7 +1027,7 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
         let sent = tokio::time::Instant::now();
         // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
         let permits = ctx.queue.renew_permits(&jobs).await;
-        match ctx.queue.heartbeat_detail(&jobs).await {
+        match ctx.queue.heartbeat_detail(&jobs, &settling).await {
             Ok(held) => {
                 for ((job, still), permit) in jobs.iter().zip(held).zip(permits) {
                     if still == Held::Yes && permit {
@@ -1019,11 +1041,15 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                         }
                         continue;
                     }
-                    let gone = ctx
-                        .held
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&job.id());
+                    let gone = {
+                        let mut held = ctx.held.lock().unwrap_or_else(|p| p.into_inner());
+                        match held.get(&job.id()) {
+                            // The writer tells this job's outcome (see `HeldJob::settling`).
+                            Some(h) if h.settling => None,
+                            Some(_) => held.remove(&job.id()),
+                            None => None,
+                        }
+                    };
                     let Some(HeldJob { lost, .. }) = gone else {
                         continue;
                     };

@@ -807,3 +807,84 @@ async fn a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease() -> 
     );
     Ok(())
 }
+
+/// A job cancelled while it waited in the worker (claimed ahead, its handler slot still
+/// busy) was started anyway: the heartbeat saw the cancel and signalled the claim, but
+/// the slot only checked for a lost lease before it ran the handler, so the handler of a
+/// job cancelled before it started ran for up to `cancel_grace`. Counts: handlers started
+/// for the cancelled job (0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_cancelled_while_it_waits_in_the_worker_never_starts() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let t = TestDb::new("queue_cancel_waiting").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
+    let coll = q.collection().clone();
+    // Fast jobs first (so the worker's prefetch grows), then a slow one, then the one
+    // that waits behind it and is cancelled.
+    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
+        .await?;
+    q.enqueue(
+        doc! { "slow": true },
+        &EnqueueOptions::default().priority(5),
+    )
+    .await?;
+    let waiting = q
+        .enqueue(
+            doc! { "waits": true },
+            &EnqueueOptions::default().priority(0),
+        )
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&started);
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .concurrency(1)
+            .heartbeat_every(Duration::from_millis(50))
+            .change_stream(false),
+        move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let d = job.payload().as_document().cloned().unwrap_or_default();
+                if d.contains_key("waits") {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                } else if d.contains_key("slow") {
+                    tokio::time::sleep(Duration::from_millis(1_500)).await;
+                }
+                Ok(Bson::Null)
+            }
+        },
+    )?;
+    wait_for(
+        &coll,
+        doc! { "_id": waiting, "state": "running" },
+        1,
+        Duration::from_secs(20),
+    )
+    .await?;
+    let outcome = q.cancel(waiting).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        301,
+        Duration::from_secs(20),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = w.shutdown().await;
+    assert_eq!(
+        outcome,
+        docwarden::queue::CancelOutcome::Cancelled {
+            was: JobState::Running
+        },
+        "the job was not held by the worker when it was cancelled"
+    );
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        0,
+        "the handler of a job cancelled before it started ran: {report:?}"
+    );
+    Ok(())
+}

@@ -837,12 +837,13 @@ async fn run_job(
     let span = tracing::info_span!("job", id = %job.id(), queue = %ctx.queue.collection().name(), name = ctx.queue.queue_name(), attempt = job.job.attempts, token = job.lease.token.as_str());
     async move {
         if lost.is_cancelled()
+            || job.cancellation().is_cancelled()
             || ctx
                 .valid_until(&job.id())
                 .is_some_and(|t| t <= tokio::time::Instant::now())
         {
-            // Lost, or not renewed in time while it waited for a slot (the sweep takes
-            // it back): never started.
+            // Lost, cancelled by an operator, or not renewed in time while it waited for
+            // a slot (the sweep takes it back): never started.
             return None;
         }
         let handler = (ctx.handler)(job.clone());

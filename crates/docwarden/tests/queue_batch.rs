@@ -250,3 +250,89 @@ async fn format_3_claims_read_back_by_id_without_a_token_index() -> anyhow::Resu
     assert_ne!(first[0].lease.token, second[0].lease.token);
     Ok(())
 }
+
+/// The reads that decide an outcome — the read-back of a short heartbeat or settle bulk,
+/// and the read of a batch claim's own jobs — followed the collection's read preference
+/// and read concern. With `secondaryPreferred` (a common client-wide setting) or
+/// `majority` reads, a read-back can return a snapshot from before the write that took
+/// the lease away: the heartbeat then reports a job re-claimed by another worker as still
+/// held (two handlers run it), and a batch claim can miss the jobs it just claimed (they
+/// stay `running` unheld until their lease expires, an attempt burned). They must read
+/// the primary's latest data, like the fenced write they follow. On a one-member replica
+/// set there is no secondary to lag, so the test routes the collection to `secondary`
+/// read preference: a read that follows it cannot be served at all. Counts: outcome
+/// reads that failed (0).
+#[tokio::test]
+async fn outcome_reads_go_to_the_primary_whatever_the_read_preference() -> anyhow::Result<()> {
+    use mongodb::options::{CollectionOptions, ReadConcern, ReadPreference, SelectionCriteria};
+    let t = TestDb::new("queue_outcome_reads_primary").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    q.enqueue_many((0..4).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    // The same queue through a collection that reads from secondaries, majority-committed.
+    // As a replica-set client (the test server is a one-member set), so that the driver
+    // routes by read preference at all (a direct connection ignores it).
+    let hello = t
+        .client
+        .database("admin")
+        .run_command(doc! { "hello": 1 })
+        .await?;
+    let Ok(set_name) = hello.get_str("setName") else {
+        docwarden_testkit::skip(
+            "outcome_reads_go_to_the_primary_whatever_the_read_preference",
+            "the server is not a replica set member",
+        );
+        return Ok(());
+    };
+    let mut client_options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    client_options.direct_connection = Some(false);
+    client_options.repl_set_name = Some(set_name.to_owned());
+    client_options.server_selection_timeout = Some(Duration::from_millis(500));
+    let client = mongodb::Client::with_options(client_options)?;
+    let coll: mongodb::Collection<Document> = client.database(t.db.name()).collection_with_options(
+        "jobs",
+        CollectionOptions::builder()
+            .selection_criteria(SelectionCriteria::ReadPreference(
+                ReadPreference::Secondary {
+                    options: Default::default(),
+                },
+            ))
+            .read_concern(ReadConcern::majority())
+            .build(),
+    );
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let secondary = JobQueue::new(coll.clone(), time, QueueOptions::default().partitions(1))?;
+    let mut failed = Vec::new();
+    let batch = q.claim_batch("w", 3).await?;
+    anyhow::ensure!(batch.len() == 3, "claimed {}", batch.len());
+    q.cancel(batch[1].id()).await?;
+    match secondary.heartbeat_many(&batch).await {
+        Ok(held) if held == [true, false, true] => {}
+        other => failed.push(format!("heartbeat read-back: {other:?}")),
+    }
+    let items: Vec<_> = batch.iter().map(|j| (j.clone(), Bson::Null)).collect();
+    match secondary.complete_many(&items).await {
+        Ok(o) if o[0].is_ok() && o[1].is_err() && o[2].is_ok() => {}
+        other => failed.push(format!("settle read-back: {other:?}")),
+    }
+    // A claim reads its own job back after the write that claimed it (the update-then-
+    // fetch claim; a batch claim's read of its jobs is the same kind of read).
+    let fetching = JobQueue::new(
+        coll.clone(),
+        secondary.time().clone(),
+        QueueOptions::default()
+            .partitions(1)
+            .claim_strategy(docwarden::queue::ClaimStrategy::UpdateThenFetch),
+    )?;
+    match fetching.claim("w2").await {
+        Ok(Some(_)) => {}
+        other => failed.push(format!("claimed job read: {other:?}")),
+    }
+    assert!(
+        failed.is_empty(),
+        "{} outcome reads failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    Ok(())
+}

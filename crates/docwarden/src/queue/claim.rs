@@ -187,6 +187,7 @@ impl JobQueue {
         }
         // The claimed job's `lease.until` is known exactly: an equality on the lease-expiry
         // index (partial on `running`) finds it without an index on the token.
+        let (primary, local) = super::latest();
         Ok(self
             .inner
             .coll
@@ -195,6 +196,8 @@ impl JobQueue {
                 field::STATE: JobState::Running.as_str(),
                 field::LEASE_TOKEN: token,
             })
+            .selection_criteria(primary)
+            .read_concern(local)
             .await?)
     }
 
@@ -385,10 +388,13 @@ impl JobQueue {
     /// `dead`), in rank order. Point lookups by `_id` with the token re-checked, so no
     /// index on the token is needed (format 3).
     async fn fetch_claimed(&self, ids: &[Bson], token: &str) -> Result<Vec<ClaimedJob>> {
+        let (primary, local) = super::latest();
         let docs: Vec<Document> = self
             .inner
             .coll
             .find(doc! { field::ID: { "$in": ids }, field::LEASE_TOKEN: token })
+            .selection_criteria(primary)
+            .read_concern(local)
             .await?
             .try_collect()
             .await?;

@@ -468,10 +468,13 @@ impl JobQueue {
 
     /// The stored jobs `ids`, by id (for the read-back after a short bulk).
     async fn read_back(&self, ids: Vec<ObjectId>) -> Result<HashMap<ObjectId, Document>> {
+        let (primary, local) = super::latest();
         let docs: Vec<Document> = self
             .inner
             .coll
             .find(doc! { field::ID: { "$in": ids } })
+            .selection_criteria(primary)
+            .read_concern(local)
             .projection(doc! {
                 field::ID: 1, field::STATE: 1, field::LEASE: 1, field::LAST_ERROR: 1,
                 field::ATTEMPTS: 1, field::RUN_AT: 1, field::UPDATED_AT: 1,

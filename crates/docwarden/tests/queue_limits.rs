@@ -279,3 +279,43 @@ async fn a_heartbeated_limited_job_keeps_its_permit() -> anyhow::Result<()> {
     assert_eq!(second.len(), 1, "the permit came back after the completion");
     Ok(())
 }
+
+/// The permits a handle holds were filed by job id alone. When the handle claimed a job
+/// again (released, retried or snoozed, then claimed by its other claim loop) before the
+/// first claim's permits were released, the second claim's permits replaced the first's;
+/// the release for the first claim then gave back the *second* claim's permits while it
+/// ran, and the first claim's permit expired later: once it did, the key had one job more
+/// running than N. Counts: jobs of the key running at once with N = 2 (at most 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_claimed_again_by_the_same_handle_keeps_its_new_permits() -> anyhow::Result<()> {
+    let t = TestDb::new("limits_reclaimed_same_handle").await?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_millis(600))
+        .limits(LimitOptions::default().key_concurrency(2));
+    let q = JobQueue::open(&t.db, "jobs", time(&t)?, opts).await?;
+    let key = EnqueueOptions::default().concurrency_key("k");
+    q.enqueue(doc! { "n": 1 }, &key).await?;
+    let first = q.claim_limited("w", 1).await?;
+    anyhow::ensure!(first.len() == 1, "claimed {}", first.len());
+    // Given back, and claimed again by the same handle before the first claim's permits
+    // are released (the worker releases them after the transition's bulk came back).
+    q.release(&first[0]).await?;
+    let again = q.claim_limited("w", 1).await?;
+    anyhow::ensure!(again.len() == 1, "claimed again {}", again.len());
+    q.release_permits(&first[0]).await;
+    // Two more jobs of the key; the job claimed again runs on, heartbeated.
+    q.enqueue(doc! { "n": 2 }, &key).await?;
+    q.enqueue(doc! { "n": 3 }, &key).await?;
+    let mut running = vec![again[0].clone()];
+    let mut most = 0;
+    for _ in 0..12 {
+        for j in &running {
+            q.heartbeat(j).await?;
+        }
+        running.extend(q.claim_limited("w", 1).await?);
+        most = most.max(running.len());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(most <= 2, "{most} jobs of a key limited to 2 ran at once");
+    Ok(())
+}

@@ -179,7 +179,10 @@ pub(crate) struct Limits {
     keys: Semaphore,
     queue: Semaphore,
     rates: RateLimiter,
-    held: Mutex<HashMap<ObjectId, Held>>,
+    /// By claim: the job's id and the claim's lease token. A job this handle claims
+    /// again before the earlier claim's permits are released has two entries, and each
+    /// release gives back its own claim's permits.
+    held: Mutex<HashMap<(ObjectId, String), Held>>,
 }
 
 #[derive(Debug, Default)]
@@ -216,6 +219,11 @@ impl Limits {
             held: Mutex::new(HashMap::new()),
         })
     }
+}
+
+/// The key of a claim's permits in [`Limits::held`].
+fn claim_key(job: &ClaimedJob) -> (ObjectId, String) {
+    (job.id(), job.lease.token.as_str().to_owned())
 }
 
 /// What one limited claim of one candidate did.
@@ -458,7 +466,7 @@ impl JobQueue {
                         .held
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(job.id(), Held { permits });
+                        .insert(claim_key(&job), Held { permits });
                 }
                 Ok(Attempt::Claimed(Box::new(job)))
             }
@@ -504,7 +512,7 @@ impl JobQueue {
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&job.id());
+            .remove(&claim_key(job));
         if let Some(h) = held {
             self.give_back(&h.permits, None).await;
         }
@@ -522,7 +530,7 @@ impl JobQueue {
                 .held
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .get(&job.id())
+                .get(&claim_key(job))
                 .map(|h| h.permits.clone())
                 .unwrap_or_default();
             let mut ok = true;

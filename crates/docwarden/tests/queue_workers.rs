@@ -673,6 +673,10 @@ async fn slow_handlers_never_hold_a_job_they_cannot_start() -> anyhow::Result<()
     Ok(())
 }
 
+/// The `failCommand` fail point is one per server (each configuration replaces the last,
+/// `off` ends any): the tests of this binary that use it take turns.
+static FAIL_POINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Decrements the count of running handlers when the handler ends or is dropped.
 struct Running(Arc<std::sync::atomic::AtomicUsize>);
 
@@ -693,6 +697,7 @@ impl Drop for Running {
 async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expires()
 -> anyhow::Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    let _turn = FAIL_POINT.lock().await;
     let test = "queue_partitioned_worker";
     let t = TestDb::new(test).await?;
     if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
@@ -885,6 +890,118 @@ async fn a_job_cancelled_while_it_waits_in_the_worker_never_starts() -> anyhow::
         started.load(Ordering::SeqCst),
         0,
         "the handler of a job cancelled before it started ran: {report:?}"
+    );
+    Ok(())
+}
+
+/// The worker filed the jobs it holds by job id alone. A job given back (here: snoozed
+/// with no delay) and claimed again by the worker's claim loop before the writer had
+/// forgotten the first claim was filed under the same id: the writer's `forget` of the
+/// first claim then removed the *second* one, whose lease was no longer heartbeated and
+/// expired while its handler ran (another worker's sweep could then hand it to a second
+/// handler). The writer forgets each job after releasing the permits of the jobs before
+/// it in its bulk; the worker's writes are slowed (60 ms each, a loaded server) so the
+/// claim loop wins that race every time. Counts: lost leases (0), handlers of one job
+/// running at once (at most 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_claimed_again_by_the_same_worker_stays_heartbeated() -> anyhow::Result<()> {
+    use std::collections::HashMap;
+    let _turn = FAIL_POINT.lock().await;
+    let test = "queue_reclaimed_same_worker";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("slow-writes".into());
+    let client_w = mongodb::Client::with_options(options)?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(2))
+        .reap_interval(Duration::from_millis(100))
+        .partitions(1)
+        .limits(docwarden::queue::LimitOptions::default().key_concurrency(1_000));
+    let q = open(&t.db, &t.client, opts.clone()).await?;
+    let qw = open(&client_w.database(t.db.name()), &client_w, opts).await?;
+    let n = 8_i64;
+    q.enqueue_many((0..n).map(|i| {
+        (
+            doc! { "n": i },
+            EnqueueOptions::default()
+                .concurrency_key("shared")
+                .max_attempts(10),
+        )
+    }))
+    .await?;
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["update"],
+                "blockConnection": true,
+                "blockTimeMS": 60,
+                "appName": "slow-writes",
+            },
+        })
+        .await?;
+    let runs: Arc<Mutex<HashMap<ObjectId, (usize, usize)>>> = Arc::default();
+    let seen = Arc::clone(&runs);
+    let w = Worker::spawn(
+        qw,
+        WorkerOptions::default()
+            .concurrency(8)
+            .poll(Duration::from_millis(1), Duration::from_millis(5))
+            .change_stream(false),
+        move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                if job.job.snoozes == 0 {
+                    return docwarden::queue::snooze(Duration::ZERO);
+                }
+                {
+                    let mut m = seen.lock().map_err(|_| "poisoned")?;
+                    let e = m.entry(job.id()).or_insert((0, 0));
+                    e.0 += 1;
+                    e.1 = e.1.max(e.0);
+                }
+                struct Done(Arc<Mutex<HashMap<ObjectId, (usize, usize)>>>, ObjectId);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        if let Ok(mut m) = self.0.lock()
+                            && let Some(e) = m.get_mut(&self.1)
+                        {
+                            e.0 -= 1;
+                        }
+                    }
+                }
+                let _done = Done(Arc::clone(&seen), job.id());
+                tokio::time::sleep(Duration::from_millis(2_500)).await;
+                Ok(Bson::Null)
+            }
+        },
+    )?;
+    let waited = wait_for(
+        q.collection(),
+        doc! { "state": "succeeded" },
+        u64::try_from(n)?,
+        Duration::from_secs(30),
+    )
+    .await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    let report = w.shutdown().await;
+    waited?;
+    let overlaps = runs
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .values()
+        .filter(|(_, most)| *most > 1)
+        .count();
+    assert_eq!(
+        (report.lease_lost, overlaps),
+        (0, 0),
+        "lost leases, jobs run twice at once: {report:?}"
     );
     Ok(())
 }

@@ -170,7 +170,7 @@ struct Ctx {
     /// Every lease the worker holds (waiting, running, or transition queued), with the
     /// token that drops its handler when a heartbeat finds the lease lost, and when the
     /// lease certainly holds until by this process's monotonic clock (see [`HeldJob`]).
-    held: Mutex<HashMap<ObjectId, HeldJob>>,
+    held: Mutex<HashMap<ClaimKey, HeldJob>>,
     /// Jobs claimed whose handler has not finished (waiting + running).
     outstanding: AtomicUsize,
     /// Handler slots waiting for a job.
@@ -229,7 +229,7 @@ impl Ctx {
             .map(|j| {
                 let lost = CancellationToken::new();
                 held.insert(
-                    j.id(),
+                    claim_key(j),
                     HeldJob {
                         job: j.clone(),
                         lost: lost.clone(),
@@ -242,33 +242,33 @@ impl Ctx {
             .collect()
     }
 
-    /// Marks held job `id` as having its final transition queued for the writer: from
+    /// Marks held claim `job` as having its final transition queued for the writer: from
     /// now on the writer's reply, not a heartbeat, tells its outcome.
-    fn settling(&self, id: &ObjectId) {
+    fn settling(&self, job: &ClaimedJob) {
         if let Some(h) = self
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get_mut(id)
+            .get_mut(&claim_key(job))
         {
             h.settling = true;
         }
     }
 
-    /// When the lease of held job `id` certainly still holds until (monotonic clock);
+    /// When the lease of held claim `job` certainly still holds until (monotonic clock);
     /// `None` once the job is no longer held.
-    fn valid_until(&self, id: &ObjectId) -> Option<tokio::time::Instant> {
+    fn valid_until(&self, job: &ClaimedJob) -> Option<tokio::time::Instant> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(id)
+            .get(&claim_key(job))
             .map(|h| h.valid_until)
     }
-    fn forget(&self, id: &ObjectId) {
+    fn forget(&self, job: &ClaimedJob) {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
+            .remove(&claim_key(job));
     }
     /// The jobs held, each with whether its final transition is queued (settling).
     fn held_jobs(&self) -> Vec<(ClaimedJob, bool)> {
@@ -279,6 +279,15 @@ impl Ctx {
             .map(|h| (h.job.clone(), h.settling))
             .collect()
     }
+}
+
+/// A claim the worker holds: the job's id and the claim's lease token. The worker may
+/// hold a job under a new claim (its other claim loop took it again once it was given
+/// back) before the writer has forgotten the old one: each is its own entry.
+type ClaimKey = (ObjectId, String);
+
+fn claim_key(job: &ClaimedJob) -> ClaimKey {
+    (job.id(), job.lease.token.as_str().to_owned())
 }
 
 /// A job the worker holds.
@@ -566,7 +575,7 @@ async fn supervise(
     }
     for (job, _) in waiting {
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
-        ctx.settling(&job.id());
+        ctx.settling(&job);
         let _ = final_tx.send((job, Transition::Release));
     }
     let running = ctx.outstanding.load(Ordering::Relaxed);
@@ -813,13 +822,13 @@ async fn run_slot(
         ctx.slot_freed.notify_one();
         match final_transition {
             Some(t) => {
-                ctx.settling(&job.id());
+                ctx.settling(&job);
                 if finals.send((job, t)).is_err() {
                     return;
                 }
             }
             None => {
-                ctx.forget(&job.id());
+                ctx.forget(&job);
                 ctx.queue.release_permits(&job).await;
             }
         }
@@ -839,7 +848,7 @@ async fn run_job(
         if lost.is_cancelled()
             || job.cancellation().is_cancelled()
             || ctx
-                .valid_until(&job.id())
+                .valid_until(job)
                 .is_some_and(|t| t <= tokio::time::Instant::now())
         {
             // Lost, cancelled by an operator, or not renewed in time while it waited for
@@ -869,7 +878,7 @@ async fn run_job(
                 tracing::warn!("lease lost while the handler ran; handler dropped");
                 None
             }
-            () = lease_expiry(ctx, job.id()) => {
+            () = lease_expiry(ctx, job) => {
                 tracing::warn!("lease not renewed before it expired (heartbeats failing); handler dropped");
                 Counters::bump(&ctx.counters.lease_lost);
                 job.cancellation().cancel();
@@ -886,12 +895,12 @@ async fn run_job(
     .await
 }
 
-/// Resolves once the lease of held job `id` is past its [`HeldJob::valid_until`] without a
+/// Resolves once the lease of held claim `job` is past its [`HeldJob::valid_until`] without a
 /// renewal; never while it is renewed in time, or once the job is no longer held (a
 /// heartbeat that removed it has signalled the handler already).
-async fn lease_expiry(ctx: &Ctx, id: ObjectId) {
+async fn lease_expiry(ctx: &Ctx, job: &ClaimedJob) {
     loop {
-        let Some(until) = ctx.valid_until(&id) else {
+        let Some(until) = ctx.valid_until(job) else {
             return std::future::pending().await;
         };
         if until <= tokio::time::Instant::now() {
@@ -933,7 +942,7 @@ async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
             settle_batch(&ctx.queue, &batch).await
         };
         for ((job, t), outcome) in batch.iter().zip(outcomes) {
-            ctx.forget(&job.id());
+            ctx.forget(job);
             ctx.queue.release_permits(job).await;
             count(&ctx.counters, t, outcome);
         }
@@ -1024,10 +1033,10 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
         if jobs.is_empty() {
             continue;
         }
-        // The leases this heartbeat renews run from now at the latest.
-        let sent = tokio::time::Instant::now();
         // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
         let permits = ctx.queue.renew_permits(&jobs).await;
+        // The leases this heartbeat renews run from now at the latest.
+        let sent = tokio::time::Instant::now();
         match ctx.queue.heartbeat_detail(&jobs, &settling).await {
             Ok(held) => {
                 for ((job, still), permit) in jobs.iter().zip(held).zip(permits) {
@@ -1036,7 +1045,7 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                             .held
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
-                            .get_mut(&job.id())
+                            .get_mut(&claim_key(job))
                         {
                             h.valid_until = h.valid_until.max(sent + ctx.queue.options().lease_ttl);
                         }
@@ -1044,10 +1053,10 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                     }
                     let gone = {
                         let mut held = ctx.held.lock().unwrap_or_else(|p| p.into_inner());
-                        match held.get(&job.id()) {
+                        match held.get(&claim_key(job)) {
                             // The writer tells this job's outcome (see `HeldJob::settling`).
                             Some(h) if h.settling => None,
-                            Some(_) => held.remove(&job.id()),
+                            Some(_) => held.remove(&claim_key(job)),
                             None => None,
                         }
                     };

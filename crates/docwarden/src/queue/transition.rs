@@ -169,6 +169,45 @@ impl From<Update> for mongodb::options::UpdateModifications {
     }
 }
 
+/// Most bytes of results and errors one bulk of transitions carries: a command is one
+/// BSON document (16 MiB on MongoDB), and a result may be up to [`MAX_RESULT_BYTES`], so
+/// a bulk of jobs with large results is sent as several commands.
+const MAX_BULK_BYTES: usize = 8 * 1024 * 1024;
+
+/// About how many bytes transition `t` adds to a bulk's command.
+fn transition_bytes(t: &Transition) -> usize {
+    let payload = match t {
+        Transition::Complete(result) => {
+            let mut bytes = Vec::new();
+            match (doc! { "v": result.clone() }).to_writer(&mut bytes) {
+                Ok(()) => bytes.len(),
+                Err(_) => MAX_RESULT_BYTES,
+            }
+        }
+        Transition::Fail(error) => error.len().min(MAX_ERROR_LEN),
+        Transition::Release | Transition::Snooze(_) => 0,
+    };
+    payload + 512
+}
+
+/// `items` in consecutive chunks of at most [`MAX_BULK_BYTES`] (one item at least).
+fn by_size(items: &[(ClaimedJob, Transition)]) -> Vec<&[(ClaimedJob, Transition)]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (_, t)) in items.iter().enumerate() {
+        let b = transition_bytes(t);
+        if i > start && bytes + b > MAX_BULK_BYTES {
+            chunks.push(&items[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < items.len() {
+        chunks.push(&items[start..]);
+    }
+    chunks
+}
+
 /// `settled: {token, by}`: which claim's final transition applied (see
 /// [`field::SETTLED`]), written in the transition's own fenced update.
 fn settled(token: &str, by: &str) -> Document {
@@ -490,7 +529,8 @@ impl JobQueue {
     }
 
     /// Writes the final transitions of many claimed jobs in one unordered bulk of
-    /// per-job fenced updates, and returns each job's own outcome, in input order:
+    /// per-job fenced updates (several commands when their results add up to more than
+    /// [`MAX_BULK_BYTES`]), and returns each job's own outcome, in input order:
     /// `Ok(None)` (completed or released), `Ok(Some(outcome))` (failed), or
     /// [`Error::LeaseLost`] (nothing written for that job).
     ///
@@ -519,11 +559,13 @@ impl JobQueue {
     }
 
     async fn settle_unobserved(&self, items: &[(ClaimedJob, Transition)]) -> Result<Vec<Settled>> {
-        if items.is_empty() {
-            return Ok(Vec::new());
+        let mut outcomes = Vec::with_capacity(items.len());
+        // One command per chunk: a command is one BSON document, and results may be large.
+        for chunk in by_size(items) {
+            let sent = self.send_transitions(chunk).await?;
+            outcomes.extend(self.resolve(chunk, sent).await?);
         }
-        let sent = self.send_transitions(items).await?;
-        self.resolve(items, sent).await
+        Ok(outcomes)
     }
 
     /// Sends the transitions of `items` as one unordered bulk: one `multi` statement per

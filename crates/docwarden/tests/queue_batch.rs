@@ -377,3 +377,69 @@ async fn a_bulk_of_large_results_is_completed_whole() -> anyhow::Result<()> {
     assert_eq!(done, u64::try_from(n)?, "jobs completed");
     Ok(())
 }
+
+/// A batch claim is a write (the leases) then a read of the claimed jobs. When the read
+/// failed, the claim returned the error and the jobs it had just leased stayed `running`
+/// under a token nobody held: unclaimable until their lease expired (30 s by default),
+/// each charged an attempt it never ran — a job with `max_attempts(1)` went to `dead`
+/// without ever running. The claim now gives them back (attempt returned) before it
+/// reports the error. Counts: jobs left running unheld (0), dead (0).
+#[tokio::test]
+async fn a_claim_whose_read_back_fails_gives_its_jobs_back() -> anyhow::Result<()> {
+    let test = "queue_claim_read_back_fails";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("claim-read-fails".into());
+    let client = mongodb::Client::with_options(options)?;
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let opts = QueueOptions::default()
+        .partitions(1)
+        .lease_ttl(Duration::from_secs(1))
+        .reap_interval(Duration::from_secs(3600));
+    let q = open(&t, "jobs", opts.clone()).await?;
+    let cut = JobQueue::new(client.database(t.db.name()).collection("jobs"), time, opts)?;
+    q.enqueue_many(
+        (0..3_i64).map(|i| (doc! { "i": i }, EnqueueOptions::default().max_attempts(1))),
+    )
+    .await?;
+    // The claim's own sweep runs first (updates); then the candidates' find passes, the
+    // leases are written, and the read of the claimed jobs fails (and its retry).
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "skip": 1, "times": 2 },
+            "data": { "failCommands": ["find"], "errorCode": 2, "appName": "claim-read-fails" },
+        })
+        .await?;
+    let claimed = cut.claim_batch("w", 3).await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    anyhow::ensure!(claimed.is_err(), "the read did not fail: {claimed:?}");
+    let running = q
+        .collection()
+        .count_documents(doc! { "state": JobState::Running.as_str() })
+        .await?;
+    // Past the lease and the sweep's margin: a job left running would now be swept, and
+    // with one attempt it would be dead without having run.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    q.reap_expired().await?;
+    let dead = q
+        .collection()
+        .count_documents(doc! { "state": JobState::Dead.as_str() })
+        .await?;
+    let again = q.claim_batch("w2", 3).await?;
+    assert_eq!(
+        (running, dead, again.len()),
+        (0, 0, 3),
+        "(left running unheld, dead without running, claimable again)"
+    );
+    assert!(
+        again.iter().all(|j| j.job.attempts == 1),
+        "attempts charged twice"
+    );
+    Ok(())
+}

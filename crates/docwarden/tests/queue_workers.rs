@@ -1005,3 +1005,62 @@ async fn a_job_claimed_again_by_the_same_worker_stays_heartbeated() -> anyhow::R
     );
     Ok(())
 }
+
+/// A handler that panicked took its handler slot down with it, and the job with it: the
+/// job stayed in the worker's held set, so the heartbeat renewed its lease for as long as
+/// the worker lived — never finished, never claimable again — and the worker ran one
+/// handler fewer from then on. A panic is a failed attempt. Counts: jobs stuck running
+/// (0), jobs of the queue finished (all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_fails_its_attempt_and_keeps_its_slot() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_handler_panics").await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        QueueOptions::default()
+            .lease_ttl(Duration::from_secs(1))
+            .retry_delays(Duration::from_millis(10), Duration::from_millis(20)),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    q.enqueue(
+        doc! { "panic": true },
+        &EnqueueOptions::default().max_attempts(2),
+    )
+    .await?;
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().concurrency(1).change_stream(false),
+        |job| async move {
+            let panics = job
+                .payload()
+                .as_document()
+                .is_some_and(|d| d.contains_key("panic"));
+            assert!(!panics, "the handler panics");
+            Ok(Bson::Null)
+        },
+    )?;
+    let dead = wait_for(
+        &coll,
+        doc! { "state": "dead", "last_error": { "$regex": "panic" } },
+        1,
+        Duration::from_secs(6),
+    )
+    .await;
+    // The worker still runs jobs with its one slot.
+    q.enqueue_many((0..3_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    let others = wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        3,
+        Duration::from_secs(6),
+    )
+    .await;
+    let running = count(&coll, doc! { "state": "running" }).await?;
+    w.kill().await;
+    assert_eq!(running, 0, "jobs stuck running");
+    dead?;
+    others?;
+    Ok(())
+}

@@ -27,7 +27,7 @@
 //! a second), and reopened as soon as a claim finds nothing, then the worker claims
 //! once more for the jobs inserted in between; while it is closed, a job cancelled as it runs is signalled by the next
 //! heartbeat instead of at once. Database errors (a restarting server) make the worker back
-//! off and resume; they never end it. Shutdown stops claiming, releases the jobs still
+//! off and resume; they never end it. A handler that panics fails its attempt. Shutdown stops claiming, releases the jobs still
 //! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
 //! jobs still running so other workers can claim them at once.
 //!
@@ -855,7 +855,11 @@ async fn run_job(
             // a slot (the sweep takes it back): never started.
             return None;
         }
-        let handler = (ctx.handler)(job.clone());
+        // A panic in the handler (or in the call that makes its future) fails the attempt:
+        // unwinding through the slot would end the slot and leave the job held, its lease
+        // renewed by the heartbeat for as long as the worker lives.
+        let handler = std::panic::AssertUnwindSafe(async { (ctx.handler)(job.clone()).await })
+            .catch_unwind();
         // A job cancelled while it runs: its handler is signalled (the claim's
         // cancellation token) and may run on for `cancel_grace`; what it returns is
         // refused by the fence.
@@ -865,14 +869,23 @@ async fn run_job(
         };
         tokio::select! {
             r = handler => Some(match r {
-                Ok(result) => match too_large(&result) {
+                Ok(Ok(result)) => match too_large(&result) {
                     None => Transition::Complete(result),
                     Some(reason) => Transition::Fail(reason),
                 },
-                Err(err) => match err.downcast::<Snooze>() {
+                Ok(Err(err)) => match err.downcast::<Snooze>() {
                     Ok(s) => Transition::Snooze(i64::try_from(s.after.as_millis()).unwrap_or(i64::MAX)),
                     Err(err) => Transition::Fail(err.to_string()),
                 },
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::warn!(panic = %what, "handler panicked; attempt failed");
+                    Transition::Fail(format!("the handler panicked: {what}"))
+                }
             }),
             () = lost.cancelled() => {
                 tracing::warn!("lease lost while the handler ran; handler dropped");

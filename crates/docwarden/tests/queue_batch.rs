@@ -315,6 +315,11 @@ async fn outcome_reads_go_to_the_primary_whatever_the_read_preference() -> anyho
         Ok(o) if o[0].is_ok() && o[1].is_err() && o[2].is_ok() => {}
         other => failed.push(format!("settle read-back: {other:?}")),
     }
+    // An operator's cancel of a finished job reads it to say so (a stale read: `NotFound`).
+    match secondary.cancel(batch[0].id()).await {
+        Ok(docwarden::queue::CancelOutcome::AlreadyFinished(JobState::Succeeded)) => {}
+        other => failed.push(format!("cancel outcome read: {other:?}")),
+    }
     // A claim reads its own job back after the write that claimed it (the update-then-
     // fetch claim; a batch claim's read of its jobs is the same kind of read).
     let fetching = JobQueue::new(

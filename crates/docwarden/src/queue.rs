@@ -186,7 +186,9 @@ impl JobQueue {
     /// [`JobQueue::ensure_indexes`] and [`JobQueue::store_options`] once (or use
     /// [`JobQueue::open`], which does both). With [`QueueOptions::write_concern`] set,
     /// every write goes through `collection` with that write concern (its read concern
-    /// and read preference are kept).
+    /// and read preference are kept, except for the reads that decide an outcome — a
+    /// claim reading its own jobs, the read-back of a short bulk — which always read the
+    /// primary's latest data).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if the options are invalid.
@@ -474,6 +476,24 @@ impl JobQueue {
             None => Ok(None),
         }
     }
+}
+
+/// Where a read that decides an outcome goes: the primary, read concern `local` — the
+/// latest data, as the fenced write it follows saw it — whatever the collection's read
+/// preference and read concern. A secondary, or a `majority` snapshot, can predate the
+/// write that took a lease away (a heartbeat's read-back would find the job still held
+/// while another worker runs it), or the claim just written (a claim would miss its own
+/// jobs, left `running` unheld until their lease expires).
+fn latest() -> (
+    mongodb::options::SelectionCriteria,
+    mongodb::options::ReadConcern,
+) {
+    (
+        mongodb::options::SelectionCriteria::ReadPreference(
+            mongodb::options::ReadPreference::Primary,
+        ),
+        mongodb::options::ReadConcern::local(),
+    )
 }
 
 fn lease_lost(id: &mongodb::bson::Bson, token: &JobToken) -> Error {

@@ -250,3 +250,201 @@ async fn format_3_claims_read_back_by_id_without_a_token_index() -> anyhow::Resu
     assert_ne!(first[0].lease.token, second[0].lease.token);
     Ok(())
 }
+
+/// The reads that decide an outcome — the read-back of a short heartbeat or settle bulk,
+/// and the read of a batch claim's own jobs — followed the collection's read preference
+/// and read concern. With `secondaryPreferred` (a common client-wide setting) or
+/// `majority` reads, a read-back can return a snapshot from before the write that took
+/// the lease away: the heartbeat then reports a job re-claimed by another worker as still
+/// held (two handlers run it), and a batch claim can miss the jobs it just claimed (they
+/// stay `running` unheld until their lease expires, an attempt burned). They must read
+/// the primary's latest data, like the fenced write they follow. On a one-member replica
+/// set there is no secondary to lag, so the test routes the collection to `secondary`
+/// read preference: a read that follows it cannot be served at all. Counts: outcome
+/// reads that failed (0).
+#[tokio::test]
+async fn outcome_reads_go_to_the_primary_whatever_the_read_preference() -> anyhow::Result<()> {
+    use mongodb::options::{CollectionOptions, ReadConcern, ReadPreference, SelectionCriteria};
+    let t = TestDb::new("queue_outcome_reads_primary").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    q.enqueue_many((0..4).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    // The same queue through a collection that reads from secondaries, majority-committed.
+    // As a replica-set client (the test server is a one-member set), so that the driver
+    // routes by read preference at all (a direct connection ignores it).
+    let hello = t
+        .client
+        .database("admin")
+        .run_command(doc! { "hello": 1 })
+        .await?;
+    let Ok(set_name) = hello.get_str("setName") else {
+        docwarden_testkit::skip(
+            "outcome_reads_go_to_the_primary_whatever_the_read_preference",
+            "the server is not a replica set member",
+        );
+        return Ok(());
+    };
+    let mut client_options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    client_options.direct_connection = Some(false);
+    client_options.repl_set_name = Some(set_name.to_owned());
+    client_options.server_selection_timeout = Some(Duration::from_millis(500));
+    let client = mongodb::Client::with_options(client_options)?;
+    let coll: mongodb::Collection<Document> = client.database(t.db.name()).collection_with_options(
+        "jobs",
+        CollectionOptions::builder()
+            .selection_criteria(SelectionCriteria::ReadPreference(
+                ReadPreference::Secondary {
+                    options: Default::default(),
+                },
+            ))
+            .read_concern(ReadConcern::majority())
+            .build(),
+    );
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let secondary = JobQueue::new(coll.clone(), time, QueueOptions::default().partitions(1))?;
+    let mut failed = Vec::new();
+    let batch = q.claim_batch("w", 3).await?;
+    anyhow::ensure!(batch.len() == 3, "claimed {}", batch.len());
+    q.cancel(batch[1].id()).await?;
+    match secondary.heartbeat_many(&batch).await {
+        Ok(held) if held == [true, false, true] => {}
+        other => failed.push(format!("heartbeat read-back: {other:?}")),
+    }
+    let items: Vec<_> = batch.iter().map(|j| (j.clone(), Bson::Null)).collect();
+    match secondary.complete_many(&items).await {
+        Ok(o) if o[0].is_ok() && o[1].is_err() && o[2].is_ok() => {}
+        other => failed.push(format!("settle read-back: {other:?}")),
+    }
+    // An operator's cancel of a finished job reads it to say so (a stale read: `NotFound`).
+    match secondary.cancel(batch[0].id()).await {
+        Ok(docwarden::queue::CancelOutcome::AlreadyFinished(JobState::Succeeded)) => {}
+        other => failed.push(format!("cancel outcome read: {other:?}")),
+    }
+    // A claim reads its own job back after the write that claimed it (the update-then-
+    // fetch claim; a batch claim's read of its jobs is the same kind of read).
+    let fetching = JobQueue::new(
+        coll.clone(),
+        secondary.time().clone(),
+        QueueOptions::default()
+            .partitions(1)
+            .claim_strategy(docwarden::queue::ClaimStrategy::UpdateThenFetch),
+    )?;
+    match fetching.claim("w2").await {
+        Ok(Some(_)) => {}
+        other => failed.push(format!("claimed job read: {other:?}")),
+    }
+    assert!(
+        failed.is_empty(),
+        "{} outcome reads failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    Ok(())
+}
+
+/// A bulk of completions is one `update` command, and a command is one BSON document
+/// (16 MiB). Each result may be up to `MAX_RESULT_BYTES` (1 MiB), and the worker sends up
+/// to 1024 transitions in one bulk: jobs with large results finishing together made a
+/// command the server refuses as a whole, so none of them was completed (the worker gave
+/// the bulk up; the jobs ran again after their leases expired, and again). MongoDB
+/// refuses a command body over 16 MiB (18 such results); the embedded server takes more,
+/// so the test goes past the 48 MB message limit every server and driver has. Counts:
+/// jobs of the bulk completed (all 60, each with a 900 KB result).
+#[tokio::test]
+async fn a_bulk_of_large_results_is_completed_whole() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_bulk_large_results").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    let n = 60;
+    q.enqueue_many((0..60_i64).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    let batch = q.claim_batch("w", n).await?;
+    anyhow::ensure!(batch.len() == n, "claimed {}", batch.len());
+    let items: Vec<_> = batch
+        .iter()
+        .enumerate()
+        .map(|(i, j)| {
+            (
+                j.clone(),
+                Bson::String(format!("{i}{}", "x".repeat(900_000))),
+            )
+        })
+        .collect();
+    let outcomes = q.complete_many(&items).await;
+    let done = q
+        .collection()
+        .count_documents(doc! { "state": JobState::Succeeded.as_str() })
+        .await?;
+    assert!(
+        outcomes.as_ref().is_ok_and(|o| o.iter().all(Result::is_ok)),
+        "{:?}",
+        outcomes.map(|o| o.iter().filter(|r| r.is_err()).count())
+    );
+    assert_eq!(done, u64::try_from(n)?, "jobs completed");
+    Ok(())
+}
+
+/// A batch claim is a write (the leases) then a read of the claimed jobs. When the read
+/// failed, the claim returned the error and the jobs it had just leased stayed `running`
+/// under a token nobody held: unclaimable until their lease expired (30 s by default),
+/// each charged an attempt it never ran — a job with `max_attempts(1)` went to `dead`
+/// without ever running. The claim now gives them back (attempt returned) before it
+/// reports the error. Counts: jobs left running unheld (0), dead (0).
+#[tokio::test]
+async fn a_claim_whose_read_back_fails_gives_its_jobs_back() -> anyhow::Result<()> {
+    let test = "queue_claim_read_back_fails";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("claim-read-fails".into());
+    let client = mongodb::Client::with_options(options)?;
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let opts = QueueOptions::default()
+        .partitions(1)
+        .lease_ttl(Duration::from_secs(1))
+        .reap_interval(Duration::from_secs(3600));
+    let q = open(&t, "jobs", opts.clone()).await?;
+    let cut = JobQueue::new(client.database(t.db.name()).collection("jobs"), time, opts)?;
+    q.enqueue_many(
+        (0..3_i64).map(|i| (doc! { "i": i }, EnqueueOptions::default().max_attempts(1))),
+    )
+    .await?;
+    // The claim's own sweep runs first (updates); then the candidates' find passes, the
+    // leases are written, and the read of the claimed jobs fails (and its retry).
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "skip": 1, "times": 2 },
+            "data": { "failCommands": ["find"], "errorCode": 2, "appName": "claim-read-fails" },
+        })
+        .await?;
+    let claimed = cut.claim_batch("w", 3).await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    anyhow::ensure!(claimed.is_err(), "the read did not fail: {claimed:?}");
+    let running = q
+        .collection()
+        .count_documents(doc! { "state": JobState::Running.as_str() })
+        .await?;
+    // Past the lease and the sweep's margin: a job left running would now be swept, and
+    // with one attempt it would be dead without having run.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    q.reap_expired().await?;
+    let dead = q
+        .collection()
+        .count_documents(doc! { "state": JobState::Dead.as_str() })
+        .await?;
+    let again = q.claim_batch("w2", 3).await?;
+    assert_eq!(
+        (running, dead, again.len()),
+        (0, 0, 3),
+        "(left running unheld, dead without running, claimable again)"
+    );
+    assert!(
+        again.iter().all(|j| j.job.attempts == 1),
+        "attempts charged twice"
+    );
+    Ok(())
+}

@@ -234,3 +234,88 @@ async fn a_concurrency_key_leaves_room_for_its_semaphore_prefix() -> anyhow::Res
     );
     Ok(())
 }
+
+/// A caller that drives limited jobs itself ([`JobQueue::claim_limited`], then
+/// [`JobQueue::heartbeat`] while the job runs) kept the job's lease but not its permit:
+/// nothing renewed the permit (ttl 1.5 × the lease's), so once it expired a second job of
+/// the key was claimed while the first one still held a valid lease — two running with
+/// N = 1. The heartbeats renew the job's permits first (`docs/queue.md`, the protocol's
+/// step 3). Counts: claims of the key's second job while the first is held (0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeated_limited_job_keeps_its_permit() -> anyhow::Result<()> {
+    let t = TestDb::new("limits_heartbeat_keeps_permit").await?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_millis(600))
+        .limits(LimitOptions::default().key_concurrency(1));
+    let q = JobQueue::open(&t.db, "jobs", time(&t)?, opts).await?;
+    let one = EnqueueOptions::default().concurrency_key("k");
+    q.enqueue(doc! { "n": 1 }, &one).await?;
+    q.enqueue(doc! { "n": 2 }, &one).await?;
+    let first = q.claim_limited("a", 1).await?;
+    anyhow::ensure!(first.len() == 1, "claimed {} jobs", first.len());
+    let mut violations = 0;
+    let mut beats = 0;
+    // Five lease TTLs (three permit TTLs), a heartbeat every third of the lease.
+    for _ in 0..15 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        q.heartbeat(&first[0]).await?;
+        beats += 1;
+        let second = q.claim_limited("b", 1).await?;
+        violations += second.len();
+        for j in &second {
+            q.release(j).await?;
+            q.release_permits(j).await;
+        }
+        let many = q.heartbeat_many(&first).await?;
+        anyhow::ensure!(many == [true], "heartbeat_many: {many:?}");
+    }
+    assert_eq!(
+        violations, 0,
+        "the key's second job was claimed {violations} times while the first held its lease ({beats} heartbeats)"
+    );
+    q.complete(&first[0], mongodb::bson::Bson::Null).await?;
+    q.release_permits(&first[0]).await;
+    let second = q.claim_limited("b", 1).await?;
+    assert_eq!(second.len(), 1, "the permit came back after the completion");
+    Ok(())
+}
+
+/// The permits a handle holds were filed by job id alone. When the handle claimed a job
+/// again (released, retried or snoozed, then claimed by its other claim loop) before the
+/// first claim's permits were released, the second claim's permits replaced the first's;
+/// the release for the first claim then gave back the *second* claim's permits while it
+/// ran, and the first claim's permit expired later: once it did, the key had one job more
+/// running than N. Counts: jobs of the key running at once with N = 2 (at most 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_claimed_again_by_the_same_handle_keeps_its_new_permits() -> anyhow::Result<()> {
+    let t = TestDb::new("limits_reclaimed_same_handle").await?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_millis(600))
+        .limits(LimitOptions::default().key_concurrency(2));
+    let q = JobQueue::open(&t.db, "jobs", time(&t)?, opts).await?;
+    let key = EnqueueOptions::default().concurrency_key("k");
+    q.enqueue(doc! { "n": 1 }, &key).await?;
+    let first = q.claim_limited("w", 1).await?;
+    anyhow::ensure!(first.len() == 1, "claimed {}", first.len());
+    // Given back, and claimed again by the same handle before the first claim's permits
+    // are released (the worker releases them after the transition's bulk came back).
+    q.release(&first[0]).await?;
+    let again = q.claim_limited("w", 1).await?;
+    anyhow::ensure!(again.len() == 1, "claimed again {}", again.len());
+    q.release_permits(&first[0]).await;
+    // Two more jobs of the key; the job claimed again runs on, heartbeated.
+    q.enqueue(doc! { "n": 2 }, &key).await?;
+    q.enqueue(doc! { "n": 3 }, &key).await?;
+    let mut running = vec![again[0].clone()];
+    let mut most = 0;
+    for _ in 0..12 {
+        for j in &running {
+            q.heartbeat(j).await?;
+        }
+        running.extend(q.claim_limited("w", 1).await?);
+        most = most.max(running.len());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(most <= 2, "{most} jobs of a key limited to 2 ran at once");
+    Ok(())
+}

@@ -672,3 +672,395 @@ async fn slow_handlers_never_hold_a_job_they_cannot_start() -> anyhow::Result<()
     );
     Ok(())
 }
+
+/// The `failCommand` fail point is one per server (each configuration replaces the last,
+/// `off` ends any): the tests of this binary that use it take turns.
+static FAIL_POINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Decrements the count of running handlers when the handler ends or is dropped.
+struct Running(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A worker cut off from the server (its heartbeats fail, the rest of the cluster is fine)
+/// kept running its handler past the lease: once the lease expired, the sweep handed the
+/// job to another worker and both handlers ran the job at once. A worker must drop a
+/// handler whose lease it could not renew before the lease expires (by its own monotonic
+/// clock, from when it sent the claim or the last heartbeat that renewed it), so the
+/// sweep's takeover never overlaps it. Counts: handlers of the job running at once (at
+/// most 1), and the second worker must get the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expires()
+-> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let _turn = FAIL_POINT.lock().await;
+    let test = "queue_partitioned_worker";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    // Worker A's own client, named so that the fail point cuts off only its writes.
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("partitioned-worker".into());
+    let client_a = mongodb::Client::with_options(options)?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(1))
+        .reap_interval(Duration::from_millis(100));
+    let qa = open(&client_a.database(t.db.name()), &client_a, opts.clone()).await?;
+    let qb = open(&t.db, &t.client, opts).await?;
+    let running = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let starts = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (running, most, starts) = (running.clone(), most.clone(), starts.clone());
+        move |_job: ClaimedJob| {
+            let (running, most, starts) = (running.clone(), most.clone(), starts.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                let _guard = Running(running);
+                most.fetch_max(now, Ordering::SeqCst);
+                starts.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                HandlerResult::Ok(Bson::Null)
+            }
+        }
+    };
+    let worker_options = WorkerOptions::default()
+        .concurrency(1)
+        .batch_size(1)
+        .change_stream(false)
+        .poll(Duration::from_millis(20), Duration::from_millis(100));
+    qa.enqueue(doc! { "n": 1 }, &EnqueueOptions::default().max_attempts(5))
+        .await?;
+    let a = Worker::spawn(qa, worker_options.clone().name("a"), handler.clone())?;
+    let started = Instant::now();
+    while starts.load(Ordering::SeqCst) == 0 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "A never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A's heartbeats (and every other write of its client) fail from now on.
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": { "failCommands": ["update"], "errorCode": 2, "appName": "partitioned-worker" },
+        })
+        .await?;
+    let b = Worker::spawn(qb, worker_options.name("b"), handler)?;
+    let waited = Instant::now();
+    while starts.load(Ordering::SeqCst) < 2 && waited.elapsed() < Duration::from_secs(8) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    let took_over = starts.load(Ordering::SeqCst);
+    let overlap = most.load(Ordering::SeqCst);
+    a.kill().await;
+    b.kill().await;
+    assert_eq!(took_over, 2, "the second worker never got the job");
+    assert_eq!(
+        overlap, 1,
+        "{overlap} handlers ran the job at once: the cut-off worker's handler outlived its lease"
+    );
+    Ok(())
+}
+
+/// A heartbeat that raced the worker's own completion counted it as a lost lease: the
+/// heartbeat bulk came back short because the completion had just landed, the read-back
+/// found the job `succeeded`, and the job — still held until the writer's reply — was
+/// dropped and counted in `lease_lost` as well as in `succeeded`. No lease is lost here
+/// (30 s TTL), so every job must count once, as succeeded. Counts: lease losses (0),
+/// succeeded (every job).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_heartbeat_races_completion").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default()).await?;
+    let n = 1_000_u64;
+    q.enqueue_many((0..1_000_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .concurrency(8)
+            .heartbeat_every(Duration::from_millis(1))
+            .change_stream(false),
+        |_job| async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(Bson::Null)
+        },
+    )?;
+    wait_for(
+        q.collection(),
+        doc! { "state": "succeeded" },
+        n,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let report = w.shutdown().await;
+    assert_eq!(report.succeeded, n, "{report:?}");
+    assert_eq!(
+        report.lease_lost, 0,
+        "jobs completed by this worker were also counted as lost leases: {report:?}"
+    );
+    Ok(())
+}
+
+/// A job cancelled while it waited in the worker (claimed ahead, its handler slot still
+/// busy) was started anyway: the heartbeat saw the cancel and signalled the claim, but
+/// the slot only checked for a lost lease before it ran the handler, so the handler of a
+/// job cancelled before it started ran for up to `cancel_grace`. Counts: handlers started
+/// for the cancelled job (0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_cancelled_while_it_waits_in_the_worker_never_starts() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let t = TestDb::new("queue_cancel_waiting").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
+    let coll = q.collection().clone();
+    // Fast jobs first (so the worker's prefetch grows), then a slow one, then the one
+    // that waits behind it and is cancelled.
+    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
+        .await?;
+    q.enqueue(
+        doc! { "slow": true },
+        &EnqueueOptions::default().priority(5),
+    )
+    .await?;
+    let waiting = q
+        .enqueue(
+            doc! { "waits": true },
+            &EnqueueOptions::default().priority(0),
+        )
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&started);
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .concurrency(1)
+            .heartbeat_every(Duration::from_millis(50))
+            .change_stream(false),
+        move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let d = job.payload().as_document().cloned().unwrap_or_default();
+                if d.contains_key("waits") {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                } else if d.contains_key("slow") {
+                    tokio::time::sleep(Duration::from_millis(1_500)).await;
+                }
+                Ok(Bson::Null)
+            }
+        },
+    )?;
+    wait_for(
+        &coll,
+        doc! { "_id": waiting, "state": "running" },
+        1,
+        Duration::from_secs(20),
+    )
+    .await?;
+    let outcome = q.cancel(waiting).await?;
+    wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        301,
+        Duration::from_secs(20),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = w.shutdown().await;
+    assert_eq!(
+        outcome,
+        docwarden::queue::CancelOutcome::Cancelled {
+            was: JobState::Running
+        },
+        "the job was not held by the worker when it was cancelled"
+    );
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        0,
+        "the handler of a job cancelled before it started ran: {report:?}"
+    );
+    Ok(())
+}
+
+/// The worker filed the jobs it holds by job id alone. A job given back (here: snoozed
+/// with no delay) and claimed again by the worker's claim loop before the writer had
+/// forgotten the first claim was filed under the same id: the writer's `forget` of the
+/// first claim then removed the *second* one, whose lease was no longer heartbeated and
+/// expired while its handler ran (another worker's sweep could then hand it to a second
+/// handler). The writer forgets each job after releasing the permits of the jobs before
+/// it in its bulk; the worker's writes are slowed (60 ms each, a loaded server) so the
+/// claim loop wins that race every time. Counts: lost leases (0), handlers of one job
+/// running at once (at most 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_claimed_again_by_the_same_worker_stays_heartbeated() -> anyhow::Result<()> {
+    use std::collections::HashMap;
+    let _turn = FAIL_POINT.lock().await;
+    let test = "queue_reclaimed_same_worker";
+    let t = TestDb::new(test).await?;
+    if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
+        docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
+        return Ok(());
+    }
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("slow-writes".into());
+    let client_w = mongodb::Client::with_options(options)?;
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(2))
+        .reap_interval(Duration::from_millis(100))
+        .partitions(1)
+        .limits(docwarden::queue::LimitOptions::default().key_concurrency(1_000));
+    let q = open(&t.db, &t.client, opts.clone()).await?;
+    let qw = open(&client_w.database(t.db.name()), &client_w, opts).await?;
+    let n = 8_i64;
+    q.enqueue_many((0..n).map(|i| {
+        (
+            doc! { "n": i },
+            EnqueueOptions::default()
+                .concurrency_key("shared")
+                .max_attempts(10),
+        )
+    }))
+    .await?;
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["update"],
+                "blockConnection": true,
+                "blockTimeMS": 60,
+                "appName": "slow-writes",
+            },
+        })
+        .await?;
+    let runs: Arc<Mutex<HashMap<ObjectId, (usize, usize)>>> = Arc::default();
+    let seen = Arc::clone(&runs);
+    let w = Worker::spawn(
+        qw,
+        WorkerOptions::default()
+            .concurrency(8)
+            .poll(Duration::from_millis(1), Duration::from_millis(5))
+            .change_stream(false),
+        move |job| {
+            let seen = Arc::clone(&seen);
+            async move {
+                if job.job.snoozes == 0 {
+                    return docwarden::queue::snooze(Duration::ZERO);
+                }
+                {
+                    let mut m = seen.lock().map_err(|_| "poisoned")?;
+                    let e = m.entry(job.id()).or_insert((0, 0));
+                    e.0 += 1;
+                    e.1 = e.1.max(e.0);
+                }
+                struct Done(Arc<Mutex<HashMap<ObjectId, (usize, usize)>>>, ObjectId);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        if let Ok(mut m) = self.0.lock()
+                            && let Some(e) = m.get_mut(&self.1)
+                        {
+                            e.0 -= 1;
+                        }
+                    }
+                }
+                let _done = Done(Arc::clone(&seen), job.id());
+                tokio::time::sleep(Duration::from_millis(2_500)).await;
+                Ok(Bson::Null)
+            }
+        },
+    )?;
+    let waited = wait_for(
+        q.collection(),
+        doc! { "state": "succeeded" },
+        u64::try_from(n)?,
+        Duration::from_secs(30),
+    )
+    .await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    let report = w.shutdown().await;
+    waited?;
+    let overlaps = runs
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .values()
+        .filter(|(_, most)| *most > 1)
+        .count();
+    assert_eq!(
+        (report.lease_lost, overlaps),
+        (0, 0),
+        "lost leases, jobs run twice at once: {report:?}"
+    );
+    Ok(())
+}
+
+/// A handler that panicked took its handler slot down with it, and the job with it: the
+/// job stayed in the worker's held set, so the heartbeat renewed its lease for as long as
+/// the worker lived — never finished, never claimable again — and the worker ran one
+/// handler fewer from then on. A panic is a failed attempt. Counts: jobs stuck running
+/// (0), jobs of the queue finished (all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_fails_its_attempt_and_keeps_its_slot() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_handler_panics").await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        QueueOptions::default()
+            .lease_ttl(Duration::from_secs(1))
+            .retry_delays(Duration::from_millis(10), Duration::from_millis(20)),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    q.enqueue(
+        doc! { "panic": true },
+        &EnqueueOptions::default().max_attempts(2),
+    )
+    .await?;
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default().concurrency(1).change_stream(false),
+        |job| async move {
+            let panics = job
+                .payload()
+                .as_document()
+                .is_some_and(|d| d.contains_key("panic"));
+            assert!(!panics, "the handler panics");
+            Ok(Bson::Null)
+        },
+    )?;
+    let dead = wait_for(
+        &coll,
+        doc! { "state": "dead", "last_error": { "$regex": "panic" } },
+        1,
+        Duration::from_secs(6),
+    )
+    .await;
+    // The worker still runs jobs with its one slot.
+    q.enqueue_many((0..3_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default())))
+        .await?;
+    let others = wait_for(
+        &coll,
+        doc! { "state": "succeeded" },
+        3,
+        Duration::from_secs(6),
+    )
+    .await;
+    let running = count(&coll, doc! { "state": "running" }).await?;
+    w.kill().await;
+    assert_eq!(running, 0, "jobs stuck running");
+    dead?;
+    others?;
+    Ok(())
+}

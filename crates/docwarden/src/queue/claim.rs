@@ -187,15 +187,62 @@ impl JobQueue {
         }
         // The claimed job's `lease.until` is known exactly: an equality on the lease-expiry
         // index (partial on `running`) finds it without an index on the token.
-        Ok(self
+        let (primary, local) = super::latest();
+        let claimed = doc! {
+            field::LEASE_UNTIL: now.plus_ms(self.inner.ttl_ms),
+            field::STATE: JobState::Running.as_str(),
+            field::LEASE_TOKEN: token,
+        };
+        match self
             .inner
             .coll
-            .find_one(doc! {
-                field::LEASE_UNTIL: now.plus_ms(self.inner.ttl_ms),
-                field::STATE: JobState::Running.as_str(),
-                field::LEASE_TOKEN: token,
-            })
-            .await?)
+            .find_one(claimed.clone())
+            .selection_criteria(primary)
+            .read_concern(local)
+            .await
+        {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                self.give_back_unread(claimed).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Best effort, after a claim wrote its leases but could not read the claimed jobs
+    /// back: gives the running jobs matching `claimed` (a filter naming the claim's
+    /// token) back as a release does — `ready` (`retrying` after earlier attempts), the
+    /// attempt returned — so they are claimable at once instead of after their lease,
+    /// and not charged an attempt they never ran. If this write fails too, the leases
+    /// expire and the sweep takes the jobs back.
+    async fn give_back_unread(&self, mut claimed: Document) {
+        claimed.insert(field::STATE, JobState::Running.as_str());
+        let now = match self.inner.time.now().await {
+            Ok(now) => now.estimate(),
+            Err(e) => {
+                tracing::warn!(error = %e, "claimed jobs not read back, nor given back");
+                return;
+            }
+        };
+        let give_back = vec![doc! { "$set": {
+            field::STATE: { "$cond": [
+                { "$lte": [format!("${}", field::ATTEMPTS), 1_i64] },
+                JobState::Ready.as_str(),
+                JobState::Retrying.as_str(),
+            ] },
+            field::ATTEMPTS: { "$subtract": [format!("${}", field::ATTEMPTS), 1_i64] },
+            field::UPDATED_AT: now,
+        } }];
+        match self.inner.coll.update_many(claimed, give_back).await {
+            Ok(r) => tracing::warn!(
+                jobs = r.modified_count,
+                "claimed jobs could not be read back: given back"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "claimed jobs not read back, nor given back: claimable once their lease expires"
+            ),
+        }
     }
 
     /// The partitions the next batch claim of this handle reads: `span` consecutive
@@ -305,7 +352,9 @@ impl JobQueue {
     /// while they hold fewer than `k` due jobs, so a small backlog is still claimed in
     /// full batches and a large one costs the same per claim. The claimed jobs are
     /// returned in rank order. The ordering promise is in `docs/queue.md`
-    /// ("Ordering"): strict inside the partitions read, not across partitions.
+    /// ("Ordering"): strict inside the partitions read, not across partitions. If the
+    /// read of the claimed jobs fails, they are given back (attempt returned) before the
+    /// error is returned.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
@@ -365,7 +414,16 @@ impl JobQueue {
                 Ok(_) => None,
                 Err(e) => Some(Error::from(e)),
             };
-            let claimed = self.fetch_claimed(&ids, &token).await?;
+            let claimed = match self.fetch_claimed(&ids, &token).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    self.give_back_unread(
+                        doc! { field::ID: { "$in": ids.clone() }, field::LEASE_TOKEN: &token },
+                    )
+                    .await;
+                    return Err(e);
+                }
+            };
             if let Some(e) = failed
                 && (e.is_retryable() || self.bury_malformed(Some(ids)).await? == 0)
             {
@@ -385,10 +443,13 @@ impl JobQueue {
     /// `dead`), in rank order. Point lookups by `_id` with the token re-checked, so no
     /// index on the token is needed (format 3).
     async fn fetch_claimed(&self, ids: &[Bson], token: &str) -> Result<Vec<ClaimedJob>> {
+        let (primary, local) = super::latest();
         let docs: Vec<Document> = self
             .inner
             .coll
             .find(doc! { field::ID: { "$in": ids }, field::LEASE_TOKEN: token })
+            .selection_criteria(primary)
+            .read_concern(local)
             .await?
             .try_collect()
             .await?;

@@ -15,7 +15,8 @@
 //! then it claims the job by `_id` with the claim filter re-checked in the write; if that
 //! fails it gives the permits and the start back. Each permit is a
 //! [`crate::lock::Semaphore`] permit (one atomic write, expiry by server time) whose ttl is
-//! the job lease's ttl and half again, renewed by the worker's heartbeat before the job's
+//! the job lease's ttl and half again, renewed by every heartbeat of the job (the
+//! worker's, [`JobQueue::heartbeat`], [`JobQueue::heartbeat_many`]) before the job's
 //! lease and released after the job's final transition is written. So a job never runs
 //! without its permits, and a crashed worker's permits expire after its job leases.
 //!
@@ -178,7 +179,10 @@ pub(crate) struct Limits {
     keys: Semaphore,
     queue: Semaphore,
     rates: RateLimiter,
-    held: Mutex<HashMap<ObjectId, Held>>,
+    /// By claim: the job's id and the claim's lease token. A job this handle claims
+    /// again before the earlier claim's permits are released has two entries, and each
+    /// release gives back its own claim's permits.
+    held: Mutex<HashMap<(ObjectId, String), Held>>,
 }
 
 #[derive(Debug, Default)]
@@ -215,6 +219,11 @@ impl Limits {
             held: Mutex::new(HashMap::new()),
         })
     }
+}
+
+/// The key of a claim's permits in [`Limits::held`].
+fn claim_key(job: &ClaimedJob) -> (ObjectId, String) {
+    (job.id(), job.lease.token.as_str().to_owned())
 }
 
 /// What one limited claim of one candidate did.
@@ -457,7 +466,7 @@ impl JobQueue {
                         .held
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(job.id(), Held { permits });
+                        .insert(claim_key(&job), Held { permits });
                 }
                 Ok(Attempt::Claimed(Box::new(job)))
             }
@@ -503,7 +512,7 @@ impl JobQueue {
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&job.id());
+            .remove(&claim_key(job));
         if let Some(h) = held {
             self.give_back(&h.permits, None).await;
         }
@@ -521,7 +530,7 @@ impl JobQueue {
                 .held
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .get(&job.id())
+                .get(&claim_key(job))
                 .map(|h| h.permits.clone())
                 .unwrap_or_default();
             let mut ok = true;

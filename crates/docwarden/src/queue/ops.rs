@@ -382,11 +382,16 @@ impl JobQueue {
         if let Some(d) = before {
             return Ok(CancelOutcome::Cancelled { was: state_of(&d) });
         }
+        // Read as the write above saw the job: a stale read would say `NotFound` for a job
+        // just enqueued, or name a state it has left.
+        let (primary, local) = super::latest();
         match self
             .inner
             .coll
             .find_one(doc! { field::ID: id })
             .projection(doc! { field::STATE: 1 })
+            .selection_criteria(primary)
+            .read_concern(local)
             .await?
         {
             // A state docwarden never writes (a hand edit) is neither finished nor

@@ -429,7 +429,10 @@ pub struct WorkerOptions {
     /// it halves it when a claim comes back short. Default 256; `0` never claims more
     /// jobs than free handlers.
     pub prefetch: usize,
-    /// Heartbeat period while a handler runs. Default: a third of the lease TTL.
+    /// Heartbeat period while a handler runs. Default: a third of the lease TTL. A
+    /// handler whose lease was not renewed within the lease TTL (by the worker's own
+    /// clock) is dropped, so leave room for a missed heartbeat and its round trips: a
+    /// period near the TTL drops handlers whenever one heartbeat is late.
     pub heartbeat_every: Option<Duration>,
     /// Shortest idle poll when no change stream event arrives. Default 50 ms.
     pub poll_min: Duration,

@@ -169,6 +169,45 @@ impl From<Update> for mongodb::options::UpdateModifications {
     }
 }
 
+/// Most bytes of results and errors one bulk of transitions carries: a command is one
+/// BSON document (16 MiB on MongoDB), and a result may be up to [`MAX_RESULT_BYTES`], so
+/// a bulk of jobs with large results is sent as several commands.
+const MAX_BULK_BYTES: usize = 8 * 1024 * 1024;
+
+/// About how many bytes transition `t` adds to a bulk's command.
+fn transition_bytes(t: &Transition) -> usize {
+    let payload = match t {
+        Transition::Complete(result) => {
+            let mut bytes = Vec::new();
+            match (doc! { "v": result.clone() }).to_writer(&mut bytes) {
+                Ok(()) => bytes.len(),
+                Err(_) => MAX_RESULT_BYTES,
+            }
+        }
+        Transition::Fail(error) => error.len().min(MAX_ERROR_LEN),
+        Transition::Release | Transition::Snooze(_) => 0,
+    };
+    payload + 512
+}
+
+/// `items` in consecutive chunks of at most [`MAX_BULK_BYTES`] (one item at least).
+fn by_size(items: &[(ClaimedJob, Transition)]) -> Vec<&[(ClaimedJob, Transition)]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (_, t)) in items.iter().enumerate() {
+        let b = transition_bytes(t);
+        if i > start && bytes + b > MAX_BULK_BYTES {
+            chunks.push(&items[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < items.len() {
+        chunks.push(&items[start..]);
+    }
+    chunks
+}
+
 /// `settled: {token, by}`: which claim's final transition applied (see
 /// [`field::SETTLED`]), written in the transition's own fenced update.
 fn settled(token: &str, by: &str) -> Document {
@@ -468,10 +507,13 @@ impl JobQueue {
 
     /// The stored jobs `ids`, by id (for the read-back after a short bulk).
     async fn read_back(&self, ids: Vec<ObjectId>) -> Result<HashMap<ObjectId, Document>> {
+        let (primary, local) = super::latest();
         let docs: Vec<Document> = self
             .inner
             .coll
             .find(doc! { field::ID: { "$in": ids } })
+            .selection_criteria(primary)
+            .read_concern(local)
             .projection(doc! {
                 field::ID: 1, field::STATE: 1, field::LEASE: 1, field::LAST_ERROR: 1,
                 field::ATTEMPTS: 1, field::RUN_AT: 1, field::UPDATED_AT: 1,
@@ -487,7 +529,8 @@ impl JobQueue {
     }
 
     /// Writes the final transitions of many claimed jobs in one unordered bulk of
-    /// per-job fenced updates, and returns each job's own outcome, in input order:
+    /// per-job fenced updates (several commands when their results add up to more than
+    /// [`MAX_BULK_BYTES`]), and returns each job's own outcome, in input order:
     /// `Ok(None)` (completed or released), `Ok(Some(outcome))` (failed), or
     /// [`Error::LeaseLost`] (nothing written for that job).
     ///
@@ -516,11 +559,13 @@ impl JobQueue {
     }
 
     async fn settle_unobserved(&self, items: &[(ClaimedJob, Transition)]) -> Result<Vec<Settled>> {
-        if items.is_empty() {
-            return Ok(Vec::new());
+        let mut outcomes = Vec::with_capacity(items.len());
+        // One command per chunk: a command is one BSON document, and results may be large.
+        for chunk in by_size(items) {
+            let sent = self.send_transitions(chunk).await?;
+            outcomes.extend(self.resolve(chunk, sent).await?);
         }
-        let sent = self.send_transitions(items).await?;
-        self.resolve(items, sent).await
+        Ok(outcomes)
     }
 
     /// Sends the transitions of `items` as one unordered bulk: one `multi` statement per
@@ -644,16 +689,22 @@ impl JobQueue {
     /// Extends the leases of many claimed jobs to `lease_ttl` from now (server time) in
     /// one unordered bulk of per-job fenced updates (one `multi` statement per claim
     /// token, fencing each document by its own `_id`, state and token), and says for each job, in input order,
-    /// whether its claim still holds it (a short bulk is read back by `_id`).
+    /// whether its claim still holds it (a short bulk is read back by `_id`). The
+    /// permits of a job claimed with [`JobQueue::claim_limited`] are renewed first (one
+    /// write per permit; none for a job without permits), and a job whose permit was
+    /// lost counts as not held: stop it as a lost lease.
     ///
     /// # Errors
     /// A database error for the bulk as a whole.
     pub async fn heartbeat_many(&self, jobs: &[ClaimedJob]) -> Result<Vec<bool>> {
+        // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
+        let permits = self.renew_permits(jobs).await;
         Ok(self
-            .heartbeat_detail(jobs)
+            .heartbeat_detail(jobs, &[])
             .await?
             .into_iter()
-            .map(|h| h == Held::Yes)
+            .zip(permits)
+            .map(|(h, permit)| h == Held::Yes && permit)
             .collect())
     }
 
@@ -661,9 +712,25 @@ impl JobQueue {
     /// operator's cancel keeps the token: the handler is signalled, not dropped) from a
     /// lost one.
     #[tracing::instrument(name = "heartbeat", skip_all, fields(queue = %self.collection().name(), jobs = jobs.len(), lost = tracing::field::Empty), level = "debug")]
-    pub(crate) async fn heartbeat_detail(&self, jobs: &[ClaimedJob]) -> Result<Vec<Held>> {
+    ///
+    /// `settling[i]` says that job `i`'s final transition is already on its way (the
+    /// worker's writer): its own write may be what moved it, so it is not counted as a
+    /// lease loss here (the transition's fenced write reports a real one).
+    pub(crate) async fn heartbeat_detail(
+        &self,
+        jobs: &[ClaimedJob],
+        settling: &[bool],
+    ) -> Result<Vec<Held>> {
         let held = self.heartbeat_unobserved(jobs).await?;
-        crate::observe::heartbeats(self.metrics_label(), &held);
+        let counted: Vec<Held> = held
+            .iter()
+            .enumerate()
+            .map(|(i, h)| match h {
+                Held::Lost if settling.get(i) == Some(&true) => Held::Yes,
+                h => *h,
+            })
+            .collect();
+        crate::observe::heartbeats(self.metrics_label(), &counted);
         Ok(held)
     }
 
@@ -739,12 +806,18 @@ impl JobQueue {
     }
 
     /// Extends the lease to `lease_ttl` from now (server time) and returns the new
-    /// expiry.
+    /// expiry. The permits of a job claimed with [`JobQueue::claim_limited`] are renewed
+    /// first (one write per permit; none for a job without permits).
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the claim no longer holds the
-    /// job; a database error.
+    /// job, or a permit of a limited job was lost (stop the job); a database error.
     pub async fn heartbeat(&self, job: &ClaimedJob) -> Result<DateTime> {
+        // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
+        if self.renew_permits(std::slice::from_ref(job)).await != [true] {
+            crate::observe::lease_lost(self.metrics_label());
+            return Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token));
+        }
         let now = self.inner.time.now().await?;
         let until = now.plus_ms(self.inner.ttl_ms);
         self.fenced(

@@ -15,8 +15,10 @@
 //! per job: each job gets its own outcome (counted in [`WorkerReport`]).
 //!
 //! **Guarantee:** while a job is held (waiting or running), its lease is extended every
-//! `heartbeat_every`; if a heartbeat finds the lease lost, the handler is dropped (or
-//! never started) and nothing is written for it. Idle workers wake on a change-stream
+//! `heartbeat_every`; if a heartbeat finds the lease lost, or no heartbeat renewed the
+//! lease before it expires by the worker's own monotonic clock (heartbeats failing: a
+//! worker cut off from the server), the handler is dropped (or never started) and
+//! nothing is written for it, before the sweep can hand the job to another worker. Idle workers wake on a change-stream
 //! event for new or released jobs (a new job is claimed by `_id` straight from the
 //! event: one round trip), and otherwise poll with a jittered backoff between
 //! `poll_min` and `poll_max`. The change stream, which the server pays for on every
@@ -25,7 +27,7 @@
 //! a second), and reopened as soon as a claim finds nothing, then the worker claims
 //! once more for the jobs inserted in between; while it is closed, a job cancelled as it runs is signalled by the next
 //! heartbeat instead of at once. Database errors (a restarting server) make the worker back
-//! off and resume; they never end it. Shutdown stops claiming, releases the jobs still
+//! off and resume; they never end it. A handler that panics fails its attempt. Shutdown stops claiming, releases the jobs still
 //! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
 //! jobs still running so other workers can claim them at once.
 //!
@@ -166,8 +168,9 @@ struct Ctx {
     /// [`Worker::listener_probe`]).
     listener_alive: Arc<()>,
     /// Every lease the worker holds (waiting, running, or transition queued), with the
-    /// token that drops its handler when a heartbeat finds the lease lost.
-    held: Mutex<HashMap<ObjectId, (ClaimedJob, CancellationToken)>>,
+    /// token that drops its handler when a heartbeat finds the lease lost, and when the
+    /// lease certainly holds until by this process's monotonic clock (see [`HeldJob`]).
+    held: Mutex<HashMap<ClaimKey, HeldJob>>,
     /// Jobs claimed whose handler has not finished (waiting + running).
     outstanding: AtomicUsize,
     /// Handler slots waiting for a job.
@@ -218,30 +221,93 @@ impl Ctx {
             });
     }
 
-    fn hold(&self, jobs: &[ClaimedJob]) -> Vec<CancellationToken> {
+    /// Holds `jobs`, claimed by a claim sent at `sent` (their leases run from then).
+    fn hold(&self, jobs: &[ClaimedJob], sent: tokio::time::Instant) -> Vec<CancellationToken> {
+        let valid_until = sent + self.queue.options().lease_ttl;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         jobs.iter()
             .map(|j| {
                 let lost = CancellationToken::new();
-                held.insert(j.id(), (j.clone(), lost.clone()));
+                held.insert(
+                    claim_key(j),
+                    HeldJob {
+                        job: j.clone(),
+                        lost: lost.clone(),
+                        valid_until,
+                        settling: false,
+                    },
+                );
                 lost
             })
             .collect()
     }
-    fn forget(&self, id: &ObjectId) {
+
+    /// Marks held claim `job` as having its final transition queued for the writer: from
+    /// now on the writer's reply, not a heartbeat, tells its outcome.
+    fn settling(&self, job: &ClaimedJob) {
+        if let Some(h) = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&claim_key(job))
+        {
+            h.settling = true;
+        }
+    }
+
+    /// When the lease of held claim `job` certainly still holds until (monotonic clock);
+    /// `None` once the job is no longer held.
+    fn valid_until(&self, job: &ClaimedJob) -> Option<tokio::time::Instant> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
+            .get(&claim_key(job))
+            .map(|h| h.valid_until)
     }
-    fn held_jobs(&self) -> Vec<ClaimedJob> {
+    fn forget(&self, job: &ClaimedJob) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&claim_key(job));
+    }
+    /// The jobs held, each with whether its final transition is queued (settling).
+    fn held_jobs(&self) -> Vec<(ClaimedJob, bool)> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .map(|(j, _)| j.clone())
+            .map(|h| (h.job.clone(), h.settling))
             .collect()
     }
+}
+
+/// A claim the worker holds: the job's id and the claim's lease token. The worker may
+/// hold a job under a new claim (its other claim loop took it again once it was given
+/// back) before the writer has forgotten the old one: each is its own entry.
+type ClaimKey = (ObjectId, String);
+
+fn claim_key(job: &ClaimedJob) -> ClaimKey {
+    (job.id(), job.lease.token.as_str().to_owned())
+}
+
+/// A job the worker holds.
+struct HeldJob {
+    job: ClaimedJob,
+    /// Cancelled when the lease is lost: drops the handler (or never starts it).
+    lost: CancellationToken,
+    /// The lease certainly holds until then, by this process's monotonic clock: the
+    /// instant the claim (or the last heartbeat that renewed the lease) was sent, plus the
+    /// lease TTL. The server computed the lease's expiry from a clock reading taken after
+    /// that instant, so this is never later than the lease's expiry; the sweep takes the
+    /// job over only after the expiry plus the clock bound and the skew margin. A handler
+    /// still running then is dropped ([`lease_expiry`]): a worker cut off from the server,
+    /// whose heartbeats fail, never runs a job another worker may have taken over.
+    valid_until: tokio::time::Instant,
+    /// Its final transition is queued for (or in flight in) the writer. A heartbeat that
+    /// finds such a job no longer running under its token leaves it to the writer: the
+    /// transition may just have landed (our own completion, not a lost lease), and if the
+    /// lease was lost the fenced transition says so.
+    settling: bool,
 }
 
 /// A running worker, started by [`Worker::spawn`]. Dropping it aborts the worker like
@@ -509,6 +575,7 @@ async fn supervise(
     }
     for (job, _) in waiting {
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
+        ctx.settling(&job);
         let _ = final_tx.send((job, Transition::Release));
     }
     let running = ctx.outstanding.load(Ordering::Relaxed);
@@ -650,7 +717,7 @@ async fn claim_loop(
                     ctx.prefetch.store(grown, Ordering::Relaxed);
                 }
                 Counters::add(&ctx.counters.claimed, jobs.len());
-                let tokens = ctx.hold(&jobs);
+                let tokens = ctx.hold(&jobs, claim_started);
                 for handoff in jobs.into_iter().zip(tokens) {
                     if job_tx.send(handoff).is_err() {
                         return;
@@ -755,12 +822,13 @@ async fn run_slot(
         ctx.slot_freed.notify_one();
         match final_transition {
             Some(t) => {
+                ctx.settling(&job);
                 if finals.send((job, t)).is_err() {
                     return;
                 }
             }
             None => {
-                ctx.forget(&job.id());
+                ctx.forget(&job);
                 ctx.queue.release_permits(&job).await;
             }
         }
@@ -777,10 +845,21 @@ async fn run_job(
 ) -> Option<Transition> {
     let span = tracing::info_span!("job", id = %job.id(), queue = %ctx.queue.collection().name(), name = ctx.queue.queue_name(), attempt = job.job.attempts, token = job.lease.token.as_str());
     async move {
-        if lost.is_cancelled() {
+        if lost.is_cancelled()
+            || job.cancellation().is_cancelled()
+            || ctx
+                .valid_until(job)
+                .is_some_and(|t| t <= tokio::time::Instant::now())
+        {
+            // Lost, cancelled by an operator, or not renewed in time while it waited for
+            // a slot (the sweep takes it back): never started.
             return None;
         }
-        let handler = (ctx.handler)(job.clone());
+        // A panic in the handler (or in the call that makes its future) fails the attempt:
+        // unwinding through the slot would end the slot and leave the job held, its lease
+        // renewed by the heartbeat for as long as the worker lives.
+        let handler = std::panic::AssertUnwindSafe(async { (ctx.handler)(job.clone()).await })
+            .catch_unwind();
         // A job cancelled while it runs: its handler is signalled (the claim's
         // cancellation token) and may run on for `cancel_grace`; what it returns is
         // refused by the fence.
@@ -790,17 +869,32 @@ async fn run_job(
         };
         tokio::select! {
             r = handler => Some(match r {
-                Ok(result) => match too_large(&result) {
+                Ok(Ok(result)) => match too_large(&result) {
                     None => Transition::Complete(result),
                     Some(reason) => Transition::Fail(reason),
                 },
-                Err(err) => match err.downcast::<Snooze>() {
+                Ok(Err(err)) => match err.downcast::<Snooze>() {
                     Ok(s) => Transition::Snooze(i64::try_from(s.after.as_millis()).unwrap_or(i64::MAX)),
                     Err(err) => Transition::Fail(err.to_string()),
                 },
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::warn!(panic = %what, "handler panicked; attempt failed");
+                    Transition::Fail(format!("the handler panicked: {what}"))
+                }
             }),
             () = lost.cancelled() => {
                 tracing::warn!("lease lost while the handler ran; handler dropped");
+                None
+            }
+            () = lease_expiry(ctx, job) => {
+                tracing::warn!("lease not renewed before it expired (heartbeats failing); handler dropped");
+                Counters::bump(&ctx.counters.lease_lost);
+                job.cancellation().cancel();
                 None
             }
             () = grace => {
@@ -812,6 +906,21 @@ async fn run_job(
     }
     .instrument(span)
     .await
+}
+
+/// Resolves once the lease of held claim `job` is past its [`HeldJob::valid_until`] without a
+/// renewal; never while it is renewed in time, or once the job is no longer held (a
+/// heartbeat that removed it has signalled the handler already).
+async fn lease_expiry(ctx: &Ctx, job: &ClaimedJob) {
+    loop {
+        let Some(until) = ctx.valid_until(job) else {
+            return std::future::pending().await;
+        };
+        if until <= tokio::time::Instant::now() {
+            return;
+        }
+        tokio::time::sleep_until(until).await;
+    }
 }
 
 /// Why a handler's result cannot be stored (over [`MAX_RESULT_BYTES`]), if it cannot.
@@ -846,7 +955,7 @@ async fn write_finals(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Final>) {
             settle_batch(&ctx.queue, &batch).await
         };
         for ((job, t), outcome) in batch.iter().zip(outcomes) {
-            ctx.forget(&job.id());
+            ctx.forget(job);
             ctx.queue.release_permits(job).await;
             count(&ctx.counters, t, outcome);
         }
@@ -933,24 +1042,40 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
             () = tokio::time::sleep(ctx.heartbeat_every) => {}
             () = ctx.check_now.notified() => {}
         }
-        let jobs = ctx.held_jobs();
+        let (jobs, settling): (Vec<ClaimedJob>, Vec<bool>) = ctx.held_jobs().into_iter().unzip();
         if jobs.is_empty() {
             continue;
         }
         // Permits first, so that a permit always outlives its job's lease (`queue/limit.rs`).
         let permits = ctx.queue.renew_permits(&jobs).await;
-        match ctx.queue.heartbeat_detail(&jobs).await {
+        // The leases this heartbeat renews run from now at the latest.
+        let sent = tokio::time::Instant::now();
+        match ctx.queue.heartbeat_detail(&jobs, &settling).await {
             Ok(held) => {
                 for ((job, still), permit) in jobs.iter().zip(held).zip(permits) {
                     if still == Held::Yes && permit {
+                        if let Some(h) = ctx
+                            .held
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_mut(&claim_key(job))
+                        {
+                            h.valid_until = h.valid_until.max(sent + ctx.queue.options().lease_ttl);
+                        }
                         continue;
                     }
-                    let gone = ctx
-                        .held
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&job.id());
-                    let Some((_, lost)) = gone else { continue };
+                    let gone = {
+                        let mut held = ctx.held.lock().unwrap_or_else(|p| p.into_inner());
+                        match held.get(&claim_key(job)) {
+                            // The writer tells this job's outcome (see `HeldJob::settling`).
+                            Some(h) if h.settling => None,
+                            Some(_) => held.remove(&claim_key(job)),
+                            None => None,
+                        }
+                    };
+                    let Some(HeldJob { lost, .. }) = gone else {
+                        continue;
+                    };
                     job.cancellation().cancel();
                     if still == Held::Cancelled {
                         // Cancelled by an operator: the handler is signalled and may

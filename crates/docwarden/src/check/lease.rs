@@ -17,8 +17,9 @@
 //! 4. **Validity claims hold** ([`check_validity`]): when a holder confirms that its lease
 //!    is certainly valid until some instant (the [`crate::lock::Watchdog`]'s
 //!    `valid_until`), no newer holder acquires the resource before that instant (or before
-//!    the holder releases). This is the property of the clock and of the watchdog, which
-//!    fencing cannot show: a wrong claim is caught even when every write was fenced.
+//!    the holder releases: a release the server refused released nothing). This is the
+//!    property of the clock and of the watchdog, which fencing cannot show: a wrong claim
+//!    is caught even when every write was fenced.
 //!
 //! 5. **A dead lease stays dead** ([`check_dead_leases`]): once a lease's release was
 //!    accepted, or a newer lease of the resource (a higher token) was acquired, no `renew`
@@ -193,7 +194,8 @@ pub fn check_validity(events: &[Event]) -> Vec<Violation> {
         let claimed = hold
             .start_us
             .saturating_add(u64::try_from(left_ms).unwrap_or(0).saturating_mul(1000));
-        // A release by this lease ends the claim; so may one whose outcome is unknown and
+        // A release by this lease ends the claim, unless it was refused (the lease was no
+        // longer its holder's: the claim stands); so may one whose outcome is unknown and
         // whose token was never recorded (its process was killed while it was in flight:
         // it may have landed, and a checker must accept either outcome).
         let released = events
@@ -202,7 +204,7 @@ pub fn check_validity(events: &[Event]) -> Vec<Violation> {
                 e.op == "release"
                     && e.key == hold.key
                     && e.start_us >= hold.start_us
-                    && (e.token == Some(token)
+                    && ((e.token == Some(token) && e.outcome != OpOutcome::Failed)
                         || (e.token.is_none()
                             && e.process == hold.process
                             && e.outcome == OpOutcome::Indeterminate))
@@ -446,6 +448,24 @@ mod tests {
         ];
         let v = check_validity(&h);
         assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, "overlapping-leases");
+    }
+
+    /// A release the server refused (`LeaseLost`: the lease had already been taken over)
+    /// released nothing, so it does not end the holder's claim: a newer holder that
+    /// acquired before the claimed instant overlapped it.
+    #[test]
+    fn a_refused_release_does_not_end_a_validity_claim() {
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            Event::new(1, HOLD_OP, "r", 100, 100).token(1).value(5),
+            Event::new(1, RELEASE_OP, "r", 300, 400)
+                .token(1)
+                .outcome(OpOutcome::Failed),
+            acquire(2, "r", 250, 1_200, 2),
+        ];
+        let v = check_validity(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].kind, "overlapping-leases");
     }
 

@@ -6,7 +6,8 @@
 //! 1. **Tokens increase**: of two successful acquires of one resource where one ended
 //!    before the other began, the later has the higher token.
 //! 2. **Stale writes are refused**: once the storage has accepted a fenced operation with
-//!    token `u`, no operation with a lower token that begins afterwards may be accepted.
+//!    token `u`, no operation with a lower token that begins afterwards may be accepted
+//!    (a `write`, or a `touch`: the touch is a fenced write too).
 //!    (Storage-side fencing cannot refuse a stale holder before the new holder's token has
 //!    reached the storage; that is why holders register their token — a fenced `touch` —
 //!    before they read.)
@@ -74,7 +75,8 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
             (e.op == "write" || e.op == "touch") && e.outcome == OpOutcome::Ok && e.token.is_some()
         })
         .collect();
-    for w in accepted.iter().filter(|e| e.op == "write") {
+    // The touch is a fenced write too: a stale one accepted is as much a violation.
+    for w in &accepted {
         let token = w.token.unwrap_or_default();
         let newer = accepted
             .iter()
@@ -87,8 +89,9 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
                 "stale-write-accepted",
                 w.key.clone(),
                 format!(
-                    "process {} wrote with token {token} after the storage had accepted token {} from process {}",
+                    "process {}'s {} with token {token} was accepted after the storage had accepted token {} from process {}",
                     w.process,
+                    w.op,
                     o.token.unwrap_or_default(),
                     o.process
                 ),
@@ -467,6 +470,23 @@ mod tests {
         let v = check_validity(&h);
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].kind, "overlapping-leases");
+    }
+
+    /// A fenced touch with an older token accepted after the storage had accepted a newer
+    /// token is a stale write, as much as the counter's write.
+    #[test]
+    fn a_stale_touch_accepted_is_found() {
+        let touch =
+            |p: u32, s: u64, e: u64, token: i64| Event::new(p, "touch", "r", s, e).token(token);
+        let h = vec![
+            acquire(1, "r", 0, 10, 1),
+            acquire(2, "r", 30, 40, 2),
+            touch(2, 41, 45, 2),
+            touch(1, 50, 60, 1),
+        ];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].kind, "stale-write-accepted");
     }
 
     #[test]

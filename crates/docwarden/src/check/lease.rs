@@ -4,7 +4,8 @@
 //! holds the lock — so "never two holders" is not the property. The property is:
 //!
 //! 1. **Tokens increase**: of two successful acquires of one resource where one ended
-//!    before the other began, the later has the higher token.
+//!    before the other began, the later has the higher token; and no token is granted
+//!    twice, whatever the overlap (two grants are in some order all the same).
 //! 2. **Stale writes are refused**: once the storage has accepted a fenced operation with
 //!    token `u`, no operation with a lower token that begins afterwards may be accepted
 //!    (a `write`, or a `touch`: the touch is a fenced write too).
@@ -48,6 +49,9 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
         list.sort_by_key(|e| e.end_us);
         // Property 1: compare each acquire with every earlier one that ended before it began.
         let mut max_before: Vec<(u64, i64)> = Vec::new(); // (end_us, token), sorted by end
+        // Each token granted so far: two grants of one token are in some order whatever
+        // their overlap, and the later one's token did not increase.
+        let mut granted: BTreeMap<i64, &Event> = BTreeMap::new();
         for e in list.iter() {
             let token = e.token.unwrap_or(i64::MIN);
             if let Some((_, prev)) = max_before
@@ -64,7 +68,17 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
                         e.process
                     ),
                 ));
+            } else if let Some(other) = granted.get(&token) {
+                violations.push(Violation::new(
+                    "token-not-increasing",
+                    e.key.clone(),
+                    format!(
+                        "process {} acquired with token {token}, which process {} was granted too (acquires from {} and {} µs)",
+                        e.process, other.process, other.start_us, e.start_us
+                    ),
+                ));
             }
+            granted.entry(token).or_insert(e);
             max_before.push((e.end_us, token));
         }
     }
@@ -487,6 +501,19 @@ mod tests {
         let v = check_tokens(&h);
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].kind, "stale-write-accepted");
+    }
+
+    /// Two acquires of one resource that overlap in time were still granted in some
+    /// order: the same token granted twice did not increase, whatever the overlap.
+    #[test]
+    fn one_token_granted_to_two_overlapping_acquires_is_found() {
+        let h = vec![acquire(1, "r", 0, 100, 5), acquire(2, "r", 50, 150, 5)];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].kind, "token-not-increasing");
+        // Different tokens of overlapping acquires: either order is possible.
+        let h = vec![acquire(1, "r", 0, 100, 6), acquire(2, "r", 50, 150, 5)];
+        assert!(check_tokens(&h).is_empty());
     }
 
     #[test]

@@ -138,6 +138,8 @@ fn event_token(e: &Event) -> &str {
 ///   landed was written after a newer claim had taken the job (`stale-effect`: a write
 ///   under a lost lease), which the final read alone cannot see when the stale write
 ///   happened to land first;
+/// - **nothing vanished**: a job whose handler ran ([`HANDLE_OP`]) but whose document
+///   the final read does not find is `lost-job`;
 /// - **no phantom completion**: the completions the workers reported ([`REPORT_OP`]) are
 ///   at most the `succeeded` jobs (`phantom-completion`: a worker took a completion that
 ///   did not land for its own).
@@ -286,6 +288,21 @@ pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Ve
                 id.clone(),
                 format!("its effect was applied but the job is {state}, not succeeded"),
             )),
+        }
+    }
+    // A job a handler ran is a job that was enqueued: its document gone from the final
+    // read is a job lost, not one to leave unjudged.
+    for (id, list) in &claims {
+        if !jobs.contains_key(*id) {
+            violations.push(Violation::new(
+                "lost-job",
+                *id,
+                format!(
+                    "claimed {} time(s) (first claim {}), but its document is missing from the final read",
+                    list.len(),
+                    list.first().map_or("", |(t, _)| *t)
+                ),
+            ));
         }
     }
     let reported: u64 = events
@@ -485,6 +502,25 @@ mod tests {
                 "phantom-completion"
             ]
         );
+    }
+
+    /// The final read judges the jobs it finds; a job the history shows claimed and run,
+    /// whose document is gone, was lost too.
+    #[test]
+    fn a_handled_job_missing_from_the_final_read_is_lost() {
+        let jobs = BTreeMap::from([(
+            "a".to_owned(),
+            record(JobState::Succeeded, &["t1"], Some("t1")),
+        )]);
+        let events = vec![
+            handle(1, "a", "t1", 10),
+            effect(1, "a", "t1", 11, 12, OpOutcome::Ok),
+            handle(2, "b", "t2", 20),
+            effect(2, "b", "t2", 21, 22, OpOutcome::Ok),
+        ];
+        let found = check_runtime(&jobs, &events);
+        assert_eq!(kinds(&found), vec!["lost-job"], "{found:?}");
+        assert_eq!(found[0].key, "b");
     }
 
     /// Issue 13: a safe queue run under `reset` or `crash` now and then found one effect

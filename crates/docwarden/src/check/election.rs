@@ -16,7 +16,8 @@
 //!    newer term had.
 //!
 //! Events used: [`ELECT_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
-//! certain validity left), [`RESIGN_OP`] (Ok, token).
+//! certain validity left), [`RESIGN_OP`] (token; Ok or indeterminate: it may have ended
+//! the term).
 //!
 //! **Limits:** real-time order comes from the history's monotonic clock, so operations
 //! that overlap are never counted against each other.
@@ -79,9 +80,11 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
         }
     }
     // 3.
+    // A resignation ends the claim unless it was refused; one whose reply was lost may
+    // have landed, and the checker accepts either outcome.
     let resigned: BTreeMap<(&str, i64), u64> = events
         .iter()
-        .filter(|e| e.op == RESIGN_OP && e.outcome == OpOutcome::Ok)
+        .filter(|e| e.op == RESIGN_OP && e.outcome != OpOutcome::Failed)
         .filter_map(|e| e.token.map(|t| ((e.key.as_str(), t), e.start_us)))
         .collect();
     for h in events.iter().filter(|e| e.op == HOLD_OP) {
@@ -145,6 +148,24 @@ mod tests {
             ev(2, ELECT_OP, 85, 100, 2),
         ];
         assert!(check(&events, &[1, 1, 2]).is_empty());
+    }
+
+    /// A resignation whose reply was lost may have landed: a newer term won after it
+    /// began is then no overlap (the checker accepts either outcome). A refused one
+    /// ended nothing.
+    #[test]
+    fn an_indeterminate_resignation_may_have_ended_the_claim() {
+        let resign = |outcome| ev(1, RESIGN_OP, 30, 40, 1).outcome(outcome);
+        let history = |outcome| {
+            vec![
+                ev(1, ELECT_OP, 0, 10, 1),
+                ev(1, HOLD_OP, 20, 20, 1).value(100),
+                resign(outcome),
+                ev(2, ELECT_OP, 35, 60, 2),
+            ]
+        };
+        assert!(check(&history(OpOutcome::Indeterminate), &[]).is_empty());
+        assert_eq!(check(&history(OpOutcome::Failed), &[]).len(), 1);
     }
 
     #[test]

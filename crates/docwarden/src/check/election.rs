@@ -15,7 +15,11 @@
 //!    down: a write of term `t` after one of a higher term means a leader wrote after a
 //!    newer term had.
 //!
-//! Events used: [`ELECT_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
+//! 5. **Acknowledged writes are in the log** (`lost-update`): the log holds each term at
+//!    least as many times as writes of that term were acknowledged (a missing log holds
+//!    none).
+//!
+//! Events used: [`ELECT_OP`] (Ok, token = term), [`WRITE_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
 //! certain validity left), [`RESIGN_OP`] (token; Ok or indeterminate: it may have ended
 //! the term).
 //!
@@ -35,8 +39,8 @@ pub const WRITE_OP: &str = "write";
 /// The history's name of a resignation.
 pub const RESIGN_OP: &str = "resign";
 
-/// Checks properties 1 to 3 on the events of a run, and 4 on `log`: the terms of the
-/// accepted fenced writes, in the order they were applied (the final read).
+/// Checks properties 1 to 3 on the events of a run, and 4 and 5 on `log`: the terms of
+/// the accepted fenced writes, in the order they were applied (the final read).
 pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
     let mut violations = Vec::new();
     let elects: Vec<&Event> = events
@@ -128,6 +132,26 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
         }
         highest = highest.max(*term);
     }
+    // 5.
+    let mut acknowledged: BTreeMap<i64, usize> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e.op == WRITE_OP && e.outcome == OpOutcome::Ok)
+    {
+        if let Some(term) = e.token {
+            *acknowledged.entry(term).or_default() += 1;
+        }
+    }
+    for (term, n) in acknowledged {
+        let found = log.iter().filter(|t| **t == term).count();
+        if found < n {
+            violations.push(Violation::new(
+                "lost-update",
+                format!("term {term}"),
+                format!("{n} write(s) of term {term} were acknowledged, the log holds {found}"),
+            ));
+        }
+    }
     violations
 }
 
@@ -166,6 +190,24 @@ mod tests {
         };
         assert!(check(&history(OpOutcome::Indeterminate), &[]).is_empty());
         assert_eq!(check(&history(OpOutcome::Failed), &[]).len(), 1);
+    }
+
+    /// The log is the final read of the fenced writes: an acknowledged write missing from
+    /// it (or the whole log missing) was lost, and the order check alone cannot see it.
+    #[test]
+    fn an_acknowledged_write_missing_from_the_log_is_lost() {
+        let events = vec![
+            ev(1, ELECT_OP, 0, 10, 1),
+            ev(1, WRITE_OP, 20, 30, 1),
+            ev(1, WRITE_OP, 40, 50, 1),
+            ev(1, WRITE_OP, 60, 70, 1).outcome(OpOutcome::Indeterminate),
+        ];
+        assert!(check(&events, &[1, 1]).is_empty());
+        for log in [&[1][..], &[]] {
+            let v = check(&events, log);
+            assert_eq!(v.len(), 1, "{log:?}: {v:?}");
+            assert_eq!(v[0].kind, "lost-update");
+        }
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub const RETRY_EXECUTED_TWICE: &str = "retry-executed-twice";
 /// with the claim's token, `token` is the attempt. Ok: applied; Failed: refused (fenced
 /// off); Indeterminate: unknown (the final read decides).
 pub const EFFECT_OP: &str = "effect";
+/// The history's name of an enqueue: `value` is the number of jobs it enqueued (Ok: all of
+/// them were inserted).
+pub const ENQUEUE_OP: &str = "enqueue";
 /// The history's name of a worker's final counts at its graceful shutdown: `value` is
 /// the number of completions the worker believes it wrote.
 pub const REPORT_OP: &str = "worker-report";
@@ -139,7 +142,8 @@ fn event_token(e: &Event) -> &str {
 ///   under a lost lease), which the final read alone cannot see when the stale write
 ///   happened to land first;
 /// - **nothing vanished**: a job whose handler ran ([`HANDLE_OP`]) but whose document
-///   the final read does not find is `lost-job`;
+///   the final read does not find is `lost-job`, and so are jobs missing from a final read
+///   that holds fewer jobs than the acknowledged enqueues ([`ENQUEUE_OP`]) inserted;
 /// - **no phantom completion**: the completions the workers reported ([`REPORT_OP`]) are
 ///   at most the `succeeded` jobs (`phantom-completion`: a worker took a completion that
 ///   did not land for its own).
@@ -304,6 +308,20 @@ pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Ve
                 ),
             ));
         }
+    }
+    let enqueued: u64 = events
+        .iter()
+        .filter(|e| e.op == ENQUEUE_OP && e.outcome == OpOutcome::Ok)
+        .filter_map(|e| e.value)
+        .map(|v| u64::try_from(v).unwrap_or(0))
+        .sum();
+    let found = u64::try_from(jobs.len()).unwrap_or(u64::MAX);
+    if found < enqueued {
+        violations.push(Violation::new(
+            "lost-job",
+            "queue",
+            format!("acknowledged enqueues inserted {enqueued} jobs, the final read found {found}"),
+        ));
     }
     let reported: u64 = events
         .iter()
@@ -521,6 +539,33 @@ mod tests {
         let found = check_runtime(&jobs, &events);
         assert_eq!(kinds(&found), vec!["lost-job"], "{found:?}");
         assert_eq!(found[0].key, "b");
+    }
+
+    /// A job never claimed whose document is gone is seen only by the count: the final
+    /// read holds fewer jobs than the acknowledged enqueues inserted. An enqueue whose
+    /// reply was lost may have inserted nothing.
+    #[test]
+    fn fewer_jobs_than_acknowledged_enqueues_inserted_are_lost() {
+        let jobs = BTreeMap::from([(
+            "a".to_owned(),
+            record(JobState::Succeeded, &["t1"], Some("t1")),
+        )]);
+        let enqueue = |n: i64, outcome| {
+            Event::new(0, ENQUEUE_OP, "batch", 0, 1)
+                .value(n)
+                .outcome(outcome)
+        };
+        assert!(check_runtime(&jobs, &[enqueue(1, OpOutcome::Ok)]).is_empty());
+        let found = check_runtime(
+            &jobs,
+            &[
+                enqueue(1, OpOutcome::Ok),
+                enqueue(1, OpOutcome::Ok),
+                enqueue(5, OpOutcome::Indeterminate),
+            ],
+        );
+        assert_eq!(kinds(&found), vec!["lost-job"], "{found:?}");
+        assert_eq!(found[0].key, "queue");
     }
 
     /// Issue 13: a safe queue run under `reset` or `crash` now and then found one effect

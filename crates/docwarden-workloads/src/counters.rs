@@ -302,18 +302,70 @@ pub fn check(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation>
             *m.entry(e.key.as_str()).or_default() += 1;
             m
         });
-    violations.extend(
-        lease::check_counters(&acknowledged, &uncertain, finals)
-            .into_iter()
-            .map(|v| match resent.get(v.key.as_str()) {
-                Some(n) if v.kind == "unacknowledged-update" => Violation::new(
-                    "duplicated-update",
-                    v.key.clone(),
-                    format!("{}; {n} write(s) re-sent after a lost reply", v.detail),
+    let counted: Vec<Violation> = lease::check_counters(&acknowledged, &uncertain, finals)
+        .into_iter()
+        .map(|v| match resent.get(v.key.as_str()) {
+            Some(n) if v.kind == "unacknowledged-update" => Violation::new(
+                "duplicated-update",
+                v.key.clone(),
+                format!("{}; {n} write(s) re-sent after a lost reply", v.detail),
+            ),
+            _ => v,
+        })
+        .collect();
+    let lost: Vec<Violation> = lost_by_value(events, finals)
+        .into_iter()
+        .filter(|v| !counted.iter().any(|c| c.key == v.key && c.kind == v.kind))
+        .collect();
+    violations.extend(counted);
+    violations.extend(lost);
+    violations
+}
+
+/// Lost updates the count cannot see when uncertain writes make up for them: each write
+/// sets `n` to the value its holder read plus one, so two acknowledged writes of the same
+/// value both read the same `n` (one increment lost), and a counter below the value of an
+/// acknowledged write was set back by a write that read before it (`lost-update`).
+fn lost_by_value(events: &[Event], finals: &BTreeMap<String, i64>) -> Vec<Violation> {
+    use docwarden::check::OpOutcome;
+    let mut written: BTreeMap<&str, BTreeMap<i64, Vec<i64>>> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e.op == Op::Write.as_str() && e.outcome == OpOutcome::Ok && e.token.is_some())
+    {
+        if let Some(value) = e.value {
+            written
+                .entry(e.key.as_str())
+                .or_default()
+                .entry(value)
+                .or_default()
+                .push(e.token.unwrap_or_default());
+        }
+    }
+    let mut violations = Vec::new();
+    for (key, values) in written {
+        let found = finals.get(key).copied().unwrap_or(0);
+        if let Some((value, tokens)) = values.iter().find(|(_, tokens)| tokens.len() > 1) {
+            violations.push(Violation::new(
+                "lost-update",
+                key,
+                format!(
+                    "the acknowledged writes of tokens {tokens:?} all set n = {value}: they read the same value, an increment was lost"
                 ),
-                _ => v,
-            }),
-    );
+            ));
+        } else if let Some((value, tokens)) = values.last_key_value()
+            && *value > found
+        {
+            violations.push(Violation::new(
+                "lost-update",
+                key,
+                format!(
+                    "token {} set n = {value}, acknowledged, but the counter reads {found}",
+                    tokens.first().copied().unwrap_or_default()
+                ),
+            ));
+        }
+    }
     violations
 }
 
@@ -584,6 +636,50 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec!["lost-update"]
         );
+    }
+
+    /// A lost update that uncertain writes make up for in the count: the final value lies
+    /// within acknowledged + uncertain, but two acknowledged writes set the same value, or
+    /// the counter reads less than an acknowledged write set.
+    #[test]
+    fn a_lost_update_hidden_by_uncertain_writes_is_found_by_the_values_written() {
+        let write = |token: i64, value: i64, outcome: OpOutcome| {
+            ev(Op::Write, "c0", token, outcome).value(value)
+        };
+        let touches = |n: i64| (1..=n).map(|t| ev(Op::Touch, "c0", t, OpOutcome::Ok));
+        let kinds = |events: &[Event], n: i64| {
+            check(events, &BTreeMap::from([("c0".to_owned(), n)]))
+                .iter()
+                .map(|v| v.kind)
+                .collect::<Vec<_>>()
+        };
+        // Tokens 1 and 2 both read 0 and wrote 1; the uncertain token 3 read 1, wrote 2
+        // and landed: 2 acknowledged + 1 uncertain, the counter reads 2.
+        let mut events: Vec<Event> = touches(3).collect();
+        events.extend([
+            write(1, 1, OpOutcome::Ok),
+            write(3, 2, OpOutcome::Indeterminate),
+            write(2, 1, OpOutcome::Ok),
+        ]);
+        assert_eq!(kinds(&events, 2), vec!["lost-update"]);
+        // Token 4 wrote 4 (acknowledged); token 5, which had read 2, set it back to 3.
+        let mut events: Vec<Event> = touches(5).collect();
+        events.extend([
+            write(1, 1, OpOutcome::Ok),
+            write(2, 2, OpOutcome::Indeterminate),
+            write(3, 3, OpOutcome::Indeterminate),
+            write(4, 4, OpOutcome::Ok),
+            write(5, 3, OpOutcome::Ok),
+        ]);
+        assert_eq!(kinds(&events, 3), vec!["lost-update"]);
+        // Clean: an uncertain write that did not land, and the next one wrote its value.
+        let mut events: Vec<Event> = touches(3).collect();
+        events.extend([
+            write(1, 1, OpOutcome::Ok),
+            write(2, 2, OpOutcome::Indeterminate),
+            write(3, 2, OpOutcome::Ok),
+        ]);
+        assert!(kinds(&events, 2).is_empty());
     }
 
     /// A counter above its acknowledged and uncertain increments is

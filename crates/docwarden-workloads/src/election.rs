@@ -176,9 +176,10 @@ impl Leaders {
                 leader.resign(),
                 |r, e| match r {
                     Ok(()) => e.token(term),
+                    // A lost reply may have resigned: indeterminate, not refused.
                     Err(err) => e
                         .token(term)
-                        .outcome(OpOutcome::Failed)
+                        .outcome(outcome_of(err))
                         .detail(err.to_string()),
                 },
             )

@@ -15,7 +15,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use docwarden::check::queue::{EFFECT_OP, EffectRecord, HANDLE_OP, JobRecord, REPORT_OP};
+use docwarden::check::queue::{
+    EFFECT_OP, ENQUEUE_OP, EffectRecord, HANDLE_OP, JobRecord, REPORT_OP,
+};
 use docwarden::check::{Event, Violation};
 use docwarden::lock::{Fence, FenceOptions, FenceOutcome};
 use docwarden::queue::format::field;
@@ -49,7 +51,7 @@ impl Op {
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
-            Op::Enqueue => "enqueue",
+            Op::Enqueue => ENQUEUE_OP,
             Op::Handle => HANDLE_OP,
             Op::Effect => EFFECT_OP,
             Op::Report => REPORT_OP,

@@ -3,10 +3,11 @@
 //!
 //! The operation toggles one doctor of one shift on or off call. [`Mode::Safe`] is one
 //! guarded update; [`Mode::Control`] reads the shift, decides in the client and writes
-//! unconditionally (the write skew the seed demonstrates). The check after an operation
-//! and the final read ask docwarden's checker ([`docwarden::guard::violations_of`],
-//! [`docwarden::guard::violations`]); a history of checks is judged by
-//! [`docwarden::check::state::check_invariant_reads`].
+//! unconditionally (the write skew the seed demonstrates). The fixed-size run's checks ask
+//! docwarden's checker ([`docwarden::guard::violations_of`],
+//! [`docwarden::guard::violations`]); the history's checks ([`OnCall::check_event`]) read
+//! the shift and evaluate the rule themselves ([`rule_holds`]: a missing shift breaks
+//! it), and are judged by [`docwarden::check::state::check_invariant_reads`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -287,7 +288,10 @@ impl OnCall {
         Ok(u64::try_from(found.len()).unwrap_or(u64::MAX))
     }
 
-    /// A [`Op::Check`] event of `shift` for a history, from [`OnCall::holds`].
+    /// A [`Op::Check`] event of `shift` for a history: the shift read as stored and the
+    /// rule evaluated here ([`rule_holds`]), not by the guard under test (whose
+    /// pipeline the guarded updates share, and which finds nothing wrong with a missing
+    /// document).
     ///
     /// # Errors
     /// A database error.
@@ -297,17 +301,28 @@ impl OnCall {
         shift: i64,
         at_us: u64,
     ) -> docwarden::Result<Event> {
-        let holds = self.holds(shift).await?;
-        Ok(
-            Event::new(process, Op::Check.as_str(), &shift_key(shift), at_us, at_us).outcome(
-                if holds {
-                    OpOutcome::Ok
-                } else {
-                    OpOutcome::Failed
-                },
-            ),
-        )
+        let stored = self.coll.find_one(doc! { "_id": shift }).await?;
+        let event = Event::new(process, Op::Check.as_str(), &shift_key(shift), at_us, at_us);
+        Ok(match stored {
+            Some(d) if rule_holds(&d) => event,
+            Some(_) => event.outcome(OpOutcome::Failed).detail("no doctor on call"),
+            None => event
+                .outcome(OpOutcome::Failed)
+                .detail("the shift is missing"),
+        })
     }
+}
+
+/// The seed's rule on a stored shift, evaluated without the guard: some member of
+/// `doctors` has `on_call: true`.
+#[must_use]
+pub fn rule_holds(shift: &Document) -> bool {
+    shift.get_array("doctors").is_ok_and(|doctors| {
+        doctors
+            .iter()
+            .filter_map(Bson::as_document)
+            .any(|d| d.get("on_call") == Some(&Bson::Boolean(true)))
+    })
 }
 
 /// The checker of a history: every failed [`Op::Check`] is an `invariant-broken` violation.
@@ -429,7 +444,27 @@ pub async fn run_in_batches(
 mod tests {
     use docwarden::check::{Event, OpOutcome};
 
-    use super::{Op, check};
+    use mongodb::bson::doc;
+
+    use super::{Op, check, rule_holds};
+
+    /// The check evaluates the rule on the stored shift itself: one doctor on call, no
+    /// doctor on call, no doctors array.
+    #[test]
+    fn the_rule_is_evaluated_on_the_stored_shift() {
+        let shift = |on: [bool; 2]| {
+            doc! { "_id": 1, "doctors": [
+                { "name": "Alice", "on_call": on[0] },
+                { "name": "Bob", "on_call": on[1] },
+            ] }
+        };
+        assert!(rule_holds(&shift([false, true])));
+        assert!(!rule_holds(&shift([false, false])));
+        assert!(!rule_holds(&doc! { "_id": 1 }));
+        assert!(!rule_holds(
+            &doc! { "_id": 1, "doctors": [{ "name": "Alice", "on_call": 1 }] }
+        ));
+    }
 
     #[test]
     fn only_failed_checks_are_violations() {

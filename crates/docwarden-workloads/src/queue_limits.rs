@@ -457,13 +457,39 @@ mod tests {
         assert_eq!(check_rate(&[0, 100, 200, 600, 700], 2, 500), (1, 3));
         assert_eq!(check_rate(&[0, 500, 1000], 1, 500), (0, 1));
     }
+
+    /// A handler stopped past its lease (a SIGSTOP outliving it) ran on, by its own
+    /// clock, while its job's place went to others: counted only up to its lease's
+    /// expiry, it is no third holder of a limit of 2.
+    #[test]
+    fn a_handler_stopped_past_its_lease_is_counted_up_to_its_expiry() {
+        let run = |start: i64, detail: &str| {
+            docwarden::check::Event::new(1, Op::Run.as_str(), "tenant-0", 0, 1)
+                .value(start)
+                .detail(detail)
+        };
+        let events = [
+            run(0, "5000 2000"),
+            run(2_500, "2600 4500"),
+            run(2_500, "2600 4500"),
+        ];
+        assert!(concurrency_violations(&events, 2).is_empty());
+        // Within its lease, a third holder is a violation.
+        let events = [
+            run(0, "5000 3000"),
+            run(2_500, "2600 4500"),
+            run(2_500, "2600 4500"),
+        ];
+        assert_eq!(concurrency_violations(&events, 2).len(), 1);
+    }
 }
 
 /// The history operations of the verify workloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     /// A handler ran: key, `value` = start (latest server ms after it started), detail = end
-    /// (earliest server ms before it returned).
+    /// (earliest server ms before it returned) and, after a space, the claim's lease expiry
+    /// (server ms): a handler stopped past its lease no longer holds its job's place.
     Run,
     /// A job started: key, `value` = the claim's server time (`updated_at`).
     Start,
@@ -505,15 +531,22 @@ pub fn job_key(payload: &Bson) -> String {
 }
 
 /// The verify checker of the concurrency workload: handlers of one key running at one
-/// server instant beyond `limit` (`over-concurrency-limit`), from [`Op::Run`] events.
+/// server instant beyond `limit` (`over-concurrency-limit`), from [`Op::Run`] events. A
+/// handler's interval ends at its lease's expiry if that is earlier: a handler stopped past
+/// its lease (its job taken back, its place given to another) is not counted beyond it.
 pub fn concurrency_violations(
     events: &[docwarden::check::Event],
     limit: usize,
 ) -> Vec<docwarden::check::Violation> {
     let mut by_key: HashMap<&str, Vec<crate::semaphore::Holding>> = HashMap::new();
     for e in events.iter().filter(|e| e.op == Op::Run.as_str()) {
-        let (Some(start_ms), Ok(end_ms)) = (e.value, e.detail.parse::<i64>()) else {
+        let mut parts = e.detail.split(' ').map(str::parse::<i64>);
+        let (Some(start_ms), Some(Ok(end_ms))) = (e.value, parts.next()) else {
             continue;
+        };
+        let end_ms = match parts.next() {
+            Some(Ok(until_ms)) => end_ms.min(until_ms),
+            _ => end_ms,
         };
         by_key
             .entry(e.key.as_str())

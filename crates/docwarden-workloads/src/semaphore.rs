@@ -53,7 +53,7 @@ impl SemaphoreCheck {
 }
 
 /// Checks recorded holdings against `permits`: never more than `permits` at one instant,
-/// and tokens increasing in real-time order.
+/// tokens increasing in real-time order, and no token granted twice.
 pub fn check(holdings: &[Holding], permits: usize) -> SemaphoreCheck {
     let mut events: Vec<(i64, i32)> = Vec::with_capacity(holdings.len() * 2);
     for h in holdings.iter().filter(|h| h.start_ms < h.end_ms) {
@@ -81,12 +81,16 @@ pub fn check(holdings: &[Holding], permits: usize) -> SemaphoreCheck {
     by_sent.sort_unstable_by_key(|h| h.sent_ms);
     let mut i = 0;
     let mut highest = i64::MIN;
+    // Every permit takes a new token: one granted twice did not increase, whatever the
+    // overlap of the two acquires.
+    let mut granted = std::collections::HashSet::new();
     for b in by_sent {
         while i < by_return.len() && by_return[i].start_ms < b.sent_ms {
             highest = highest.max(by_return[i].token);
             i += 1;
         }
-        if highest >= b.token {
+        let fresh = granted.insert(b.token);
+        if highest >= b.token || !fresh {
             out.token_regressions += 1;
         }
     }
@@ -242,6 +246,17 @@ mod tests {
         let bad = [h(1, 0, 1, 10), h(2, 0, 2, 10), h(3, 0, 3, 10)];
         assert_eq!(check(&bad, 2).overlaps, 1);
         assert_eq!(check(&bad, 2).max_holders, 3);
+    }
+
+    /// Two permits granted the same token, their acquires overlapping: each permit takes
+    /// a new token (`token + 1`), so one of them did not increase.
+    #[test]
+    fn one_token_granted_to_two_overlapping_permits_is_a_regression() {
+        let twice = [h(2, 0, 3, 4), h(2, 1, 2, 3)];
+        assert_eq!(check(&twice, 2).token_regressions, 1);
+        // Ordered in real time: counted once.
+        let ordered = [h(2, 0, 1, 2), h(2, 5, 6, 7)];
+        assert_eq!(check(&ordered, 2).token_regressions, 1);
     }
 
     #[test]

@@ -29,7 +29,8 @@ pub struct Violation {
     /// driver retry twice),
     /// `stale-effect`, `effect-after-finish`, `phantom-completion`, `stuck-job`,
     /// `duplicate-term`, `term-not-increasing`, `two-leaders`, `rw-overlap`,
-    /// `state-mismatch`, `duplicate-document`, `invariant-broken`.
+    /// `state-mismatch`, `duplicate-document`, `invariant-broken`; and from `verify`,
+    /// `nothing-verified` (no operation of a module took effect).
     pub kind: &'static str,
     /// The resource, job or document concerned.
     pub key: String,

@@ -102,10 +102,13 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
                 let start = time.now().await?.latest().timestamp_millis();
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 let end = time.now().await?.earliest().timestamp_millis();
+                // The claim's lease expiry: past it (a stopped process) the handler no
+                // longer holds its place.
+                let until = job.lease.until.timestamp_millis();
                 history.push(
                     docwarden::check::Event::new(id, Op::Run.as_str(), &key, at, history.now_us())
                         .value(start)
-                        .detail(end.to_string()),
+                        .detail(format!("{end} {until}")),
                 );
                 Ok(Bson::Null)
             }

@@ -282,21 +282,25 @@ async fn keep_alive(
                 .outcome(Ctx::outcome_of(r))
                 .detail(err.to_string()),
         };
+        // With the token in the invoke: a release of this stale copy cut short by a kill
+        // must not pass for one of the holder's current lease (same process, same key).
         if rng.random_bool(0.1) {
-            h.record(
+            h.record_with_token(
                 p,
                 Op::Release.as_str(),
                 &key,
+                token,
                 locks.release(&lease),
                 outcome,
             )
             .await
             .ok();
         } else {
-            h.record(
+            h.record_with_token(
                 p,
                 Op::Renew.as_str(),
                 &key,
+                token,
                 locks.renew(&mut lease, TTL),
                 outcome,
             )
@@ -440,9 +444,14 @@ async fn holder(
             }
         }
         let released = h
-            .record(p, Op::Release.as_str(), &key, watchdog.release(), |r, e| {
-                e.token(token).outcome(Ctx::outcome_of(r))
-            })
+            .record_with_token(
+                p,
+                Op::Release.as_str(),
+                &key,
+                token,
+                watchdog.release(),
+                |r, e| e.token(token).outcome(Ctx::outcome_of(r)),
+            )
             .await;
         if let (Some(stale), Ok(())) = (stale, released) {
             stale

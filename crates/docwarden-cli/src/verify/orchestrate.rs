@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use docwarden::check::{History, count_by_kind};
+use docwarden::check::{Event, History, OpOutcome, Violation, count_by_kind};
 use docwarden_workloads::Mode;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::args::{Args, Fault, FaultArg, Module, WorkersAs};
-use super::context::{Ctx, Findings, WorkloadResult};
+use super::context::{Ctx, FAULT_OP, Findings, WorkloadResult};
 use super::{
     election, guard, limits, locks, nemesis, proxy, queue, report, rwlock, schedule, semaphore,
     sequence, summary,
@@ -344,10 +344,11 @@ async fn run_module(
     // Clean up through a direct connection (the proxy may be resetting).
     let direct = docwarden_server::connect(&direct_uri, Duration::from_secs(10)).await?;
     direct.database(&db_name).drop().await?;
+    let events = ctx.history.events();
     let mut violations = findings.violations;
+    violations.extend(nothing_verified(&events));
     let violations_by_kind = count_by_kind(&violations).into_iter().collect();
     violations.truncate(20);
-    let events = ctx.history.events();
     let indeterminate = events
         .iter()
         .filter(|e| e.outcome == docwarden::check::OpOutcome::Indeterminate)
@@ -360,6 +361,25 @@ async fn run_module(
         violations_by_kind,
         violations,
         events,
+    })
+}
+
+/// A module whose history holds no operation that took effect (none recorded, or every
+/// one refused or unknown: workers that never got going, a deployment that refuses every
+/// write) verified nothing: `nothing-verified`, so that its silence does not pass for
+/// "0 violations".
+fn nothing_verified(events: &[Event]) -> Option<Violation> {
+    let operations = events.iter().filter(|e| e.op != FAULT_OP);
+    let recorded = operations.clone().count();
+    let mut done = operations.filter(|e| e.outcome == OpOutcome::Ok);
+    done.next().is_none().then(|| {
+        Violation::new(
+            "nothing-verified",
+            "history",
+            format!(
+                "{recorded} operation(s) recorded, none took effect: the checkers had nothing to judge"
+            ),
+        )
     })
 }
 
@@ -415,4 +435,24 @@ pub(super) fn upstream_addr(uri: &str) -> anyhow::Result<std::net::SocketAddr> {
             "latency/reset/partition faults need a single 127.0.0.1:PORT server, not {host}"
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty history, or one whose every operation failed or is unknown, proved
+    /// nothing: reported, not passed.
+    #[test]
+    fn a_history_with_no_operation_that_took_effect_is_nothing_verified() {
+        let fault = Event::new(0, FAULT_OP, "kill", 0, 1);
+        let failed = Event::new(1, "acquire", "r", 0, 1).outcome(OpOutcome::Failed);
+        let unknown = Event::new(1, "write", "r", 2, 3).outcome(OpOutcome::Indeterminate);
+        for events in [vec![], vec![fault.clone(), failed.clone(), unknown.clone()]] {
+            let v = nothing_verified(&events);
+            assert_eq!(v.map(|v| v.kind), Some("nothing-verified"), "{events:?}");
+        }
+        let ok = Event::new(1, "acquire", "r", 4, 5).token(1);
+        assert!(nothing_verified(&[fault, failed, unknown, ok]).is_none());
+    }
 }

@@ -135,7 +135,11 @@ async fn produce(ctx: &Ctx, queue: &JobQueue, until: Instant) {
                 Op::Enqueue.as_str(),
                 "batch",
                 producer.enqueue_mixed(queue, BATCH, POISON_EVERY),
-                |r, e| e.outcome(Ctx::outcome_of(r)),
+                // The jobs it enqueues: all of them when acknowledged.
+                |r, e| {
+                    e.value(i64::try_from(BATCH).unwrap_or(i64::MAX))
+                        .outcome(Ctx::outcome_of(r))
+                },
             )
             .await
             .ok();

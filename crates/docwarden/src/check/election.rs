@@ -15,8 +15,13 @@
 //!    down: a write of term `t` after one of a higher term means a leader wrote after a
 //!    newer term had.
 //!
-//! Events used: [`ELECT_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
-//! certain validity left), [`RESIGN_OP`] (Ok, token).
+//! 5. **Acknowledged writes are in the log** (`lost-update`): the log holds each term at
+//!    least as many times as writes of that term were acknowledged (a missing log holds
+//!    none).
+//!
+//! Events used: [`ELECT_OP`] (Ok, token = term), [`WRITE_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
+//! certain validity left), [`RESIGN_OP`] (token; Ok or indeterminate: it may have ended
+//! the term).
 //!
 //! **Limits:** real-time order comes from the history's monotonic clock, so operations
 //! that overlap are never counted against each other.
@@ -34,8 +39,8 @@ pub const WRITE_OP: &str = "write";
 /// The history's name of a resignation.
 pub const RESIGN_OP: &str = "resign";
 
-/// Checks properties 1 to 3 on the events of a run, and 4 on `log`: the terms of the
-/// accepted fenced writes, in the order they were applied (the final read).
+/// Checks properties 1 to 3 on the events of a run, and 4 and 5 on `log`: the terms of
+/// the accepted fenced writes, in the order they were applied (the final read).
 pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
     let mut violations = Vec::new();
     let elects: Vec<&Event> = events
@@ -79,9 +84,11 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
         }
     }
     // 3.
+    // A resignation ends the claim unless it was refused; one whose reply was lost may
+    // have landed, and the checker accepts either outcome.
     let resigned: BTreeMap<(&str, i64), u64> = events
         .iter()
-        .filter(|e| e.op == RESIGN_OP && e.outcome == OpOutcome::Ok)
+        .filter(|e| e.op == RESIGN_OP && e.outcome != OpOutcome::Failed)
         .filter_map(|e| e.token.map(|t| ((e.key.as_str(), t), e.start_us)))
         .collect();
     for h in events.iter().filter(|e| e.op == HOLD_OP) {
@@ -125,6 +132,26 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
         }
         highest = highest.max(*term);
     }
+    // 5.
+    let mut acknowledged: BTreeMap<i64, usize> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e.op == WRITE_OP && e.outcome == OpOutcome::Ok)
+    {
+        if let Some(term) = e.token {
+            *acknowledged.entry(term).or_default() += 1;
+        }
+    }
+    for (term, n) in acknowledged {
+        let found = log.iter().filter(|t| **t == term).count();
+        if found < n {
+            violations.push(Violation::new(
+                "lost-update",
+                format!("term {term}"),
+                format!("{n} write(s) of term {term} were acknowledged, the log holds {found}"),
+            ));
+        }
+    }
     violations
 }
 
@@ -145,6 +172,42 @@ mod tests {
             ev(2, ELECT_OP, 85, 100, 2),
         ];
         assert!(check(&events, &[1, 1, 2]).is_empty());
+    }
+
+    /// A resignation whose reply was lost may have landed: a newer term won after it
+    /// began is then no overlap (the checker accepts either outcome). A refused one
+    /// ended nothing.
+    #[test]
+    fn an_indeterminate_resignation_may_have_ended_the_claim() {
+        let resign = |outcome| ev(1, RESIGN_OP, 30, 40, 1).outcome(outcome);
+        let history = |outcome| {
+            vec![
+                ev(1, ELECT_OP, 0, 10, 1),
+                ev(1, HOLD_OP, 20, 20, 1).value(100),
+                resign(outcome),
+                ev(2, ELECT_OP, 35, 60, 2),
+            ]
+        };
+        assert!(check(&history(OpOutcome::Indeterminate), &[]).is_empty());
+        assert_eq!(check(&history(OpOutcome::Failed), &[]).len(), 1);
+    }
+
+    /// The log is the final read of the fenced writes: an acknowledged write missing from
+    /// it (or the whole log missing) was lost, and the order check alone cannot see it.
+    #[test]
+    fn an_acknowledged_write_missing_from_the_log_is_lost() {
+        let events = vec![
+            ev(1, ELECT_OP, 0, 10, 1),
+            ev(1, WRITE_OP, 20, 30, 1),
+            ev(1, WRITE_OP, 40, 50, 1),
+            ev(1, WRITE_OP, 60, 70, 1).outcome(OpOutcome::Indeterminate),
+        ];
+        assert!(check(&events, &[1, 1]).is_empty());
+        for log in [&[1][..], &[]] {
+            let v = check(&events, log);
+            assert_eq!(v.len(), 1, "{log:?}: {v:?}");
+            assert_eq!(v[0].kind, "lost-update");
+        }
     }
 
     #[test]

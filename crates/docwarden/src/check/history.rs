@@ -237,9 +237,48 @@ impl History {
     where
         F: Future<Output = T>,
     {
+        self.record_invoked(Event::new(process, op, key, 0, 0), fut, classify)
+            .await
+    }
+
+    /// As [`History::record`], for an operation whose fencing token is known before it
+    /// starts (a release or renewal of a lease): the invoke carries `token`, so that an
+    /// operation cut short (its process killed, its future dropped) is recorded with it —
+    /// as that lease's operation, not as one of any lease of its process.
+    pub async fn record_with_token<T, F>(
+        &self,
+        process: u32,
+        op: &str,
+        key: &str,
+        token: i64,
+        fut: F,
+        classify: impl FnOnce(&T, Event) -> Event,
+    ) -> T
+    where
+        F: Future<Output = T>,
+    {
+        self.record_invoked(
+            Event::new(process, op, key, 0, 0).token(token),
+            fut,
+            classify,
+        )
+        .await
+    }
+
+    /// Records `fut` as `invoked` (its times set here); `classify` starts from `invoked`.
+    async fn record_invoked<T, F>(
+        &self,
+        mut invoked: Event,
+        fut: F,
+        classify: impl FnOnce(&T, Event) -> Event,
+    ) -> T
+    where
+        F: Future<Output = T>,
+    {
         let start = self.now_us();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let invoked = Event::new(process, op, key, start, start);
+        invoked.start_us = start;
+        invoked.end_us = start;
         if let Some(sink) = &self.sink {
             sink(&Entry::Invoke {
                 id,
@@ -249,11 +288,12 @@ impl History {
         let mut in_flight = InFlight {
             history: self,
             id,
-            event: Some(invoked),
+            event: Some(invoked.clone()),
         };
         let out = fut.await;
         in_flight.event = None;
-        let event = classify(&out, Event::new(process, op, key, start, self.now_us()));
+        invoked.end_us = self.now_us();
+        let event = classify(&out, invoked);
         self.complete(Some(id), event);
         out
     }
@@ -319,6 +359,31 @@ mod tests {
             matches!(&entries[1], Entry::Complete { id: Some(0), event } if event.token == Some(9))
         );
         assert!(matches!(&entries[2], Entry::Complete { id: None, event } if event.op == "claim"));
+    }
+
+    /// A release cut short by a kill must stay that lease's release: the invoke, all a
+    /// reader in another process gets of it, carries the token.
+    #[tokio::test]
+    async fn an_operation_recorded_with_its_token_streams_the_token_in_its_invoke() {
+        let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&lines);
+        let h = History::streaming(Instant::now(), move |entry| {
+            sink.lock().expect("sink").push(entry.clone());
+        });
+        let pending =
+            h.record_with_token(4, "release", "r", 7, std::future::pending::<()>(), |_, e| e);
+        let timed_out = tokio::time::timeout(std::time::Duration::from_millis(10), pending).await;
+        assert!(timed_out.is_err());
+        let entries: Vec<Entry> = lines.lock().expect("lines").clone();
+        assert!(
+            matches!(&entries[0], Entry::Invoke { event, .. } if event.token == Some(7)),
+            "{entries:?}"
+        );
+        assert_eq!(h.events()[0].token, Some(7));
+        assert_eq!(h.events()[0].outcome, OpOutcome::Indeterminate);
+        h.record_with_token(4, "renew", "r", 8, async {}, |_, e| e)
+            .await;
+        assert_eq!(h.events()[1].token, Some(8));
     }
 
     #[tokio::test]

@@ -4,9 +4,11 @@
 //! holds the lock — so "never two holders" is not the property. The property is:
 //!
 //! 1. **Tokens increase**: of two successful acquires of one resource where one ended
-//!    before the other began, the later has the higher token.
+//!    before the other began, the later has the higher token; and no token is granted
+//!    twice, whatever the overlap (two grants are in some order all the same).
 //! 2. **Stale writes are refused**: once the storage has accepted a fenced operation with
-//!    token `u`, no operation with a lower token that begins afterwards may be accepted.
+//!    token `u`, no operation with a lower token that begins afterwards may be accepted
+//!    (a `write`, or a `touch`: the touch is a fenced write too).
 //!    (Storage-side fencing cannot refuse a stale holder before the new holder's token has
 //!    reached the storage; that is why holders register their token — a fenced `touch` —
 //!    before they read.)
@@ -17,8 +19,9 @@
 //! 4. **Validity claims hold** ([`check_validity`]): when a holder confirms that its lease
 //!    is certainly valid until some instant (the [`crate::lock::Watchdog`]'s
 //!    `valid_until`), no newer holder acquires the resource before that instant (or before
-//!    the holder releases). This is the property of the clock and of the watchdog, which
-//!    fencing cannot show: a wrong claim is caught even when every write was fenced.
+//!    the holder releases: a release the server refused released nothing). This is the
+//!    property of the clock and of the watchdog, which fencing cannot show: a wrong claim
+//!    is caught even when every write was fenced.
 //!
 //! 5. **A dead lease stays dead** ([`check_dead_leases`]): once a lease's release was
 //!    accepted, or a newer lease of the resource (a higher token) was acquired, no `renew`
@@ -46,6 +49,9 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
         list.sort_by_key(|e| e.end_us);
         // Property 1: compare each acquire with every earlier one that ended before it began.
         let mut max_before: Vec<(u64, i64)> = Vec::new(); // (end_us, token), sorted by end
+        // Each token granted so far: two grants of one token are in some order whatever
+        // their overlap, and the later one's token did not increase.
+        let mut granted: BTreeMap<i64, &Event> = BTreeMap::new();
         for e in list.iter() {
             let token = e.token.unwrap_or(i64::MIN);
             if let Some((_, prev)) = max_before
@@ -62,7 +68,17 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
                         e.process
                     ),
                 ));
+            } else if let Some(other) = granted.get(&token) {
+                violations.push(Violation::new(
+                    "token-not-increasing",
+                    e.key.clone(),
+                    format!(
+                        "process {} acquired with token {token}, which process {} was granted too (acquires from {} and {} µs)",
+                        e.process, other.process, other.start_us, e.start_us
+                    ),
+                ));
             }
+            granted.entry(token).or_insert(e);
             max_before.push((e.end_us, token));
         }
     }
@@ -73,7 +89,8 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
             (e.op == "write" || e.op == "touch") && e.outcome == OpOutcome::Ok && e.token.is_some()
         })
         .collect();
-    for w in accepted.iter().filter(|e| e.op == "write") {
+    // The touch is a fenced write too: a stale one accepted is as much a violation.
+    for w in &accepted {
         let token = w.token.unwrap_or_default();
         let newer = accepted
             .iter()
@@ -86,8 +103,9 @@ pub fn check_tokens(events: &[Event]) -> Vec<Violation> {
                 "stale-write-accepted",
                 w.key.clone(),
                 format!(
-                    "process {} wrote with token {token} after the storage had accepted token {} from process {}",
+                    "process {}'s {} with token {token} was accepted after the storage had accepted token {} from process {}",
                     w.process,
+                    w.op,
                     o.token.unwrap_or_default(),
                     o.process
                 ),
@@ -193,7 +211,8 @@ pub fn check_validity(events: &[Event]) -> Vec<Violation> {
         let claimed = hold
             .start_us
             .saturating_add(u64::try_from(left_ms).unwrap_or(0).saturating_mul(1000));
-        // A release by this lease ends the claim; so may one whose outcome is unknown and
+        // A release by this lease ends the claim, unless it was refused (the lease was no
+        // longer its holder's: the claim stands); so may one whose outcome is unknown and
         // whose token was never recorded (its process was killed while it was in flight:
         // it may have landed, and a checker must accept either outcome).
         let released = events
@@ -202,7 +221,7 @@ pub fn check_validity(events: &[Event]) -> Vec<Violation> {
                 e.op == "release"
                     && e.key == hold.key
                     && e.start_us >= hold.start_us
-                    && (e.token == Some(token)
+                    && ((e.token == Some(token) && e.outcome != OpOutcome::Failed)
                         || (e.token.is_none()
                             && e.process == hold.process
                             && e.outcome == OpOutcome::Indeterminate))
@@ -447,6 +466,54 @@ mod tests {
         let v = check_validity(&h);
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].kind, "overlapping-leases");
+    }
+
+    /// A release the server refused (`LeaseLost`: the lease had already been taken over)
+    /// released nothing, so it does not end the holder's claim: a newer holder that
+    /// acquired before the claimed instant overlapped it.
+    #[test]
+    fn a_refused_release_does_not_end_a_validity_claim() {
+        let h = vec![
+            acquire(1, "r", 0, 50, 1),
+            Event::new(1, HOLD_OP, "r", 100, 100).token(1).value(5),
+            Event::new(1, RELEASE_OP, "r", 300, 400)
+                .token(1)
+                .outcome(OpOutcome::Failed),
+            acquire(2, "r", 250, 1_200, 2),
+        ];
+        let v = check_validity(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].kind, "overlapping-leases");
+    }
+
+    /// A fenced touch with an older token accepted after the storage had accepted a newer
+    /// token is a stale write, as much as the counter's write.
+    #[test]
+    fn a_stale_touch_accepted_is_found() {
+        let touch =
+            |p: u32, s: u64, e: u64, token: i64| Event::new(p, "touch", "r", s, e).token(token);
+        let h = vec![
+            acquire(1, "r", 0, 10, 1),
+            acquire(2, "r", 30, 40, 2),
+            touch(2, 41, 45, 2),
+            touch(1, 50, 60, 1),
+        ];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].kind, "stale-write-accepted");
+    }
+
+    /// Two acquires of one resource that overlap in time were still granted in some
+    /// order: the same token granted twice did not increase, whatever the overlap.
+    #[test]
+    fn one_token_granted_to_two_overlapping_acquires_is_found() {
+        let h = vec![acquire(1, "r", 0, 100, 5), acquire(2, "r", 50, 150, 5)];
+        let v = check_tokens(&h);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].kind, "token-not-increasing");
+        // Different tokens of overlapping acquires: either order is possible.
+        let h = vec![acquire(1, "r", 0, 100, 6), acquire(2, "r", 50, 150, 5)];
+        assert!(check_tokens(&h).is_empty());
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub const RETRY_EXECUTED_TWICE: &str = "retry-executed-twice";
 /// with the claim's token, `token` is the attempt. Ok: applied; Failed: refused (fenced
 /// off); Indeterminate: unknown (the final read decides).
 pub const EFFECT_OP: &str = "effect";
+/// The history's name of an enqueue: `value` is the number of jobs it enqueued (Ok: all of
+/// them were inserted).
+pub const ENQUEUE_OP: &str = "enqueue";
 /// The history's name of a worker's final counts at its graceful shutdown: `value` is
 /// the number of completions the worker believes it wrote.
 pub const REPORT_OP: &str = "worker-report";
@@ -138,6 +141,9 @@ fn event_token(e: &Event) -> &str {
 ///   landed was written after a newer claim had taken the job (`stale-effect`: a write
 ///   under a lost lease), which the final read alone cannot see when the stale write
 ///   happened to land first;
+/// - **nothing vanished**: a job whose handler ran ([`HANDLE_OP`]) but whose document
+///   the final read does not find is `lost-job`, and so are jobs missing from a final read
+///   that holds fewer jobs than the acknowledged enqueues ([`ENQUEUE_OP`]) inserted;
 /// - **no phantom completion**: the completions the workers reported ([`REPORT_OP`]) are
 ///   at most the `succeeded` jobs (`phantom-completion`: a worker took a completion that
 ///   did not land for its own).
@@ -287,6 +293,35 @@ pub fn check_runtime(jobs: &BTreeMap<String, JobRecord>, events: &[Event]) -> Ve
                 format!("its effect was applied but the job is {state}, not succeeded"),
             )),
         }
+    }
+    // A job a handler ran is a job that was enqueued: its document gone from the final
+    // read is a job lost, not one to leave unjudged.
+    for (id, list) in &claims {
+        if !jobs.contains_key(*id) {
+            violations.push(Violation::new(
+                "lost-job",
+                *id,
+                format!(
+                    "claimed {} time(s) (first claim {}), but its document is missing from the final read",
+                    list.len(),
+                    list.first().map_or("", |(t, _)| *t)
+                ),
+            ));
+        }
+    }
+    let enqueued: u64 = events
+        .iter()
+        .filter(|e| e.op == ENQUEUE_OP && e.outcome == OpOutcome::Ok)
+        .filter_map(|e| e.value)
+        .map(|v| u64::try_from(v).unwrap_or(0))
+        .sum();
+    let found = u64::try_from(jobs.len()).unwrap_or(u64::MAX);
+    if found < enqueued {
+        violations.push(Violation::new(
+            "lost-job",
+            "queue",
+            format!("acknowledged enqueues inserted {enqueued} jobs, the final read found {found}"),
+        ));
     }
     let reported: u64 = events
         .iter()
@@ -485,6 +520,52 @@ mod tests {
                 "phantom-completion"
             ]
         );
+    }
+
+    /// The final read judges the jobs it finds; a job the history shows claimed and run,
+    /// whose document is gone, was lost too.
+    #[test]
+    fn a_handled_job_missing_from_the_final_read_is_lost() {
+        let jobs = BTreeMap::from([(
+            "a".to_owned(),
+            record(JobState::Succeeded, &["t1"], Some("t1")),
+        )]);
+        let events = vec![
+            handle(1, "a", "t1", 10),
+            effect(1, "a", "t1", 11, 12, OpOutcome::Ok),
+            handle(2, "b", "t2", 20),
+            effect(2, "b", "t2", 21, 22, OpOutcome::Ok),
+        ];
+        let found = check_runtime(&jobs, &events);
+        assert_eq!(kinds(&found), vec!["lost-job"], "{found:?}");
+        assert_eq!(found[0].key, "b");
+    }
+
+    /// A job never claimed whose document is gone is seen only by the count: the final
+    /// read holds fewer jobs than the acknowledged enqueues inserted. An enqueue whose
+    /// reply was lost may have inserted nothing.
+    #[test]
+    fn fewer_jobs_than_acknowledged_enqueues_inserted_are_lost() {
+        let jobs = BTreeMap::from([(
+            "a".to_owned(),
+            record(JobState::Succeeded, &["t1"], Some("t1")),
+        )]);
+        let enqueue = |n: i64, outcome| {
+            Event::new(0, ENQUEUE_OP, "batch", 0, 1)
+                .value(n)
+                .outcome(outcome)
+        };
+        assert!(check_runtime(&jobs, &[enqueue(1, OpOutcome::Ok)]).is_empty());
+        let found = check_runtime(
+            &jobs,
+            &[
+                enqueue(1, OpOutcome::Ok),
+                enqueue(1, OpOutcome::Ok),
+                enqueue(5, OpOutcome::Indeterminate),
+            ],
+        );
+        assert_eq!(kinds(&found), vec!["lost-job"], "{found:?}");
+        assert_eq!(found[0].key, "queue");
     }
 
     /// Issue 13: a safe queue run under `reset` or `crash` now and then found one effect

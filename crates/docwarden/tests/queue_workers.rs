@@ -692,17 +692,46 @@ impl Drop for Running {
 /// handler whose lease it could not renew before the lease expires (by its own monotonic
 /// clock, from when it sent the claim or the last heartbeat that renewed it), so the
 /// sweep's takeover never overlaps it. Counts: handlers of the job running at once (at
-/// most 1), and the second worker must get the job.
+/// most 1), and the second worker must get the job. Control: the cut-off worker without
+/// that safeguard ([`Safeguard::LeaseDeadline`]): both handlers run at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expires()
 -> anyhow::Result<()> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let _turn = FAIL_POINT.lock().await;
-    let test = "queue_partitioned_worker";
+    let Some((took_over, overlap)) = cut_off_worker("queue_partitioned_worker", None).await? else {
+        return Ok(());
+    };
+    assert_eq!(took_over, 2, "the second worker never got the job");
+    assert_eq!(
+        overlap, 1,
+        "{overlap} handlers ran the job at once: the cut-off worker's handler outlived its lease"
+    );
+    let Some((took_over, overlap)) = cut_off_worker(
+        "queue_partitioned_worker_control",
+        Some(Safeguard::LeaseDeadline),
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    assert_eq!(took_over, 2, "control: the second worker never got the job");
+    assert_eq!(overlap, 2, "the control's handlers must overlap");
+    Ok(())
+}
+
+/// Worker A claims the one job, then every write of its client fails (a fail point by
+/// app name); worker B takes the job over once the lease is swept. Returns how many
+/// handlers started and the most that ran at once, or `None` where there are no fail
+/// points (skipped). `without`: the safeguard worker A runs without.
+async fn cut_off_worker(
+    test: &str,
+    without: Option<Safeguard>,
+) -> anyhow::Result<Option<(usize, usize)>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let t = TestDb::new(test).await?;
     if let Err(e) = docwarden_testkit::fail_commands_off(&t.client).await {
         docwarden_testkit::skip(test, &format!("no failCommand fail point: {e}"));
-        return Ok(());
+        return Ok(None);
     }
     // Worker A's own client, named so that the fail point cuts off only its writes.
     let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
@@ -711,7 +740,11 @@ async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expir
     let opts = QueueOptions::default()
         .lease_ttl(Duration::from_secs(1))
         .reap_interval(Duration::from_millis(100));
-    let qa = open(&client_a.database(t.db.name()), &client_a, opts.clone()).await?;
+    let opts_a = match without {
+        Some(safeguard) => opts.clone().unsafe_without(safeguard),
+        None => opts.clone(),
+    };
+    let qa = open(&client_a.database(t.db.name()), &client_a, opts_a).await?;
     let qb = open(&t.db, &t.client, opts).await?;
     let running = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
@@ -765,12 +798,7 @@ async fn a_worker_whose_heartbeats_fail_drops_its_handler_before_the_lease_expir
     let overlap = most.load(Ordering::SeqCst);
     a.kill().await;
     b.kill().await;
-    assert_eq!(took_over, 2, "the second worker never got the job");
-    assert_eq!(
-        overlap, 1,
-        "{overlap} handlers ran the job at once: the cut-off worker's handler outlived its lease"
-    );
-    Ok(())
+    Ok(Some((took_over, overlap)))
 }
 
 /// A heartbeat that raced the worker's own completion counted it as a lost lease: the

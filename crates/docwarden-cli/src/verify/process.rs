@@ -852,9 +852,15 @@ mod tests {
         assert!(lease::check_tokens(&clean(0)).is_empty());
         let found = lease::check_tokens(&clean(5_000));
         let kinds: Vec<&str> = found.iter().map(|v| v.kind).collect();
+        // Since session 16 a stale touch is judged like a stale write: process 3's touch
+        // and write both look accepted after token 2.
         assert_eq!(
             kinds,
-            vec!["token-not-increasing", "stale-write-accepted"],
+            vec![
+                "token-not-increasing",
+                "stale-write-accepted",
+                "stale-write-accepted"
+            ],
             "{found:?}"
         );
         // Off by one token, the newer one process 5's, the accused the honest process 3.
@@ -862,6 +868,6 @@ mod tests {
             found[1].detail.contains("token 2 from process 5"),
             "{found:?}"
         );
-        assert!(found.iter().all(|v| v.detail.starts_with("process 3 ")));
+        assert!(found.iter().all(|v| v.detail.starts_with("process 3")));
     }
 }

@@ -452,7 +452,6 @@ impl LockCollection {
     /// # Errors
     /// [`Error::InvalidInput`] for an empty or too long resource or a zero ttl (nothing is
     /// written); a database error.
-    #[instrument(skip(self, owner), fields(collection = %self.locks.name(), owner = owner.id(), token = tracing::field::Empty))]
     pub async fn try_acquire(
         &self,
         owner: &Owner,
@@ -466,7 +465,10 @@ impl LockCollection {
     /// One acquire attempt with acquisition nonce `nonce`. `unknown`: the nonces of this
     /// blocking acquire's earlier attempts that failed with a transient error, so may have
     /// taken the lock without the reply saying so (see [`acquire_filter`]); empty for
-    /// [`LockCollection::try_acquire`].
+    /// [`LockCollection::try_acquire`]. Its span is `try_acquire`, for a
+    /// [`LockCollection::try_acquire`] and for each try of a blocking acquire alike
+    /// (`docs/observability.md`).
+    #[instrument(name = "try_acquire", skip(self, owner, nonce, unknown), fields(collection = %self.locks.name(), owner = owner.id(), token = tracing::field::Empty))]
     async fn attempt(
         &self,
         owner: &Owner,

@@ -124,6 +124,11 @@ pub enum Safeguard {
     /// A limited claim is admitted by the rate document of its job's rate key. Off: every
     /// start is admitted (and recorded).
     RateLimit,
+    /// A `Worker` drops a handler (or never starts it) once its lease is no longer
+    /// certainly valid by the worker's monotonic clock, because no heartbeat renewed it in
+    /// time. Off: the handler runs on past its lease until a heartbeat finds it lost (a
+    /// paused or cut-off holder's late write reaches the server).
+    LeaseDeadline,
 }
 
 impl Default for QueueOptions {

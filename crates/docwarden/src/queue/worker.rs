@@ -256,8 +256,13 @@ impl Ctx {
     }
 
     /// When the lease of held claim `job` certainly still holds until (monotonic clock);
-    /// `None` once the job is no longer held.
+    /// `None` once the job is no longer held, or when the control switched this
+    /// safeguard off ([`super::Safeguard::LeaseDeadline`]: the handler then runs past its
+    /// lease until a heartbeat finds it lost).
     fn valid_until(&self, job: &ClaimedJob) -> Option<tokio::time::Instant> {
+        if self.queue.options().unsafe_without == Some(super::Safeguard::LeaseDeadline) {
+            return None;
+        }
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())

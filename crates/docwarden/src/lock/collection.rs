@@ -39,7 +39,7 @@ use mongodb::options::{CollectionOptions, IndexOptions, ReturnDocument, WriteCon
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
-use super::deadline::Deadline;
+use super::deadline::{Deadline, Unanswered};
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::backoff::Backoff;
@@ -47,10 +47,6 @@ use crate::clock::{ServerTime, TimeSource};
 use crate::error::{self, Error, Result};
 use crate::token::FencingToken;
 use crate::validate;
-
-/// How many earlier attempts' nonces a blocking acquire recognises as its own (see
-/// [`acquire_filter_or_mine`]); an older one's lost acquisition is waited out as before.
-const MAX_UNKNOWN: usize = 16;
 
 /// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
 const GC_INDEX: &str = "expires_at_gc";
@@ -705,16 +701,13 @@ impl LockCollection {
         // Attempts that failed with a transient error may have taken the lock all the same
         // (a lost reply): the next attempts take it back from them rather than waiting
         // behind them until their ttl.
-        let mut unknown: Vec<String> = Vec::new();
+        let mut unanswered = Unanswered::default();
         loop {
             let nonce = validate::random_id();
-            let result = self.attempt(owner, resource, ttl, &nonce, &unknown).await;
-            if matches!(&result, Err(e) if e.is_retryable()) {
-                if unknown.len() >= MAX_UNKNOWN {
-                    unknown.remove(0);
-                }
-                unknown.push(nonce);
-            }
+            let result = self
+                .attempt(owner, resource, ttl, &nonce, unanswered.nonces())
+                .await;
+            unanswered.note(nonce, &result);
             if let Some(lease) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
                 return Ok(Some(lease));

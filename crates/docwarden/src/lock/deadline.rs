@@ -115,6 +115,37 @@ impl Deadline {
     }
 }
 
+/// How many earlier attempts' nonces a blocking acquire recognises as its own; an older
+/// one's lost acquisition is waited out until its ttl, as before.
+const MAX_UNANSWERED: usize = 16;
+
+/// The acquisition nonces of a blocking acquire's earlier attempts that failed with a
+/// transient error: their write may have applied all the same (a lost reply), so the next
+/// attempts take that acquisition back as their own instead of waiting behind it until
+/// its ttl (`LockCollection::acquire`, `Semaphore::acquire`). Only earlier attempts are
+/// listed, never the one in flight; the last [`MAX_UNANSWERED`] are kept.
+#[derive(Debug, Default)]
+pub(crate) struct Unanswered {
+    nonces: Vec<String>,
+}
+
+impl Unanswered {
+    /// Records the attempt with `nonce` if `result` is a transient error.
+    pub(crate) fn note<T>(&mut self, nonce: String, result: &Result<T>) {
+        if matches!(result, Err(e) if e.is_retryable()) {
+            if self.nonces.len() >= MAX_UNANSWERED {
+                self.nonces.remove(0);
+            }
+            self.nonces.push(nonce);
+        }
+    }
+
+    /// The nonces recorded so far, oldest first.
+    pub(crate) fn nonces(&self) -> &[String] {
+        &self.nonces
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ use mongodb::options::{IndexOptions, ReturnDocument, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
-use super::deadline::Deadline;
+use super::deadline::{Deadline, Unanswered};
 use super::lease::{Lease, Owner};
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
@@ -52,10 +52,6 @@ const TOKEN_BLOCK: i64 = 1_000_000;
 /// How many times one `try_acquire` refills a block before it gives up (each refill that
 /// loses to a racing refill leaves a fresh block behind, so the next attempt is fast).
 const MAX_ROUNDS: usize = 8;
-
-/// How many earlier attempts' nonces a blocking acquire recognises as its own (see
-/// [`Semaphore::acquire`]); an older one's lost permit is waited out until its ttl.
-const MAX_UNKNOWN: usize = 16;
 
 /// Options of a [`Semaphore`], validated once by [`Semaphore::new`].
 #[derive(Clone, Debug)]
@@ -435,16 +431,13 @@ impl Semaphore {
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         // Attempts that failed with a transient error may have been admitted all the same
         // (a lost reply): later attempts take that permit back instead of a second one.
-        let mut unknown: Vec<String> = Vec::new();
+        let mut unanswered = Unanswered::default();
         loop {
             let nonce = validate::random_id();
-            let result = self.attempt(owner, resource, ttl, &nonce, &unknown).await;
-            if matches!(&result, Err(e) if e.is_retryable()) {
-                if unknown.len() >= MAX_UNKNOWN {
-                    unknown.remove(0);
-                }
-                unknown.push(nonce);
-            }
+            let result = self
+                .attempt(owner, resource, ttl, &nonce, unanswered.nonces())
+                .await;
+            unanswered.note(nonce, &result);
             if let Some(p) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.docs.name(), called, Some(p.token.get()));
                 return Ok(Some(p));

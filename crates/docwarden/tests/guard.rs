@@ -839,3 +839,42 @@ async fn a_guarded_update_writes_exactly_the_new_value_whatever_the_field_holds(
     );
     Ok(())
 }
+
+/// Session 17: `install_validator` ran `collMod` over whatever validator the collection
+/// had, so a user's `$jsonSchema` (here: every account needs an owner) was silently
+/// dropped and documents it refused were accepted from then on. Now a different validator
+/// is reported (`OtherValidator`) and kept unless the caller asks to replace it; the same
+/// invariants can be installed again.
+#[tokio::test]
+async fn installing_the_validator_keeps_a_users_other_validator() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_other_validator").await?;
+    let users = doc! { "$jsonSchema": { "required": ["owner"] } };
+    t.db.run_command(doc! { "create": "shifts", "validator": users.clone() })
+        .await?;
+    let coll = t.db.collection::<Document>("shifts");
+    let rule = [on_call()];
+    let outcome = guard::install_validator(&coll, &rule, &ValidatorOptions::default()).await?;
+    assert_eq!(
+        outcome,
+        ValidatorInstall::OtherValidator {
+            validator: users.clone()
+        }
+    );
+    let ownerless = coll.insert_one(shift(1, 1)).await;
+    assert!(
+        ownerless
+            .as_ref()
+            .is_err_and(|e| docwarden::error::error_code(e) == Some(121)),
+        "the user's validator is gone: {ownerless:?}"
+    );
+    // Asked to, it replaces it; installing the same invariants again is fine.
+    let replace = ValidatorOptions::default().replace_other_validator(true);
+    for opts in [&replace, &ValidatorOptions::default()] {
+        assert!(matches!(
+            guard::install_validator(&coll, &rule, opts).await?,
+            ValidatorInstall::Installed { .. }
+        ));
+    }
+    coll.insert_one(shift(1, 1)).await?;
+    Ok(())
+}

@@ -4,11 +4,15 @@
 //! A validator refuses any insert or update whose result breaks an invariant (error
 //! 121), including writes that bypass [`super::Guarded`]. It is a second safeguard, not a
 //! concurrency control: it checks the one document written, so it cannot express rules
-//! across documents, and `collMod` replaces any validator the collection had.
+//! across documents. A collection holds one validator: a different one already there (a
+//! user's `$jsonSchema`, other invariants) is reported and kept unless the caller asks to
+//! replace it.
 
+use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Document, doc};
-use tracing::{info, instrument};
+use mongodb::results::CollectionSpecification;
+use tracing::{info, instrument, warn};
 
 use super::check::{InvariantViolation, violations};
 use super::invariant::{Invariant, all_of};
@@ -23,6 +27,10 @@ pub struct ValidatorOptions {
     pub proceed_despite_violations: bool,
     /// How many violating documents to list (default 100).
     pub list_limit: i64,
+    /// Replace a validator the collection already has that is not this one (`collMod`
+    /// keeps one validator per collection). Default false: such a collection is left as it
+    /// is and the answer is [`ValidatorInstall::OtherValidator`].
+    pub replace_other_validator: bool,
 }
 
 impl Default for ValidatorOptions {
@@ -30,6 +38,7 @@ impl Default for ValidatorOptions {
         Self {
             proceed_despite_violations: false,
             list_limit: 100,
+            replace_other_validator: false,
         }
     }
 }
@@ -46,6 +55,13 @@ impl ValidatorOptions {
     #[must_use]
     pub fn list_limit(mut self, n: i64) -> Self {
         self.list_limit = n;
+        self
+    }
+
+    /// Sets [`ValidatorOptions::replace_other_validator`].
+    #[must_use]
+    pub fn replace_other_validator(mut self, yes: bool) -> Self {
+        self.replace_other_validator = yes;
         self
     }
 }
@@ -65,6 +81,14 @@ pub enum ValidatorInstall {
         /// The violating documents (at most `list_limit`).
         violations: Vec<InvariantViolation>,
     },
+    /// Nothing was installed because the collection already has a different validator
+    /// (a user's `$jsonSchema`, or other invariants), which `collMod` would have replaced.
+    /// Combine the rules into one validator, or set
+    /// [`ValidatorOptions::replace_other_validator`].
+    OtherValidator {
+        /// The validator the collection has.
+        validator: Document,
+    },
 }
 
 /// The validator document for `invariants`: `{$expr: {$and: [...]}}`.
@@ -74,7 +98,10 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 
 /// Installs `invariants` as `coll`'s validator with `validationLevel: "strict"` and
 /// `validationAction: "error"` (creating the collection if it does not exist), unless
-/// existing documents violate them and `opts.proceed_despite_violations` is false.
+/// the collection has a different validator and `opts.replace_other_validator` is false
+/// ([`ValidatorInstall::OtherValidator`]), or existing documents violate them and
+/// `opts.proceed_despite_violations` is false ([`ValidatorInstall::Refused`]). Installing
+/// the same invariants again is allowed (it resets the level and action).
 ///
 /// # Errors
 /// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1;
@@ -88,19 +115,34 @@ pub async fn install_validator(
     if invariants.is_empty() {
         return Err(Error::invalid("invariants", "at least one is needed"));
     }
+    let db = coll.client().database(&coll.namespace().db);
+    let specs: Vec<CollectionSpecification> = db
+        .list_collections()
+        .filter(doc! { "name": coll.name() })
+        .await?
+        .try_collect()
+        .await?;
+    let validator = validator_document(invariants);
+    let other = specs
+        .first()
+        .and_then(|spec| spec.options.validator.as_ref())
+        .filter(|v| !v.is_empty() && **v != validator);
+    if let Some(other) = other {
+        if !opts.replace_other_validator {
+            warn!(validator = %other, "the collection has another validator; not replaced");
+            return Ok(ValidatorInstall::OtherValidator {
+                validator: other.clone(),
+            });
+        }
+        info!(validator = %other, "replacing the collection's other validator");
+    }
     let existing = violations(coll, invariants, Some(opts.list_limit)).await?;
     if !existing.is_empty() && !opts.proceed_despite_violations {
         return Ok(ValidatorInstall::Refused {
             violations: existing,
         });
     }
-    let db = coll.client().database(&coll.namespace().db);
-    let names = db
-        .list_collection_names()
-        .filter(doc! { "name": coll.name() })
-        .await?;
-    let validator = validator_document(invariants);
-    if names.is_empty() {
+    if specs.is_empty() {
         db.run_command(doc! {
             "create": coll.name(),
             "validator": validator,

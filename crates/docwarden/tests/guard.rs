@@ -840,6 +840,177 @@ async fn a_guarded_update_writes_exactly_the_new_value_whatever_the_field_holds(
     Ok(())
 }
 
+/// Session 17: `Invariant::raw` (and `Condition::raw`) took any document, and a rule
+/// written in query syntax (`{status: "active"}`, the shape a filter or a validator takes)
+/// is an object literal to the aggregation the guard runs: always true. The guard then
+/// applied every change (`status: "gone"` was `Applied` under "stays active"), and the
+/// validator and the checker built from it accepted every document. Now such a rule is
+/// `InvalidInput` when it is built; the expression form guards as it should.
+#[tokio::test]
+async fn an_invariant_in_query_syntax_is_refused_instead_of_always_holding() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_query_syntax").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_one(doc! { "_id": 1, "status": "active", "balance": 10 })
+        .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let gone = Change::set("status", "gone")?;
+    let query_shaped = [
+        doc! { "status": "active" },
+        doc! { "$and": [{ "status": "active" }, { "balance": { "$gte": 0 } }] },
+        doc! { "$eq": ["$status", "active"], "status": "active" },
+    ];
+    for rule in query_shaped {
+        match Invariant::raw("stays active", rule.clone()) {
+            Err(docwarden::Error::InvalidInput { what: "expr", .. }) => {}
+            Ok(inv) => {
+                let outcome = g.update(1, &gone, &[inv]).await;
+                panic!(
+                    "`{rule}` was accepted as an invariant; setting status to gone: {outcome:?}"
+                );
+            }
+            Err(e) => panic!("`{rule}`: {e}"),
+        }
+    }
+    match Invariant::at_least(
+        "someone active",
+        "members",
+        1,
+        Condition::raw(doc! { "active": true }),
+    ) {
+        Err(docwarden::Error::InvalidInput {
+            what: "condition", ..
+        }) => {}
+        other => panic!("a query-shaped condition was accepted: {other:?}"),
+    }
+    // The expression form guards.
+    let stays = Invariant::raw("stays active", doc! { "$eq": ["$status", "active"] })?;
+    assert_eq!(
+        g.update(1, &gone, &[stays]).await?,
+        GuardOutcome::Rejected {
+            invariant: "stays active".into()
+        }
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 1 })
+            .await?
+            .unwrap()
+            .get_str("status")?,
+        "active"
+    );
+    Ok(())
+}
+
+/// Session 17: an ordering rule against a constant rendered as aggregation's `$gte`
+/// alone, which follows the BSON type order: every string, array, document, boolean and
+/// date is above every number. So `balance >= 0` let the guard write `balance: "-5"`,
+/// `[-5]` or `true` (`Applied`), the validator accepted them, and the checker did not
+/// list a hand-edited `balance: "-5"`; `capacity: "10"` (a string) let any booking
+/// through `sum_at_most`. MongoDB's query language (`{balance: {$gte: 0}}`) compares
+/// within one type bracket; the invariants now do too, in all three places alike.
+#[tokio::test]
+async fn an_ordering_rule_holds_only_between_values_of_one_type() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_type_bracket").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "balance": 10 },
+        doc! { "_id": 2, "owner": "x" },
+    ])
+    .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let nonneg = Invariant::field_cmp("balance never negative", "balance", CmpOp::Gte, 0)?;
+    let rejected = GuardOutcome::Rejected {
+        invariant: "balance never negative".into(),
+    };
+    let mut written = Vec::new();
+    for value in [
+        Bson::String("-5".into()),
+        Bson::Array(vec![Bson::Int32(-5)]),
+        Bson::Boolean(true),
+        Bson::Document(doc! { "amount": -5 }),
+        Bson::DateTime(DateTime::from_millis(0)),
+        Bson::Null,
+    ] {
+        let outcome = g
+            .update(
+                1,
+                &Change::set("balance", value.clone())?,
+                std::slice::from_ref(&nonneg),
+            )
+            .await?;
+        if outcome != rejected {
+            written.push(format!("{value}: {outcome:?}"));
+            coll.update_one(doc! { "_id": 1 }, doc! { "$set": { "balance": 10 } })
+                .await?;
+        }
+    }
+    assert!(
+        written.is_empty(),
+        "balance >= 0 let these through: {written:?}"
+    );
+    // Numbers of every type compare together.
+    for value in [Bson::Int64(3), Bson::Double(0.5), Bson::Int32(0)] {
+        assert_eq!(
+            g.update(
+                1,
+                &Change::set("balance", value)?,
+                std::slice::from_ref(&nonneg)
+            )
+            .await?,
+            GuardOutcome::Applied
+        );
+    }
+    // As in `{balance: {$lte: 100}}`, a missing balance is not at most 100.
+    let at_most = Invariant::field_cmp("at most 100", "balance", CmpOp::Lte, 100)?;
+    assert_eq!(
+        g.update(2, &Change::set("owner", "y")?, &[at_most]).await?,
+        GuardOutcome::Rejected {
+            invariant: "at most 100".into()
+        }
+    );
+
+    // The checker finds a hand-edited string balance.
+    coll.update_one(doc! { "_id": 1 }, doc! { "$set": { "balance": "-5" } })
+        .await?;
+    let found = guard::violations(&coll, std::slice::from_ref(&nonneg), None).await?;
+    let ids: Vec<&Bson> = found.iter().map(|v| &v.id).collect();
+    assert_eq!(ids, [&Bson::Int32(1), &Bson::Int32(2)], "{found:?}");
+
+    // The validator refuses it.
+    let ledger = t.db.collection::<Document>("ledger");
+    guard::install_validator(&ledger, std::slice::from_ref(&nonneg), &Default::default()).await?;
+    let insert = ledger.insert_one(doc! { "_id": 1, "balance": "-5" }).await;
+    assert!(
+        insert
+            .as_ref()
+            .is_err_and(|e| docwarden::error::error_code(e) == Some(121)),
+        "the validator accepted a string balance: {insert:?}"
+    );
+    ledger.insert_one(doc! { "_id": 2, "balance": 5.5 }).await?;
+
+    // A capacity stored as a string caps nothing unless it is compared as a number.
+    let flights = t.db.collection::<Document>("flights");
+    flights
+        .insert_one(doc! { "_id": 1, "capacity": "10", "bookings": [] })
+        .await?;
+    let gf = Guarded::new(flights.clone(), GuardOptions::default())?;
+    assert_eq!(
+        gf.update(
+            1,
+            &Change::push("bookings", doc! { "id": "a", "seats": 100 })?,
+            &[within_capacity()]
+        )
+        .await?,
+        GuardOutcome::Rejected {
+            invariant: "booked seats within capacity".into()
+        }
+    );
+    assert!(matches!(
+        Invariant::sum_at_most("cap", "bookings", "seats", "10"),
+        Err(docwarden::Error::InvalidInput { what: "cap", .. })
+    ));
+    Ok(())
+}
+
 /// Session 17: `install_validator` ran `collMod` over whatever validator the collection
 /// had, so a user's `$jsonSchema` (here: every account needs an owner) was silently
 /// dropped and documents it refused were accepted from then on. Now a different validator

@@ -175,15 +175,15 @@ impl Condition {
                 value.check()
             }
             Condition::All(cs) | Condition::Any(cs) => cs.iter().try_for_each(Condition::check),
-            Condition::Raw(_) => Ok(()),
+            Condition::Raw(d) => operator_expression("condition", d),
         }
     }
 
     fn render(&self) -> Bson {
         match self {
-            Condition::Field { field, op, value } => Bson::Document(doc! {
-                op.operator(): [format!("$${ELEMENT_VAR}.{field}"), value.render()]
-            }),
+            Condition::Field { field, op, value } => {
+                compare(*op, Bson::String(format!("$${ELEMENT_VAR}.{field}")), value)
+            }
             Condition::All(cs) => Bson::Document(
                 doc! { "$and": cs.iter().map(Condition::render).collect::<Vec<_>>() },
             ),
@@ -262,18 +262,26 @@ impl Invariant {
         field_path("field", field)?;
         let cap = cap.into();
         cap.check()?;
+        if let Operand::Value(v) = &cap
+            && !is_number(v)
+        {
+            return Err(Error::invalid(
+                "cap",
+                format!("`{v}` is not a number: a sum is below every string, date or document"),
+            ));
+        }
         let sum = doc! { "$sum": {
             "$map": { "input": as_array(array), "as": ELEMENT_VAR, "in": format!("$${ELEMENT_VAR}.{field}") }
         }};
-        Self::named(
-            name.into(),
-            Bson::Document(doc! { "$lte": [sum, cap.render()] }),
-        )
+        Self::named(name.into(), compare(CmpOp::Lte, Bson::Document(sum), &cap))
     }
 
-    /// `field <op> value` on the document (`balance >= 0`). A missing field compares as
-    /// null, which is below every number: `balance >= 0` fails on a document without a
-    /// balance.
+    /// `field <op> value` on the document (`balance >= 0`). An ordering comparison (`<`,
+    /// `<=`, `>`, `>=`) holds only between values of the same type, numbers of every type
+    /// together, as in MongoDB's query language (`{balance: {$gte: 0}}`): `balance >= 0`
+    /// and `balance <= 100` both fail on a balance that is missing, null, a string, an
+    /// array or a document (aggregation's own `$gte` orders every string above every
+    /// number). `Eq` and `Ne` compare as `$eq` and `$ne` (`1 == 1.0`, `"1" != 1`).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name or field path.
@@ -288,16 +296,21 @@ impl Invariant {
         value.check()?;
         Self::named(
             name.into(),
-            Bson::Document(doc! { op.operator(): [format!("${field}"), value.render()] }),
+            compare(op, Bson::String(format!("${field}")), &value),
         )
     }
 
     /// Any aggregation expression over the document (`$field` paths, `$$ROOT`): the escape
-    /// hatch for shapes the builders do not cover.
+    /// hatch for shapes the builders do not cover. `expr` must be an operator expression
+    /// (one key, starting with `$`, such as `{$lte: ["$spent", "$budget"]}`): a document of
+    /// plain fields is an object literal to the server, always true, so a query filter
+    /// such as `{status: "active"}` passed here is refused rather than checking nothing.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name.
+    /// [`Error::InvalidInput`] for a bad name, or an `expr` (or an operand of its
+    /// `$and`/`$or`/`$not`) that is not an operator expression.
     pub fn raw(name: impl Into<String>, expr: Document) -> Result<Self> {
+        operator_expression("expr", &expr)?;
         Self::named(name.into(), Bson::Document(expr))
     }
 
@@ -327,6 +340,107 @@ pub(crate) fn all_of(invariants: &[Invariant]) -> Bson {
     Bson::Document(doc! {
         "$and": invariants.iter().map(|i| i.expr.clone()).collect::<Vec<_>>()
     })
+}
+
+/// Checks that `expr` is an operator expression: exactly one key, starting with `$`. An
+/// expression document of plain fields is an object literal, which every server evaluates
+/// as true, so an invariant written in query syntax (`{status: "active"}`, `{$and:
+/// [{balance: {$gte: 0}}]}`) would hold on every document. The operands of `$and`, `$or`
+/// and `$not` are checked too (where a query filter is most easily mistaken for an
+/// expression); other operators' argument documents (`$filter`'s `{input, as, cond}`) have
+/// plain keys by design and are left to the server.
+fn operator_expression(what: &'static str, expr: &Document) -> Result<()> {
+    let mut keys = expr.keys();
+    let (Some(op), None) = (keys.next(), keys.next()) else {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "`{expr}` is not an operator expression (one `$` key): a document of fields is an object literal, always true"
+            ),
+        ));
+    };
+    if !op.starts_with('$') || op.starts_with("$$") {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "`{expr}` is not an operator expression (`{op}` is a field, not a `$` operator): a document of fields is an object literal, always true"
+            ),
+        ));
+    }
+    if matches!(op.as_str(), "$and" | "$or" | "$not") {
+        let operands = match expr.get(op) {
+            Some(Bson::Array(a)) => a.iter().collect::<Vec<_>>(),
+            Some(other) => vec![other],
+            None => Vec::new(),
+        };
+        for operand in operands {
+            if let Bson::Document(d) = operand {
+                operator_expression(what, d)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `{op: [left, right]}`; an ordering comparison also requires both sides to be in the
+/// same type bracket, as MongoDB's query language does (`{f: {$gte: 0}}` matches numbers
+/// only), where aggregation's `$gte` alone follows the BSON type order (every string,
+/// document, array, boolean and date above every number: `"-5" >= 0`). Numbers of every
+/// type are one bracket; a null right-hand side is left to the BSON order (null and
+/// missing at the bottom). `$eq`/`$ne` are unchanged (already false across brackets).
+fn compare(op: CmpOp, left: Bson, right: &Operand) -> Bson {
+    let cmp = Bson::Document(doc! { op.operator(): [left.clone(), right.render()] });
+    if matches!(op, CmpOp::Eq | CmpOp::Ne) {
+        return cmp;
+    }
+    let same_bracket = match right {
+        Operand::Value(Bson::Null | Bson::Undefined) => return cmp,
+        Operand::Value(v) if is_number(v) => doc! { "$isNumber": [left] },
+        Operand::Value(v) => doc! { "$eq": [{ "$type": [left] }, { "$literal": type_alias(v) }] },
+        Operand::Field(_) => doc! { "$eq": [bracket(left), bracket(right.render())] },
+    };
+    Bson::Document(doc! { "$and": [same_bracket, cmp] })
+}
+
+/// The type bracket of `value` at run time: `"number"` for every numeric type, else its
+/// `$type` alias.
+fn bracket(value: Bson) -> Document {
+    doc! { "$cond": [{ "$isNumber": [value.clone()] }, "number", { "$type": [value] }] }
+}
+
+/// Whether a constant is a number (int, long, double, decimal).
+fn is_number(v: &Bson) -> bool {
+    matches!(
+        v,
+        Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)
+    )
+}
+
+/// The `$type` alias of a constant (the string the aggregation operator returns).
+fn type_alias(v: &Bson) -> &'static str {
+    match v {
+        Bson::Double(_) => "double",
+        Bson::String(_) => "string",
+        Bson::Document(_) => "object",
+        Bson::Array(_) => "array",
+        Bson::Binary(_) => "binData",
+        Bson::Undefined => "undefined",
+        Bson::ObjectId(_) => "objectId",
+        Bson::Boolean(_) => "bool",
+        Bson::DateTime(_) => "date",
+        Bson::Null => "null",
+        Bson::RegularExpression(_) => "regex",
+        Bson::DbPointer(_) => "dbPointer",
+        Bson::JavaScriptCode(_) => "javascript",
+        Bson::Symbol(_) => "symbol",
+        Bson::JavaScriptCodeWithScope(_) => "javascriptWithScope",
+        Bson::Int32(_) => "int",
+        Bson::Timestamp(_) => "timestamp",
+        Bson::Int64(_) => "long",
+        Bson::Decimal128(_) => "decimal",
+        Bson::MinKey => "minKey",
+        Bson::MaxKey => "maxKey",
+    }
 }
 
 /// `$array` when it is an array, `[]` otherwise (so a missing field counts as empty and a
@@ -518,12 +632,22 @@ mod tests {
         let Bson::Document(d) = s.expr() else {
             panic!("document")
         };
-        let args = d.get_array("$lte").unwrap();
+        let and = d.get_array("$and").unwrap();
+        let args = and[1].as_document().unwrap().get_array("$lte").unwrap();
         assert_eq!(args[1], Bson::String("$capacity".into()));
         let f = Invariant::field_cmp("nonneg", "balance", CmpOp::Gte, 0_i64).unwrap();
         assert_eq!(
             f.expr(),
-            &Bson::Document(doc! { "$gte": ["$balance", { "$literal": 0_i64 }] })
+            &Bson::Document(doc! { "$and": [
+                { "$isNumber": ["$balance"] },
+                { "$gte": ["$balance", { "$literal": 0_i64 }] },
+            ]})
         );
+        let e = Invariant::field_cmp("same", "balance", CmpOp::Eq, 0_i64).unwrap();
+        assert_eq!(
+            e.expr(),
+            &Bson::Document(doc! { "$eq": ["$balance", { "$literal": 0_i64 }] })
+        );
+        assert!(Invariant::sum_at_most("cap", "bookings", "seats", "ten").is_err());
     }
 }

@@ -1049,3 +1049,67 @@ async fn installing_the_validator_keeps_a_users_other_validator() -> anyhow::Res
     coll.insert_one(shift(1, 1)).await?;
     Ok(())
 }
+
+/// Session 17: `Change::inc` renders as aggregation's `$add`, which answers a sum that
+/// leaves the 64-bit range as a double: a guarded `+1` on `i64::MAX` was `Applied` and
+/// stored `9.223372036854776e18`, silently rounding the counter (and every later `+1` a
+/// no-op), where MongoDB's `$inc` refuses the write. Now such an increment is
+/// `InvalidInput { what: "by" }` and the counter keeps its long; an int that overflows 32
+/// bits still becomes a long, and doubles add as doubles.
+#[tokio::test]
+async fn an_integer_inc_that_leaves_the_64_bit_range_is_refused_not_rounded() -> anyhow::Result<()>
+{
+    let t = TestDb::new("guard_inc_overflow").await?;
+    let coll = t.db.collection::<Document>("counters");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "n": i64::MAX },
+        doc! { "_id": 2, "n": i64::MIN },
+        doc! { "_id": 3, "n": i32::MAX },
+        doc! { "_id": 4, "n": 1.5 },
+        doc! { "_id": 5, "n": 1_i32 },
+    ])
+    .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let any = [Invariant::raw("anything", doc! { "$literal": true })?];
+    let refused = |r: &docwarden::Result<GuardOutcome>| {
+        matches!(r, Err(docwarden::Error::InvalidInput { what: "by", .. }))
+    };
+    let up = g.update(1, &Change::inc("n", 1_i64)?, &any).await;
+    assert!(refused(&up), "i64::MAX + 1: {up:?}");
+    let up = g.update(1, &Change::inc("n", 1_i32)?, &any).await;
+    assert!(refused(&up), "i64::MAX + 1 (int): {up:?}");
+    let down = g.update(2, &Change::inc("n", -1_i64)?, &any).await;
+    assert!(refused(&down), "i64::MIN - 1: {down:?}");
+    let big = g.update(5, &Change::inc("n", i64::MAX)?, &any).await;
+    assert!(refused(&big), "1 + i64::MAX: {big:?}");
+    for (id, by) in [
+        (3, Bson::Int32(1)),
+        (4, Bson::Int32(1)),
+        (1, Bson::Int64(-1)),
+    ] {
+        assert_eq!(
+            g.update(id, &Change::inc("n", by)?, &any).await?,
+            GuardOutcome::Applied
+        );
+    }
+    let n: Vec<Bson> = coll
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await?
+        .try_collect::<Vec<Document>>()
+        .await?
+        .iter()
+        .map(|d| d.get("n").cloned().unwrap())
+        .collect();
+    assert_eq!(
+        n,
+        [
+            Bson::Int64(i64::MAX - 1),
+            Bson::Int64(i64::MIN),
+            Bson::Int64(i64::from(i32::MAX) + 1),
+            Bson::Double(2.5),
+            Bson::Int32(1),
+        ]
+    );
+    Ok(())
+}

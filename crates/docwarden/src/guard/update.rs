@@ -141,7 +141,9 @@ impl Change {
         })
     }
 
-    /// Add `by` to a numeric top-level `field` (a missing field counts as 0).
+    /// Add `by` to a numeric top-level `field` (a missing field counts as 0). An integer
+    /// sum that would leave the 64-bit range is refused when the update runs (as MongoDB's
+    /// `$inc` refuses it), never rounded to a double.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name, `_id`, or a non-numeric `by`.
@@ -217,11 +219,28 @@ impl Change {
                 "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]]
             },
             Kind::Inc { by } => {
-                doc! { "$add": [{ "$ifNull": [&path, 0_i32] }, { "$literal": by.clone() }] }
+                let sum =
+                    doc! { "$add": [{ "$ifNull": [&path, 0_i32] }, { "$literal": by.clone() }] };
+                match inc_overflows(by, &path) {
+                    // Keep the stored value; the diagnosis reports the overflow.
+                    Some(overflows) => doc! { "$cond": [overflows, &path, sum] },
+                    None => sum,
+                }
             }
             Kind::Set { value } => doc! { "$literal": value.clone() },
         };
         Bson::Document(e)
+    }
+
+    /// Whether adding this change's integer `by` to the value at `path` would leave the
+    /// 64-bit range (`false` for other changes): see [`inc_overflows`].
+    fn overflows(&self, path: &str) -> Bson {
+        match &self.kind {
+            Kind::Inc { by } => {
+                inc_overflows(by, path).map_or(Bson::Boolean(false), Bson::Document)
+            }
+            _ => Bson::Boolean(false),
+        }
     }
 
     /// Whether the member this change needs is in the array at `path` (`true` for changes
@@ -340,6 +359,7 @@ impl Change {
                 doc! { "$project": {
                     "_id": 0,
                     "member": { "$and": [self.member_present(&self.wrapped(WRAP_OLD))] },
+                    "overflow": { "$and": [self.overflows(&self.wrapped(WRAP_OLD))] },
                     "same": { "$eq": [self.wrapped(WRAP_NEW), self.wrapped(WRAP_OLD)] },
                     "ok": ok_each(checks),
                 }},
@@ -351,6 +371,7 @@ impl Change {
                     doc! { "$project": {
                         "_id": 0,
                         "member": { "$and": [self.member_present(&self.path())] },
+                        "overflow": { "$and": [self.overflows(&self.path())] },
                         "same": { "$eq": [self.new_value(), self.path()] },
                         "ok": self.over_new(ok_each(checks)),
                     }},
@@ -358,6 +379,30 @@ impl Change {
             }
         }
     }
+}
+
+/// For an integer `by` (int or long): whether adding it to the integer at `path` would
+/// leave the 64-bit range, as `{$and: [{$in: [{$type: [path]}, ["int", "long"]]}, {$gt:
+/// [path, i64::MAX - by]}]}` (`$lt` and `i64::MIN - by` for a negative `by`); `None` for 0
+/// or a non-integer `by`. Aggregation's `$add` answers such a sum as a double, which would
+/// silently round the counter (`i64::MAX + 1` stored as `9.223372036854776e18`, and
+/// every later `+1` lost); MongoDB's own `$inc` refuses it. An int that overflows 32 bits
+/// becomes a long, as with `$inc`.
+fn inc_overflows(by: &Bson, path: &str) -> Option<Document> {
+    let by = match by {
+        Bson::Int32(v) => i64::from(*v),
+        Bson::Int64(v) => *v,
+        _ => return None,
+    };
+    let (op, limit) = match by.cmp(&0) {
+        std::cmp::Ordering::Greater => ("$gt", i64::MAX - by),
+        std::cmp::Ordering::Less => ("$lt", i64::MIN - by),
+        std::cmp::Ordering::Equal => return None,
+    };
+    Some(doc! { "$and": [
+        { "$in": [{ "$type": [path] }, ["int", "long"]] },
+        { op: [path, limit] },
+    ]})
 }
 
 /// Checks the top-level field a change writes: a [`field_name`], and not `_id`, which no
@@ -462,7 +507,8 @@ impl Guarded {
     /// [`Error::InvalidInput`] if `target` is not a plain document id
     /// ([`crate::validate::document_id`]: a document with a `$` key would be read as a
     /// query operator and match another document; null, an array, a regex); nothing is
-    /// sent. [`Error::Database`] if the server fails the update (a validator refusal is code
+    /// sent; [`Error::InvalidInput`] `{ what: "by" }` if an integer [`Change::inc`] would
+    /// leave the 64-bit range (nothing written). [`Error::Database`] if the server fails the update (a validator refusal is code
     /// 121); [`Error::Unavailable`] if the document changed between every one of
     /// `max_attempts` updates and the reads explaining them (retry later).
     #[instrument(skip(self, target, change, invariants), fields(coll = %self.coll.name(), field = %change.field))]
@@ -523,6 +569,15 @@ impl Guarded {
         };
         if !d.get_bool("member").map_err(|_| malformed("member"))? {
             return Ok(Some(GuardOutcome::NoSuchMember));
+        }
+        if d.get_bool("overflow").map_err(|_| malformed("overflow"))? {
+            return Err(Error::invalid(
+                "by",
+                format!(
+                    "adding it to `{}` of {target} would leave the 64-bit integer range (nothing written)",
+                    change.field
+                ),
+            ));
         }
         if d.get_bool("same").map_err(|_| malformed("same"))? {
             return Ok(Some(GuardOutcome::NoChange));

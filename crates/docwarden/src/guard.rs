@@ -2,13 +2,13 @@
 //! break.
 //!
 //! **Guarantee.** [`Guarded::update`] writes a change in one atomic `updateOne` whose
-//! filter states every [`Invariant`] over the document *after* the change; the server
-//! evaluates the filter and writes the document atomically, so no interleaving of guarded
+//! pipeline keeps the new value only if every [`Invariant`] holds on the document *after*
+//! the change; the server evaluates the pipeline and writes the document atomically, so no interleaving of guarded
 //! updates can leave a document violating an invariant that held before (no write skew),
 //! and the array element to change is matched by its key with `$elemMatch` semantics.
 //! [`Guarded::update_many`] sends many such updates, each to its own document, in one
 //! `bulkWrite` round trip (MongoDB 8.0; one update at a time before), with the same
-//! outcomes.
+//! outcomes; [`Guarded::update_each`] reports each change's own result when some fail.
 //!
 //! **Limits.** Invariants are over one document; rules spanning documents need another
 //! design. Writes that bypass the handle are not checked unless the same invariants are

@@ -1113,3 +1113,105 @@ async fn an_integer_inc_that_leaves_the_64_bit_range_is_refused_not_rounded() ->
     );
     Ok(())
 }
+
+/// Session 17: `update_many` fails the whole call on the first change that fails, and the
+/// outcomes of the changes the bulk wrote with it are lost: here the `+5` on account 2
+/// is written, yet the caller only sees the error of account 1's overflowing `inc` and
+/// cannot tell (sending the batch again adds 5 twice). `update_each` answers each
+/// change's own result, and sends every change. Also pinned: a change the bulk refused
+/// is explained after the whole batch, so one that a later change of the batch made
+/// acceptable is applied after it (Bob off call once Alice is on).
+#[tokio::test]
+async fn a_batch_reports_each_changes_own_result_when_one_fails() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_batch_each").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "n": i64::MAX },
+        doc! { "_id": 2, "n": 0_i64 },
+        doc! { "_id": 3, "n": 0_i64 },
+    ])
+    .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let any = [Invariant::raw("anything", doc! { "$literal": true })?];
+    let batch = vec![
+        (Bson::Int32(2), Change::inc("n", 5_i64)?),
+        (Bson::Int32(1), Change::inc("n", 1_i64)?),
+        (Bson::Int32(3), Change::inc("n", 5_i64)?),
+    ];
+    let n = |id: i32| {
+        let coll = coll.clone();
+        async move {
+            anyhow::Ok(
+                coll.find_one(doc! { "_id": id })
+                    .await?
+                    .unwrap()
+                    .get_i64("n")?,
+            )
+        }
+    };
+    let many = g.update_many(&batch, &any).await;
+    assert!(
+        matches!(many, Err(docwarden::Error::InvalidInput { what: "by", .. })),
+        "{many:?}"
+    );
+    assert_eq!(n(2).await?, 5, "written, though the call failed");
+
+    let each = g.update_each(&batch, &any).await?;
+    assert_eq!(each.len(), 3);
+    assert!(matches!(each[0], Ok(GuardOutcome::Applied)), "{each:?}");
+    assert!(
+        matches!(
+            each[1],
+            Err(docwarden::Error::InvalidInput { what: "by", .. })
+        ),
+        "{each:?}"
+    );
+    assert!(matches!(each[2], Ok(GuardOutcome::Applied)), "{each:?}");
+    assert_eq!((n(1).await?, n(2).await?), (i64::MAX, 10));
+
+    // Decided after the batch: Bob's refusal is explained once Alice is on call.
+    let shifts = t.db.collection::<Document>("shifts");
+    shifts
+        .insert_one(doc! { "_id": 1, "doctors": [
+            { "name": "Alice", "on_call": false },
+            { "name": "Bob", "on_call": true },
+        ]})
+        .await?;
+    let gs = Guarded::new(shifts.clone(), GuardOptions::default())?;
+    let set =
+        |who: &str, on: bool| Change::set_member("doctors", "name", who, doc! { "on_call": on });
+    let got = gs
+        .update_each(
+            &[
+                (Bson::Int32(1), set("Bob", false)?),
+                (Bson::Int32(1), set("Alice", true)?),
+            ],
+            &[on_call()],
+        )
+        .await?;
+    let hello = t.db.run_command(doc! { "hello": 1 }).await?;
+    if hello.get_i32("maxWireVersion").unwrap_or(0) >= 25 {
+        assert!(
+            matches!(
+                got[..],
+                [Ok(GuardOutcome::Applied), Ok(GuardOutcome::Applied)]
+            ),
+            "{got:?}"
+        );
+    } else {
+        // One update at a time (no bulkWrite): decided in batch order.
+        assert!(
+            matches!(
+                got[..],
+                [Ok(GuardOutcome::Rejected { .. }), Ok(GuardOutcome::Applied)]
+            ),
+            "{got:?}"
+        );
+    }
+    assert!(
+        guard::violations(&shifts, &[on_call()], None)
+            .await?
+            .is_empty()
+    );
+    Ok(())
+}

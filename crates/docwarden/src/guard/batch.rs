@@ -11,10 +11,14 @@
 //!
 //! **Limits.** One round trip needs the `bulkWrite` command: on an older server the handle
 //! sends one update at a time (same outcomes). Changes are decided in batch order, and a
-//! change explained after the bulk is decided after every change of the batch (two
-//! changes to one document: the second sees the first). An error fails the whole call with
-//! the changes before it written; each change is a state ("Bob off call"), so sending the
-//! batch again is safe (a repeat is [`GuardOutcome::NoChange`]).
+//! change explained after the bulk is decided after every change of the batch: a change
+//! refused by the bulk whose document a later change of the batch made acceptable is then
+//! applied (two changes to one document: the second sees the first, and the first may be
+//! applied after it). [`Guarded::update_many`] fails the whole call on the first failed
+//! change, and the outcomes of the changes written with it are lost: sending the batch
+//! again is safe only for changes that are states (`set`, `set_member`, `pull_member`: a
+//! repeat is [`GuardOutcome::NoChange`]), not for `inc` and `push`.
+//! [`Guarded::update_each`] answers each change's own result instead.
 
 use mongodb::bson::{Bson, Document};
 use mongodb::options::UpdateModifications;
@@ -27,16 +31,52 @@ impl Guarded {
     /// document after the change satisfies every invariant; one round trip for the batch
     /// (see [`crate::guard`]'s batch module), outcomes in the same order.
     ///
+    /// The first change that fails fails the call, and the outcomes of the changes the
+    /// bulk wrote are lost with it: for `inc` and `push` changes, which are not states, use
+    /// [`Guarded::update_each`], which reports each change's own result.
+    ///
     /// # Errors
     /// [`Error::InvalidInput`](crate::Error::InvalidInput) if any target is not a plain
-    /// document id (as [`Guarded::update`]; nothing is sent); as [`Guarded::update`] for
-    /// the changes that need their own round trip; a database error of the bulk (network,
-    /// write concern).
+    /// document id (as [`Guarded::update`]; nothing is sent); the first error of a change
+    /// (as [`Guarded::update`]; the changes after it that the bulk did not run are not
+    /// sent); a database error of the bulk (network, write concern).
     pub async fn update_many(
         &self,
         changes: &[(Bson, Change)],
         invariants: &[Invariant],
     ) -> Result<Vec<GuardOutcome>> {
+        self.batch(changes, invariants, true)
+            .await?
+            .into_iter()
+            .collect()
+    }
+
+    /// As [`Guarded::update_many`], with each change's own result: a change that fails
+    /// (a validator's refusal, an integer `inc` out of range, an error of its explaining
+    /// read) does not hide the outcomes of the others, which are all sent. The answer has
+    /// one entry per change, in the same order.
+    ///
+    /// # Errors
+    /// The outer error, before any per-change result: [`Error::InvalidInput`](crate::Error::InvalidInput)
+    /// if any target is not a plain document id (nothing is sent), or a database error of
+    /// the bulk itself (network, write concern: which changes were written is then unknown;
+    /// read them back).
+    pub async fn update_each(
+        &self,
+        changes: &[(Bson, Change)],
+        invariants: &[Invariant],
+    ) -> Result<Vec<Result<GuardOutcome>>> {
+        self.batch(changes, invariants, false).await
+    }
+
+    /// The batch: one bulk, then each change not written explained (or sent alone). With
+    /// `stop`, nothing more is sent after the first failed change.
+    async fn batch(
+        &self,
+        changes: &[(Bson, Change)],
+        invariants: &[Invariant],
+        stop: bool,
+    ) -> Result<Vec<Result<GuardOutcome>>> {
         for (target, _) in changes {
             crate::validate::document_id("target", target)?;
         }
@@ -63,16 +103,22 @@ impl Guarded {
         }
         let mut out = Vec::with_capacity(changes.len());
         for ((target, change), ran) in changes.iter().zip(ran) {
-            out.push(match ran {
-                Some(true) => GuardOutcome::Applied,
+            let outcome = match ran {
+                Some(true) => Ok(GuardOutcome::Applied),
                 // Not written: why, by the read the single update uses; if the document
                 // would match now (it changed in between), the single update.
-                Some(false) => match self.diagnose(target, change, invariants).await? {
-                    Some(o) => o,
-                    None => self.update(target.clone(), change, invariants).await?,
+                Some(false) => match self.diagnose(target, change, invariants).await {
+                    Ok(Some(o)) => Ok(o),
+                    Ok(None) => self.update(target.clone(), change, invariants).await,
+                    Err(e) => Err(e),
                 },
-                None => self.update(target.clone(), change, invariants).await?,
-            });
+                None => self.update(target.clone(), change, invariants).await,
+            };
+            let failed = outcome.is_err();
+            out.push(outcome);
+            if failed && stop {
+                break;
+            }
         }
         Ok(out)
     }

@@ -2,7 +2,7 @@
 //!
 //! An [`Invariant`] is a name plus an aggregation expression that is truthy when the
 //! document satisfies it. The same expression is used in three places: over the document
-//! *after* a change in a guarded update's filter, as the collection's `$jsonSchema`-free
+//! *after* a change in a guarded update's pipeline, as the collection's `$jsonSchema`-free
 //! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names are
 //! checked when an invariant is built, so a bad name is an [`Error::InvalidInput`] and
 //! never a malformed query.

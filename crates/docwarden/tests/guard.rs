@@ -1215,3 +1215,68 @@ async fn a_batch_reports_each_changes_own_result_when_one_fails() -> anyhow::Res
     );
     Ok(())
 }
+
+/// Session 17: a raw invariant that reads a field with `$getField` (MongoDB's way to read
+/// a field whose name holds a dot or starts with `$`) without an `input` reads the current
+/// document, which the update's rewrite of `$field` paths did not see: between the two
+/// stages it read the `{new, old}` pair (an object, above every number, so `balance >=
+/// 0` held and a debit to -10 was `Applied`), and bound to `$$ROOT` it read the stored
+/// value. Such an invariant now binds the new document and `$getField` reads it.
+#[tokio::test]
+async fn a_get_field_invariant_checks_the_new_value() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_get_field").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_one(doc! { "_id": 1, "balance": 10, "limit.eur": 5 })
+        .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let debit = Change::inc("balance", -20)?;
+    let short = Invariant::raw(
+        "short form",
+        doc! { "$gte": [{ "$getField": "balance" }, 0] },
+    )?;
+    let long = Invariant::raw(
+        "long form",
+        doc! { "$gte": [{ "$getField": { "field": "balance" } }, 0] },
+    )?;
+    let dotted = Invariant::raw(
+        "dotted name",
+        doc! { "$gte": ["$balance", { "$multiply": [-1, { "$getField": { "$literal": "limit.eur" } }] }] },
+    )?;
+    for inv in [short, long] {
+        assert_eq!(
+            g.update(1, &debit, std::slice::from_ref(&inv)).await?,
+            GuardOutcome::Rejected {
+                invariant: inv.name().to_owned()
+            }
+        );
+    }
+    // Reading another field by a dotted name: -5 is within the limit, -15 is not.
+    assert_eq!(
+        g.update(
+            1,
+            &Change::inc("balance", -15)?,
+            std::slice::from_ref(&dotted)
+        )
+        .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        g.update(
+            1,
+            &Change::inc("balance", -10)?,
+            std::slice::from_ref(&dotted)
+        )
+        .await?,
+        GuardOutcome::Rejected {
+            invariant: "dotted name".into()
+        }
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 1 })
+            .await?
+            .unwrap()
+            .get_i32("balance")?,
+        -5
+    );
+    Ok(())
+}

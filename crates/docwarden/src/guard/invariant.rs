@@ -474,7 +474,8 @@ pub(crate) fn field_name(what: &'static str, name: &str) -> Result<()> {
 }
 
 /// Rewrites an expression over the current document into one over `$$var`: every field
-/// path `"$a.b"` becomes `"$$var.a.b"`, and `$$ROOT` / `$$CURRENT` become `$$var`. In an
+/// path `"$a.b"` becomes `"$$var.a.b"`, `$$ROOT` / `$$CURRENT` become `$$var`, and a
+/// `$getField` without `input` (which reads the current document) gets `input: "$$var"`. In an
 /// aggregation expression a string starting with one `$` is always a field path, so the
 /// rewrite is exact; `$literal` contents are left alone.
 pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
@@ -486,6 +487,8 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
             for (k, v) in d {
                 if k == "$literal" {
                     out.insert(k.clone(), v.clone());
+                } else if k == "$getField" && reads_current(v) {
+                    out.insert(k.clone(), get_field_from(v, var));
                 } else {
                     out.insert(k.clone(), rebase(v, var));
                 }
@@ -496,10 +499,33 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
     }
 }
 
+/// The long form of a `$getField` argument (`{field, input}`), or `None` for the short
+/// form (`"a.b"`, `{$literal: "$a"}`: the field name alone).
+fn get_field_long_form(arg: &Bson) -> Option<&Document> {
+    arg.as_document().filter(|d| d.contains_key("field"))
+}
+
+/// Whether a `$getField` argument reads the current document: the short form (a field
+/// name, which may hold dots or `$`) or the long form without `input`.
+fn reads_current(arg: &Bson) -> bool {
+    get_field_long_form(arg).is_none_or(|d| !d.contains_key("input"))
+}
+
+/// A `$getField` argument that reads the current document, made to read `$$var`.
+fn get_field_from(arg: &Bson, var: &str) -> Bson {
+    let mut out = match get_field_long_form(arg) {
+        Some(d) => d.clone(),
+        None => doc! { "field": arg.clone() },
+    };
+    out.insert("input", format!("$${var}"));
+    Bson::Document(out)
+}
+
 /// Rewrites an expression so that paths into top-level `field` read the path `to` instead
 /// (`$field.a` becomes `<to>.a`; `to` is where the field's new value is, such as
 /// `$field.new`) and every other path reads the stored document. `None` if the expression
-/// refers to the whole document (`$$ROOT`, `$$CURRENT`), which needs [`rebase`].
+/// refers to the whole document (`$$ROOT`, `$$CURRENT`, a `$getField` without `input`),
+/// which needs [`rebase`].
 pub(crate) fn rebase_field(expr: &Bson, field: &str, to: &str) -> Option<Bson> {
     rebase_path(expr, &format!("${field}"), to)
 }
@@ -527,6 +553,9 @@ fn rebase_path(expr: &Bson, whole: &str, to: &str) -> Option<Bson> {
             for (k, v) in d {
                 if k == "$literal" {
                     out.insert(k.clone(), v.clone());
+                } else if k == "$getField" && reads_current(v) {
+                    // Reads the whole document by name, not by path: bind it.
+                    return None;
                 } else {
                     out.insert(k.clone(), rebase_path(v, whole, to)?);
                 }

@@ -288,7 +288,8 @@ impl Change {
     /// iteration inside it visits, which made a check over a bound 1,000-element array
     /// cost 70 ms there (`docs/surrogate.md`); reading a field path is linear on both
     /// servers, and MongoDB computes the new value once either way. Only an invariant that
-    /// reads `$$ROOT` binds the whole new document.
+    /// reads `$$ROOT`, `$$CURRENT` or `$getField` without `input` binds the whole new
+    /// document.
     pub fn pipeline(&self, invariants: &[Invariant]) -> Vec<Document> {
         match self.checks_at_new(invariants) {
             Some(checks) => vec![

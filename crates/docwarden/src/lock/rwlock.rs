@@ -22,11 +22,10 @@
 //! token); readers' reads cannot be fenced, so a reader that must not act on data a
 //! writer changed must check [`ReadLease::is_certainly_valid`] after reading. Readers
 //! already inside may renew while a writer waits; a writer waits for them at most its
-//! `wait`. Writers among themselves have no order (whoever takes the lease first). The
-//! lock collection's `gc_after` must exceed the longest time a read lease is held
-//! (renewals included) after a writer's intent ended: while a writer is set, and after
-//! its release, the document's `expires_at` (the TTL index's field) is the writer's, and
-//! the TTL index may delete the document with live readers inside (`docs/locks.md`).
+//! `wait`. Writers among themselves have no order (whoever takes the lease first). Garbage
+//! collection never deletes a document with a live lease inside: every write (the
+//! writer's, every reader's entry and renewal) keeps the lock document's `gc_at`, the TTL
+//! index's field, at or after every lease expiry in it (`docs/locks.md`).
 
 use std::time::{Duration, Instant};
 
@@ -36,7 +35,7 @@ use mongodb::options::IndexOptions;
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
-use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339};
+use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339, keep_gc_at};
 use super::deadline::Deadline;
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
@@ -355,7 +354,7 @@ impl RwLocks {
                     "$$r",
                 ] },
             } },
-            f::EXPIRES_AT: keep_for_gc(expires_at, false),
+            f::GC_AT: keep_gc_at(expires_at),
         } }];
         let r = self.coll().update_one(filter, update).await?;
         if r.matched_count == 0 {
@@ -611,31 +610,6 @@ fn live_readers(d: &Document, cutoff: DateTime) -> Vec<DateTime> {
         .unwrap_or_default()
 }
 
-/// The top-level `expires_at` after a reader's write: while no writer is set it is kept
-/// at least at the reader's expiry (so the TTL index does not collect a lock document
-/// with live readers); a writer's expiry is never touched. `writer_cleared`: this write
-/// clears the writer (then the reader's expiry applies whatever the old owner).
-fn keep_for_gc(expires_at: DateTime, writer_cleared: bool) -> Document {
-    let owner = format!("${}", f::OWNER);
-    let current = format!("${}", f::EXPIRES_AT);
-    let later = doc! { "$cond": [
-        { "$and": [
-            { "$eq": [{ "$type": &current }, "date"] },
-            { "$gt": [&current, { "$literal": expires_at }] },
-        ] },
-        &current,
-        { "$literal": expires_at },
-    ] };
-    if writer_cleared {
-        return later;
-    }
-    doc! { "$cond": [
-        { "$eq": [{ "$ifNull": [&owner, Bson::Null] }, Bson::Null] },
-        later,
-        &current,
-    ] }
-}
-
 /// A reader's entry: drop the reader entries that certainly expired, add this one, and
 /// (`clear_writer`: the filter admitted the document because its writer is absent or
 /// certainly expired) clear the writer and any acquisition pending, so an expired writer
@@ -657,7 +631,7 @@ fn read_pipeline(lease: &ReadLease, cutoff: DateTime, clear_writer: bool) -> Vec
                 rf::READER_EXPIRES_AT: { "$literal": lease.expires_at },
             }],
         ] },
-        f::EXPIRES_AT: keep_for_gc(lease.expires_at, clear_writer),
+        f::GC_AT: keep_gc_at(lease.expires_at),
     };
     if clear_writer {
         set.insert(f::OWNER, Bson::Null);

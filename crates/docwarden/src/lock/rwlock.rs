@@ -547,12 +547,11 @@ impl RwLocks {
         if lease.remaining_ms(&now) <= 0 {
             return Ok(Readers::TakenOver);
         }
-        let live = live_readers(&d, cutoff);
-        let Some(first_expiry) = live.iter().min().copied() else {
-            return Ok(Readers::Gone);
-        };
         // Renew while the intent is still certainly valid (the renewal requires it):
-        // a third of the ttl before it stops being so.
+        // a third of the ttl before it stops being so. Also when the readers have gone:
+        // the lease handed out must be certainly valid, and an intent whose renewals
+        // failed (transient errors) may no longer be (session 17: it was handed out with
+        // less than the clock's bound and margin left).
         let renew_below = ttl_ms
             .saturating_div(3)
             .saturating_add(now.bound_ms)
@@ -564,6 +563,10 @@ impl RwLocks {
                 Err(e) => return Err(e),
             }
         }
+        let live = live_readers(&d, cutoff);
+        let Some(first_expiry) = live.iter().min().copied() else {
+            return Ok(Readers::Gone);
+        };
         // The first live reader certainly expires this long from now.
         let until_expiry = first_expiry
             .timestamp_millis()

@@ -53,9 +53,9 @@ pub use collection::AcquirePause;
 pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord, MAX_GC_AFTER};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
 pub use election::{Election, ElectionOptions, Leader, Leadership, Observer};
-#[doc(hidden)]
-pub use fence::FenceCondition;
 pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};
+#[doc(hidden)]
+pub use fence::{FenceCondition, FencePause};
 pub use lease::{Lease, Owner};
 pub use rwlock::{ReadLease, RwLockOptions, RwLockRecord, RwLocks, RwReaderRecord, RwWriterRecord};
 pub use semaphore::{HolderRecord, Permit, Semaphore, SemaphoreOptions, SemaphoreRecord};

@@ -8,8 +8,8 @@ use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, LocalClock, TimeSource};
 use docwarden::lock::{
-    Fence, FenceOptions, FenceOutcome, FencingToken, LockCollection, LockListFilter, LockOptions,
-    LostReason, Owner, WatchdogOptions,
+    Fence, FenceOptions, FenceOutcome, FencePause, FencingToken, LockCollection, LockListFilter,
+    LockOptions, LostReason, Owner, WatchdogOptions,
 };
 use docwarden_testkit::TestDb;
 use docwarden_workloads::counters::{self, Counters};
@@ -794,5 +794,68 @@ async fn tokens_written_by_hand_as_doubles_are_read_as_numbers() -> anyhow::Resu
         )),
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
+/// Issue 17, hole 3: a lease's fenced write whose document changes under the filter
+/// between the write and the read that explains the refusal, on each of its three rounds
+/// (driven by the test-only pause), reports `Contended`, not `NotFound`: the document
+/// exists. `into_result` turns it into a retryable error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_write_on_a_document_changing_under_it_reports_contention() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_fence_contention").await?;
+    let locks = open(&t).await?;
+    let lease = locks
+        .try_acquire(&Owner::random(), "r", Duration::from_secs(30))
+        .await?
+        .context("free")?;
+    let fence = Fence::open(&t.db, "data", FenceOptions::default()).await?;
+    let data = fence.collection().clone();
+    data.insert_one(doc! { "_id": "d", "v": 1 }).await?;
+    let pause = std::sync::Arc::new(FencePause::default());
+    let paused = fence.with_round_pause(pause.clone());
+    let writer = {
+        let lease = lease.clone();
+        tokio::spawn(async move {
+            paused
+                .apply(
+                    &lease,
+                    doc! { "_id": "d", "v": 0 },
+                    doc! { "$set": { "w": 1 } },
+                )
+                .await
+        })
+    };
+    // Each round: the write sees v = 1 (no match), the read sees v = 0 (a match the
+    // token would let through), the next write sees v = 1 again.
+    for round in 0..3 {
+        pause.reached().await;
+        data.update_one(doc! { "_id": "d" }, doc! { "$set": { "v": 0 } })
+            .await?;
+        pause.resume();
+        if round < 2 {
+            pause.reached().await;
+            data.update_one(doc! { "_id": "d" }, doc! { "$set": { "v": 1 } })
+                .await?;
+            pause.resume();
+        }
+    }
+    let outcome = writer.await??;
+    assert_eq!(outcome, FenceOutcome::Contended);
+    let stored = data.find_one(doc! { "_id": "d" }).await?.context("kept")?;
+    assert!(!stored.contains_key("w"), "nothing written: {stored}");
+    let result = outcome.into_result(&lease);
+    assert!(matches!(&result, Err(e) if e.is_retryable()), "{result:?}");
+    // Without the changes it applies at once.
+    assert_eq!(
+        fence
+            .apply(
+                &lease,
+                doc! { "_id": "d", "v": 0 },
+                doc! { "$set": { "w": 1 } }
+            )
+            .await?,
+        FenceOutcome::Applied
+    );
     Ok(())
 }

@@ -157,6 +157,107 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     }
     rw.release_read(&reader).await.ok();
 
+    // A blocking read whose attempts enter but lose their replies, while a writer's
+    // intent arrives behind the lost entry (issue 17, hole 2): the read must take that
+    // entry back as its own instead of waiting behind the writer, which itself waits for
+    // the lost entry until its ttl; and the writer must then wait only for the reader's
+    // real lease.
+    let owner = Owner::random();
+    let seed = rw
+        .try_write(&owner, "lost-read", ttl)
+        .await?
+        .context("seed")?;
+    rw.release_write(&seed).await?;
+    let rw_docs = db.collection::<Document>("rw");
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+            },
+        })
+        .await?;
+    let read_ttl = Duration::from_secs(10);
+    let reading = {
+        let (rw, owner) = (rw.clone(), owner.clone());
+        tokio::spawn(async move {
+            let got = rw
+                .read(&owner, "lost-read", read_ttl, Duration::from_secs(6))
+                .await;
+            (got, std::time::Instant::now())
+        })
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let entered = doc! { "_id": "lost-read", "readers.owner": owner.id() };
+    while rw_docs.find_one(entered.clone()).await?.is_none() {
+        anyhow::ensure!(std::time::Instant::now() < until, "the read never entered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let writer = Owner::random();
+    let writing = {
+        let (rw, writer) = (rw.clone(), writer.clone());
+        tokio::spawn(async move {
+            rw.write(&writer, "lost-read", read_ttl, Duration::from_secs(10))
+                .await
+        })
+    };
+    let intent = doc! { "_id": "lost-read", "owner": writer.id() };
+    while rw_docs.find_one(intent.clone()).await?.is_none() {
+        anyhow::ensure!(
+            std::time::Instant::now() < until,
+            "the writer never registered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Let the read try (and lose its reply) under the writer's intent too.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    fail_commands_off(&client).await?;
+    let off = std::time::Instant::now();
+    let (got, at) = reading.await?;
+    let stored = rw_docs
+        .find_one(doc! { "_id": "lost-read" })
+        .await?
+        .context("rw document")?;
+    match got {
+        Ok(Some(lease)) if at.duration_since(off) < Duration::from_secs(3) => {
+            let entries = stored
+                .get_array("readers")
+                .map(|rs| {
+                    rs.iter()
+                        .filter_map(|r| r.as_document())
+                        .filter(|r| r.get_str("owner").ok() == Some(owner.id()))
+                        .count()
+                })
+                .unwrap_or(0);
+            if entries != 1 {
+                violations.push(format!(
+                    "rwlock read: {entries} entries of the reader, not 1: {stored}"
+                ));
+            }
+            rw.release_read(&lease).await?;
+            let released = std::time::Instant::now();
+            match writing.await? {
+                Ok(Some(w)) if released.elapsed() < Duration::from_secs(3) => {
+                    rw.release_write(&w).await?;
+                }
+                other => violations.push(format!(
+                    "rwlock read: the writer behind the reader got {other:?} {:?} after its release",
+                    released.elapsed()
+                )),
+            }
+        }
+        other => {
+            writing.abort();
+            violations.push(format!(
+                "rwlock read: read said {other:?} {:?} after the outage (ttl {read_ttl:?}): {stored}",
+                at.duration_since(off)
+            ));
+        }
+    }
+
     assert!(
         violations.is_empty(),
         "{} acquires misreported a lost reply:\n{}",

@@ -14,7 +14,8 @@ use docwarden::lock::{
     Fence, FenceOptions, FenceOutcome, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
 };
 use docwarden_testkit::TestDb;
-use mongodb::bson::doc;
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, doc};
 use tokio::sync::Mutex;
 
 const RACERS: usize = 8;
@@ -259,5 +260,174 @@ async fn crashed_holders_expire_by_server_time_and_writes_are_fenced() -> anyhow
     assert_eq!(rw.release_all(&r).await?, 1);
     assert_eq!(rw.release_all(&w2).await?, 1);
     assert!(rw.list().await?.is_empty());
+    Ok(())
+}
+
+/// What the TTL monitor does on one pass, deterministically (the embedded server's runs
+/// every 60 s): for every TTL index of `coll`, deletes the documents whose indexed date
+/// (the earliest, for an array) is more than `expireAfterSeconds` in the past. Read from
+/// the collection's own indexes, so it collects by whatever field the index names.
+async fn ttl_pass(coll: &mongodb::Collection<Document>) -> anyhow::Result<u64> {
+    let mut deleted = 0;
+    let indexes: Vec<mongodb::IndexModel> = coll.list_indexes().await?.try_collect().await?;
+    for index in indexes {
+        let Some(after) = index.options.as_ref().and_then(|o| o.expire_after) else {
+            continue;
+        };
+        let Some(field) = index.keys.keys().next() else {
+            continue;
+        };
+        let before = DateTime::from_millis(
+            DateTime::now().timestamp_millis() - i64::try_from(after.as_millis())?,
+        );
+        deleted += coll
+            .delete_many(doc! { field: { "$lt": before } })
+            .await?
+            .deleted_count;
+    }
+    Ok(deleted)
+}
+
+/// Issue 17, hole 1: a reader renews its lease while a writer's intent (registered, then
+/// crashed) stays in the document, past that intent's expiry plus `gc_after`; then the TTL
+/// monitor passes and a second writer tries. Returns 1 if the second writer got the
+/// write lease while the reader's lease was still certainly valid, else 0.
+async fn reader_outlives_a_crashed_writer(
+    t: &TestDb,
+    coll: &str,
+    options: LockOptions,
+) -> anyhow::Result<usize> {
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(
+        &t.db,
+        coll,
+        time.clone(),
+        options.gc_after(Duration::from_secs(1)),
+    )
+    .await?;
+    let rw = RwLocks::new(
+        locks,
+        RwLockOptions::default().poll_interval(Duration::from_millis(50)),
+    )?;
+    let docs = t.db.collection::<Document>(coll);
+    let mut reader = rw
+        .try_read(&Owner::random(), RESOURCE, Duration::from_secs(3))
+        .await?
+        .expect("free");
+
+    // A writer registers its intent and waits for the reader; its process dies.
+    let writer = rw.clone();
+    let crashed = tokio::spawn(async move {
+        writer
+            .write(
+                &Owner::random(),
+                RESOURCE,
+                Duration::from_millis(300),
+                Duration::from_secs(30),
+            )
+            .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while docs
+        .find_one(doc! { "_id": RESOURCE, "owner": { "$type": "string" } })
+        .await?
+        .is_none()
+    {
+        assert!(Instant::now() < deadline, "the writer never registered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    crashed.abort();
+
+    // The reader keeps renewing, 2.4 s: past the intent's expiry (0.3 s) + gc_after (1 s).
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        rw.renew_read(&mut reader, Duration::from_secs(3)).await?;
+    }
+    ttl_pass(&docs).await?;
+
+    let second = rw
+        .try_write(&Owner::random(), RESOURCE, Duration::from_secs(1))
+        .await?;
+    let now = time.now().await?;
+    let overlap = second.is_some() && reader.is_certainly_valid(&now, time.skew_margin_ms());
+    if second.is_none() {
+        rw.release_read(&reader).await?;
+    }
+    Ok(usize::from(overlap))
+}
+
+#[tokio::test]
+async fn garbage_collection_never_deletes_a_document_with_a_live_reader() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_gc_live_reader").await?;
+    let overlaps = reader_outlives_a_crashed_writer(&t, "rw_gc", LockOptions::default()).await?;
+    let control = reader_outlives_a_crashed_writer(
+        &t,
+        "rw_gc_control",
+        LockOptions::default().unsafe_gc_by_holder_expiry(),
+    )
+    .await?;
+    println!("gc overlaps: {overlaps}, control (TTL on the holder's expires_at): {control}");
+    assert_eq!(overlaps, 0, "a writer got in next to a live reader");
+    assert_eq!(control, 1, "the control must show the overlap");
+    Ok(())
+}
+
+/// A lock collection of an earlier version (TTL index `expires_at_gc` on `expires_at`,
+/// documents without `gc_at`) is migrated by `open`: the old index is dropped, the new one
+/// is on `gc_at`, and each document's `gc_at` is its latest lease expiry (or now), so it
+/// is collected, but not before its readers have expired.
+#[tokio::test]
+async fn open_migrates_the_ttl_index_and_gives_old_documents_a_gc_date() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_gc_migration").await?;
+    let docs = t.db.collection::<Document>("rw_old");
+    docs.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "expires_at": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("expires_at_gc".to_owned())
+                    .expire_after(Duration::from_secs(1))
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let now = DateTime::now().timestamp_millis();
+    let reader_expiry = DateTime::from_millis(now + 3_600_000);
+    docs.insert_many([
+        doc! { "_id": "reader-inside", "owner": "crashed-writer", "token": 1_i64,
+        "expires_at": DateTime::from_millis(now - 60_000),
+        "readers": [
+            { "owner": "r", "id": "a", "expires_at": DateTime::from_millis(now - 30_000) },
+            { "owner": "r", "id": "b", "expires_at": reader_expiry },
+        ] },
+        doc! { "_id": "no-dates", "owner": Bson::Null, "token": 1_i64, "expires_at": "edited" },
+    ])
+    .await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let options = LockOptions::default().gc_after(Duration::from_secs(1));
+    LockCollection::open(&t.db, "rw_old", time.clone(), options.clone()).await?;
+    let names = docs.list_index_names().await?;
+    assert!(!names.contains(&"expires_at_gc".to_owned()), "{names:?}");
+    assert!(names.contains(&"gc_at_gc".to_owned()), "{names:?}");
+    let inside = docs
+        .find_one(doc! { "_id": "reader-inside" })
+        .await?
+        .expect("kept");
+    assert_eq!(inside.get_datetime("gc_at")?, &reader_expiry, "{inside}");
+    let none = docs
+        .find_one(doc! { "_id": "no-dates" })
+        .await?
+        .expect("kept");
+    assert!(none.get_datetime("gc_at").is_ok(), "{none}");
+    // Opening again changes nothing; the next TTL pass collects only the dateless one.
+    LockCollection::open(&t.db, "rw_old", time, options).await?;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(ttl_pass(&docs).await?, 1);
+    assert!(
+        docs.find_one(doc! { "_id": "reader-inside" })
+            .await?
+            .is_some()
+    );
     Ok(())
 }

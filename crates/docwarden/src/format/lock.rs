@@ -17,11 +17,16 @@ pub mod collection {
     pub const PENDING: &str = "pending";
     /// Server time the lease was acquired.
     pub const ACQUIRED_AT: &str = "acquired_at";
-    /// Server time the lease expires unless renewed (the TTL index's field).
+    /// Server time the lease expires unless renewed (set to the server's now on release).
     pub const EXPIRES_AT: &str = "expires_at";
+    /// The garbage-collection date, the TTL index's field: never before the latest lease
+    /// expiry in the document — the holder's and, in a read/write lock, every reader's,
+    /// renewals included. Every write raises it, none lowers it; the TTL index deletes the
+    /// document `gc_after` after it.
+    pub const GC_AT: &str = "gc_at";
 
     /// Every field docwarden writes in a lock document, `_id` excepted.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         OWNER,
         TOKEN,
         CEILING,
@@ -29,6 +34,7 @@ pub mod collection {
         PENDING,
         ACQUIRED_AT,
         EXPIRES_AT,
+        GC_AT,
     ];
 }
 

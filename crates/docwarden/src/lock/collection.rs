@@ -45,11 +45,17 @@ use super::wake::Wake;
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
 use crate::error::{self, Error, Result};
+use crate::format::lock::{collection as f, rwlock as rf};
 use crate::token::FencingToken;
 use crate::validate;
 
-/// Name of the TTL index on `expires_at` that garbage-collects long-dead lock documents.
-const GC_INDEX: &str = "expires_at_gc";
+/// Name of the TTL index on `gc_at` that garbage-collects long-dead lock documents.
+const GC_INDEX: &str = "gc_at_gc";
+
+/// Name of the TTL index on `expires_at` of versions before session 17: it could delete a
+/// read/write lock document whose readers were still inside (`docs/locks.md`), so
+/// [`LockCollection::ensure_indexes`] drops it.
+const OLD_GC_INDEX: &str = "expires_at_gc";
 
 /// Tokens reserved per counter write (see the module docs): the first token of a resource
 /// is 1, the first after a deletion of its lock document is above the previous block.
@@ -63,8 +69,9 @@ pub const MAX_GC_AFTER: Duration = Duration::from_secs(i32::MAX as u64);
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct LockOptions {
-    /// How long after `expires_at` the TTL index may delete a lock document (garbage
-    /// collection only; expiry itself is decided in the acquire filter). Default 1 hour;
+    /// How long after `gc_at` (the latest lease expiry the document has carried) the TTL
+    /// index may delete a lock document (garbage collection only; expiry itself is decided
+    /// in the acquire filter). Default 1 hour;
     /// at least one second and at most [`MAX_GC_AFTER`] (a TTL index's
     /// `expireAfterSeconds` is a 32-bit integer).
     pub gc_after: Duration,
@@ -94,6 +101,9 @@ enum UnsafeControl {
     /// The slow path takes the lock document's previous token + 1 (and reserves a block
     /// above it) without the counter collection.
     TokenInLockDocument,
+    /// The TTL index garbage-collects by the holder's `expires_at` (the index before
+    /// session 17) instead of `gc_at`.
+    GcByHolderExpiry,
 }
 
 impl Default for LockOptions {
@@ -154,6 +164,16 @@ impl LockOptions {
     #[doc(hidden)]
     pub fn unsafe_token_in_lock_document(mut self) -> Self {
         self.unsafe_control = UnsafeControl::TokenInLockDocument;
+        self
+    }
+
+    /// Test controls only, **unsafe**: the TTL index collects lock documents `gc_after`
+    /// after the holder's `expires_at` (the index of versions before session 17) instead
+    /// of after `gc_at`, so a read/write lock document can be deleted with live readers
+    /// inside. Shows what `gc_at` prevents.
+    #[doc(hidden)]
+    pub fn unsafe_gc_by_holder_expiry(mut self) -> Self {
+        self.unsafe_control = UnsafeControl::GcByHolderExpiry;
         self
     }
 
@@ -356,7 +376,8 @@ impl LockCollection {
     /// `db` ([`LockCollection::new`]), runs the preflight checks on both
     /// ([`crate::preflight::check`]) and creates the indexes if they are missing:
     /// `{owner: 1, _id: 1}` for listing and releasing by owner, and a TTL index on
-    /// `expires_at` with `gc_after`.
+    /// `gc_at` with `gc_after` ([`LockCollection::ensure_indexes`], which also migrates a
+    /// collection of an earlier version).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
@@ -379,28 +400,53 @@ impl LockCollection {
     /// Creates the indexes (idempotent). A TTL index created earlier with another
     /// `gc_after` is changed with `collMod`.
     ///
+    /// **Migration** from versions before session 17, whose TTL index `expires_at_gc` was on
+    /// the holder's `expires_at` (it could delete a read/write lock document with live
+    /// readers inside): that index is dropped, and every lock document without a `gc_at`
+    /// gets one, the latest lease expiry it carries (the holder's, every reader's; the
+    /// server's now if it carries none), in one `updateMany` evaluated per document on the
+    /// server. Idempotent; a document written without `gc_at` later (by an earlier version
+    /// still running) is never deleted early, only late: from the next call on.
+    ///
     /// # Errors
     /// A database error.
     pub async fn ensure_indexes(&self) -> Result<()> {
         self.locks
             .create_index(
                 IndexModel::builder()
-                    .keys(doc! { "owner": 1, "_id": 1 })
+                    .keys(doc! { f::OWNER: 1, "_id": 1 })
                     .options(IndexOptions::builder().name("owner_id".to_owned()).build())
                     .build(),
             )
             .await?;
+        let (field, name, obsolete) =
+            if self.options.unsafe_control == UnsafeControl::GcByHolderExpiry {
+                (f::EXPIRES_AT, OLD_GC_INDEX, GC_INDEX)
+            } else {
+                (f::GC_AT, GC_INDEX, OLD_GC_INDEX)
+            };
+        let names = self.locks.list_index_names().await?;
+        if names.iter().any(|n| n == obsolete) {
+            match self.locks.drop_index(obsolete).await {
+                Ok(()) => {
+                    tracing::info!(collection = %self.locks.name(), index = obsolete, "dropped the obsolete TTL index")
+                }
+                // Another process dropped it first.
+                Err(e) if error::error_code(&e) == Some(27) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         let gc = IndexModel::builder()
-            .keys(doc! { "expires_at": 1 })
+            .keys(doc! { field: 1 })
             .options(
                 IndexOptions::builder()
-                    .name(GC_INDEX.to_owned())
+                    .name(name.to_owned())
                     .expire_after(self.options.gc_after)
                     .build(),
             )
             .build();
         match self.locks.create_index(gc).await {
-            Ok(_) => Ok(()),
+            Ok(_) => {}
             Err(e) if matches!(error::error_code(&e), Some(85 | 86)) => {
                 let secs = i64::try_from(self.options.gc_after.as_secs()).unwrap_or(i64::MAX);
                 self.locks
@@ -408,13 +454,25 @@ impl LockCollection {
                     .database(&self.locks.namespace().db)
                     .run_command(doc! {
                         "collMod": self.locks.name(),
-                        "index": { "name": GC_INDEX, "expireAfterSeconds": secs },
+                        "index": { "name": name, "expireAfterSeconds": secs },
                     })
                     .await?;
-                Ok(())
             }
-            Err(e) => Err(e.into()),
+            Err(e) => return Err(e.into()),
         }
+        let migrated = self
+            .locks
+            .update_many(
+                doc! { f::GC_AT: { "$exists": false } },
+                vec![
+                    doc! { "$set": { f::GC_AT: { "$ifNull": [latest_lease_expiry(), "$$NOW"] } } },
+                ],
+            )
+            .await?;
+        if migrated.modified_count > 0 {
+            tracing::info!(collection = %self.locks.name(), documents = migrated.modified_count, "lock documents given a gc_at");
+        }
+        Ok(())
     }
 
     /// Test-only: a handle on the same collections whose acquires stop after step 1 until
@@ -756,7 +814,10 @@ impl LockCollection {
             .locks
             .update_one(
                 renew_filter(lease, &now, self.time.skew_margin_ms()),
-                doc! { "$set": { "expires_at": expires_at } },
+                vec![doc! { "$set": {
+                    f::EXPIRES_AT: { "$literal": expires_at },
+                    f::GC_AT: keep_gc_at(expires_at),
+                } }],
             )
             .await?;
         if result.matched_count == 0 {
@@ -917,9 +978,47 @@ pub(crate) fn acquire_pipeline(
         "acquisition": { "$literal": nonce },
         "acquired_at": { "$literal": acquired_at },
         "expires_at": { "$literal": expires_at },
+        f::GC_AT: keep_gc_at(expires_at),
         "token": { "$cond": [fast.clone(), { "$add": ["$token", 1_i64] }, "$token"] },
         "pending": { "$cond": [fast, "$$REMOVE", { "$literal": nonce }] },
     } }]
+}
+
+/// The `gc_at` a write that gives a lease the expiry `expires_at` leaves (a pipeline
+/// expression over the stored document): the later of `expires_at` and the stored
+/// `gc_at`, so `gc_at` never goes down and stays at or after every lease expiry the
+/// document carries. A stored `gc_at` that is not a date (a document of an earlier version,
+/// or edited by hand) is replaced by [`latest_lease_expiry`]. One definition for the
+/// writer's acquire and renewal and the readers' entries and renewals.
+pub(crate) fn keep_gc_at(expires_at: DateTime) -> Document {
+    let stored = format!("${}", f::GC_AT);
+    doc! { "$max": [
+        { "$literal": expires_at },
+        { "$cond": [
+            { "$eq": [{ "$type": &stored }, "date"] },
+            &stored,
+            latest_lease_expiry(),
+        ] },
+    ] }
+}
+
+/// The latest lease expiry a stored lock document carries (a pipeline expression): the
+/// later of the holder's `expires_at` and every reader entry's `expires_at`, dates only
+/// (`null` if there is none). Gives a document without `gc_at` its first one.
+pub(crate) fn latest_lease_expiry() -> Document {
+    let date_or_null = |path: &str| {
+        doc! { "$cond": [{ "$eq": [{ "$type": path }, "date"] }, path, Bson::Null] }
+    };
+    let readers = format!("${}", rf::READERS);
+    let reader_expiry = format!("$$r.{}", rf::READER_EXPIRES_AT);
+    doc! { "$max": [
+        date_or_null(&format!("${}", f::EXPIRES_AT)),
+        { "$max": { "$map": {
+            "input": { "$cond": [{ "$isArray": &readers }, &readers, []] },
+            "as": "r",
+            "in": date_or_null(&reader_expiry),
+        } } },
+    ] }
 }
 
 /// The holder's identity: `(resource, owner, token)` of a *committed* acquisition.

@@ -18,11 +18,15 @@
 //! attempts that failed transiently (their nonces, the last 16), never the current one's,
 //! and hands out a fresh token; nobody else was ever told they hold it. The semaphore's
 //! acquire likewise returns the permit such an attempt was granted instead of taking a
-//! second one. Where an acquire
-//! does not recognise its own lost acquisition (a read lease, a `try_*` call retried by its
-//! caller), the next attempt finds it held and waits like any other contender, until that
-//! lease expires or the wait passes. Nobody ever holds two leases at once: the cost of an
-//! unrecognised lost reply is at most one ttl of waiting.
+//! second one. A blocking read ([`super::RwLocks::read`]) removes the entries its earlier
+//! attempts may have left in the readers (so they do not hold a writer up until their
+//! ttl), and, when a writer's intent arrived behind such an entry, enters by renewing that
+//! entry under the new attempt's id while it is still certainly valid (the writer waits for
+//! it anyway) instead of waiting behind the writer. Where an acquire does not recognise its
+//! own lost acquisition (a `try_*` call retried by its caller; a document lock, which has no
+//! blocking acquire), the next attempt finds it held and waits like any other contender,
+//! until that lease expires or the wait passes. Nobody ever holds two leases at once: the
+//! cost of an unrecognised lost reply is at most one ttl of waiting.
 
 use std::time::{Duration, Instant};
 
@@ -122,7 +126,8 @@ const MAX_UNANSWERED: usize = 16;
 /// The acquisition nonces of a blocking acquire's earlier attempts that failed with a
 /// transient error: their write may have applied all the same (a lost reply), so the next
 /// attempts take that acquisition back as their own instead of waiting behind it until
-/// its ttl (`LockCollection::acquire`, `Semaphore::acquire`). Only earlier attempts are
+/// its ttl (`LockCollection::acquire`, `Semaphore::acquire`, `RwLocks::read`, and the
+/// writer's intent through `LockCollection::acquire`). Only earlier attempts are
 /// listed, never the one in flight; the last [`MAX_UNANSWERED`] are kept.
 #[derive(Debug, Default)]
 pub(crate) struct Unanswered {

@@ -88,6 +88,11 @@ pub enum FenceOutcome {
     Lost,
     /// No document matched the filter. Nothing was written.
     NotFound,
+    /// Contention: a lease's write was refused on every one of its rounds, and each time
+    /// the read that followed found a document matching the filter whose token would have
+    /// let it through (the document kept changing under the filter between the write and
+    /// the read). Nothing was written; the lease may still be current: try again.
+    Contended,
 }
 
 /// A holder whose writes can be fenced by [`Fence::apply`]: a lock-collection [`Lease`]
@@ -156,11 +161,15 @@ impl FenceOutcome {
     ///
     /// # Errors
     /// [`Error::Stale`] for [`FenceOutcome::Stale`]; [`Error::LeaseLost`] for
-    /// [`FenceOutcome::Lost`].
+    /// [`FenceOutcome::Lost`]; [`Error::Unavailable`] (retryable: [`Error::is_retryable`])
+    /// for [`FenceOutcome::Contended`].
     pub fn into_result(self, lease: &Lease) -> Result<bool> {
         match self {
             FenceOutcome::Applied => Ok(true),
             FenceOutcome::NotFound => Ok(false),
+            FenceOutcome::Contended => Err(Error::Unavailable {
+                what: "the fenced document (it kept changing under the filter)",
+            }),
             FenceOutcome::Lost => Err(Error::LeaseLost {
                 resource: lease.resource.clone(),
                 token: lease.token.into(),
@@ -170,6 +179,36 @@ impl FenceOutcome {
                 token: lease.token,
                 seen,
             }),
+        }
+    }
+}
+
+/// Test-only: pauses a lease's [`Fence::apply`] made through [`Fence::with_round_pause`]
+/// at two points of each round — after its fenced update matched nothing, before the read
+/// that explains why; and before the next round's update — so a test can change the
+/// document between them.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct FencePause {
+    reached: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+}
+
+impl FencePause {
+    /// Resolves once an apply has reached a pause point and is waiting.
+    pub async fn reached(&self) {
+        self.reached.notified().await;
+    }
+
+    /// Lets the waiting (or the next) apply go on.
+    pub fn resume(&self) {
+        self.resume.notify_one();
+    }
+
+    async fn pause(pause: Option<&Self>) {
+        if let Some(pause) = pause {
+            pause.reached.notify_one();
+            pause.resume.notified().await;
         }
     }
 }
@@ -192,6 +231,7 @@ pub struct Fence {
     coll: Collection<Document>,
     field: String,
     check_token: bool,
+    pause: Option<std::sync::Arc<FencePause>>,
 }
 
 impl Fence {
@@ -233,7 +273,18 @@ impl Fence {
             coll,
             field: options.token_field,
             check_token: options.check_token,
+            pause: None,
         })
+    }
+
+    /// Test-only: a handle on the same collection whose lease applies stop at the pause
+    /// points of [`FencePause`] until `pause` lets them go on.
+    #[doc(hidden)]
+    pub fn with_round_pause(&self, pause: std::sync::Arc<FencePause>) -> Self {
+        Self {
+            pause: Some(pause),
+            ..self.clone()
+        }
     }
 
     /// Applies the operator update `update` to the one document matching `filter`, only
@@ -269,7 +320,10 @@ impl Fence {
         } else {
             filter.clone()
         };
-        for _ in 0..3 {
+        for round in 0..3 {
+            if round > 0 {
+                FencePause::pause(self.pause.as_deref()).await;
+            }
             let result = self
                 .coll
                 .update_one(guarded.clone(), update.clone())
@@ -277,6 +331,7 @@ impl Fence {
             if result.matched_count == 1 {
                 return Ok(FenceOutcome::Applied);
             }
+            FencePause::pause(self.pause.as_deref()).await;
             let Some(current) = self
                 .coll
                 .find_one(filter.clone())
@@ -292,7 +347,8 @@ impl Fence {
                     });
                 }
                 Some(Bson::Int64(_)) | Some(Bson::Null) | None => {
-                    // The document changed between the two reads; try again.
+                    // The document changed between the write and the read; try again.
+                    tracing::debug!(round, "fenced document changed under the filter");
                 }
                 Some(other) => {
                     return Err(Error::Malformed {
@@ -305,7 +361,9 @@ impl Fence {
                 }
             }
         }
-        Ok(FenceOutcome::NotFound)
+        // The document exists and matched the filter at every read: not `NotFound`.
+        tracing::debug!(collection = %self.coll.name(), "fenced write contended: three rounds");
+        Ok(FenceOutcome::Contended)
     }
 
     /// [`Fence::apply`] for a holder whose fence is a match condition on the document.

@@ -22,11 +22,10 @@
 //! token); readers' reads cannot be fenced, so a reader that must not act on data a
 //! writer changed must check [`ReadLease::is_certainly_valid`] after reading. Readers
 //! already inside may renew while a writer waits; a writer waits for them at most its
-//! `wait`. Writers among themselves have no order (whoever takes the lease first). The
-//! lock collection's `gc_after` must exceed the longest time a read lease is held
-//! (renewals included) after a writer's intent ended: while a writer is set, and after
-//! its release, the document's `expires_at` (the TTL index's field) is the writer's, and
-//! the TTL index may delete the document with live readers inside (`docs/locks.md`).
+//! `wait`. Writers among themselves have no order (whoever takes the lease first). Garbage
+//! collection never deletes a document with a live lease inside: every write (the
+//! writer's, every reader's entry and renewal) keeps the lock document's `gc_at`, the TTL
+//! index's field, at or after every lease expiry in it (`docs/locks.md`).
 
 use std::time::{Duration, Instant};
 
@@ -36,8 +35,8 @@ use mongodb::options::IndexOptions;
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
-use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339};
-use super::deadline::Deadline;
+use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339, keep_gc_at};
+use super::deadline::{Deadline, Unanswered};
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::clock::{ServerTime, TimeSource};
@@ -235,12 +234,33 @@ impl RwLocks {
     /// # Errors
     /// [`Error::InvalidInput`] for an invalid resource or owner or a zero ttl; a database
     /// error.
-    #[instrument(skip(self, owner), fields(collection = %self.coll().name()))]
     pub async fn try_read(
         &self,
         owner: &Owner,
         resource: &str,
         ttl: Duration,
+    ) -> Result<Option<ReadLease>> {
+        self.read_attempt(owner, resource, ttl, &validate::random_id(), &[])
+            .await
+    }
+
+    /// One read attempt with entry id `id`. `unknown`: the entry ids of this blocking
+    /// read's earlier attempts that failed with a transient error, so may have entered
+    /// without the reply saying so (`lock/deadline.rs`, [`Unanswered`]); empty for
+    /// [`RwLocks::try_read`]. With `unknown` non-empty the attempt also enters while a
+    /// writer holds or waits if one of those entries is in the document and still certainly
+    /// valid (the lost reply's read lease, which that writer is waiting for anyway): the
+    /// attempt then renews it under its own id, as [`RwLocks::renew_read`] would. Either
+    /// way the attempt removes those entries, so they do not hold writers up until their
+    /// ttl.
+    #[instrument(name = "try_read", skip(self, owner, id, unknown), fields(collection = %self.coll().name()))]
+    async fn read_attempt(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl: Duration,
+        id: &str,
+        unknown: &[String],
     ) -> Result<Option<ReadLease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
@@ -250,17 +270,37 @@ impl RwLocks {
         let lease = ReadLease {
             resource: resource.to_owned(),
             owner: owner.id().to_owned(),
-            id: validate::random_id(),
+            id: id.to_owned(),
             acquired_at: now.estimate(),
             expires_at: now.plus_ms(ttl_ms),
         };
         let ignore_writer = self.options.control == RwControl::ReadersIgnoreWriter;
         let filter = if ignore_writer {
             doc! { "_id": resource }
-        } else {
+        } else if unknown.is_empty() {
             acquire_filter(resource, cutoff)
+        } else {
+            let mut filter = acquire_filter(resource, cutoff);
+            let mine = doc! { rf::READERS: { "$elemMatch": {
+                rf::READER_ID: { "$in": unknown },
+                rf::READER_EXPIRES_AT: { "$gt": certainly_valid_after(&now, self.margin()) },
+            } } };
+            if let Ok(and) = filter.get_array_mut("$and")
+                && let Some(Bson::Document(free)) = and.get_mut(1)
+                && let Ok(or) = free.get_array_mut("$or")
+            {
+                or.push(Bson::Document(mine));
+            }
+            filter
         };
-        let update = read_pipeline(&lease, cutoff, !ignore_writer);
+        let writer = if ignore_writer {
+            Writer::Keep
+        } else if unknown.is_empty() {
+            Writer::Clear
+        } else {
+            Writer::ClearIfFree
+        };
+        let update = read_pipeline(&lease, cutoff, writer, unknown);
         // A held lock makes the upsert collide with the document on `_id`; so does a
         // racing first insert of the document: one more try tells them apart.
         for attempt in 0..2 {
@@ -304,8 +344,16 @@ impl RwLocks {
         let mut deadline = Deadline::after(wait);
         let mut backoff = self.locks.backoff()?;
         let mut wake = Wake::new(self.coll(), resource, Wake::freed_lock());
+        // Attempts that failed with a transient error may have entered all the same (a
+        // lost reply): the next attempts take their entries back (`read_attempt`).
+        let mut unanswered = Unanswered::default();
         loop {
-            if let Some(lease) = deadline.attempt(self.try_read(owner, resource, ttl).await)? {
+            let id = validate::random_id();
+            let result = self
+                .read_attempt(owner, resource, ttl, &id, unanswered.nonces())
+                .await;
+            unanswered.note(id, &result);
+            if let Some(lease) = deadline.attempt(result)? {
                 crate::observe::lock_handoff(self.coll().name(), called, None);
                 return Ok(Some(lease));
             }
@@ -331,11 +379,7 @@ impl RwLocks {
     pub async fn renew_read(&self, lease: &mut ReadLease, ttl: Duration) -> Result<()> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
         let now = self.locks.time().now().await?;
-        let valid_after = DateTime::from_millis(
-            now.estimate_ms
-                .saturating_add(now.bound_ms)
-                .saturating_add(self.margin()),
-        );
+        let valid_after = certainly_valid_after(&now, self.margin());
         let expires_at = now.plus_ms(ttl_ms);
         let filter = doc! {
             "_id": &lease.resource,
@@ -355,7 +399,7 @@ impl RwLocks {
                     "$$r",
                 ] },
             } },
-            f::EXPIRES_AT: keep_for_gc(expires_at, false),
+            f::GC_AT: keep_gc_at(expires_at),
         } }];
         let r = self.coll().update_one(filter, update).await?;
         if r.matched_count == 0 {
@@ -503,12 +547,11 @@ impl RwLocks {
         if lease.remaining_ms(&now) <= 0 {
             return Ok(Readers::TakenOver);
         }
-        let live = live_readers(&d, cutoff);
-        let Some(first_expiry) = live.iter().min().copied() else {
-            return Ok(Readers::Gone);
-        };
         // Renew while the intent is still certainly valid (the renewal requires it):
-        // a third of the ttl before it stops being so.
+        // a third of the ttl before it stops being so. Also when the readers have gone:
+        // the lease handed out must be certainly valid, and an intent whose renewals
+        // failed (transient errors) may no longer be (session 17: it was handed out with
+        // less than the clock's bound and margin left).
         let renew_below = ttl_ms
             .saturating_div(3)
             .saturating_add(now.bound_ms)
@@ -520,6 +563,10 @@ impl RwLocks {
                 Err(e) => return Err(e),
             }
         }
+        let live = live_readers(&d, cutoff);
+        let Some(first_expiry) = live.iter().min().copied() else {
+            return Ok(Readers::Gone);
+        };
         // The first live reader certainly expires this long from now.
         let until_expiry = first_expiry
             .timestamp_millis()
@@ -611,44 +658,55 @@ fn live_readers(d: &Document, cutoff: DateTime) -> Vec<DateTime> {
         .unwrap_or_default()
 }
 
-/// The top-level `expires_at` after a reader's write: while no writer is set it is kept
-/// at least at the reader's expiry (so the TTL index does not collect a lock document
-/// with live readers); a writer's expiry is never touched. `writer_cleared`: this write
-/// clears the writer (then the reader's expiry applies whatever the old owner).
-fn keep_for_gc(expires_at: DateTime, writer_cleared: bool) -> Document {
-    let owner = format!("${}", f::OWNER);
-    let current = format!("${}", f::EXPIRES_AT);
-    let later = doc! { "$cond": [
-        { "$and": [
-            { "$eq": [{ "$type": &current }, "date"] },
-            { "$gt": [&current, { "$literal": expires_at }] },
-        ] },
-        &current,
-        { "$literal": expires_at },
-    ] };
-    if writer_cleared {
-        return later;
-    }
-    doc! { "$cond": [
-        { "$eq": [{ "$ifNull": [&owner, Bson::Null] }, Bson::Null] },
-        later,
-        &current,
-    ] }
+/// What a reader's write does to the writer ([`read_pipeline`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writer {
+    /// Clear it: the filter admitted the document because its writer is absent or
+    /// certainly expired.
+    Clear,
+    /// Clear it only if it is absent or certainly expired: the filter may also have
+    /// admitted the document for an entry of this read's own lost attempts, with a live
+    /// writer waiting.
+    ClearIfFree,
+    /// Leave it (the control that ignores the writer).
+    Keep,
 }
 
-/// A reader's entry: drop the reader entries that certainly expired, add this one, and
-/// (`clear_writer`: the filter admitted the document because its writer is absent or
-/// certainly expired) clear the writer and any acquisition pending, so an expired writer
-/// cannot renew. One stage: every expression reads the document before it.
-fn read_pipeline(lease: &ReadLease, cutoff: DateTime, clear_writer: bool) -> Vec<Document> {
+/// Server time after which a lease that expires later is still certainly valid now (the
+/// clock's bound and `margin_ms` included): what a renewal requires.
+fn certainly_valid_after(now: &ServerTime, margin_ms: i64) -> DateTime {
+    DateTime::from_millis(
+        now.estimate_ms
+            .saturating_add(now.bound_ms)
+            .saturating_add(margin_ms),
+    )
+}
+
+/// A reader's entry: drop the reader entries that certainly expired and those of
+/// `unknown` (this read's own earlier attempts whose replies were lost), add this one,
+/// and clear the writer and any acquisition pending as `writer` says, so an expired
+/// writer cannot renew. One stage: every expression reads the document before it.
+fn read_pipeline(
+    lease: &ReadLease,
+    cutoff: DateTime,
+    writer: Writer,
+    unknown: &[String],
+) -> Vec<Document> {
     let readers = format!("${}", rf::READERS);
     let expiry = format!("$$r.{}", rf::READER_EXPIRES_AT);
+    let live = doc! { "$gte": [expiry, { "$literal": cutoff }] };
+    let keep = if unknown.is_empty() {
+        live
+    } else {
+        let id = format!("$$r.{}", rf::READER_ID);
+        doc! { "$and": [live, { "$not": [{ "$in": [id, { "$literal": unknown }] }] }] }
+    };
     let mut set = doc! {
         rf::READERS: { "$concatArrays": [
             { "$filter": {
                 "input": { "$cond": [{ "$isArray": &readers }, &readers, []] },
                 "as": "r",
-                "cond": { "$gte": [expiry, { "$literal": cutoff }] },
+                "cond": keep,
             } },
             [{
                 rf::READER_OWNER: { "$literal": &lease.owner },
@@ -657,11 +715,32 @@ fn read_pipeline(lease: &ReadLease, cutoff: DateTime, clear_writer: bool) -> Vec
                 rf::READER_EXPIRES_AT: { "$literal": lease.expires_at },
             }],
         ] },
-        f::EXPIRES_AT: keep_for_gc(lease.expires_at, clear_writer),
+        f::GC_AT: keep_gc_at(lease.expires_at),
     };
-    if clear_writer {
-        set.insert(f::OWNER, Bson::Null);
-        set.insert(f::PENDING, "$$REMOVE");
+    match writer {
+        Writer::Clear => {
+            set.insert(f::OWNER, Bson::Null);
+            set.insert(f::PENDING, "$$REMOVE");
+        }
+        Writer::ClearIfFree => {
+            // The acquire filter's condition (`acquire_filter`), on the stored document.
+            let expires_at = format!("${}", f::EXPIRES_AT);
+            let owner = format!("${}", f::OWNER);
+            let free = doc! { "$or": [
+                { "$eq": [{ "$ifNull": [&owner, Bson::Null] }, Bson::Null] },
+                { "$ne": [{ "$type": &expires_at }, "date"] },
+                { "$lt": [&expires_at, { "$literal": cutoff }] },
+            ] };
+            set.insert(
+                f::OWNER,
+                doc! { "$cond": [free.clone(), Bson::Null, &owner] },
+            );
+            set.insert(
+                f::PENDING,
+                doc! { "$cond": [free, "$$REMOVE", format!("${}", f::PENDING)] },
+            );
+        }
+        Writer::Keep => {}
     }
     vec![doc! { "$set": set }]
 }
@@ -739,10 +818,10 @@ mod tests {
             acquired_at: DateTime::from_millis(0),
             expires_at: DateTime::from_millis(10),
         };
-        let safe = read_pipeline(&lease, DateTime::from_millis(0), true);
+        let safe = read_pipeline(&lease, DateTime::from_millis(0), Writer::Clear, &[]);
         let set = safe[0].get_document("$set").ok();
         assert_eq!(set.and_then(|s| s.get(f::OWNER)), Some(&Bson::Null));
-        let control = read_pipeline(&lease, DateTime::from_millis(0), false);
+        let control = read_pipeline(&lease, DateTime::from_millis(0), Writer::Keep, &[]);
         let set = control[0].get_document("$set").ok();
         assert_eq!(set.and_then(|s| s.get(f::OWNER)), None);
     }

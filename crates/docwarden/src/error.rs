@@ -69,7 +69,9 @@ pub enum Error {
         /// What is wrong and what to do about it.
         reason: String,
     },
-    /// The server did not answer in time.
+    /// The server did not answer in time, or an operation kept meeting a document that
+    /// changed under it until it gave up (a fenced write, a guarded update, a sequenced
+    /// apply); retryable.
     #[error("{what} is unavailable")]
     Unavailable {
         /// What did not answer.

@@ -1141,3 +1141,88 @@ async fn a_follow_up_too_large_for_the_running_job_is_invalid_input() -> anyhow:
     q.complete(&job, Bson::Null).await?;
     Ok(())
 }
+
+/// Session 17: `retry_dead` reset `attempts` but kept the per-run counters of the run
+/// that died: a job buried for its stalls (`max_stalls: 1`) came back with `stalls: 2`,
+/// so the first stall of its new run buried it again at once (and `snoozes`, `progress`,
+/// `result`, the old `lease` were carried over too). A retried job starts as a fresh one,
+/// its history (`last_error`, `created_at`) kept. Fails without the reset: the job is
+/// `dead` again after one stall of its new run, and the fields are not reset.
+#[tokio::test]
+async fn a_retried_dead_job_starts_as_a_fresh_run() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_retry_fresh").await?;
+    let opts = QueueOptions::default()
+        .reap_interval(Duration::from_secs(3600))
+        .max_stalls(1);
+    let q = open(&t.db, &t.client, "jobs", opts).await?;
+    let coll = q.collection().clone();
+    let id = q
+        .enqueue(doc! { "n": 1 }, &EnqueueOptions::default().max_attempts(5))
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    // The lease of the claim `job` expires and the sweep takes the job over.
+    let stall = |job: docwarden::queue::ClaimedJob| {
+        let (q, coll) = (q.clone(), coll.clone());
+        async move {
+            coll.update_one(
+                doc! { "_id": job.id() },
+                doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+            )
+            .await?;
+            anyhow::ensure!(q.reap_expired().await? == 1, "not swept");
+            anyhow::Ok(())
+        }
+    };
+    let claim = || async {
+        q.claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("nothing to claim"))
+    };
+    // One run: a snooze, progress, then two stalls bury it (`max_stalls: 1`).
+    let job = claim().await?;
+    q.snooze(&job, Duration::ZERO).await?;
+    let job = claim().await?;
+    q.progress(&job, "half way").await?;
+    stall(job).await?;
+    let job = claim().await?;
+    stall(job).await?;
+    let dead = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (dead.state, dead.stalls, dead.snoozes),
+        (JobState::Dead, 2, 1)
+    );
+
+    assert_eq!(q.retry_dead(Some(&[id])).await?, 1);
+    let fresh = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(fresh.state, JobState::Ready);
+    assert_eq!(
+        (fresh.attempts, fresh.stalls, fresh.snoozes),
+        (0, 0, 0),
+        "per-run counters kept: {fresh:?}"
+    );
+    assert_eq!(
+        (
+            &fresh.progress,
+            &fresh.result,
+            &fresh.lease,
+            fresh.finished_at
+        ),
+        (&None, &None, &None, None),
+        "per-run fields kept: {fresh:?}"
+    );
+    assert_eq!(fresh.last_error, dead.last_error, "history lost");
+    assert_eq!(fresh.created_at, dead.created_at, "history lost");
+
+    // Its new run's first stall is within `max_stalls`: retried, not buried.
+    let job = claim().await?;
+    assert_eq!(job.job.attempts, 1);
+    stall(job).await?;
+    let after = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (after.state, after.stalls),
+        (JobState::Retrying, 1),
+        "the new run's first stall buried the job: {after:?}"
+    );
+    Ok(())
+}

@@ -141,6 +141,28 @@ fn regex_literal(s: &str) -> String {
     out
 }
 
+/// The update of [`JobQueue::retry_dead`]: a fresh run at `now` (see there for which
+/// fields are reset and which are kept as the job's history).
+fn retry_update(now: mongodb::bson::DateTime) -> Document {
+    doc! {
+        "$set": {
+            field::STATE: JobState::Ready.as_str(),
+            field::ATTEMPTS: 0_i64,
+            field::LEASE: Bson::Null,
+            field::RUN_AT: now,
+            field::UPDATED_AT: now,
+        },
+        "$unset": {
+            field::FINISHED_AT: "",
+            field::STALLS: "",
+            field::SNOOZES: "",
+            field::PROGRESS: "",
+            field::RESULT: "",
+            field::FOLLOW_UP: "",
+        },
+    }
+}
+
 /// What [`JobQueue::cancel`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -283,9 +305,14 @@ impl JobQueue {
         Ok(out)
     }
 
-    /// Moves dead jobs (all, or those in `ids`) back to `ready` with their attempts
-    /// reset, due now. A dead job whose dedupe key is taken by a newer unfinished job
-    /// stays dead. Returns how many were revived.
+    /// Moves dead jobs (all, or those in `ids`) back to `ready`, due now, to run as a
+    /// fresh job would: every per-run field is reset — `attempts: 0`, no `lease`, and
+    /// no `stalls`, `snoozes`, `progress`, `result` or `finished_at` (so `max_stalls`
+    /// and `max_attempts` count from zero again), and a follow-up dropped when the job
+    /// died stays dropped (no `follow_up`). Its history is kept: `last_error` (why it
+    /// died), `created_at`, `follow_ups`, and `settled` (the proof a worker's read-back
+    /// may still need). A dead job whose dedupe key is
+    /// taken by a newer unfinished job stays dead. Returns how many were revived.
     ///
     /// # Errors
     /// A database error.
@@ -296,15 +323,7 @@ impl JobQueue {
         if let Some(ids) = ids {
             filter.insert(field::ID, doc! { "$in": ids.to_vec() });
         }
-        let update = doc! {
-            "$set": {
-                field::STATE: JobState::Ready.as_str(),
-                field::ATTEMPTS: 0_i64,
-                field::RUN_AT: now,
-                field::UPDATED_AT: now,
-            },
-            "$unset": { field::FINISHED_AT: "" },
-        };
+        let update = retry_update(now);
         match self
             .inner
             .coll

@@ -654,6 +654,13 @@ impl JobQueue {
     /// [`Error::InvalidInput`] for a result larger than [`MAX_RESULT_BYTES`] (as
     /// [`JobQueue::complete`]; that job is not sent, the others are).
     ///
+    /// A claim given more than once (the same job under the same claim token) is
+    /// completed once, by its first occurrence and with its result; every later
+    /// occurrence is not sent and gets [`Error::InvalidInput`] (`what: "jobs"`), so each
+    /// completion that applied is reported exactly once. (The same job under two
+    /// different claims is not a duplicate: at most one of them still holds it, the
+    /// other gets [`Error::LeaseLost`].)
+    ///
     /// # Errors
     /// A database error for the bulk as a whole (retry it: a retried bulk reports what
     /// the lost attempt applied).
@@ -661,7 +668,19 @@ impl JobQueue {
         // `None`: sent in the bulk; `Some(e)`: refused before anything was sent.
         let mut refused: Vec<Option<Error>> = Vec::with_capacity(jobs.len());
         let mut items: Vec<(ClaimedJob, Transition)> = Vec::with_capacity(jobs.len());
+        let mut seen: std::collections::HashSet<(ObjectId, &str)> =
+            std::collections::HashSet::with_capacity(jobs.len());
         for (j, r) in jobs {
+            if !seen.insert((j.id(), j.lease.token.as_str())) {
+                refused.push(Some(Error::invalid(
+                    "jobs",
+                    format!(
+                        "job {} is given more than once under the same claim; only its first occurrence was sent",
+                        j.id().to_hex()
+                    ),
+                )));
+                continue;
+            }
             match check_size("result", r, MAX_RESULT_BYTES) {
                 Ok(()) => {
                     items.push((j.clone(), Transition::Complete(r.clone())));

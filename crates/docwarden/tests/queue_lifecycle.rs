@@ -1226,3 +1226,140 @@ async fn a_retried_dead_job_starts_as_a_fresh_run() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Session 17: `release` and `snooze` count `attempts` down and `snoozes` up with `$inc`.
+/// On a job hand-edited while it ran they returned a bare database error (a string or a
+/// null: the server's TypeMismatch), or wrote what no claim parses again (a double
+/// counted down to 0.5; a missing `attempts` created as −1). Each is now
+/// `Error::Malformed` naming the field, and nothing is written: the job is exactly as
+/// the edit left it. The worker's bulk path (a handler that snoozes) reports the same,
+/// counted neither as a snooze nor as a lost lease. Fails without the guard: bare
+/// `Database` errors, and the double/missing edits are written through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_give_back_of_a_hand_edited_job_is_malformed_and_writes_nothing() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_give_back_malformed").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let edits: Vec<(&str, Document, &str)> = vec![
+        (
+            "attempts string",
+            doc! { "$set": { "attempts": "2" } },
+            "attempts",
+        ),
+        (
+            "attempts double",
+            doc! { "$set": { "attempts": 1.5 } },
+            "attempts",
+        ),
+        (
+            "attempts null",
+            doc! { "$set": { "attempts": Bson::Null } },
+            "attempts",
+        ),
+        (
+            "attempts missing",
+            doc! { "$unset": { "attempts": "" } },
+            "attempts",
+        ),
+        (
+            "snoozes string",
+            doc! { "$set": { "snoozes": "many" } },
+            "snoozes",
+        ),
+        (
+            "snoozes double",
+            doc! { "$set": { "snoozes": 2.5 } },
+            "snoozes",
+        ),
+    ];
+    for (name, edit, field) in &edits {
+        for op in ["release", "snooze"] {
+            if *field == "snoozes" && op == "release" {
+                continue; // a release does not count snoozes
+            }
+            q.enqueue(doc! { "case": *name, "op": op }, &EnqueueOptions::default())
+                .await?;
+            let job = q
+                .claim("w")
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no job"))?;
+            coll.update_one(doc! { "_id": job.id() }, edit.clone())
+                .await?;
+            let before = coll
+                .find_one(doc! { "_id": job.id() })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))?;
+            let r = match op {
+                "release" => q.release(&job).await,
+                _ => q.snooze(&job, Duration::from_secs(1)).await.map(|_| ()),
+            };
+            match &r {
+                Err(Error::Malformed { reason, .. }) => assert!(
+                    reason.contains(field),
+                    "{op} of a job with {name}: the reason does not name `{field}`: {reason}"
+                ),
+                other => panic!("{op} of a job with {name}: expected Malformed, got {other:?}"),
+            }
+            let after = coll
+                .find_one(doc! { "_id": job.id() })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))?;
+            assert_eq!(before, after, "{op} of a job with {name} wrote to it");
+            // The claim still holds it: the handler can still finish it.
+            q.fail(&job, "given up").await?;
+        }
+    }
+
+    // The worker's bulk path: the handler edits its own job, then snoozes.
+    let bulk = open(&t.db, &t.client, "bulk", QueueOptions::default()).await?;
+    let bulk_coll = bulk.collection().clone();
+    let id = bulk
+        .enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let c = bulk_coll.clone();
+    let w = Worker::spawn(
+        bulk.clone(),
+        WorkerOptions::default().concurrency(1).change_stream(false),
+        move |job| {
+            let c = c.clone();
+            async move {
+                c.update_one(
+                    doc! { "_id": job.id() },
+                    doc! { "$set": { "attempts": 1.5 } },
+                )
+                .await?;
+                snooze(Duration::from_secs(1))
+            }
+        },
+    )?;
+    wait_for(
+        &bulk_coll,
+        doc! { "_id": id, "attempts": 1.5 },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = w.shutdown().await;
+    let stored = bulk_coll
+        .find_one(doc! { "_id": id })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (
+            stored.get_str("state")?,
+            stored.get_f64("attempts")?,
+            stored.contains_key("snoozes")
+        ),
+        ("running", 1.5, false),
+        "the worker's snooze wrote to the hand-edited job: {stored}"
+    );
+    assert_eq!(
+        (report.snoozed, report.lease_lost),
+        (0, 0),
+        "counted as a snooze or a lost lease: {report:?}"
+    );
+    Ok(())
+}

@@ -1198,3 +1198,115 @@ async fn a_waiting_job_found_lost_is_counted_once_at_shutdown() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// Session 17, the documented limit (`docs/queue.md`, "A crash charges an attempt to
+/// jobs that never started"): the claim counts the attempt, and a handler's start writes
+/// nothing, so the jobs a crashed worker held without starting them are swept with an
+/// attempt used — on their last attempt, to `dead`. Counts: such jobs (at least one, at
+/// most `WorkerOptions::prefetch` = 4 behind the one busy handler), handlers they ran
+/// (0). A graceful shutdown of the same worker gives them back instead (0 charged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_charges_at_most_the_prefetch_to_jobs_that_never_started() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const PREFETCH: usize = 4;
+    const TAIL: i64 = 8;
+    for graceful in [false, true] {
+        let t = TestDb::new(if graceful {
+            "queue_crash_prefetch_shutdown"
+        } else {
+            "queue_crash_prefetch"
+        })
+        .await?;
+        let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
+        let coll = q.collection().clone();
+        // Fast jobs (the prefetch grows), a slow one that holds the only handler, then
+        // the tail: one attempt each, waiting behind it.
+        q.enqueue_many(
+            (0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))),
+        )
+        .await?;
+        q.enqueue(
+            doc! { "slow": true },
+            &EnqueueOptions::default().priority(5),
+        )
+        .await?;
+        q.enqueue_many((0..TAIL).map(|i| {
+            (
+                doc! { "tail": i },
+                EnqueueOptions::default().priority(0).max_attempts(1),
+            )
+        }))
+        .await?;
+        let tail_ran = Arc::new(AtomicUsize::new(0));
+        let ran = Arc::clone(&tail_ran);
+        let w = Worker::spawn(
+            q.clone(),
+            WorkerOptions::default()
+                .concurrency(1)
+                .prefetch(PREFETCH)
+                .shutdown_deadline(Duration::from_millis(200))
+                .change_stream(false),
+            move |job| {
+                let ran = Arc::clone(&ran);
+                async move {
+                    let d = job.payload().as_document().cloned().unwrap_or_default();
+                    if d.contains_key("tail") {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                    } else if d.contains_key("slow") {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    Ok(Bson::Null)
+                }
+            },
+        )?;
+        wait_for(
+            &coll,
+            doc! { "payload.tail": { "$exists": true }, "state": "running" },
+            1,
+            Duration::from_secs(20),
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if graceful {
+            w.shutdown().await;
+        } else {
+            w.kill().await;
+        }
+        // The crashed worker's leases expire; the sweep takes its jobs over.
+        coll.update_many(
+            doc! { "state": "running" },
+            doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+        )
+        .await?;
+        q.reap_expired().await?;
+        let charged = count(
+            &coll,
+            doc! { "payload.tail": { "$exists": true }, "attempts": { "$gte": 1 } },
+        )
+        .await?;
+        let buried = count(
+            &coll,
+            doc! {
+                "payload.tail": { "$exists": true },
+                "state": "dead",
+                "last_error": "lease expired before the job finished",
+            },
+        )
+        .await?;
+        eprintln!("graceful {graceful}: {charged} tail jobs charged, {buried} buried");
+        assert_eq!(tail_ran.load(Ordering::SeqCst), 0, "a tail job ran");
+        if graceful {
+            assert_eq!(
+                charged, 0,
+                "a shutdown gives every waiting job its attempt back"
+            );
+        } else {
+            assert!(
+                (1..=PREFETCH as u64).contains(&charged),
+                "{charged} jobs that never started were charged (prefetch {PREFETCH})"
+            );
+            assert_eq!(buried, charged, "each was on its only attempt");
+        }
+    }
+    Ok(())
+}

@@ -40,7 +40,11 @@
 //! nothing; its jobs are re-claimable after the lease expires, including jobs whose
 //! handler had finished but whose completion was still queued (delivery is at least
 //! once). Jobs waiting in the worker hold their leases: a slow handler delays them by
-//! at most the prefetch (which stays 0 while handlers are slower than claims).
+//! at most the prefetch (which stays 0 while handlers are slower than claims). The claim
+//! counts the attempt and a handler's start writes nothing, so a killed worker's jobs
+//! that never started (at most `concurrency` + the prefetch) are swept with an attempt
+//! used, and to `dead` if it was their last (`docs/queue.md`, "A crash charges an attempt
+//! to jobs that never started"); a graceful shutdown gives them their attempt back.
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -53,7 +53,7 @@ pub struct JobListFilter {
     /// their uniqueness window (`unique_slot` is `<key>@<window start>`), or as their
     /// concurrency or rate key (`limits.key`, `limits.rate`). A fairness key is not
     /// stored (only the partition it hashes to), so it cannot be listed by. Exact,
-    /// case-sensitive match (the window key as an anchored prefix of `unique_slot`).
+    /// case-sensitive match (`unique_slot` as exactly the key, `@` and digits).
     /// `None`: any.
     pub key: Option<String>,
     /// Only jobs whose `last_error` contains this text, case-insensitively (a literal:
@@ -112,7 +112,9 @@ impl JobListFilter {
                 "$or",
                 vec![
                     doc! { field::DEDUPE_KEY: k.as_str() },
-                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@", regex_literal(k)) } },
+                    // The slot is `<key>@<window start in ms>`: the digits are anchored,
+                    // so a key that contains `@` (`k@eu`) is not listed for `k`.
+                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@[0-9]+$", regex_literal(k)) } },
                     doc! { field::LIMITS_KEY: k.as_str() },
                     doc! { field::LIMITS_RATE: k.as_str() },
                 ],

@@ -1363,3 +1363,46 @@ async fn a_give_back_of_a_hand_edited_job_is_malformed_and_writes_nothing() -> a
     );
     Ok(())
 }
+
+/// Session 17: a completion that consumes a follow-up counts `follow_ups + 1` with
+/// `$add`; a `follow_ups` hand-edited into a string while the job ran failed the whole
+/// completion with an untyped database error (the job stayed running until its lease
+/// expired, its result lost). It counts as 0 now, like the sweep's `stalls`: the follow-up
+/// run is queued and the result kept. Fails without it: `complete` returns
+/// `Error::Database`.
+#[tokio::test]
+async fn a_completion_with_a_hand_edited_follow_up_count_still_applies() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_follow_ups_edited").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let follow_up = EnqueueOptions::default()
+        .dedupe_key("k")
+        .on_duplicate(OnDuplicate::FollowUp);
+    q.enqueue(doc! { "run": 1 }, &follow_up).await?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let second = q.enqueue(doc! { "run": 2 }, &follow_up).await?;
+    assert_eq!(second, Enqueued::FollowUp(job.id()));
+    coll.update_one(
+        doc! { "_id": job.id() },
+        doc! { "$set": { "follow_ups": "several" } },
+    )
+    .await?;
+    let r = q.complete(&job, "first").await;
+    assert!(r.is_ok(), "the completion failed: {r:?}");
+    let stored = coll
+        .find_one(doc! { "_id": job.id() })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(stored.get_str("state")?, "ready", "{stored}");
+    assert_eq!(
+        stored.get_document("payload")?.get_i32("run")?,
+        2,
+        "{stored}"
+    );
+    assert_eq!(stored.get_i64("follow_ups")?, 1, "{stored}");
+    assert_eq!(stored.get_str("result")?, "first", "{stored}");
+    Ok(())
+}

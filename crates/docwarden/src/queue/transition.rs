@@ -505,6 +505,7 @@ impl JobQueue {
         let has = doc! { "$eq": [{ "$type": format!("${}", field::FOLLOW_UP) }, "object"] };
         let pick = |then: Bson, otherwise: Bson| doc! { "$cond": [has.clone(), then, otherwise] };
         let keep = |f: &str| Bson::String(format!("${f}"));
+        let follow_ups = doc! { "$cond": [{ "$isNumber": keep(field::FOLLOW_UPS) }, keep(field::FOLLOW_UPS), 0_i64] };
         vec![doc! { "$set": {
             field::STATE: pick(JobState::Ready.as_str().into(), JobState::Succeeded.as_str().into()),
             field::RESULT: { "$literal": result.clone() },
@@ -515,8 +516,11 @@ impl JobQueue {
             field::ATTEMPTS: pick(Bson::Int64(0), keep(field::ATTEMPTS)),
             field::RUN_AT: pick(at.into(), keep(field::RUN_AT)),
             field::FINISHED_AT: pick(Bson::Null, at.into()),
+            // Counting a follow-up run, a `follow_ups` that is not a number (absent, or a
+            // hand edit) counts as 0, as the sweep counts `stalls`: `$add` on a string
+            // failed the whole completion with an untyped database error.
             field::FOLLOW_UPS: pick(
-                doc! { "$add": [{ "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }, 1_i64] }.into(),
+                doc! { "$add": [follow_ups, 1_i64] }.into(),
                 doc! { "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }.into(),
             ),
             field::FOLLOW_UP: Bson::Null,

@@ -448,3 +448,45 @@ async fn a_claim_whose_read_back_fails_gives_its_jobs_back() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// Session 17: `complete_many` given the same claim twice reported both occurrences
+/// applied (`Ok` twice) although the job completed once, with one of the two results:
+/// a caller counting completions counted it twice. The first occurrence is sent, each
+/// later one of the same claim is that item's own `InvalidInput` (nothing sent for it),
+/// and the stored result is the first occurrence's. Fails without the check: every
+/// occurrence is `Ok`.
+#[tokio::test]
+async fn a_claim_given_twice_to_complete_many_is_completed_and_reported_once() -> anyhow::Result<()>
+{
+    let t = TestDb::new("queue_bulk_duplicate_claim").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    q.enqueue_many((0..2).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    let batch = q.claim_batch("w", 2).await?;
+    assert_eq!(batch.len(), 2);
+    let (a, b) = (&batch[0], &batch[1]);
+    let outcomes = q
+        .complete_many(&[
+            (a.clone(), Bson::String("first".into())),
+            (a.clone(), Bson::String("second".into())),
+            (b.clone(), Bson::String("b".into())),
+            (a.clone(), Bson::String("first".into())),
+        ])
+        .await?;
+    assert_eq!(outcomes.len(), 4);
+    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+    assert!(outcomes[2].is_ok(), "{:?}", outcomes[2]);
+    for o in [&outcomes[1], &outcomes[3]] {
+        assert!(
+            matches!(o, Err(Error::InvalidInput { what: "jobs", .. })),
+            "a repeated claim was reported as {o:?}"
+        );
+    }
+    let stored = q
+        .get(a.id())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(stored.state, JobState::Succeeded);
+    assert_eq!(stored.result, Some(Bson::String("first".into())));
+    Ok(())
+}

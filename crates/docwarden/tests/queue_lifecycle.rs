@@ -1141,3 +1141,268 @@ async fn a_follow_up_too_large_for_the_running_job_is_invalid_input() -> anyhow:
     q.complete(&job, Bson::Null).await?;
     Ok(())
 }
+
+/// Session 17: `retry_dead` reset `attempts` but kept the per-run counters of the run
+/// that died: a job buried for its stalls (`max_stalls: 1`) came back with `stalls: 2`,
+/// so the first stall of its new run buried it again at once (and `snoozes`, `progress`,
+/// `result`, the old `lease` were carried over too). A retried job starts as a fresh one,
+/// its history (`last_error`, `created_at`) kept. Fails without the reset: the job is
+/// `dead` again after one stall of its new run, and the fields are not reset.
+#[tokio::test]
+async fn a_retried_dead_job_starts_as_a_fresh_run() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_retry_fresh").await?;
+    let opts = QueueOptions::default()
+        .reap_interval(Duration::from_secs(3600))
+        .max_stalls(1);
+    let q = open(&t.db, &t.client, "jobs", opts).await?;
+    let coll = q.collection().clone();
+    let id = q
+        .enqueue(doc! { "n": 1 }, &EnqueueOptions::default().max_attempts(5))
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    // The lease of the claim `job` expires and the sweep takes the job over.
+    let stall = |job: docwarden::queue::ClaimedJob| {
+        let (q, coll) = (q.clone(), coll.clone());
+        async move {
+            coll.update_one(
+                doc! { "_id": job.id() },
+                doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+            )
+            .await?;
+            anyhow::ensure!(q.reap_expired().await? == 1, "not swept");
+            anyhow::Ok(())
+        }
+    };
+    let claim = || async {
+        q.claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("nothing to claim"))
+    };
+    // One run: a snooze, progress, then two stalls bury it (`max_stalls: 1`).
+    let job = claim().await?;
+    q.snooze(&job, Duration::ZERO).await?;
+    let job = claim().await?;
+    q.progress(&job, "half way").await?;
+    stall(job).await?;
+    let job = claim().await?;
+    stall(job).await?;
+    let dead = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (dead.state, dead.stalls, dead.snoozes),
+        (JobState::Dead, 2, 1)
+    );
+
+    assert_eq!(q.retry_dead(Some(&[id])).await?, 1);
+    let fresh = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(fresh.state, JobState::Ready);
+    assert_eq!(
+        (fresh.attempts, fresh.stalls, fresh.snoozes),
+        (0, 0, 0),
+        "per-run counters kept: {fresh:?}"
+    );
+    assert_eq!(
+        (
+            &fresh.progress,
+            &fresh.result,
+            &fresh.lease,
+            fresh.finished_at
+        ),
+        (&None, &None, &None, None),
+        "per-run fields kept: {fresh:?}"
+    );
+    assert_eq!(fresh.last_error, dead.last_error, "history lost");
+    assert_eq!(fresh.created_at, dead.created_at, "history lost");
+
+    // Its new run's first stall is within `max_stalls`: retried, not buried.
+    let job = claim().await?;
+    assert_eq!(job.job.attempts, 1);
+    stall(job).await?;
+    let after = q.get(id).await?.ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (after.state, after.stalls),
+        (JobState::Retrying, 1),
+        "the new run's first stall buried the job: {after:?}"
+    );
+    Ok(())
+}
+
+/// Session 17: `release` and `snooze` count `attempts` down and `snoozes` up with `$inc`.
+/// On a job hand-edited while it ran they returned a bare database error (a string or a
+/// null: the server's TypeMismatch), or wrote what no claim parses again (a double
+/// counted down to 0.5; a missing `attempts` created as −1). Each is now
+/// `Error::Malformed` naming the field, and nothing is written: the job is exactly as
+/// the edit left it. The worker's bulk path (a handler that snoozes) reports the same,
+/// counted neither as a snooze nor as a lost lease. Fails without the guard: bare
+/// `Database` errors, and the double/missing edits are written through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_give_back_of_a_hand_edited_job_is_malformed_and_writes_nothing() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_give_back_malformed").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let edits: Vec<(&str, Document, &str)> = vec![
+        (
+            "attempts string",
+            doc! { "$set": { "attempts": "2" } },
+            "attempts",
+        ),
+        (
+            "attempts double",
+            doc! { "$set": { "attempts": 1.5 } },
+            "attempts",
+        ),
+        (
+            "attempts null",
+            doc! { "$set": { "attempts": Bson::Null } },
+            "attempts",
+        ),
+        (
+            "attempts missing",
+            doc! { "$unset": { "attempts": "" } },
+            "attempts",
+        ),
+        (
+            "snoozes string",
+            doc! { "$set": { "snoozes": "many" } },
+            "snoozes",
+        ),
+        (
+            "snoozes double",
+            doc! { "$set": { "snoozes": 2.5 } },
+            "snoozes",
+        ),
+    ];
+    for (name, edit, field) in &edits {
+        for op in ["release", "snooze"] {
+            if *field == "snoozes" && op == "release" {
+                continue; // a release does not count snoozes
+            }
+            q.enqueue(doc! { "case": *name, "op": op }, &EnqueueOptions::default())
+                .await?;
+            let job = q
+                .claim("w")
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no job"))?;
+            coll.update_one(doc! { "_id": job.id() }, edit.clone())
+                .await?;
+            let before = coll
+                .find_one(doc! { "_id": job.id() })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))?;
+            let r = match op {
+                "release" => q.release(&job).await,
+                _ => q.snooze(&job, Duration::from_secs(1)).await.map(|_| ()),
+            };
+            match &r {
+                Err(Error::Malformed { reason, .. }) => assert!(
+                    reason.contains(field),
+                    "{op} of a job with {name}: the reason does not name `{field}`: {reason}"
+                ),
+                other => panic!("{op} of a job with {name}: expected Malformed, got {other:?}"),
+            }
+            let after = coll
+                .find_one(doc! { "_id": job.id() })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))?;
+            assert_eq!(before, after, "{op} of a job with {name} wrote to it");
+            // The claim still holds it: the handler can still finish it.
+            q.fail(&job, "given up").await?;
+        }
+    }
+
+    // The worker's bulk path: the handler edits its own job, then snoozes.
+    let bulk = open(&t.db, &t.client, "bulk", QueueOptions::default()).await?;
+    let bulk_coll = bulk.collection().clone();
+    let id = bulk
+        .enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let c = bulk_coll.clone();
+    let w = Worker::spawn(
+        bulk.clone(),
+        WorkerOptions::default().concurrency(1).change_stream(false),
+        move |job| {
+            let c = c.clone();
+            async move {
+                c.update_one(
+                    doc! { "_id": job.id() },
+                    doc! { "$set": { "attempts": 1.5 } },
+                )
+                .await?;
+                snooze(Duration::from_secs(1))
+            }
+        },
+    )?;
+    wait_for(
+        &bulk_coll,
+        doc! { "_id": id, "attempts": 1.5 },
+        1,
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = w.shutdown().await;
+    let stored = bulk_coll
+        .find_one(doc! { "_id": id })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (
+            stored.get_str("state")?,
+            stored.get_f64("attempts")?,
+            stored.contains_key("snoozes")
+        ),
+        ("running", 1.5, false),
+        "the worker's snooze wrote to the hand-edited job: {stored}"
+    );
+    assert_eq!(
+        (report.snoozed, report.lease_lost),
+        (0, 0),
+        "counted as a snooze or a lost lease: {report:?}"
+    );
+    Ok(())
+}
+
+/// Session 17: a completion that consumes a follow-up counts `follow_ups + 1` with
+/// `$add`; a `follow_ups` hand-edited into a string while the job ran failed the whole
+/// completion with an untyped database error (the job stayed running until its lease
+/// expired, its result lost). It counts as 0 now, like the sweep's `stalls`: the follow-up
+/// run is queued and the result kept. Fails without it: `complete` returns
+/// `Error::Database`.
+#[tokio::test]
+async fn a_completion_with_a_hand_edited_follow_up_count_still_applies() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_follow_ups_edited").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let follow_up = EnqueueOptions::default()
+        .dedupe_key("k")
+        .on_duplicate(OnDuplicate::FollowUp);
+    q.enqueue(doc! { "run": 1 }, &follow_up).await?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    let second = q.enqueue(doc! { "run": 2 }, &follow_up).await?;
+    assert_eq!(second, Enqueued::FollowUp(job.id()));
+    coll.update_one(
+        doc! { "_id": job.id() },
+        doc! { "$set": { "follow_ups": "several" } },
+    )
+    .await?;
+    let r = q.complete(&job, "first").await;
+    assert!(r.is_ok(), "the completion failed: {r:?}");
+    let stored = coll
+        .find_one(doc! { "_id": job.id() })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(stored.get_str("state")?, "ready", "{stored}");
+    assert_eq!(
+        stored.get_document("payload")?.get_i32("run")?,
+        2,
+        "{stored}"
+    );
+    assert_eq!(stored.get_i64("follow_ups")?, 1, "{stored}");
+    assert_eq!(stored.get_str("result")?, "first", "{stored}");
+    Ok(())
+}

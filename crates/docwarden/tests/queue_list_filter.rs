@@ -141,3 +141,33 @@ async fn list_filters_by_key_and_by_error_text() -> anyhow::Result<()> {
     assert_eq!(q.queue_names().await?, vec!["default", "mail", "reports"]);
     Ok(())
 }
+
+/// Session 17: listing by key matched a uniqueness window's slot by the prefix
+/// `<key>@`, so the windowed jobs of key `order@eu` (slot `order@eu@<start>`) were listed
+/// for key `order` too. The slot is the key, `@` and the window's start in digits: the
+/// filter now matches exactly that. Fails without the anchored digits: the `order@eu`
+/// job is listed for `order`.
+#[tokio::test]
+async fn list_by_key_does_not_match_a_longer_windowed_key_containing_at() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_list_filter_at").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let window = |key: &str| {
+        EnqueueOptions::default()
+            .dedupe_key(key)
+            .unique_window(Duration::from_secs(3600))
+    };
+    let order = enqueue(&q, 1, window("order")).await?;
+    let eu = enqueue(&q, 2, window("order@eu")).await?;
+    assert_eq!(
+        ids(&q, &JobListFilter::default().key("order")).await?,
+        vec![order],
+        "listed for `order`"
+    );
+    assert_eq!(
+        ids(&q, &JobListFilter::default().key("order@eu")).await?,
+        vec![eu],
+        "listed for `order@eu`"
+    );
+    Ok(())
+}

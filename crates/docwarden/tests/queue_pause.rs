@@ -196,3 +196,40 @@ async fn a_worker_that_cannot_read_the_control_document_reports_errors() -> anyh
     );
     Ok(())
 }
+
+/// Session 17: pause and resume counted `version` with `$inc`, so a control document
+/// whose `version` was hand-edited into a string made every pause (and resume) of the
+/// queue fail with an untyped database error: the operator could not stop the queue.
+/// The version now counts a non-number as 0. Fails without it: `pause` returns
+/// `Error::Database` and the queue stays running.
+#[tokio::test]
+async fn a_hand_edited_control_version_does_not_block_pause_and_resume() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_pause_edited_version").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default().queue("p")).await?;
+    assert_eq!(q.pause("ops").await?, PauseOutcome::Paused);
+    assert_eq!(q.resume("ops").await?, PauseOutcome::Resumed);
+    let meta = t.db.collection::<mongodb::bson::Document>("jobs.meta");
+    meta.update_one(
+        doc! { "_id": "control:p" },
+        doc! { "$set": { "version": "two" } },
+    )
+    .await?;
+    let paused = q.pause("ops").await;
+    assert!(
+        matches!(paused, Ok(PauseOutcome::Paused)),
+        "pause: {paused:?}"
+    );
+    assert!(q.is_paused().await?);
+    let control = q.control().await?;
+    assert_eq!((control.version, control.by.as_deref()), (1, Some("ops")));
+    assert_eq!(q.resume("$ops").await?, PauseOutcome::Resumed);
+    let control = q.control().await?;
+    assert_eq!((control.paused, control.version), (false, 2));
+    assert_eq!(
+        control.by.as_deref(),
+        Some("$ops"),
+        "`by` taken for a field path"
+    );
+    Ok(())
+}

@@ -177,6 +177,12 @@ async fn killed_workers_jobs_are_reclaimed_and_their_late_completions_refused() 
         Duration::from_secs(10),
     )
     .await?;
+    // The worker counts its claims once they are read back, a moment after the jobs
+    // show `running` (killed in between, it reported 3).
+    let counted = Instant::now();
+    while hang.report().claimed < 4 && counted.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let hung = hang.kill().await;
     assert_eq!(hung.claimed, 4);
     let c = coll.clone();
@@ -1090,5 +1096,217 @@ async fn a_panicking_handler_fails_its_attempt_and_keeps_its_slot() -> anyhow::R
     assert_eq!(running, 0, "jobs stuck running");
     dead?;
     others?;
+    Ok(())
+}
+
+/// Session 17: a job waiting in the worker (claimed ahead, its one handler slot busy)
+/// whose lease a heartbeat found lost was counted in `lease_lost` twice: once by that
+/// heartbeat, and again at shutdown, which still released it — a release the fence
+/// refused, counted as a second loss (and a second `docwarden_lease_losses_total`).
+/// Counts: lease losses (1), handlers started for the lost job (0), the lost job left as
+/// its new holder wrote it. Fails without the fix: `lease_lost` is 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_job_found_lost_is_counted_once_at_shutdown() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let t = TestDb::new("queue_lost_waiting_shutdown").await?;
+    let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
+    let coll = q.collection().clone();
+    // Fast jobs first (so the worker's prefetch grows), then a slow one, then the one
+    // that waits behind it and loses its lease.
+    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
+        .await?;
+    q.enqueue(
+        doc! { "slow": true },
+        &EnqueueOptions::default().priority(5),
+    )
+    .await?;
+    let waiting = q
+        .enqueue(
+            doc! { "waits": true },
+            &EnqueueOptions::default().priority(0),
+        )
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let slow_done = Arc::new(AtomicBool::new(false));
+    let (seen, done) = (Arc::clone(&started), Arc::clone(&slow_done));
+    let w = Worker::spawn(
+        q.clone(),
+        WorkerOptions::default()
+            .concurrency(1)
+            .heartbeat_every(Duration::from_millis(50))
+            .change_stream(false),
+        move |job| {
+            let (seen, done) = (Arc::clone(&seen), Arc::clone(&done));
+            async move {
+                let d = job.payload().as_document().cloned().unwrap_or_default();
+                if d.contains_key("waits") {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                } else if d.contains_key("slow") {
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                    done.store(true, Ordering::SeqCst);
+                }
+                Ok(Bson::Null)
+            }
+        },
+    )?;
+    wait_for(
+        &coll,
+        doc! { "_id": waiting, "state": "running" },
+        1,
+        Duration::from_secs(20),
+    )
+    .await?;
+    // Another claim takes the job over (its token replaces ours): the next heartbeat
+    // finds the lease lost.
+    coll.update_one(
+        doc! { "_id": waiting },
+        doc! { "$set": { "lease.token": "another-claim" } },
+    )
+    .await?;
+    let noticed = Instant::now();
+    while w.report().lease_lost == 0 && noticed.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    anyhow::ensure!(
+        !slow_done.load(Ordering::SeqCst),
+        "the slow handler finished before the shutdown: the lost job did not wait"
+    );
+    let report = w.shutdown().await;
+    assert_eq!(
+        report.lease_lost, 1,
+        "one lost lease counted {} times: {report:?}",
+        report.lease_lost
+    );
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        0,
+        "the lost job's handler ran"
+    );
+    let stored = coll
+        .find_one(doc! { "_id": waiting })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (
+            stored.get_str("state")?,
+            stored.get_document("lease")?.get_str("token")?
+        ),
+        ("running", "another-claim"),
+        "not as its new holder left it: {stored}"
+    );
+    Ok(())
+}
+
+/// Session 17, the documented limit (`docs/queue.md`, "A crash charges an attempt to
+/// jobs that never started"): the claim counts the attempt, and a handler's start writes
+/// nothing, so the jobs a crashed worker held without starting them are swept with an
+/// attempt used — on their last attempt, to `dead`. Counts: such jobs (at least one, at
+/// most `WorkerOptions::prefetch` = 4 behind the one busy handler), handlers they ran
+/// (0). A graceful shutdown of the same worker gives them back instead (0 charged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_charges_at_most_the_prefetch_to_jobs_that_never_started() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const PREFETCH: usize = 4;
+    const TAIL: i64 = 8;
+    for graceful in [false, true] {
+        let t = TestDb::new(if graceful {
+            "queue_crash_prefetch_shutdown"
+        } else {
+            "queue_crash_prefetch"
+        })
+        .await?;
+        let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
+        let coll = q.collection().clone();
+        // Fast jobs (the prefetch grows), a slow one that holds the only handler, then
+        // the tail: one attempt each, waiting behind it.
+        q.enqueue_many(
+            (0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))),
+        )
+        .await?;
+        q.enqueue(
+            doc! { "slow": true },
+            &EnqueueOptions::default().priority(5),
+        )
+        .await?;
+        q.enqueue_many((0..TAIL).map(|i| {
+            (
+                doc! { "tail": i },
+                EnqueueOptions::default().priority(0).max_attempts(1),
+            )
+        }))
+        .await?;
+        let tail_ran = Arc::new(AtomicUsize::new(0));
+        let ran = Arc::clone(&tail_ran);
+        let w = Worker::spawn(
+            q.clone(),
+            WorkerOptions::default()
+                .concurrency(1)
+                .prefetch(PREFETCH)
+                .shutdown_deadline(Duration::from_millis(200))
+                .change_stream(false),
+            move |job| {
+                let ran = Arc::clone(&ran);
+                async move {
+                    let d = job.payload().as_document().cloned().unwrap_or_default();
+                    if d.contains_key("tail") {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                    } else if d.contains_key("slow") {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    Ok(Bson::Null)
+                }
+            },
+        )?;
+        wait_for(
+            &coll,
+            doc! { "payload.tail": { "$exists": true }, "state": "running" },
+            1,
+            Duration::from_secs(20),
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if graceful {
+            w.shutdown().await;
+        } else {
+            w.kill().await;
+        }
+        // The crashed worker's leases expire; the sweep takes its jobs over.
+        coll.update_many(
+            doc! { "state": "running" },
+            doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+        )
+        .await?;
+        q.reap_expired().await?;
+        let charged = count(
+            &coll,
+            doc! { "payload.tail": { "$exists": true }, "attempts": { "$gte": 1 } },
+        )
+        .await?;
+        let buried = count(
+            &coll,
+            doc! {
+                "payload.tail": { "$exists": true },
+                "state": "dead",
+                "last_error": "lease expired before the job finished",
+            },
+        )
+        .await?;
+        eprintln!("graceful {graceful}: {charged} tail jobs charged, {buried} buried");
+        assert_eq!(tail_ran.load(Ordering::SeqCst), 0, "a tail job ran");
+        if graceful {
+            assert_eq!(
+                charged, 0,
+                "a shutdown gives every waiting job its attempt back"
+            );
+        } else {
+            assert!(
+                (1..=PREFETCH as u64).contains(&charged),
+                "{charged} jobs that never started were charged (prefetch {PREFETCH})"
+            );
+            assert_eq!(buried, charged, "each was on its only attempt");
+        }
+    }
     Ok(())
 }

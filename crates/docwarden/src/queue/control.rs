@@ -86,6 +86,17 @@ impl QueueControl {
     }
 }
 
+/// `version + 1` as a pipeline expression, a stored `version` that is not a number
+/// (absent, or a hand edit) counting as 0: an `$inc` on a string failed every pause and
+/// resume of the queue with an untyped database error.
+fn version_plus_one() -> Document {
+    let version = format!("${}", control::VERSION);
+    doc! { "$add": [
+        { "$cond": [{ "$isNumber": version.as_str() }, version.as_str(), 0_i64] },
+        1_i64,
+    ] }
+}
+
 impl JobQueue {
     fn control_filter(&self) -> Document {
         doc! { "_id": control_id(self.queue_name()) }
@@ -107,16 +118,14 @@ impl JobQueue {
             .meta()
             .update_one(
                 filter,
-                doc! {
-                    "$set": {
-                        control::QUEUE: self.queue_name(),
-                        control::PAUSED: true,
-                        control::PAUSED_AT: now,
-                        control::BY: by,
-                        control::UPDATED_AT: now,
-                    },
-                    "$inc": { control::VERSION: 1_i64 },
-                },
+                vec![doc! { "$set": {
+                    control::QUEUE: { "$literal": self.queue_name() },
+                    control::PAUSED: true,
+                    control::PAUSED_AT: now,
+                    control::BY: { "$literal": by },
+                    control::UPDATED_AT: now,
+                    control::VERSION: version_plus_one(),
+                } }],
             )
             .upsert(true)
             .await;
@@ -143,15 +152,13 @@ impl JobQueue {
             .meta()
             .update_one(
                 filter,
-                doc! {
-                    "$set": {
-                        control::PAUSED: false,
-                        control::RESUMED_AT: now,
-                        control::BY: by,
-                        control::UPDATED_AT: now,
-                    },
-                    "$inc": { control::VERSION: 1_i64 },
-                },
+                vec![doc! { "$set": {
+                    control::PAUSED: false,
+                    control::RESUMED_AT: now,
+                    control::BY: { "$literal": by },
+                    control::UPDATED_AT: now,
+                    control::VERSION: version_plus_one(),
+                } }],
             )
             .await?;
         if r.matched_count == 0 {

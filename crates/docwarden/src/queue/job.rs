@@ -115,7 +115,9 @@ pub(crate) fn render_id(id: &Bson) -> String {
     }
 }
 
-fn type_name(b: &Bson) -> String {
+/// A stored value's BSON type as named in [`Error::Malformed`] reasons (`string`,
+/// `double`, `null` …).
+pub(crate) fn type_name(b: &Bson) -> String {
     format!("{:?}", b.element_type()).to_lowercase()
 }
 

@@ -53,7 +53,7 @@ pub struct JobListFilter {
     /// their uniqueness window (`unique_slot` is `<key>@<window start>`), or as their
     /// concurrency or rate key (`limits.key`, `limits.rate`). A fairness key is not
     /// stored (only the partition it hashes to), so it cannot be listed by. Exact,
-    /// case-sensitive match (the window key as an anchored prefix of `unique_slot`).
+    /// case-sensitive match (`unique_slot` as exactly the key, `@` and digits).
     /// `None`: any.
     pub key: Option<String>,
     /// Only jobs whose `last_error` contains this text, case-insensitively (a literal:
@@ -112,7 +112,9 @@ impl JobListFilter {
                 "$or",
                 vec![
                     doc! { field::DEDUPE_KEY: k.as_str() },
-                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@", regex_literal(k)) } },
+                    // The slot is `<key>@<window start in ms>`: the digits are anchored,
+                    // so a key that contains `@` (`k@eu`) is not listed for `k`.
+                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@[0-9]+$", regex_literal(k)) } },
                     doc! { field::LIMITS_KEY: k.as_str() },
                     doc! { field::LIMITS_RATE: k.as_str() },
                 ],
@@ -139,6 +141,28 @@ fn regex_literal(s: &str) -> String {
         out.push(c);
     }
     out
+}
+
+/// The update of [`JobQueue::retry_dead`]: a fresh run at `now` (see there for which
+/// fields are reset and which are kept as the job's history).
+fn retry_update(now: mongodb::bson::DateTime) -> Document {
+    doc! {
+        "$set": {
+            field::STATE: JobState::Ready.as_str(),
+            field::ATTEMPTS: 0_i64,
+            field::LEASE: Bson::Null,
+            field::RUN_AT: now,
+            field::UPDATED_AT: now,
+        },
+        "$unset": {
+            field::FINISHED_AT: "",
+            field::STALLS: "",
+            field::SNOOZES: "",
+            field::PROGRESS: "",
+            field::RESULT: "",
+            field::FOLLOW_UP: "",
+        },
+    }
 }
 
 /// What [`JobQueue::cancel`] did.
@@ -283,9 +307,14 @@ impl JobQueue {
         Ok(out)
     }
 
-    /// Moves dead jobs (all, or those in `ids`) back to `ready` with their attempts
-    /// reset, due now. A dead job whose dedupe key is taken by a newer unfinished job
-    /// stays dead. Returns how many were revived.
+    /// Moves dead jobs (all, or those in `ids`) back to `ready`, due now, to run as a
+    /// fresh job would: every per-run field is reset — `attempts: 0`, no `lease`, and
+    /// no `stalls`, `snoozes`, `progress`, `result` or `finished_at` (so `max_stalls`
+    /// and `max_attempts` count from zero again), and a follow-up dropped when the job
+    /// died stays dropped (no `follow_up`). Its history is kept: `last_error` (why it
+    /// died), `created_at`, `follow_ups`, and `settled` (the proof a worker's read-back
+    /// may still need). A dead job whose dedupe key is
+    /// taken by a newer unfinished job stays dead. Returns how many were revived.
     ///
     /// # Errors
     /// A database error.
@@ -296,15 +325,7 @@ impl JobQueue {
         if let Some(ids) = ids {
             filter.insert(field::ID, doc! { "$in": ids.to_vec() });
         }
-        let update = doc! {
-            "$set": {
-                field::STATE: JobState::Ready.as_str(),
-                field::ATTEMPTS: 0_i64,
-                field::RUN_AT: now,
-                field::UPDATED_AT: now,
-            },
-            "$unset": { field::FINISHED_AT: "" },
-        };
+        let update = retry_update(now);
         match self
             .inner
             .coll

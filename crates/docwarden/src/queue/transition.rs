@@ -231,7 +231,89 @@ pub(crate) type Settled = Result<Option<FailOutcome>>;
 struct Group {
     token: String,
     update: Bson,
+    /// What the stored job must also match for the update to apply ([`guard`]).
+    guard: Option<Document>,
     ids: Vec<Bson>,
+}
+
+/// The integer BSON types, as a `$type` operand.
+fn integer_types() -> Bson {
+    Bson::Array(vec!["int".into(), "long".into()])
+}
+
+/// What the stored job must match, beyond the fence, for transition `t`'s update to be
+/// right. A give-back (release, snooze) counts `attempts` down and `snoozes` up with
+/// `$inc`, which on a hand-edited job either fails the whole update (a string, a null:
+/// an untyped database error) or quietly stores what no claim parses again (a double,
+/// or a missing `attempts` created as −1). So a give-back also matches `attempts` as an
+/// integer and, snoozing, `snoozes` as an integer or absent; a job edited otherwise
+/// matches nothing, keeps everything it had, and the read-back reports it as
+/// [`Error::Malformed`] ([`refused_by_guard`]).
+fn guard(t: &Transition) -> Option<Document> {
+    match t {
+        Transition::Release => Some(doc! { field::ATTEMPTS: { "$type": integer_types() } }),
+        Transition::Snooze(_) => Some(doc! {
+            field::ATTEMPTS: { "$type": integer_types() },
+            "$or": [
+                { field::SNOOZES: { "$exists": false } },
+                { field::SNOOZES: { "$type": integer_types() } },
+            ],
+        }),
+        Transition::Complete(_) | Transition::Fail(_) => None,
+    }
+}
+
+/// Why transition `t` of claim `job` did not apply to the stored job `d`, if it was
+/// [`guard`]'s refusal: `d` still runs under the claim, but a field the transition
+/// counts with is not an integer. Nothing was written; the job stays running under the
+/// claim until its lease expires (or the claim completes, fails or cancels it).
+pub(crate) fn refused_by_guard(d: &Document, job: &ClaimedJob, t: &Transition) -> Option<Error> {
+    guard(t)?;
+    let token = d
+        .get_document(field::LEASE)
+        .ok()
+        .and_then(|l| l.get_str(field::lease::TOKEN).ok());
+    if d.get_str(field::STATE).ok() != Some(JobState::Running.as_str())
+        || token != Some(job.lease.token.as_str())
+    {
+        return None;
+    }
+    let integer = |v: Option<&Bson>| matches!(v, Some(Bson::Int32(_) | Bson::Int64(_)));
+    let found = |v: Option<&Bson>| {
+        v.map_or_else(
+            || "it is missing".to_owned(),
+            |b| format!("found {}", super::job::type_name(b)),
+        )
+    };
+    let mut problems = Vec::new();
+    if !integer(d.get(field::ATTEMPTS)) {
+        problems.push(format!(
+            "`{}` must be an integer, {}",
+            field::ATTEMPTS,
+            found(d.get(field::ATTEMPTS))
+        ));
+    }
+    if matches!(t, Transition::Snooze(_))
+        && d.get(field::SNOOZES).is_some()
+        && !integer(d.get(field::SNOOZES))
+    {
+        problems.push(format!(
+            "`{}` must be an integer or absent, {}",
+            field::SNOOZES,
+            found(d.get(field::SNOOZES))
+        ));
+    }
+    if problems.is_empty() {
+        return None;
+    }
+    Some(Error::Malformed {
+        id: job.id().to_hex(),
+        reason: format!(
+            "{} (edited while the job ran); the {} was not written and the job is unchanged, still running under this claim",
+            problems.join("; "),
+            t.name()
+        ),
+    })
 }
 
 /// `{q: {_id: {$in: ids}, state: "running", "lease.token": token}, u, multi: true}` per
@@ -248,6 +330,9 @@ fn groups_to_statements(groups: Vec<Group>, unfenced: bool) -> Vec<Document> {
             };
             if unfenced {
                 q.remove(field::STATE);
+            }
+            if let Some(guard) = g.guard {
+                q.extend(guard);
             }
             doc! { "q": q, "u": g.update, "multi": true }
         })
@@ -420,6 +505,7 @@ impl JobQueue {
         let has = doc! { "$eq": [{ "$type": format!("${}", field::FOLLOW_UP) }, "object"] };
         let pick = |then: Bson, otherwise: Bson| doc! { "$cond": [has.clone(), then, otherwise] };
         let keep = |f: &str| Bson::String(format!("${f}"));
+        let follow_ups = doc! { "$cond": [{ "$isNumber": keep(field::FOLLOW_UPS) }, keep(field::FOLLOW_UPS), 0_i64] };
         vec![doc! { "$set": {
             field::STATE: pick(JobState::Ready.as_str().into(), JobState::Succeeded.as_str().into()),
             field::RESULT: { "$literal": result.clone() },
@@ -430,8 +516,11 @@ impl JobQueue {
             field::ATTEMPTS: pick(Bson::Int64(0), keep(field::ATTEMPTS)),
             field::RUN_AT: pick(at.into(), keep(field::RUN_AT)),
             field::FINISHED_AT: pick(Bson::Null, at.into()),
+            // Counting a follow-up run, a `follow_ups` that is not a number (absent, or a
+            // hand edit) counts as 0, as the sweep counts `stalls`: `$add` on a string
+            // failed the whole completion with an untyped database error.
             field::FOLLOW_UPS: pick(
-                doc! { "$add": [{ "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }, 1_i64] }.into(),
+                doc! { "$add": [follow_ups, 1_i64] }.into(),
                 doc! { "$ifNull": [keep(field::FOLLOW_UPS), 0_i64] }.into(),
             ),
             field::FOLLOW_UP: Bson::Null,
@@ -585,6 +674,7 @@ impl JobQueue {
                 groups.push(Group {
                     token: job.lease.token.as_str().to_owned(),
                     update,
+                    guard: guard(t),
                     ids: Vec::new(),
                 });
                 groups.len() - 1
@@ -633,15 +723,22 @@ impl JobQueue {
                 let applied = stored.get(&job.id()).and_then(|d| {
                     shows(d, job, t).or_else(|| settled_by(d, job, t).then_some(planned))
                 });
-                match applied {
-                    Some(outcome) => Ok(outcome),
-                    None => match reply.refused.get(&g) {
-                        Some(reason) => Err(Error::Malformed {
-                            id: job.id().to_hex(),
-                            reason: reason.clone(),
-                        }),
-                        None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
-                    },
+                if let Some(outcome) = applied {
+                    return Ok(outcome);
+                }
+                // A hand-edited job the guard kept the transition off (still ours).
+                if let Some(e) = stored
+                    .get(&job.id())
+                    .and_then(|d| refused_by_guard(d, job, t))
+                {
+                    return Err(e);
+                }
+                match reply.refused.get(&g) {
+                    Some(reason) => Err(Error::Malformed {
+                        id: job.id().to_hex(),
+                        reason: reason.clone(),
+                    }),
+                    None => Err(lease_lost(&Bson::ObjectId(job.id()), &job.lease.token)),
                 }
             })
             .collect())
@@ -654,6 +751,13 @@ impl JobQueue {
     /// [`Error::InvalidInput`] for a result larger than [`MAX_RESULT_BYTES`] (as
     /// [`JobQueue::complete`]; that job is not sent, the others are).
     ///
+    /// A claim given more than once (the same job under the same claim token) is
+    /// completed once, by its first occurrence and with its result; every later
+    /// occurrence is not sent and gets [`Error::InvalidInput`] (`what: "jobs"`), so each
+    /// completion that applied is reported exactly once. (The same job under two
+    /// different claims is not a duplicate: at most one of them still holds it, the
+    /// other gets [`Error::LeaseLost`].)
+    ///
     /// # Errors
     /// A database error for the bulk as a whole (retry it: a retried bulk reports what
     /// the lost attempt applied).
@@ -661,7 +765,19 @@ impl JobQueue {
         // `None`: sent in the bulk; `Some(e)`: refused before anything was sent.
         let mut refused: Vec<Option<Error>> = Vec::with_capacity(jobs.len());
         let mut items: Vec<(ClaimedJob, Transition)> = Vec::with_capacity(jobs.len());
+        let mut seen: std::collections::HashSet<(ObjectId, &str)> =
+            std::collections::HashSet::with_capacity(jobs.len());
         for (j, r) in jobs {
+            if !seen.insert((j.id(), j.lease.token.as_str())) {
+                refused.push(Some(Error::invalid(
+                    "jobs",
+                    format!(
+                        "job {} is given more than once under the same claim; only its first occurrence was sent",
+                        j.id().to_hex()
+                    ),
+                )));
+                continue;
+            }
             match check_size("result", r, MAX_RESULT_BYTES) {
                 Ok(()) => {
                     items.push((j.clone(), Transition::Complete(r.clone())));
@@ -749,6 +865,7 @@ impl JobQueue {
                 groups.push(Group {
                     token: job.lease.token.as_str().to_owned(),
                     update: Bson::Document(update.clone()),
+                    guard: None,
                     ids: Vec::new(),
                 });
                 groups.len() - 1
@@ -789,20 +906,37 @@ impl JobQueue {
         job: &ClaimedJob,
         update: impl Into<mongodb::options::UpdateModifications>,
     ) -> Result<()> {
-        let r = self
-            .inner
-            .coll
-            .update_one(
-                super::job::fence_filter(&Bson::ObjectId(job.id()), job.lease.token.as_str()),
-                update,
-            )
-            .await?;
-        if r.matched_count == 1 {
-            Ok(())
-        } else {
-            crate::observe::lease_lost(self.metrics_label());
-            Err(lease_lost(&Bson::ObjectId(job.job.id), &job.lease.token))
+        self.fenced_guarded(job, None, update).await
+    }
+
+    /// [`JobQueue::fenced`] for transition `t` (`None`: not a transition), with its
+    /// [`guard`] in the filter. When a guarded update matches nothing, the job is read
+    /// back: [`Error::Malformed`] if the guard refused it ([`refused_by_guard`]), else
+    /// [`Error::LeaseLost`].
+    async fn fenced_guarded(
+        &self,
+        job: &ClaimedJob,
+        t: Option<&Transition>,
+        update: impl Into<mongodb::options::UpdateModifications>,
+    ) -> Result<()> {
+        let mut filter =
+            super::job::fence_filter(&Bson::ObjectId(job.id()), job.lease.token.as_str());
+        let guard = t.and_then(guard);
+        if let Some(g) = guard.clone() {
+            filter.extend(g);
         }
+        let r = self.inner.coll.update_one(filter, update).await?;
+        if r.matched_count == 1 {
+            return Ok(());
+        }
+        if let Some(t) = t.filter(|_| guard.is_some())
+            && let Some(d) = self.read_back(vec![job.id()]).await?.get(&job.id())
+            && let Some(e) = refused_by_guard(d, job, t)
+        {
+            return Err(e);
+        }
+        crate::observe::lease_lost(self.metrics_label());
+        Err(lease_lost(&Bson::ObjectId(job.job.id), &job.lease.token))
     }
 
     /// Extends the lease to `lease_ttl` from now (server time) and returns the new
@@ -846,7 +980,7 @@ impl JobQueue {
     async fn settle_one(&self, job: &ClaimedJob, t: &Transition) -> Result<Option<FailOutcome>> {
         let now = self.inner.time.now().await?;
         let (update, outcome) = self.transition_update(job, t, &now);
-        self.fenced(job, update).await?;
+        self.fenced_guarded(job, Some(t), update).await?;
         Ok(outcome)
     }
 
@@ -876,13 +1010,16 @@ impl JobQueue {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a delay too long to express in ms; [`Error::LeaseLost`]
-    /// if the claim no longer holds the job; a database error.
+    /// if the claim no longer holds the job; [`Error::Malformed`] if it does but its
+    /// `attempts` (or `snoozes`) was edited into something other than an integer
+    /// (nothing written, the job unchanged); a database error.
     pub async fn snooze(&self, job: &ClaimedJob, after: Duration) -> Result<DateTime> {
         let ms = i64::try_from(after.as_millis())
             .map_err(|_| Error::invalid("snooze", "is too long"))?;
         let now = self.inner.time.now().await?;
-        let (update, _) = self.transition_update(job, &Transition::Snooze(ms), &now);
-        self.fenced(job, update).await?;
+        let snooze = Transition::Snooze(ms);
+        let (update, _) = self.transition_update(job, &snooze, &now);
+        self.fenced_guarded(job, Some(&snooze), update).await?;
         Ok(now.plus_ms(ms))
     }
 
@@ -919,8 +1056,9 @@ impl JobQueue {
     /// (graceful shutdown uses this).
     ///
     /// # Errors
-    /// [`Error::LeaseLost`] if the claim no longer holds the
-    /// job; a database error.
+    /// [`Error::LeaseLost`] if the claim no longer holds the job; [`Error::Malformed`]
+    /// if it does but its `attempts` was edited into something other than an integer
+    /// (nothing written, the job unchanged); a database error.
     pub async fn release(&self, job: &ClaimedJob) -> Result<()> {
         self.settle_one(job, &Transition::Release).await.map(|_| ())
     }

@@ -40,7 +40,11 @@
 //! nothing; its jobs are re-claimable after the lease expires, including jobs whose
 //! handler had finished but whose completion was still queued (delivery is at least
 //! once). Jobs waiting in the worker hold their leases: a slow handler delays them by
-//! at most the prefetch (which stays 0 while handlers are slower than claims).
+//! at most the prefetch (which stays 0 while handlers are slower than claims). The claim
+//! counts the attempt and a handler's start writes nothing, so a killed worker's jobs
+//! that never started (at most `concurrency` + the prefetch) are swept with an attempt
+//! used, and to `dead` if it was their last (`docs/queue.md`, "A crash charges an attempt
+//! to jobs that never started"); a graceful shutdown gives them their attempt back.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -243,15 +247,21 @@ impl Ctx {
     }
 
     /// Marks held claim `job` as having its final transition queued for the writer: from
-    /// now on the writer's reply, not a heartbeat, tells its outcome.
-    fn settling(&self, job: &ClaimedJob) {
-        if let Some(h) = self
+    /// now on the writer's reply, not a heartbeat, tells its outcome. Returns whether the
+    /// worker still held it: `false` once a heartbeat took it away (lease lost, or
+    /// cancelled by an operator), which that heartbeat has counted already.
+    fn settling(&self, job: &ClaimedJob) -> bool {
+        match self
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get_mut(&claim_key(job))
         {
-            h.settling = true;
+            Some(h) => {
+                h.settling = true;
+                true
+            }
+            None => false,
         }
     }
 
@@ -269,11 +279,14 @@ impl Ctx {
             .get(&claim_key(job))
             .map(|h| h.valid_until)
     }
-    fn forget(&self, job: &ClaimedJob) {
+    /// Stops holding claim `job`; whether it was still held (a heartbeat that found its
+    /// lease lost took it away already, and counted it).
+    fn forget(&self, job: &ClaimedJob) -> bool {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&claim_key(job));
+            .remove(&claim_key(job))
+            .is_some()
     }
     /// The jobs held, each with whether its final transition is queued (settling).
     fn held_jobs(&self) -> Vec<(ClaimedJob, bool)> {
@@ -580,7 +593,12 @@ async fn supervise(
     }
     for (job, _) in waiting {
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
-        ctx.settling(&job);
+        if !ctx.settling(&job) {
+            // A heartbeat found its lease lost (or the job cancelled) and counted it:
+            // there is nothing to release, and a refused release would count it again.
+            ctx.queue.release_permits(&job).await;
+            continue;
+        }
         let _ = final_tx.send((job, Transition::Release));
     }
     let running = ctx.outstanding.load(Ordering::Relaxed);
@@ -826,13 +844,16 @@ async fn run_slot(
         ctx.finished.fetch_add(1, Ordering::Relaxed);
         ctx.slot_freed.notify_one();
         match final_transition {
-            Some(t) => {
-                ctx.settling(&job);
+            // Unless a heartbeat found the lease lost meanwhile (it took the job away and
+            // counted it, under the same lock): the fence would refuse the transition and
+            // the writer count the loss a second time. A job cancelled by an operator
+            // still sends its transition, which the fence refuses (counted as a loss).
+            Some(t) if ctx.settling(&job) || !lost.is_cancelled() => {
                 if finals.send((job, t)).is_err() {
                     return;
                 }
             }
-            None => {
+            _ => {
                 ctx.forget(&job);
                 ctx.queue.release_permits(&job).await;
             }
@@ -898,7 +919,11 @@ async fn run_job(
             }
             () = lease_expiry(ctx, job) => {
                 tracing::warn!("lease not renewed before it expired (heartbeats failing); handler dropped");
-                Counters::bump(&ctx.counters.lease_lost);
+                // Counted once: unless a heartbeat found the lease lost (and counted it)
+                // at the same moment.
+                if ctx.forget(job) {
+                    Counters::bump(&ctx.counters.lease_lost);
+                }
                 job.cancellation().cancel();
                 None
             }
@@ -1074,13 +1099,24 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                         match held.get(&claim_key(job)) {
                             // The writer tells this job's outcome (see `HeldJob::settling`).
                             Some(h) if h.settling => None,
-                            Some(_) => held.remove(&claim_key(job)),
+                            Some(_) => {
+                                let h = held.remove(&claim_key(job));
+                                // Under the lock: a slot that finds the job no longer
+                                // held also finds `lost` cancelled, and never sends its
+                                // transition (`run_slot`), which would count it twice.
+                                if still != Held::Cancelled
+                                    && let Some(h) = &h
+                                {
+                                    h.lost.cancel();
+                                }
+                                h
+                            }
                             None => None,
                         }
                     };
-                    let Some(HeldJob { lost, .. }) = gone else {
+                    if gone.is_none() {
                         continue;
-                    };
+                    }
                     job.cancellation().cancel();
                     if still == Held::Cancelled {
                         // Cancelled by an operator: the handler is signalled and may
@@ -1089,7 +1125,6 @@ async fn heartbeats(ctx: Arc<Ctx>, stop: CancellationToken) {
                         tracing::info!(job = %job.id(), "job cancelled while running; handler signalled");
                     } else {
                         // The lease, or the permit that must outlive it, is lost.
-                        lost.cancel();
                         Counters::bump(&ctx.counters.lease_lost);
                     }
                 }

@@ -20,6 +20,9 @@
 //! | [`semaphore`] | issue 16, N holders per resource | `lock::Semaphore` |
 //! | [`queue_limits`] | issue 15, concurrency and rate limits, fairness | `queue` limits |
 //!
+//! Workloads whose checkers judge holders' stretches (semaphore, limits, rwlock) read
+//! the server's order with [`marker`] writes, never a holder's own clock.
+//!
 //! Every history event names its process with a typed [`Process`] and its operation with
 //! the workload's own `Op` enum (`as_str()` is what the history and the report show).
 //!
@@ -30,6 +33,7 @@ pub mod counters;
 pub mod election;
 pub mod enrollment;
 pub mod jobs;
+pub mod marker;
 pub mod on_call;
 mod process;
 pub mod queue_limits;

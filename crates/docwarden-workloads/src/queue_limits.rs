@@ -458,38 +458,48 @@ mod tests {
         assert_eq!(check_rate(&[0, 500, 1000], 1, 500), (0, 1));
     }
 
-    /// A handler stopped past its lease (a SIGSTOP outliving it) ran on, by its own
-    /// clock, while its job's place went to others: counted only up to its lease's
-    /// expiry, it is no third holder of a limit of 2.
+    fn stamp(inc: u32) -> docwarden::check::order::Stamp {
+        docwarden::check::order::Stamp::new(1_800_000_000, inc)
+    }
+
+    /// A handler run of `tenant-0` recorded at `at_us` on the history's clock, holding
+    /// its place over `from..to` of the server's order.
+    fn run(at_us: u64, from: u32, to: u32) -> docwarden::check::Event {
+        run_event(1, "tenant-0", at_us, at_us + 10_000, stamp(from), stamp(to)).expect("a span")
+    }
+
+    /// A handler stopped past its lease (a SIGSTOP outliving it) cannot confirm its lease
+    /// afterwards, so its stretch ends at its last marker before it was stopped: it is no
+    /// third holder of a limit of 2 next to the handlers that took its job's place. Had it
+    /// confirmed later, it would be.
     #[test]
-    fn a_handler_stopped_past_its_lease_is_counted_up_to_its_expiry() {
-        let run = |start: i64, detail: &str| {
-            docwarden::check::Event::new(1, Op::Run.as_str(), "tenant-0", 0, 1)
-                .value(start)
-                .detail(detail)
-        };
-        let events = [
-            run(0, "5000 2000"),
-            run(2_500, "2600 4500"),
-            run(2_500, "2600 4500"),
-        ];
+    fn a_handler_stopped_past_its_lease_is_counted_up_to_its_last_confirmed_marker() {
+        let events = [run(0, 1, 2), run(2_500_000, 3, 6), run(2_500_000, 4, 7)];
         assert!(concurrency_violations(&events, 2).is_empty());
-        // Within its lease, a third holder is a violation.
-        let events = [
-            run(0, "5000 3000"),
-            run(2_500, "2600 4500"),
-            run(2_500, "2600 4500"),
-        ];
+        let events = [run(0, 1, 5), run(2_500_000, 3, 6), run(2_500_000, 4, 7)];
         assert_eq!(concurrency_violations(&events, 2).len(), 1);
+    }
+
+    /// The handlers' clocks (and the history's) take no part: three handlers of one key
+    /// at one instant of the server's order are over the limit however far apart their
+    /// recorded times are, and handlers one after the other in that order are not,
+    /// however their recorded times overlap.
+    #[test]
+    fn the_servers_order_decides_not_the_handlers_clocks() {
+        let apart_by_clock = [run(0, 1, 9), run(20_000_000, 2, 9), run(40_000_000, 3, 9)];
+        assert_eq!(concurrency_violations(&apart_by_clock, 2).len(), 1);
+        let together_by_clock = [run(0, 1, 2), run(0, 3, 4), run(0, 5, 6)];
+        assert!(concurrency_violations(&together_by_clock, 1).is_empty());
     }
 }
 
 /// The history operations of the verify workloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// A handler ran: key, `value` = start (latest server ms after it started), detail = end
-    /// (earliest server ms before it returned) and, after a space, the claim's lease expiry
-    /// (server ms): a handler stopped past its lease no longer holds its job's place.
+    /// A handler ran and confirmed its claim's lease still certainly valid: key, span =
+    /// from its marker write after it started to its marker write before it confirmed (the
+    /// server's order, [`docwarden::check::order`]). A handler stopped past its lease
+    /// cannot confirm: it records nothing, as its job's place went to others.
     Run,
     /// A job started: key, `value` = the claim's server time (`updated_at`).
     Start,
@@ -530,44 +540,50 @@ pub fn job_key(payload: &Bson) -> String {
     key_of(payload)
 }
 
+/// The history event of a handler of `key` that held its job's place from stamp `from`
+/// (a marker write after it started) to stamp `to` (one before it confirmed its claim's
+/// lease still certainly valid); recorded at `start_us..end_us` on the history's clock
+/// (the report's timeline). `None` unless `from < to`.
+pub fn run_event(
+    process: u32,
+    key: &str,
+    start_us: u64,
+    end_us: u64,
+    from: docwarden::check::order::Stamp,
+    to: docwarden::check::order::Stamp,
+) -> Option<docwarden::check::Event> {
+    Some(
+        docwarden::check::Event::new(process, Op::Run.as_str(), key, start_us, end_us)
+            .span(docwarden::check::order::Span::new(from, to)?),
+    )
+}
+
 /// The verify checker of the concurrency workload: handlers of one key running at one
-/// server instant beyond `limit` (`over-concurrency-limit`), from [`Op::Run`] events. A
-/// handler's interval ends at its lease's expiry if that is earlier: a handler stopped past
-/// its lease (its job taken back, its place given to another) is not counted beyond it.
+/// instant of the server's order beyond `limit` (`over-concurrency-limit`), from
+/// [`Op::Run`] events. A handler's stretch ends at its last marker before it confirmed its
+/// claim's lease (the equivalent, in the server's order, of cutting it at the lease's
+/// expiry): a handler stopped past its lease, its place given to another, is not counted
+/// beyond it.
 pub fn concurrency_violations(
     events: &[docwarden::check::Event],
     limit: usize,
 ) -> Vec<docwarden::check::Violation> {
-    let mut by_key: HashMap<&str, Vec<crate::semaphore::Holding>> = HashMap::new();
+    let mut by_key: HashMap<&str, Vec<docwarden::check::order::Span>> = HashMap::new();
     for e in events.iter().filter(|e| e.op == Op::Run.as_str()) {
-        let mut parts = e.detail.split(' ').map(str::parse::<i64>);
-        let (Some(start_ms), Some(Ok(end_ms))) = (e.value, parts.next()) else {
-            continue;
-        };
-        let end_ms = match parts.next() {
-            Some(Ok(until_ms)) => end_ms.min(until_ms),
-            _ => end_ms,
-        };
-        by_key
-            .entry(e.key.as_str())
-            .or_default()
-            .push(crate::semaphore::Holding {
-                token: 0,
-                sent_ms: start_ms,
-                start_ms,
-                end_ms,
-            });
+        if let Some(span) = e.span {
+            by_key.entry(e.key.as_str()).or_default().push(span);
+        }
     }
     let mut out = Vec::new();
-    for (key, holdings) in by_key {
-        let c = crate::semaphore::check(&holdings, limit);
-        for _ in 0..c.overlaps {
+    for (key, spans) in by_key {
+        let c = docwarden::check::order::crowding(spans.iter().map(|s| (s.from, s.to)), limit);
+        for _ in 0..c.beyond {
             out.push(docwarden::check::Violation::new(
                 "over-concurrency-limit",
                 key,
                 format!(
-                    "{} jobs of the key ran at one server instant (limit {limit})",
-                    c.max_holders
+                    "{} jobs of the key ran at one instant of the server's order (limit {limit})",
+                    c.most
                 ),
             ));
         }

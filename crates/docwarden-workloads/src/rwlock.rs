@@ -1,7 +1,9 @@
 //! Read/write locks (issue 16): processes take one resource for reading (three times in
 //! four) or writing, work a few ms inside, then confirm that their lease is still
-//! certainly valid (by server time) and record the stretch they spent inside; now and then
-//! a holder is paused inside past its lease.
+//! certainly valid (by server time) and record the stretch they spent inside, in the
+//! server's order (a [`crate::marker`] write right after the acquire returned, one right
+//! before the confirmation: no holder's clock takes part); now and then a holder is paused
+//! inside past its lease.
 //!
 //! Safe: a writer waits for the readers inside and keeps new ones out. Control: the writer
 //! does not wait for the readers inside ([`docwarden::lock::RwLockOptions`]'s unsafe
@@ -10,6 +12,7 @@
 
 use std::time::Duration;
 
+use docwarden::check::order::Span;
 use docwarden::check::rwlock::{self as checker, READ_INSIDE_OP, WRITE_INSIDE_OP};
 use docwarden::check::{Event, History, OpOutcome, Violation};
 use docwarden::clock::TimeSource;
@@ -17,6 +20,7 @@ use docwarden::lock::{LockCollection, LockOptions, Owner, RwLockOptions, RwLocks
 use mongodb::Database;
 
 use crate::Mode;
+use crate::marker::Markers;
 
 /// The locked resource (the key of every event).
 pub const RESOURCE: &str = "shared";
@@ -59,6 +63,7 @@ impl Op {
 #[derive(Clone, Debug)]
 pub struct Shared {
     rw: RwLocks,
+    markers: Markers,
 }
 
 impl Shared {
@@ -74,6 +79,7 @@ impl Shared {
         };
         Ok(Self {
             rw: RwLocks::new(locks, options)?,
+            markers: Markers::new(db),
         })
     }
 
@@ -119,7 +125,7 @@ impl Shared {
             let Ok(Some(lease)) = got else {
                 return Ok(());
             };
-            work_inside(
+            self.work_inside(
                 history,
                 process,
                 Op::WriteInside,
@@ -158,7 +164,7 @@ impl Shared {
             let Ok(Some(lease)) = got else {
                 return Ok(());
             };
-            work_inside(
+            self.work_inside(
                 history,
                 process,
                 Op::ReadInside,
@@ -185,25 +191,39 @@ impl Shared {
     }
 }
 
-/// Works inside a held lease (sleeping `pause` more when given), then records the
-/// stretch as `op` (with the write lease's `token`) if the lease expiring at `expires_at`
-/// is still certainly valid: a stretch the holder could not vouch for is not claimed.
-async fn work_inside(
-    history: &History,
-    process: u32,
-    op: Op,
-    time: &TimeSource,
-    pause: Option<Duration>,
-    expires_at: mongodb::bson::DateTime,
-    token: Option<i64>,
-) {
-    let start = history.now_us();
-    tokio::time::sleep(WORK + pause.unwrap_or_default()).await;
-    if let Ok(now) = time.now().await
-        && now.certainly_before(expires_at, time.skew_margin_ms())
-    {
-        let end = history.now_us();
-        let event = Event::new(process, op.as_str(), RESOURCE, start, end);
+impl Shared {
+    /// Works inside a held lease (sleeping `pause` more when given), then records the
+    /// stretch as `op` (with the write lease's `token`) if the lease expiring at
+    /// `expires_at` is still certainly valid: a stretch the holder could not vouch for is
+    /// not claimed. The stretch is a span of the server's order, from a marker write made
+    /// on entering to one made right before the confirmation; without both (a marker
+    /// failed) nothing is claimed.
+    #[allow(clippy::too_many_arguments)]
+    async fn work_inside(
+        &self,
+        history: &History,
+        process: u32,
+        op: Op,
+        time: &TimeSource,
+        pause: Option<Duration>,
+        expires_at: mongodb::bson::DateTime,
+        token: Option<i64>,
+    ) {
+        let start = history.now_us();
+        let entered = self.markers.stamp(process).await;
+        tokio::time::sleep(WORK + pause.unwrap_or_default()).await;
+        let confirmed = self.markers.stamp(process).await;
+        let valid = time
+            .now()
+            .await
+            .is_ok_and(|now| now.certainly_before(expires_at, time.skew_margin_ms()));
+        let (true, Ok(from), Ok(to)) = (valid, entered, confirmed) else {
+            return;
+        };
+        let Some(span) = Span::new(from, to) else {
+            return;
+        };
+        let event = Event::new(process, op.as_str(), RESOURCE, start, history.now_us()).span(span);
         history.push(match token {
             Some(t) => event.token(t),
             None => event,

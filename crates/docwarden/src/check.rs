@@ -10,10 +10,13 @@
 //! **Limits:** a checker can only see what the history recorded. Real-time order is taken
 //! from the client's monotonic clock, so two operations are ordered only when one ended
 //! before the other started; concurrent operations are never counted against each other.
+//! The checkers of holders' stretches (semaphore, limits, rwlock) judge them in the
+//! server's order instead ([`order`]), which no client clock can bend.
 
 pub mod election;
 pub mod history;
 pub mod lease;
+pub mod order;
 pub mod queue;
 pub mod rwlock;
 pub mod state;

@@ -3,8 +3,10 @@
 //! three keys.
 //!
 //! - `limits`: concurrency keys, 2 running jobs per key. Each handler records its running
-//!   interval in server time (inner bounds); checked: never more than 2 of one key at one
-//!   server instant. The control claims without permits.
+//!   stretch in the server's order (a marker write after it started, one before it
+//!   confirms its claim's lease still certainly valid; none if it cannot); checked: never
+//!   more than 2 of one key at one instant of that order. The control claims without
+//!   permits.
 //! - `rate`: rate keys, 4 starts per 500 ms per key. Each handler records the server time
 //!   its start was admitted (`limits.admitted_at`); checked: never more than 4 starts of
 //!   one key in a window of the interval. The control admits every start.
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use docwarden::queue::{JobQueue, Worker, WorkerOptions};
 use docwarden_workloads::Process;
+use docwarden_workloads::marker::Markers;
 use docwarden_workloads::queue_limits::{self, LimitRun, Op};
 use mongodb::bson::Bson;
 
@@ -78,6 +81,7 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
     let history = Arc::clone(&ctx.history);
     let id = process.id();
     let coll = ctx.db.collection(QUEUE);
+    let markers = Markers::new(&ctx.db);
     let w = Worker::spawn(
         q,
         WorkerOptions::default()
@@ -86,7 +90,12 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
             .batch_size(4)
             .poll(Duration::from_millis(5), Duration::from_millis(50)),
         move |job| {
-            let (history, time, coll) = (Arc::clone(&history), time.clone(), coll.clone());
+            let (history, time, coll, markers) = (
+                Arc::clone(&history),
+                time.clone(),
+                coll.clone(),
+                markers.clone(),
+            );
             async move {
                 let key = queue_limits::job_key(job.payload());
                 let at = history.now_us();
@@ -99,17 +108,26 @@ pub(super) async fn worker(ctx: &Ctx, process: Process, rate: bool) -> anyhow::R
                     }
                     return Ok(Bson::Null);
                 }
-                let start = time.now().await?.latest().timestamp_millis();
+                // The server's order, never this process's clock: a marker after the
+                // handler started, one before it confirms its claim's lease.
+                let from = markers.stamp(id).await;
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                let end = time.now().await?.earliest().timestamp_millis();
-                // The claim's lease expiry: past it (a stopped process) the handler no
-                // longer holds its place.
-                let until = job.lease.until.timestamp_millis();
-                history.push(
-                    docwarden::check::Event::new(id, Op::Run.as_str(), &key, at, history.now_us())
-                        .value(start)
-                        .detail(format!("{end} {until}")),
-                );
+                let to = markers.stamp(id).await;
+                let (Ok(from), Ok(to)) = (from, to) else {
+                    return Ok(Bson::Null);
+                };
+                // Past the claim's lease (a stopped process) the handler no longer holds
+                // its place: it claims nothing it cannot vouch for.
+                let valid = time
+                    .now()
+                    .await
+                    .is_ok_and(|now| now.certainly_before(job.lease.until, time.skew_margin_ms()));
+                if valid
+                    && let Some(event) =
+                        queue_limits::run_event(id, &key, at, history.now_us(), from, to)
+                {
+                    history.push(event);
+                }
                 Ok(Bson::Null)
             }
         },

@@ -29,6 +29,10 @@
 //! there past its lease. A watchdog that forgot the bound after a renewal claims
 //! validity after a newer holder has acquired (`overlapping-leases`).
 //!
+//! After a transient error (no primary during a `stepdown`, a reset, a restart) the holder
+//! and the keep-alive task back off (`outage_backoff`) rather than send into the outage:
+//! each such request ends indeterminate, and none can be judged.
+//!
 //! Checked: tokens strictly increase per resource, no stale write accepted, no validity
 //! claim overlapped a newer holder, no released or superseded lease was renewed or
 //! released again (`stale-lease-accepted`), and every counter equals its acknowledged
@@ -261,6 +265,9 @@ async fn keep_alive(
 ) {
     let mut rng = ctx.rng(process);
     let (h, p) = (&ctx.history, process.id());
+    let Ok(mut outage) = outage_backoff() else {
+        return;
+    };
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(rng.random_range(1..=4))).await;
         let copy = {
@@ -284,7 +291,7 @@ async fn keep_alive(
         };
         // With the token in the invoke: a release of this stale copy cut short by a kill
         // must not pass for one of the holder's current lease (same process, same key).
-        if rng.random_bool(0.1) {
+        let answered = if rng.random_bool(0.1) {
             h.record_with_token(
                 p,
                 Op::Release.as_str(),
@@ -294,7 +301,6 @@ async fn keep_alive(
                 outcome,
             )
             .await
-            .ok();
         } else {
             h.record_with_token(
                 p,
@@ -305,9 +311,29 @@ async fn keep_alive(
                 outcome,
             )
             .await
-            .ok();
+        };
+        // Through an outage (no primary, a restart) a request that the server answers
+        // with a transient error, or not at all, is one whose outcome stays unknown: back
+        // off instead of piling them up every few milliseconds.
+        if answered.as_ref().is_err_and(docwarden::Error::is_retryable) {
+            tokio::time::sleep(outage.next_delay()).await;
+        } else {
+            outage.reset();
         }
     }
+}
+
+/// How a worker waits after a transient error (no primary during a `stepdown`, a reset, a
+/// restart): 50 ms doubling to 800 ms, full jitter, at least 10 ms. Every request sent
+/// into an outage ends indeterminate — the server's refusal (`NotWritablePrimary`) does
+/// not prove that a write did not run (MongoDB may answer it to a write in flight when
+/// the node stepped down) — so a worker that kept sending every few milliseconds only
+/// piled up operations no checker can judge.
+fn outage_backoff() -> docwarden::Result<docwarden::backoff::Backoff> {
+    Ok(
+        docwarden::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(800))?
+            .with_floor(Duration::from_millis(10)),
+    )
 }
 
 /// The holder task: acquire, watch, touch, read, check validity, (pause), write, release,
@@ -327,6 +353,7 @@ async fn holder(
     let counters = Counters::new(db.collection(COUNTERS));
     let fence = counters.fence(ctx.mode)?;
     let (h, p) = (&ctx.history, process.id());
+    let mut outage = outage_backoff()?;
     while Instant::now() < deadline {
         let key = counters::resource(rng.random_range(0..RESOURCES));
         let acquired = h
@@ -343,9 +370,17 @@ async fn holder(
             )
             .await;
         let lease = match acquired {
-            Ok(Some(lease)) => lease,
+            Ok(Some(lease)) => {
+                outage.reset();
+                lease
+            }
             Ok(None) => {
+                outage.reset();
                 tokio::time::sleep(Duration::from_millis(rng.random_range(1..10))).await;
+                continue;
+            }
+            Err(e) if e.is_retryable() => {
+                tokio::time::sleep(outage.next_delay()).await;
                 continue;
             }
             Err(_) => {

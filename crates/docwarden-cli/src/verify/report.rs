@@ -570,13 +570,16 @@ fn counterexample_html(n: usize, v: &Violation, ops: &[usize], events: &[Event])
 /// An operation in one line (tooltips).
 fn describe(e: &Event) -> String {
     format!(
-        "{} {} {} {:?}{}{} {:.3}–{:.3} s {}",
+        "{} {} {} {:?}{}{}{} {:.3}–{:.3} s {}",
         Process::from_id(e.process).label(),
         e.op,
         e.key,
         e.outcome,
         e.token.map(|t| format!(" token {t}")).unwrap_or_default(),
         e.value.map(|v| format!(" value {v}")).unwrap_or_default(),
+        e.span
+            .map(|s| format!(" server order {s}"))
+            .unwrap_or_default(),
         secs(e.start_us),
         secs(e.end_us),
         e.detail

@@ -1,15 +1,18 @@
 //! Records the semaphore workload (`docwarden_workloads::semaphore`): every worker takes
 //! permits of one resource with 3 permits, holds each for 5–30 ms and releases it; now and
-//! then it crashes (never releases: the permit must expire by server time) and, under
-//! `pause`, it stops past the permit's ttl before releasing. Checked from the history:
-//! never more than 3 holders at any server instant (inner intervals, see the workload) and
-//! tokens in real-time order. The control counts every holder as expired.
+//! then it crashes (holds for half the ttl, then never releases: the permit must expire by
+//! server time) and, under `pause`, it stops past the permit's ttl before releasing.
+//! Each holding is recorded in the server's order (marker writes, see the workload), never
+//! by the worker's clock. Checked from the history: never more than 3 confirmed holders at
+//! one instant of that order, and tokens in real-time order. The control counts every
+//! holder as expired.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use docwarden::lock::Owner;
 use docwarden_workloads::Process;
+use docwarden_workloads::marker::Markers;
 use docwarden_workloads::semaphore::{self, RESOURCE};
 use rand::Rng;
 
@@ -20,6 +23,8 @@ const PERMITS: u32 = 3;
 /// A permit's ttl (what a `sigstop` must outlive).
 pub(super) const TTL: Duration = Duration::from_millis(500);
 const SEM: &str = "verify_semaphore";
+/// The pause after a marker write failed (no primary, a reset): no spinning through it.
+const MARKER_RETRY: Duration = Duration::from_millis(50);
 
 pub(super) async fn run(ctx: Arc<Ctx>) -> anyhow::Result<Findings> {
     semaphore::open(
@@ -56,9 +61,16 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
         return Ok(());
     };
     let mut rng = ctx.rng(process);
+    let markers = Markers::new(&ctx.db);
+    let id = process.id();
     while Instant::now() < deadline {
         let owner = Owner::random();
-        let Ok(sent) = time.now().await else { continue };
+        // The server's order, never this process's clock: a marker before the acquire is
+        // sent, one after it returned, one before the holder confirms its permit.
+        let Ok(sent) = markers.stamp(id).await else {
+            tokio::time::sleep(MARKER_RETRY).await;
+            continue;
+        };
         let permit = match sem
             .acquire(&owner, RESOURCE, TTL, Duration::from_secs(2))
             .await
@@ -66,32 +78,40 @@ pub(super) async fn worker(ctx: &Ctx, process: Process) -> anyhow::Result<()> {
             Ok(Some(p)) => p,
             Ok(None) | Err(_) => continue,
         };
-        let Ok(after) = time.now().await else {
-            continue;
-        };
-        ctx.history.push(semaphore::permit_event(
-            process.id(),
-            ctx.history.now_us(),
-            permit.token.get(),
-            sent.earliest().timestamp_millis(),
-            after.latest().timestamp_millis(),
-            permit.expires_at.timestamp_millis(),
-        ));
-        if rng.random_bool(0.05) {
-            continue; // crashed: the permit expires by server time
+        let entered = markers.stamp(id).await.ok();
+        let token = permit.token.get();
+        if let Some(event) =
+            entered.and_then(|e| semaphore::permit_event(id, ctx.history.now_us(), token, sent, e))
+        {
+            ctx.history.push(event);
         }
-        tokio::time::sleep(Duration::from_millis(rng.random_range(5..30))).await;
-        ctx.maybe_pause(&mut rng, process, 0.05, TTL + Duration::from_millis(100))
-            .await;
-        let Ok(before) = time.now().await else {
-            continue;
+        // A crashed holder works on for half its ttl, then vanishes without releasing:
+        // its permit must keep others out until it expires by server time.
+        let crashed = rng.random_bool(0.05);
+        let work = if crashed {
+            TTL / 2
+        } else {
+            Duration::from_millis(rng.random_range(5..30))
         };
-        ctx.history.push(semaphore::release_event(
-            process.id(),
-            ctx.history.now_us(),
-            permit.token.get(),
-            before.earliest().timestamp_millis(),
-        ));
+        tokio::time::sleep(work).await;
+        if !crashed {
+            ctx.maybe_pause(&mut rng, process, 0.05, TTL + Duration::from_millis(100))
+                .await;
+        }
+        let confirmed = markers.stamp(id).await.ok();
+        let valid = match time.now().await {
+            Ok(now) => permit.is_certainly_valid(&now, time.skew_margin_ms()),
+            Err(_) => false,
+        };
+        if let (true, Some(entered), Some(confirmed)) = (valid, entered, confirmed)
+            && let Some(event) =
+                semaphore::held_event(id, ctx.history.now_us(), token, entered, confirmed)
+        {
+            ctx.history.push(event);
+        }
+        if crashed {
+            continue;
+        }
         let _ = sem.release(&permit).await;
     }
     Ok(())

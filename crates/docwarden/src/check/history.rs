@@ -48,6 +48,10 @@ pub struct Event {
     pub value: Option<i64>,
     /// Free text: the error, the arguments.
     pub detail: String,
+    /// Where the operation lies in the server's order, if it recorded that
+    /// ([`super::order`]): a holder's stretch between its two marker writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub span: Option<super::order::Span>,
 }
 
 impl Event {
@@ -63,6 +67,7 @@ impl Event {
             token: None,
             value: None,
             detail: String::new(),
+            span: None,
         }
     }
 
@@ -84,6 +89,11 @@ impl Event {
     /// Sets the detail.
     pub fn detail(mut self, detail: impl Into<String>) -> Self {
         self.detail = detail.into();
+        self
+    }
+    /// Sets the span in the server's order.
+    pub fn span(mut self, span: super::order::Span) -> Self {
+        self.span = Some(span);
         self
     }
 }

@@ -69,11 +69,12 @@ impl ScheduleSpec {
         Ok(ScheduleSpec::Every(d))
     }
 
-    /// A cron schedule in `timezone` (validated: the expression parses and the zone is
-    /// known).
+    /// A cron schedule in `timezone` (validated: the expression parses, the zone is
+    /// known, and the expression has a next occurrence in that zone).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad expression or zone.
+    /// [`Error::InvalidInput`] for a bad expression or zone, or an expression that never
+    /// fires (`0 0 31 2 *`: 31 February).
     pub fn cron(expr: &str, timezone: &str) -> Result<Self> {
         let spec = ScheduleSpec::Cron {
             expr: expr.to_owned(),
@@ -87,8 +88,17 @@ impl ScheduleSpec {
         match self {
             ScheduleSpec::Every(d) => validate::duration_ms("schedule interval", *d).map(|_| ()),
             ScheduleSpec::Cron { expr, timezone } => {
-                parse_cron(expr)?;
-                parse_tz(timezone)?;
+                let cron = parse_cron(expr)?;
+                let tz = parse_tz(timezone)?;
+                // An expression that parses but names no date that exists (`0 0 31 2 *`,
+                // 31 February) would be stored and never tick: refuse it here.
+                let now = chrono::Utc::now().with_timezone(&tz);
+                cron.find_next_occurrence(&now, false).map_err(|e| {
+                    Error::invalid(
+                        "cron expression",
+                        format!("`{expr}` never fires in {timezone}: {e}"),
+                    )
+                })?;
                 Ok(())
             }
         }
@@ -831,6 +841,25 @@ mod tests {
         assert_eq!(skipped, 1);
         assert!(ScheduleSpec::cron("not cron", "UTC").is_err());
         assert!(ScheduleSpec::cron("* * * * *", "Mars/Olympus").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_cron_expression_that_never_fires_is_refused() -> Result<()> {
+        // 31 February and 30 February parse, but no date matches them: stored, they would
+        // never tick and nobody would be told.
+        for never in ["0 0 31 2 *", "0 12 30 2 *"] {
+            match ScheduleSpec::cron(never, "UTC") {
+                Err(Error::InvalidInput { what, reason }) => {
+                    assert_eq!(what, "cron expression");
+                    assert!(reason.contains("never fires"), "{reason}");
+                }
+                other => panic!("`{never}` accepted: {other:?}"),
+            }
+        }
+        // 29 February fires (in a leap year), and so does the last day of any month.
+        ScheduleSpec::cron("0 0 29 2 *", "UTC")?;
+        ScheduleSpec::cron("0 0 L * *", "Europe/Paris")?;
         Ok(())
     }
 

@@ -18,6 +18,25 @@ use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::{Collection, Database};
 
+/// Fast jobs first (so the worker's prefetch grows), then a slow one (`{slow: true}`),
+/// then one that waits in the worker behind it (`{waits: true}`): its id.
+async fn enqueue_one_waiting_behind_a_slow_job(q: &JobQueue) -> anyhow::Result<ObjectId> {
+    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
+        .await?;
+    q.enqueue(
+        doc! { "slow": true },
+        &EnqueueOptions::default().priority(5),
+    )
+    .await?;
+    q.enqueue(
+        doc! { "waits": true },
+        &EnqueueOptions::default().priority(0),
+    )
+    .await?
+    .created()
+    .ok_or_else(|| anyhow::anyhow!("not created"))
+}
+
 async fn open(
     db: &Database,
     client: &mongodb::Client,
@@ -858,23 +877,8 @@ async fn a_job_cancelled_while_it_waits_in_the_worker_never_starts() -> anyhow::
     let t = TestDb::new("queue_cancel_waiting").await?;
     let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
     let coll = q.collection().clone();
-    // Fast jobs first (so the worker's prefetch grows), then a slow one, then the one
-    // that waits behind it and is cancelled.
-    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
-        .await?;
-    q.enqueue(
-        doc! { "slow": true },
-        &EnqueueOptions::default().priority(5),
-    )
-    .await?;
-    let waiting = q
-        .enqueue(
-            doc! { "waits": true },
-            &EnqueueOptions::default().priority(0),
-        )
-        .await?
-        .created()
-        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    // The job that waits behind the slow one is cancelled.
+    let waiting = enqueue_one_waiting_behind_a_slow_job(&q).await?;
     let started = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&started);
     let w = Worker::spawn(
@@ -1111,23 +1115,8 @@ async fn a_waiting_job_found_lost_is_counted_once_at_shutdown() -> anyhow::Resul
     let t = TestDb::new("queue_lost_waiting_shutdown").await?;
     let q = open(&t.db, &t.client, QueueOptions::default().partitions(1)).await?;
     let coll = q.collection().clone();
-    // Fast jobs first (so the worker's prefetch grows), then a slow one, then the one
-    // that waits behind it and loses its lease.
-    q.enqueue_many((0..300_i64).map(|i| (doc! { "n": i }, EnqueueOptions::default().priority(10))))
-        .await?;
-    q.enqueue(
-        doc! { "slow": true },
-        &EnqueueOptions::default().priority(5),
-    )
-    .await?;
-    let waiting = q
-        .enqueue(
-            doc! { "waits": true },
-            &EnqueueOptions::default().priority(0),
-        )
-        .await?
-        .created()
-        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    // The job that waits behind the slow one loses its lease.
+    let waiting = enqueue_one_waiting_behind_a_slow_job(&q).await?;
     let started = Arc::new(AtomicUsize::new(0));
     let slow_done = Arc::new(AtomicBool::new(false));
     let (seen, done) = (Arc::clone(&started), Arc::clone(&slow_done));

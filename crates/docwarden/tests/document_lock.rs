@@ -450,3 +450,127 @@ async fn an_operator_document_as_id_locks_nothing() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A stored value of one of several BSON types, or the field missing.
+fn value_strategy() -> impl proptest::strategy::Strategy<Value = Option<Bson>> {
+    use proptest::prelude::*;
+    prop_oneof![
+        Just(None),
+        Just(Some(Bson::Null)),
+        any::<i32>().prop_map(|v| Some(Bson::Int32(v))),
+        any::<i64>().prop_map(|v| Some(Bson::Int64(v))),
+        Just(Some(Bson::Double(0.5))),
+        "[a-z$.]{0,4}".prop_map(|s| Some(Bson::String(s))),
+        Just(Some(Bson::Array(vec![Bson::Int32(1), Bson::Null]))),
+        Just(Some(Bson::Document(doc! { "$x": 1, "a.b": [] }))),
+    ]
+}
+
+/// Session 18: `release_with` of a plain `$set`/`$unset` is sent as a pipeline for the
+/// filter `{_id}` alone (the fence inside). For random stored documents and random plain
+/// updates, held or taken over, it must leave the document — values, types and field
+/// order — and report the outcome exactly as the operator update fenced in the filter
+/// does (sent here raw on a twin document).
+#[test]
+fn a_plain_release_as_a_pipeline_leaves_what_the_fenced_operator_form_leaves() -> anyhow::Result<()>
+{
+    use proptest::prelude::*;
+    const NAMES: [&str; 5] = ["a", "b", "B", "x y", "é"];
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("doclock_release_forms"))?;
+    let coll = t.db.collection::<Document>("docs");
+    let locks = locks(&t, &coll, Duration::from_secs(30))?;
+    let next = std::sync::atomic::AtomicI64::new(0);
+    let config = ProptestConfig {
+        cases: 64,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    // Half the fields missing, so that updates often append new fields (whose order the
+    // two forms must agree on).
+    let stored = prop::collection::vec(
+        prop_oneof![1 => Just(None), 1 => value_strategy()],
+        NAMES.len(),
+    );
+    // Per name: untouched, `$set` to a value, or `$unset`.
+    let change = prop_oneof![
+        2 => Just(None),
+        3 => value_strategy().prop_map(|v| Some(Some(v.unwrap_or(Bson::Null)))),
+        1 => Just(Some(None)),
+    ];
+    let changes = prop::collection::vec(change, NAMES.len());
+    proptest!(config, |(stored in stored, changes in changes, taken_over in any::<bool>())| {
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let outcome: anyhow::Result<()> = rt.block_on(async {
+            let (mine, twin) = (2 * n, 2 * n + 1);
+            let mut base = doc! {};
+            for (name, v) in NAMES.iter().zip(&stored) {
+                if let Some(v) = v {
+                    base.insert(*name, v.clone());
+                }
+            }
+            let mut d = base.clone();
+            d.insert("_id", mine);
+            coll.insert_one(d).await?;
+            let guard = locks.lock(mine).await?.context("free document")?;
+            // The twin: the same fields in the same order, the same lock fields.
+            let mut d = doc! { "_id": twin };
+            for (k, v) in coll.find_one(doc! { "_id": mine }).await?.context("mine")? {
+                if k != "_id" {
+                    d.insert(k, v);
+                }
+            }
+            coll.insert_one(d).await?;
+            if taken_over {
+                for id in [mine, twin] {
+                    coll.update_one(doc! { "_id": id }, doc! { "$set": { "lock_id": "someone else" } })
+                        .await?;
+                }
+            }
+            let (mut set, mut unset) = (doc! {}, doc! {});
+            for (name, c) in NAMES.iter().zip(&changes) {
+                match c {
+                    Some(Some(v)) => { set.insert(*name, v.clone()); }
+                    Some(None) => { unset.insert(*name, ""); }
+                    None => {}
+                }
+            }
+            let mut update = doc! {};
+            if !set.is_empty() {
+                update.insert("$set", set.clone());
+            }
+            if !unset.is_empty() {
+                update.insert("$unset", unset.clone());
+            }
+            let lock_id = guard.lock_id.clone();
+            let applied = locks.release_with(guard, update).await? == FenceOutcome::Applied;
+            // The operator form fenced in the filter, as `release_with` sent it before.
+            set.insert("lock_id", Bson::Null);
+            set.insert("lock_time", Bson::Null);
+            let mut fenced = doc! { "$set": set };
+            if !unset.is_empty() {
+                fenced.insert("$unset", unset);
+            }
+            let r = coll
+                .update_one(doc! { "_id": twin, "lock_id": &lock_id }, fenced)
+                .await?;
+            anyhow::ensure!(applied == (r.matched_count == 1), "outcomes differ: pipeline applied {applied}, filter matched {}", r.matched_count);
+            anyhow::ensure!(applied != taken_over, "applied {applied} although taken over {taken_over}");
+            let strip = |mut d: Document| { d.remove("_id"); d };
+            let a = strip(coll.find_one(doc! { "_id": mine }).await?.context("mine")?);
+            let b = strip(coll.find_one(doc! { "_id": twin }).await?.context("twin")?);
+            // Compared as raw bytes: the same values, types and field order.
+            anyhow::ensure!(
+                mongodb::bson::to_vec(&a)? == mongodb::bson::to_vec(&b)?,
+                "pipeline left {a:?}, the filter form {b:?}"
+            );
+            Ok(())
+        });
+        outcome.map_err(|e| TestCaseError::fail(format!("{e:#}")))?;
+    });
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}

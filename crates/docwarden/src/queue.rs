@@ -466,12 +466,19 @@ impl JobQueue {
         &self.inner.options
     }
 
-    /// The job with this id, parsed.
+    /// The job with this id, parsed, if it is a job of this handle's queue: a job of
+    /// another queue of the collection is `None`, as a missing one is (a handle only
+    /// ever reads and changes its own queue's jobs, like BullMQ's `Queue.getJob`).
     ///
     /// # Errors
     /// [`Error::Malformed`] if the stored document does not parse; a database error.
     pub async fn get(&self, id: mongodb::bson::oid::ObjectId) -> Result<Option<Job>> {
-        match self.inner.coll.find_one(doc! { field::ID: id }).await? {
+        match self
+            .inner
+            .coll
+            .find_one(doc! { field::ID: id, field::QUEUE: self.queue_value() })
+            .await?
+        {
             Some(d) => Job::from_document(&d).map(Some),
             None => Ok(None),
         }

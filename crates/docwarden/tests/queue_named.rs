@@ -187,3 +187,149 @@ async fn claims_of_one_queue_leave_the_others_untouched() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+/// Session 18: `get` and `cancel` went by `_id` alone, so a handle of queue `a` read and
+/// cancelled a job of queue `b` (and the default queue's handle any job at all), and a
+/// replacing, debouncing or follow-up enqueue rewrote the key's job of another queue
+/// (dedupe keys are unique per collection). A handle is bound to its queue, as a BullMQ
+/// `Queue` is (`queue.getJob(id)` reads that queue's job only): every by-id and by-key
+/// operation now acts on its own queue's jobs and reports a job of another queue as not
+/// found (or the key as taken). The test lists every crossing it sees; without the queue
+/// in those filters it lists 9 (three reads, three cancels, three enqueues that merged
+/// into `b`'s job).
+#[tokio::test]
+async fn by_id_and_by_key_operations_act_only_on_the_handles_own_queue() -> anyhow::Result<()> {
+    use docwarden::queue::{CancelOutcome, Enqueued, OnDuplicate};
+    let t = TestDb::new("queue_named_by_id_scope").await?;
+    let default = open(&t, QueueOptions::default()).await?;
+    let a = open(&t, QueueOptions::default().queue("a")).await?;
+    let b = open(&t, QueueOptions::default().queue("b")).await?;
+    let coll = default.collection().clone();
+    let created = |e: Enqueued| {
+        e.created()
+            .ok_or_else(|| anyhow::anyhow!("not created: {e:?}"))
+    };
+    let of_a = created(
+        a.enqueue(doc! { "q": "a" }, &EnqueueOptions::default())
+            .await?,
+    )?;
+    let of_b = created(
+        b.enqueue(doc! { "q": "b" }, &EnqueueOptions::default())
+            .await?,
+    )?;
+    let of_default = created(
+        default
+            .enqueue(doc! { "q": "default" }, &EnqueueOptions::default())
+            .await?,
+    )?;
+    let mut crossings: Vec<String> = Vec::new();
+
+    // Reads: each handle sees its own job only.
+    for (who, q, id, own) in [
+        ("a", &a, of_a, true),
+        ("a", &a, of_b, false),
+        ("a", &a, of_default, false),
+        ("default", &default, of_b, false),
+        ("default", &default, of_default, true),
+        ("b", &b, of_b, true),
+    ] {
+        let found = q.get(id).await?.is_some();
+        if found != own {
+            crossings.push(format!("{who}.get({id}) found: {found}"));
+        }
+    }
+
+    // Cancel: another queue's job, waiting or running, is not found and left alone.
+    let running = b
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("b has no job"))?;
+    assert_eq!(running.id(), of_b);
+    for (who, q, id) in [
+        ("a", &a, of_b),
+        ("default", &default, of_b),
+        ("b", &b, of_a),
+    ] {
+        let r = q.cancel(id).await?;
+        if r != CancelOutcome::NotFound {
+            crossings.push(format!("{who}.cancel({id}) of another queue's job: {r:?}"));
+        }
+    }
+    let state = |id: ObjectId| {
+        let coll = coll.clone();
+        async move {
+            anyhow::Ok(
+                coll.find_one(doc! { field::ID: id })
+                    .await?
+                    .and_then(|d| d.get_str(field::STATE).ok().map(str::to_owned))
+                    .unwrap_or_default(),
+            )
+        }
+    };
+    if state(of_b).await? == JobState::Running.as_str() {
+        b.complete(&running, Bson::Null).await?;
+    }
+    if state(of_a).await? == JobState::Ready.as_str() {
+        assert_eq!(
+            a.cancel(of_a).await?,
+            CancelOutcome::Cancelled {
+                was: JobState::Ready
+            }
+        );
+    }
+
+    // By key: `b` holds key `k` (waiting, then running); `a`'s enqueues must not merge
+    // into it.
+    let keyed = |policy: OnDuplicate| {
+        EnqueueOptions::default()
+            .dedupe_key("k")
+            .on_duplicate(policy)
+    };
+    let b_keyed = created(
+        b.enqueue(doc! { "v": 1 }, &keyed(OnDuplicate::Keep))
+            .await?,
+    )?;
+    for policy in [OnDuplicate::Replace, OnDuplicate::Debounce] {
+        let r = a.enqueue(doc! { "v": 2 }, &keyed(policy)).await?;
+        if !matches!(r, Enqueued::Duplicate { .. }) {
+            crossings.push(format!("{policy:?} from a on b's waiting job: {r:?}"));
+        }
+    }
+    // Put `b`'s job back as it was (payload, due now) if a replace reached it.
+    coll.update_one(
+        doc! { field::ID: b_keyed },
+        doc! { "$set": { field::PAYLOAD: { "v": 1 }, field::RUN_AT: mongodb::bson::DateTime::now() } },
+    )
+    .await?;
+    let held = b
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("b's keyed job not claimable"))?;
+    assert_eq!(held.id(), b_keyed);
+    let r = a
+        .enqueue(doc! { "v": 3 }, &keyed(OnDuplicate::FollowUp))
+        .await?;
+    if !matches!(r, Enqueued::Duplicate { .. }) {
+        crossings.push(format!("a follow-up from a on b's running job: {r:?}"));
+    }
+    let stored = coll
+        .find_one(doc! { field::ID: b_keyed })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert!(
+        crossings.iter().any(|c| c.contains("follow-up"))
+            || matches!(stored.get(field::FOLLOW_UP), None | Some(Bson::Null)),
+        "a follow-up of a was attached to b's job: {stored}"
+    );
+    assert_eq!(
+        crossings,
+        Vec::<String>::new(),
+        "operations of one queue's handle reached another queue's jobs"
+    );
+    // Its own queue's handle still merges into it.
+    let r = b
+        .enqueue(doc! { "v": 4 }, &keyed(OnDuplicate::FollowUp))
+        .await?;
+    assert_eq!(r, Enqueued::FollowUp(b_keyed));
+    Ok(())
+}

@@ -49,7 +49,10 @@ pub enum Enqueued {
     Duplicate {
         /// The key.
         key: String,
-        /// The existing unfinished job, if it could be read back.
+        /// The existing unfinished job, if it could be read back. Dedupe keys are unique
+        /// per collection: it may be a job of another queue, which this enqueue never
+        /// changes (not even with [`OnDuplicate::Replace`] or
+        /// [`OnDuplicate::FollowUp`]).
         existing: Option<ObjectId>,
     },
     /// [`OnDuplicate::Replace`] / [`OnDuplicate::Debounce`]: the key's waiting job got
@@ -367,8 +370,14 @@ impl JobQueue {
                 Err(e) if is_duplicate_key(&e) => {}
                 Err(e) => return Err(e.into()),
             }
-            // The key has an unfinished job (or its window is taken).
-            let running = doc! { field::DEDUPE_KEY: key, field::STATE: JobState::Running.as_str() };
+            // The key has an unfinished job (or its window is taken). Only a job of this
+            // handle's queue is merged into: the key's job in another queue of the
+            // collection is left alone (the outcome is `Duplicate`).
+            let running = doc! {
+                field::DEDUPE_KEY: key,
+                field::STATE: JobState::Running.as_str(),
+                field::QUEUE: self.queue_value(),
+            };
             if policy == OnDuplicate::FollowUp {
                 let set = doc! { "$set": {
                     field::FOLLOW_UP: { field::follow_up::PAYLOAD: payload.clone() },
@@ -408,10 +417,15 @@ impl JobQueue {
         Ok(self.duplicate(key).await)
     }
 
-    /// Writes `set` to the key's waiting (`ready`/`retrying`) job, re-checking the state
-    /// in the write; its id, or `None` if the key has no waiting job now.
+    /// Writes `set` to the key's waiting (`ready`/`retrying`) job of this handle's queue,
+    /// re-checking the state in the write; its id, or `None` if the key has no waiting
+    /// job in this queue now.
     async fn replace_waiting(&self, key: &str, set: Document) -> Result<Option<ObjectId>> {
-        let waiting = doc! { field::DEDUPE_KEY: key, field::STATE: { "$in": claimable_states() } };
+        let waiting = doc! {
+            field::DEDUPE_KEY: key,
+            field::STATE: { "$in": claimable_states() },
+            field::QUEUE: self.queue_value(),
+        };
         let filter = if self.inner.options.unsafe_without == Some(Safeguard::ReplaceRecheck) {
             // Control only: read the waiting job, then write it by `_id` alone, 20 ms
             // later (a worker may have claimed it meanwhile).
@@ -443,7 +457,11 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one(doc! { field::DEDUPE_KEY: key, field::STATE: { "$in": unfinished_states() } })
+            .find_one(doc! {
+                field::DEDUPE_KEY: key,
+                field::STATE: { "$in": unfinished_states() },
+                field::QUEUE: self.queue_value(),
+            })
             .projection(doc! { field::ID: 1, field::STATE: 1 })
             .await?)
     }

@@ -176,7 +176,7 @@ pub enum CancelOutcome {
     },
     /// The job had already finished in this state; nothing changed.
     AlreadyFinished(JobState),
-    /// No job with that id.
+    /// No job with that id in the handle's queue (none at all, or one of another queue).
     NotFound,
 }
 
@@ -366,8 +366,11 @@ impl JobQueue {
         }
     }
 
-    /// Cancels an unfinished job: one conditional write, `{_id, state: unfinished}` →
-    /// `cancelled` (the lease, and so its token, is kept). A running job loses its
+    /// Cancels an unfinished job of this handle's queue: one conditional write, `{_id,
+    /// state: unfinished, queue}` → `cancelled` (the lease, and so its token, is kept).
+    /// A job of another queue of the collection is [`CancelOutcome::NotFound`] and is
+    /// left alone, as for every other operation of the handle: open a handle on its
+    /// queue ([`JobQueue::named`]) to cancel it. A running job loses its
     /// lease at once: its worker's later transitions (completion, failure, snooze,
     /// progress) match nothing and fail with [`Error::LeaseLost`]. A docwarden
     /// [`Worker`](super::Worker) running it notices at its next heartbeat, or at once on
@@ -383,7 +386,11 @@ impl JobQueue {
             .inner
             .coll
             .find_one_and_update(
-                doc! { field::ID: id, field::STATE: { "$in": unfinished_states() } },
+                doc! {
+                    field::ID: id,
+                    field::STATE: { "$in": unfinished_states() },
+                    field::QUEUE: self.queue_value(),
+                },
                 doc! { "$set": {
                     field::STATE: JobState::Cancelled.as_str(),
                     field::LAST_ERROR: CANCELLED_REASON,
@@ -409,7 +416,7 @@ impl JobQueue {
         match self
             .inner
             .coll
-            .find_one(doc! { field::ID: id })
+            .find_one(doc! { field::ID: id, field::QUEUE: self.queue_value() })
             .projection(doc! { field::STATE: 1 })
             .selection_criteria(primary)
             .read_concern(local)

@@ -1406,3 +1406,124 @@ async fn a_completion_with_a_hand_edited_follow_up_count_still_applies() -> anyh
     assert_eq!(stored.get_str("result")?, "first", "{stored}");
     Ok(())
 }
+
+/// Session 18: a release or snooze of a job whose `attempts` was hand-edited while it ran
+/// is refused as `Malformed` and writes nothing, so the job stays running until its lease
+/// expires. The sweep then buried it with "lease expired before the job finished" (a
+/// string `attempts` compares above every number, so `attempts ≥ max_attempts` held), or,
+/// for a double or null, put it back to `retrying` for the next claim to bury: the real
+/// cause was hidden or deferred. The sweep now moves a job whose `attempts` or
+/// `max_attempts` is not an integer to `dead` naming the field (one pipeline update, as
+/// before; nothing changes on the claim, completion or heartbeat paths). Fails without
+/// it: the string case is buried as "lease expired before the job finished", the double
+/// and null cases are `retrying`.
+#[tokio::test]
+async fn an_expired_job_with_a_malformed_attempt_count_is_buried_naming_the_field()
+-> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_sweep_malformed").await?;
+    let q = open(
+        &t.db,
+        &t.client,
+        "jobs",
+        QueueOptions::default().reap_interval(Duration::from_secs(3600)),
+    )
+    .await?;
+    let coll = q.collection().clone();
+    let edits: Vec<(&str, Document, &str)> = vec![
+        (
+            "attempts string",
+            doc! { "$set": { "attempts": "2" } },
+            "`attempts`",
+        ),
+        (
+            "attempts double",
+            doc! { "$set": { "attempts": 1.5 } },
+            "`attempts`",
+        ),
+        (
+            "attempts null",
+            doc! { "$set": { "attempts": Bson::Null } },
+            "`attempts`",
+        ),
+        (
+            "attempts missing",
+            doc! { "$unset": { "attempts": "" } },
+            "`attempts`",
+        ),
+        (
+            "max_attempts missing",
+            doc! { "$unset": { "max_attempts": "" } },
+            "`max_attempts`",
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (name, edit, _) in &edits {
+        q.enqueue(doc! { "case": *name }, &EnqueueOptions::default())
+            .await?;
+        let job = q
+            .claim("w")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        coll.update_one(doc! { "_id": job.id() }, edit.clone())
+            .await?;
+        if name.starts_with("attempts") {
+            let r = q.release(&job).await;
+            assert!(
+                matches!(r, Err(Error::Malformed { .. })),
+                "release of a job with {name}: {r:?}"
+            );
+        }
+        // Its worker is gone: the lease expires.
+        coll.update_one(
+            doc! { "_id": job.id() },
+            doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+        )
+        .await?;
+        ids.push(job.id());
+    }
+    // A well-formed expired job still gets the plain reason and is retried.
+    q.enqueue(doc! { "case": "plain" }, &EnqueueOptions::default())
+        .await?;
+    let plain = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    coll.update_one(
+        doc! { "_id": plain.id() },
+        doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
+    )
+    .await?;
+    assert_eq!(q.reap_expired().await?, 6);
+    let mut hidden = Vec::new();
+    for ((name, _, field), id) in edits.iter().zip(&ids) {
+        let d = coll
+            .find_one(doc! { "_id": *id })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?;
+        let reason = d.get_str("last_error").unwrap_or_default();
+        if d.get_str("state")? != "dead"
+            || !reason.starts_with("malformed job document: ")
+            || !reason.contains(field)
+            || d.get_datetime("finished_at").is_err()
+        {
+            hidden.push(format!(
+                "{name}: {} with {reason:?}",
+                d.get_str("state").unwrap_or_default()
+            ));
+        }
+    }
+    assert_eq!(
+        hidden,
+        Vec::<String>::new(),
+        "swept jobs whose last_error hides the malformed field"
+    );
+    let d = coll
+        .find_one(doc! { "_id": plain.id() })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        (d.get_str("state")?, d.get_str("last_error")?),
+        ("retrying", "lease expired before the job finished")
+    );
+    Ok(())
+}

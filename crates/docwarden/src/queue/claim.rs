@@ -741,7 +741,25 @@ impl JobQueue {
             { "$in": [{ "$type": "$max_stalls" }, ["int", "long"]] },
             { "$gt": [stalls.clone(), "$max_stalls"] },
         ] };
-        let dead = doc! { "$or": [out_of_attempts.clone(), stalled.clone()] };
+        // A job whose `attempts` or `max_attempts` is not an integer (a hand edit that a
+        // release or snooze refused as `Malformed`, leaving the job to expire) cannot be
+        // counted or claimed again: it goes to `dead` naming the field, rather than
+        // under the plain expiry reason (a string `attempts` compares above every number)
+        // or back to `retrying` for the next claim to bury.
+        let not_integer =
+            |f: &str| doc! { "$not": [{ "$in": [{ "$type": format!("${f}") }, ["int", "long"]] }] };
+        let malformed_reason = |f: &str| {
+            Bson::Document(doc! { "$concat": [
+                format!("malformed job document: `{f}` must be an integer, found "),
+                { "$type": format!("${f}") },
+                " (swept: ",
+                reason.clone(),
+                ")",
+            ] })
+        };
+        let malformed =
+            doc! { "$or": [not_integer(field::ATTEMPTS), not_integer(field::MAX_ATTEMPTS)] };
+        let dead = doc! { "$or": [malformed.clone(), out_of_attempts.clone(), stalled.clone()] };
         let r = self
             .inner
             .coll
@@ -751,11 +769,14 @@ impl JobQueue {
                     field::STATE: { "$cond": [
                         dead.clone(), JobState::Dead.as_str(), JobState::Retrying.as_str()
                     ] },
-                    field::LAST_ERROR: { "$cond": [
-                        { "$and": [stalled, { "$not": [out_of_attempts] }] },
-                        STALLED_REASON,
-                        reason,
-                    ] },
+                    field::LAST_ERROR: { "$switch": {
+                        "branches": [
+                            { "case": not_integer(field::ATTEMPTS), "then": malformed_reason(field::ATTEMPTS) },
+                            { "case": not_integer(field::MAX_ATTEMPTS), "then": malformed_reason(field::MAX_ATTEMPTS) },
+                            { "case": { "$and": [stalled, { "$not": [out_of_attempts] }] }, "then": STALLED_REASON },
+                        ],
+                        "default": reason,
+                    } },
                     field::STALLS: stalls,
                     field::FINISHED_AT: { "$cond": [dead, now.estimate(), Bson::Null] },
                     field::RUN_AT: now.estimate(),

@@ -1407,6 +1407,140 @@ async fn a_completion_with_a_hand_edited_follow_up_count_still_applies() -> anyh
     Ok(())
 }
 
+/// Session 18: `Replace` and `Debounce` rewrote only the waiting job's payload and
+/// priority (and `run_at`), so the job kept the first enqueue's `max_attempts` and
+/// limits: an enqueue asking for one attempt, or for another concurrency key, ran with
+/// the old job's five attempts under the old key. BullMQ's debounce `replace` stores the
+/// new job with its own options (Oban's `replace:` names the fields, `max_attempts` and
+/// `priority` among them); here the waiting job now takes everything the enqueue decides
+/// and keeps what it has lived (`attempts`, `created_at`). Fails without it: the replaced
+/// job keeps `max_attempts: 5` and `limits.key: "a"`.
+#[tokio::test]
+async fn replace_and_debounce_take_the_new_enqueues_options() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_lifecycle_replace_options").await?;
+    let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
+    let coll = q.collection().clone();
+    let stored = |id: ObjectId| {
+        let coll = coll.clone();
+        async move {
+            coll.find_one(doc! { "_id": id })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))
+        }
+    };
+    let first = EnqueueOptions::default()
+        .dedupe_key("r")
+        .max_attempts(5)
+        .priority(1)
+        .concurrency_key("a");
+    let id = q
+        .enqueue(doc! { "v": 1 }, &first)
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let before = stored(id).await?;
+
+    // A replace without limits: one attempt, no `limits` left (plain claims take it).
+    let plain = EnqueueOptions::default()
+        .dedupe_key("r")
+        .on_duplicate(OnDuplicate::Replace)
+        .max_attempts(1)
+        .priority(3);
+    assert_eq!(
+        q.enqueue(doc! { "v": 2 }, &plain).await?,
+        Enqueued::Replaced(id)
+    );
+    let after = stored(id).await?;
+    assert_eq!(after.get_i64("max_attempts")?, 1, "{after}");
+    assert_eq!(after.get_i64("priority")?, 3, "{after}");
+    assert!(
+        !after.contains_key("limits"),
+        "the old limits stayed: {after}"
+    );
+    assert_eq!(after.get_document("payload")?.get_i32("v")?, 2);
+    assert_eq!(after.get("created_at"), before.get("created_at"));
+    assert_eq!(
+        after.get("run_at"),
+        before.get("run_at"),
+        "replace keeps run_at"
+    );
+
+    // A replace with other keys: the job carries those.
+    let keyed = plain.clone().concurrency_key("b").rate_key("rb");
+    assert_eq!(
+        q.enqueue(doc! { "v": 3 }, &keyed).await?,
+        Enqueued::Replaced(id)
+    );
+    let after = stored(id).await?;
+    let limits = after.get_document("limits")?;
+    assert_eq!(
+        (limits.get_str("key")?, limits.get_str("rate")?),
+        ("b", "rb"),
+        "{after}"
+    );
+
+    // Debounce: the new options and the new run_at.
+    let debounce = |n: u32, delay: Duration| {
+        EnqueueOptions::default()
+            .dedupe_key("d")
+            .on_duplicate(OnDuplicate::Debounce)
+            .max_attempts(n)
+            .delay(delay)
+    };
+    let d = q
+        .enqueue(doc! { "v": 1 }, &debounce(5, Duration::from_secs(1)))
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let early = stored(d).await?.get_datetime("run_at")?.timestamp_millis();
+    assert_eq!(
+        q.enqueue(doc! { "v": 2 }, &debounce(2, Duration::from_secs(3600)))
+            .await?,
+        Enqueued::Replaced(d)
+    );
+    let after = stored(d).await?;
+    assert_eq!(after.get_i64("max_attempts")?, 2, "{after}");
+    assert!(
+        after.get_datetime("run_at")?.timestamp_millis() - early > 3_000_000,
+        "{after}"
+    );
+
+    // A retrying job keeps the attempts it made: they count against the new maximum.
+    let r = q
+        .enqueue(
+            doc! { "v": 1 },
+            &EnqueueOptions::default().dedupe_key("f").max_attempts(5),
+        )
+        .await?
+        .created()
+        .ok_or_else(|| anyhow::anyhow!("not created"))?;
+    let job = q
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no job"))?;
+    assert_eq!(job.id(), r);
+    q.fail(&job, "boom").await?;
+    let replace_f = EnqueueOptions::default()
+        .dedupe_key("f")
+        .on_duplicate(OnDuplicate::Replace)
+        .max_attempts(3);
+    assert_eq!(
+        q.enqueue(doc! { "v": 2 }, &replace_f).await?,
+        Enqueued::Replaced(r)
+    );
+    let after = stored(r).await?;
+    assert_eq!(
+        (
+            after.get_i64("attempts")?,
+            after.get_i64("max_attempts")?,
+            after.get_str("state")?
+        ),
+        (1, 3, "retrying"),
+        "{after}"
+    );
+    Ok(())
+}
+
 /// Session 18: a release or snooze of a job whose `attempts` was hand-edited while it ran
 /// is refused as `Malformed` and writes nothing, so the job stays running until its lease
 /// expires. The sweep then buried it with "lease expired before the job finished" (a

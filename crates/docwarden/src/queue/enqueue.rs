@@ -55,8 +55,9 @@ pub enum Enqueued {
         /// [`OnDuplicate::FollowUp`]).
         existing: Option<ObjectId>,
     },
-    /// [`OnDuplicate::Replace`] / [`OnDuplicate::Debounce`]: the key's waiting job got
-    /// this enqueue's payload and priority (and, debouncing, its `run_at`).
+    /// [`OnDuplicate::Replace`] / [`OnDuplicate::Debounce`]: the key's waiting job (of
+    /// this handle's queue) got this enqueue's payload, priority, `max_attempts` and
+    /// limits (and, debouncing, its `run_at`); see `docs/queue.md`, "Uniqueness".
     Replaced(ObjectId),
     /// [`OnDuplicate::FollowUp`]: the key's job is running; it will run once more, with
     /// this enqueue's payload, when it completes.
@@ -348,17 +349,7 @@ impl JobQueue {
             .get_object_id(field::ID)
             .map_err(|e| Error::invalid("job", e.to_string()))?;
         let payload = d.get(field::PAYLOAD).cloned().unwrap_or(Bson::Null);
-        let mut replace = doc! {
-            field::PAYLOAD: payload.clone(),
-            field::PRIORITY: d.get(field::PRIORITY).cloned().unwrap_or(Bson::Int64(0)),
-            field::UPDATED_AT: d.get(field::UPDATED_AT).cloned().unwrap_or(Bson::Null),
-        };
-        if policy == OnDuplicate::Debounce {
-            replace.insert(
-                field::RUN_AT,
-                d.get(field::RUN_AT).cloned().unwrap_or(Bson::Null),
-            );
-        }
+        let replace = replace_update(&d, policy);
         for _ in 0..MERGE_ROUNDS {
             if matches!(policy, OnDuplicate::Replace | OnDuplicate::Debounce)
                 && let Some(existing) = self.replace_waiting(key, replace.clone()).await?
@@ -417,10 +408,10 @@ impl JobQueue {
         Ok(self.duplicate(key).await)
     }
 
-    /// Writes `set` to the key's waiting (`ready`/`retrying`) job of this handle's queue,
-    /// re-checking the state in the write; its id, or `None` if the key has no waiting
-    /// job in this queue now.
-    async fn replace_waiting(&self, key: &str, set: Document) -> Result<Option<ObjectId>> {
+    /// Applies `update` ([`replace_update`]) to the key's waiting (`ready`/`retrying`)
+    /// job of this handle's queue, re-checking the state in the write; its id, or `None`
+    /// if the key has no waiting job in this queue now.
+    async fn replace_waiting(&self, key: &str, update: Document) -> Result<Option<ObjectId>> {
         let waiting = doc! {
             field::DEDUPE_KEY: key,
             field::STATE: { "$in": claimable_states() },
@@ -446,7 +437,7 @@ impl JobQueue {
         Ok(self
             .inner
             .coll
-            .find_one_and_update(filter, doc! { "$set": set })
+            .find_one_and_update(filter, update)
             .projection(doc! { field::ID: 1 })
             .return_document(ReturnDocument::After)
             .await?
@@ -499,6 +490,47 @@ impl JobQueue {
             existing,
         }
     }
+}
+
+/// The update [`OnDuplicate::Replace`] and [`OnDuplicate::Debounce`] apply to the key's
+/// waiting job, from `d`, the job this enqueue would have created: the waiting job takes
+/// everything the enqueue's options and the handle's options decide — `payload`,
+/// `priority`, `max_attempts`, `limits` (removed when this enqueue has none), `partition`
+/// (a fairness key's), `max_stalls` (removed when the handle has none) and, debouncing,
+/// `run_at` — as BullMQ's debounce `replace` stores the new job with its own options.
+/// It keeps what it has lived: `_id`, `created_at`, `attempts` (which count against the
+/// new `max_attempts`), `last_error`, `stalls`, `snoozes`, `follow_ups`, and, for
+/// `Replace`, its `run_at` (a retry's backoff included).
+fn replace_update(d: &Document, policy: OnDuplicate) -> Document {
+    let mut set = Document::new();
+    let mut unset = Document::new();
+    let mut taken = vec![
+        field::PAYLOAD,
+        field::PRIORITY,
+        field::MAX_ATTEMPTS,
+        field::PARTITION,
+        field::UPDATED_AT,
+        field::LIMITS,
+        field::MAX_STALLS,
+    ];
+    if policy == OnDuplicate::Debounce {
+        taken.push(field::RUN_AT);
+    }
+    for f in taken {
+        match d.get(f) {
+            Some(v) => {
+                set.insert(f, v.clone());
+            }
+            None => {
+                unset.insert(f, "");
+            }
+        }
+    }
+    let mut update = doc! { "$set": set };
+    if !unset.is_empty() {
+        update.insert("$unset", unset);
+    }
+    update
 }
 
 /// The key a windowed job stores in the control ([`Safeguard::UniqueSlot`] off).

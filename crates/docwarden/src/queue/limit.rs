@@ -425,7 +425,10 @@ impl JobQueue {
                 }
             }
         }
-        // The claim by `_id`, the claim filter re-checked in the write.
+        // The claim by `_id`, the claim filter re-checked in the write, with the very
+        // `limits` the permits were taken for: a replacing enqueue
+        // (`OnDuplicate::Replace`/`Debounce`) may have given the waiting job other keys
+        // since the read, and it must not start under another key's permit.
         let claimed = async {
             let now = self.inner.time.now().await?;
             let token = validate::random_id();
@@ -433,7 +436,7 @@ impl JobQueue {
                 field::ID: id.clone(),
                 field::STATE: { "$in": claimable_states() },
                 field::RUN_AT: { "$lte": now.latest() },
-                field::LIMITS: { "$type": "object" },
+                field::LIMITS: limits.clone(),
             };
             let mut update = Self::claim_update(
                 me.id(),

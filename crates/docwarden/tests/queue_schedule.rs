@@ -231,3 +231,58 @@ async fn one_schedule_that_cannot_tick_does_not_stop_the_others() -> anyhow::Res
     assert_eq!(healthy, 1, "the healthy schedule ticked: {report:?}");
     Ok(())
 }
+
+/// Session 18: `schedule` upserted by `{_id: name}` alone and `$set` the handle's queue,
+/// so scheduling a name that another queue's schedule held silently moved that schedule
+/// (with its `last_tick` and anchor) to the calling handle's queue: queue `b` stopped
+/// getting its ticks, and nothing said so. Schedule names are unique per collection; a
+/// name of another queue is now `InvalidInput` naming that queue, and its schedule is
+/// left as it was. Without the queue in the upsert's filter the test lists both attempts
+/// (from `a` and from the default queue) as takeovers.
+#[tokio::test]
+async fn a_schedule_name_of_another_queue_is_refused_not_taken_over() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_schedule_name_of_another_queue").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let default = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+    let a = default.named("a", QueueOptions::default())?;
+    let b = default.named("b", QueueOptions::default())?;
+    let hourly = ScheduleSpec::every(Duration::from_secs(3600))?;
+    b.schedule(&Schedule::new("nightly", hourly.clone(), doc! { "q": "b" }))
+        .await?;
+    let mut takeovers = Vec::new();
+    for (who, q) in [("a", &a), ("default", &default)] {
+        let r = q
+            .schedule(&Schedule::new("nightly", hourly.clone(), doc! { "q": who }))
+            .await;
+        match r {
+            Err(docwarden::Error::InvalidInput { what, reason }) => {
+                assert_eq!(what, "schedule name");
+                assert!(reason.contains("queue `b`"), "{reason}");
+            }
+            other => takeovers.push(format!("{who}: {other:?}")),
+        }
+    }
+    let of_b: Vec<String> = b.schedules().await?.into_iter().map(|s| s.name).collect();
+    assert_eq!(
+        (takeovers, of_b),
+        (Vec::<String>::new(), vec!["nightly".to_owned()]),
+        "another queue's handle took b's schedule over"
+    );
+    let stored =
+        t.db.collection::<Document>("jobs.schedules")
+            .find_one(doc! { "_id": "nightly" })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(
+        stored.get_document(sf::PAYLOAD)?.get_str("q")?,
+        "b",
+        "{stored}"
+    );
+    // A handle still creates and replaces its own schedules.
+    a.schedule(&Schedule::new("own", hourly.clone(), doc! { "v": 1 }))
+        .await?;
+    a.schedule(&Schedule::new("own", hourly, doc! { "v": 2 }))
+        .await?;
+    assert_eq!(a.schedules().await?.len(), 1);
+    Ok(())
+}

@@ -439,11 +439,15 @@ impl JobQueue {
 
     /// Creates or replaces schedule `s.name` on this handle's queue. Replacing keeps the
     /// schedule's `last_tick` and `anchor` (no tick is enqueued twice across a
-    /// replacement); a new schedule's first tick is its first one after now.
+    /// replacement); a new schedule's first tick is its first one after now. Schedule
+    /// names are unique per collection: a name another queue's schedule holds is
+    /// refused, never taken over (that schedule, and its queue's ticks, stay as they
+    /// are).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad name, spec, or template (a payload too large for
-    /// a job, as [`JobQueue::enqueue`] refuses it); a database error.
+    /// a job, as [`JobQueue::enqueue`] refuses it), or a name held by a schedule of
+    /// another queue (`what: "schedule name"`); a database error.
     pub async fn schedule(&self, s: &Schedule) -> Result<()> {
         s.validate()?;
         // The template as a tick's job (checked the way every tick will be): a payload
@@ -480,9 +484,12 @@ impl JobQueue {
                 set.insert(sf::CATCH_UP, i64::from(n));
             }
         }
-        self.schedules_coll()
+        // `{_id, queue}`: a schedule of this name in another queue does not match, and the
+        // upsert's insert of the same `_id` is refused as a duplicate key.
+        let written = self
+            .schedules_coll()
             .update_one(
-                doc! { sf::ID: &s.name },
+                doc! { sf::ID: &s.name, sf::QUEUE: self.queue_value() },
                 doc! {
                     "$set": set,
                     "$unset": unset,
@@ -490,8 +497,30 @@ impl JobQueue {
                 },
             )
             .upsert(true)
-            .await?;
-        Ok(())
+            .await;
+        match written {
+            Ok(_) => Ok(()),
+            Err(e) if is_duplicate_key(&e) => {
+                let holder = self
+                    .schedules_coll()
+                    .find_one(doc! { sf::ID: &s.name })
+                    .projection(doc! { sf::QUEUE: 1 })
+                    .await?
+                    .map(|d| match d.get(sf::QUEUE) {
+                        Some(Bson::String(q)) => format!("queue `{q}`"),
+                        _ => "the default queue".to_owned(),
+                    })
+                    .unwrap_or_else(|| "another queue".to_owned());
+                Err(Error::invalid(
+                    "schedule name",
+                    format!(
+                        "`{}` is a schedule of {holder} (schedule names are unique per collection); nothing was changed",
+                        s.name
+                    ),
+                ))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Deletes schedule `name`; returns whether it existed. Jobs it enqueued stay.

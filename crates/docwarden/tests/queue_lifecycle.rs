@@ -1589,6 +1589,11 @@ async fn an_expired_job_with_a_malformed_attempt_count_is_buried_naming_the_fiel
             doc! { "$unset": { "max_attempts": "" } },
             "`max_attempts`",
         ),
+        (
+            "max_attempts zero",
+            doc! { "$set": { "max_attempts": 0_i64 } },
+            "`max_attempts` must be at least 1, found 0",
+        ),
     ];
     let mut ids = Vec::new();
     for (name, edit, _) in &edits {
@@ -1627,7 +1632,7 @@ async fn an_expired_job_with_a_malformed_attempt_count_is_buried_naming_the_fiel
         doc! { "$set": { "lease.until": mongodb::bson::DateTime::from_millis(0) } },
     )
     .await?;
-    assert_eq!(q.reap_expired().await?, 6);
+    assert_eq!(q.reap_expired().await?, 7);
     let mut hidden = Vec::new();
     for ((name, _, field), id) in edits.iter().zip(&ids) {
         let d = coll

@@ -745,7 +745,8 @@ impl JobQueue {
         // release or snooze refused as `Malformed`, leaving the job to expire) cannot be
         // counted or claimed again: it goes to `dead` naming the field, rather than
         // under the plain expiry reason (a string `attempts` compares above every number)
-        // or back to `retrying` for the next claim to bury.
+        // or back to `retrying` for the next claim to bury. A `max_attempts` below 1 (which
+        // every claim refuses to parse) is buried naming it too.
         let not_integer =
             |f: &str| doc! { "$not": [{ "$in": [{ "$type": format!("${f}") }, ["int", "long"]] }] };
         let malformed_reason = |f: &str| {
@@ -757,8 +758,19 @@ impl JobQueue {
                 ")",
             ] })
         };
-        let malformed =
-            doc! { "$or": [not_integer(field::ATTEMPTS), not_integer(field::MAX_ATTEMPTS)] };
+        let max_below_one = doc! { "$lt": [format!("${}", field::MAX_ATTEMPTS), 1_i64] };
+        let max_reason = Bson::Document(doc! { "$concat": [
+            format!("malformed job document: `{}` must be at least 1, found ", field::MAX_ATTEMPTS),
+            { "$toString": format!("${}", field::MAX_ATTEMPTS) },
+            " (swept: ",
+            reason.clone(),
+            ")",
+        ] });
+        let malformed = doc! { "$or": [
+            not_integer(field::ATTEMPTS),
+            not_integer(field::MAX_ATTEMPTS),
+            max_below_one.clone(),
+        ] };
         let dead = doc! { "$or": [malformed.clone(), out_of_attempts.clone(), stalled.clone()] };
         let r = self
             .inner
@@ -773,6 +785,7 @@ impl JobQueue {
                         "branches": [
                             { "case": not_integer(field::ATTEMPTS), "then": malformed_reason(field::ATTEMPTS) },
                             { "case": not_integer(field::MAX_ATTEMPTS), "then": malformed_reason(field::MAX_ATTEMPTS) },
+                            { "case": max_below_one, "then": max_reason },
                             { "case": { "$and": [stalled, { "$not": [out_of_attempts] }] }, "then": STALLED_REASON },
                         ],
                         "default": reason,

@@ -611,6 +611,78 @@ impl JobQueue {
 mod tests {
     use super::*;
 
+    /// Session 18: a replacing enqueue (`OnDuplicate::Replace`/`Debounce`) now gives the
+    /// waiting job the new enqueue's limits. The limited claim took its permits for the
+    /// keys it read, then claimed by `_id` re-checking only `limits: {$type: "object"}`,
+    /// so a job whose key changed from `a` to `b` in between started under `a`'s permit:
+    /// key `b` could run one job over its limit. The claim now re-checks `limits` equal
+    /// to what it read: the job is `Gone` for that claim (its permit given back) and the
+    /// next limited claim takes it under `b`. Fails without it: the stale claim succeeds.
+    #[tokio::test]
+    async fn a_job_whose_keys_a_replace_changed_is_not_claimed_under_the_old_permit()
+    -> anyhow::Result<()> {
+        use crate::clock::ClockOptions;
+        use crate::queue::{Enqueued, OnDuplicate};
+        let t = docwarden_testkit::TestDb::new("queue_limited_claim_replaced_keys").await?;
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        let q = JobQueue::open(
+            &t.db,
+            "jobs",
+            time,
+            QueueOptions::default().limits(LimitOptions::default().key_concurrency(1)),
+        )
+        .await?;
+        let keyed = |key: &str| {
+            EnqueueOptions::default()
+                .dedupe_key("r")
+                .on_duplicate(OnDuplicate::Replace)
+                .concurrency_key(key)
+        };
+        let id = q
+            .enqueue(doc! { "v": 1 }, &keyed("a"))
+            .await?
+            .created()
+            .ok_or_else(|| anyhow::anyhow!("not created"))?;
+        // The limited claim read the job's limits (key `a`) ...
+        let read = q
+            .collection()
+            .find_one(doc! { field::ID: id })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?
+            .get_document(field::LIMITS)?
+            .clone();
+        // ... then a replacing enqueue gave it key `b`, before the claim's write.
+        assert_eq!(
+            q.enqueue(doc! { "v": 2 }, &keyed("b")).await?,
+            Enqueued::Replaced(id)
+        );
+        let me = Owner::from_existing("w")?;
+        let stale = match q.claim_one_limited(&me, &Bson::ObjectId(id), &read).await? {
+            Attempt::Claimed(job) => Some(job.id()),
+            _ => None,
+        };
+        assert_eq!(
+            stale, None,
+            "claimed under key a's permit after it became key b's"
+        );
+        // The next limited claim reads key `b` and takes it.
+        let jobs = q.claim_limited("w2", 1).await?;
+        assert_eq!(
+            jobs.iter().map(ClaimedJob::id).collect::<Vec<_>>(),
+            vec![id]
+        );
+        assert_eq!(
+            q.collection()
+                .find_one(doc! { field::ID: id })
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("gone"))?
+                .get_document(field::LIMITS)?
+                .get_str(lfield::KEY)?,
+            "b"
+        );
+        Ok(())
+    }
+
     #[test]
     fn fairness_partitions_are_fnv1a_and_stable() {
         // FNV-1a 64 of "a" is 0xaf63dc4c8601ec8c.

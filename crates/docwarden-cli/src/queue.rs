@@ -416,7 +416,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 CancelOutcome::AlreadyFinished(s) => {
                     (format!("already finished ({s})"), ExitCode::from(1))
                 }
-                CancelOutcome::NotFound => ("no such job".to_owned(), ExitCode::from(1)),
+                CancelOutcome::NotFound => (
+                    format!(
+                        "no such job in queue `{}` (see `queue show <id>`, `--queue`)",
+                        args.queue
+                    ),
+                    ExitCode::from(1),
+                ),
                 _ => ("unknown outcome".to_owned(), ExitCode::from(1)),
             };
             if args.json {

@@ -663,6 +663,47 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
     .await?;
     assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
     assert_eq!(state_of(&f, bounced).await?, JobState::Ready.as_str());
+    // Session 18: by-id operations act only on the handle's own queue, so the Cancel form
+    // must name the queue too (without it the default queue's handle finds no such job).
+    let job = page(&ui, &format!("/jobs/jobs/{}", bounced.to_hex())).await?;
+    let cancel_form = job
+        .split("action=\"/actions/cancel\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</form>").next())
+        .context("no cancel form")?;
+    assert!(
+        cancel_form.contains("<input type=\"hidden\" name=\"named\" value=\"mail\">"),
+        "{cancel_form}"
+    );
+    let r = post(
+        &ui,
+        "cancel",
+        &[
+            ("queue", "jobs"),
+            ("id", id.as_str()),
+            ("token", token.as_str()),
+        ],
+    )
+    .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(
+        state_of(&f, bounced).await?,
+        JobState::Ready.as_str(),
+        "the default queue's handle cancelled a job of `mail`"
+    );
+    let r = post(
+        &ui,
+        "cancel",
+        &[
+            ("queue", "jobs"),
+            ("named", "mail"),
+            ("id", id.as_str()),
+            ("token", token.as_str()),
+        ],
+    )
+    .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    assert_eq!(state_of(&f, bounced).await?, JobState::Cancelled.as_str());
 
     // The locks page: every kind, the HTML owner id as text.
     let locks = page(&ui, "/locks").await?;

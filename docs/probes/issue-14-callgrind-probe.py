@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+# Usage (pip install pymongo; valgrind from Debian):
+#   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg/cg.out.%p \
+#       secantusd-rs --port 27998 --storage-path /tmp/cg/data &
+#   CGDIR=/tmp/cg python3 docs/probes/issue-14-callgrind-probe.py [ops per variant] [group,...]
+# Not part of the suite: the session-18 probes of docs/benchmarks.md. They count the
+# instructions the embedded server executes per operation (callgrind's Ir, zeroed before
+# and dumped after each variant with callgrind_control), which, unlike CPU time, does not
+# depend on what else the machine is doing: the same variant gives the same count within
+# about 1 %. Each variant is one operation shaped like docwarden's on documents shaped like
+# the bench's, next to the bench's reference (`update_one({_id}, {$inc})`, 1,000 documents).
+# Groups:
+#   locks    - a lock collection's acquire + release (the library's filter and pipelines,
+#              its two secondary indexes), without the indexes, without `gc_at`, and the
+#              acquire by `{_id}` alone with the condition in a three-stage pipeline;
+#   doclock  - a document lock + release_with: the release fenced in the filter
+#              `{_id, lock_id}` (before session 18), as `updateMany`, by `{_id}` alone
+#              unfenced (its floor), and fenced inside a pipeline by `{_id}` (session 18);
+#   guard    - the on-call toggle guarded by "at least one on call": the library's two
+#              stages, one stage with the new array inline twice, `$let`, a temporary field,
+#              and the unguarded toggle (the bench's floor row);
+#   sequence - a sequenced set's in-order apply of a seen member: the operator form with
+#              its `$and` filter, the same as `updateMany`, and `{_id}` with the condition
+#              in a pipeline;
+#   claim    - a batch claim's candidate read (sorted, limit 64) on 10,000 ready jobs in
+#              256 partitions, with and without the single-claim index.
+# Rounds alternate the variants; read the last round. (A label must not contain parentheses:
+# callgrind_control then dumps nothing.)
+import datetime, glob, itertools, os, random, subprocess, sys, time, uuid
+from bson import Int64, ObjectId
+from pymongo import MongoClient, ReturnDocument
+
+PORT = int(os.environ.get("PORT", "27998"))
+OUT = os.environ.get("CGDIR", "/tmp/cg")
+c = MongoClient(f"mongodb://127.0.0.1:{PORT}/?directConnection=true", serverSelectionTimeoutMS=60000)
+db = c.cgprobe
+PID = c.admin.command("serverStatus")["pid"]
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+GROUPS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["locks", "doclock", "guard", "sequence", "claim"]
+
+
+def measure(label, n, op):
+    """Instructions per `op()` on the server (after 50 untimed calls)."""
+    for _ in range(50):
+        op()
+    subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
+    for _ in range(n):
+        op()
+    started = time.time()
+    subprocess.run(["callgrind_control", "-d", label, str(PID)], check=True, capture_output=True)
+    total = None
+    while total is None:  # the dump file of this label, once written in full
+        time.sleep(0.2)
+        for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
+            if os.path.getmtime(f) < started - 1:
+                continue
+            text = open(f, "rb").read().decode("utf-8", "replace")
+            if f"Trigger: dump {label}\n" in text:
+                total = next((int(l.split()[1]) for l in text.splitlines()
+                              if l.startswith(("summary:", "totals:"))), None)
+    print(f"{label:28} {total / n / 1000:9.1f} kIr/op", flush=True)
+
+
+ref = db.ref
+ref.drop()
+ref.insert_many([{"_id": i, "n": Int64(0)} for i in range(1000)])
+REF = lambda: ref.update_one({"_id": random.randrange(1000)}, {"$inc": {"n": 1}})
+
+# --- locks ------------------------------------------------------------------------------
+FAST = {"$and": [{"$eq": [{"$type": "$token"}, "long"]}, {"$eq": [{"$type": "$ceiling"}, "long"]},
+                 {"$lt": ["$token", "$ceiling"]}]}
+
+
+def latest_expiry():
+    dn = lambda p: {"$cond": [{"$eq": [{"$type": p}, "date"]}, p, None]}
+    return {"$max": [dn("$expires_at"), {"$max": {"$map": {
+        "input": {"$cond": [{"$isArray": "$readers"}, "$readers", []]}, "as": "r", "in": dn("$$r.expires_at")}}}]}
+
+
+def keep_gc(exp):
+    return {"$max": [{"$literal": exp}, {"$cond": [{"$eq": [{"$type": "$gc_at"}, "date"]}, "$gc_at", latest_expiry()]}]}
+
+
+def lock_coll(name, indexes):
+    coll = db[name]
+    coll.drop()
+    now = datetime.datetime.now()
+    coll.insert_many([{"_id": f"r-{i}", "owner": None, "token": Int64(1), "ceiling": Int64(2**62), "acquisition": "n",
+                       "acquired_at": now, "expires_at": now, "gc_at": now} for i in range(1000)])
+    if indexes:
+        coll.create_index([("owner", 1), ("_id", 1)], name="owner_id")
+        coll.create_index([("gc_at", 1)], name="gc_at_gc", expireAfterSeconds=3600)
+    return coll
+
+
+def lock_fields(nonce, now, exp, gc):
+    s = {"owner": {"$literal": "me"}, "acquisition": {"$literal": nonce}, "acquired_at": {"$literal": now},
+         "expires_at": {"$literal": exp},
+         "token": {"$cond": [FAST, {"$add": ["$token", Int64(1)]}, "$token"]},
+         "pending": {"$cond": [FAST, "$$REMOVE", {"$literal": nonce}]}}
+    if gc:
+        s["gc_at"] = keep_gc(exp)
+    return s
+
+
+def lock_pair(coll, gc=True, by_id=False):
+    r = f"r-{random.randrange(1000)}"
+    now = datetime.datetime.now()
+    exp = now + datetime.timedelta(seconds=30)
+    nonce = uuid.uuid4().hex
+    s = lock_fields(nonce, now, exp, gc)
+    if by_id:
+        free = {"$or": [{"$eq": [{"$ifNull": ["$owner", None]}, None]}, {"$ne": [{"$type": "$expires_at"}, "date"]},
+                        {"$lt": ["$expires_at", {"$literal": now}]}]}
+        pipeline = [{"$set": {"_dw_take": free}},
+                    {"$set": {k: {"$cond": ["$_dw_take", v, "$" + k]} for k, v in s.items()}},
+                    {"$unset": "_dw_take"}]
+        d = coll.find_one_and_update({"_id": r}, pipeline, upsert=True, return_document=ReturnDocument.AFTER)
+    else:
+        f = {"$and": [{"_id": r}, {"$or": [{"owner": None}, {"expires_at": {"$lt": now}},
+                                           {"expires_at": {"$not": {"$type": "date"}}}]}]}
+        d = coll.find_one_and_update(f, [{"$set": s}], upsert=True, return_document=ReturnDocument.AFTER)
+    held = {"$and": [{"$eq": ["$owner", {"$literal": "me"}]}, {"$eq": ["$token", d["token"]]},
+                     {"$eq": [{"$type": "$pending"}, "missing"]}]}
+    res = coll.update_one({"_id": r}, [{"$set": {"owner": {"$cond": [held, None, "$owner"]},
+                                                 "expires_at": {"$cond": [held, "$$NOW", "$expires_at"]}}}])
+    assert res.modified_count == 1
+
+
+# --- document locks ----------------------------------------------------------------------
+def doclock_pair(docs, release):
+    i = random.randrange(1000)
+    now = datetime.datetime.now()
+    cutoff = now - datetime.timedelta(seconds=30)
+    lid = uuid.uuid4().hex
+    free = {"$or": [{"$eq": [{"$ifNull": ["$lock_id", None]}, None]}, {"$ne": [{"$type": "$lock_time"}, "date"]},
+                    {"$lt": ["$lock_time", {"$literal": cutoff}]}]}
+    d = docs.find_one_and_update({"_id": i}, [{"$set": {
+        "lock_id": {"$cond": [free, {"$literal": lid}, "$lock_id"]},
+        "lock_time": {"$cond": [free, {"$literal": now}, "$lock_time"]}}}], return_document=ReturnDocument.AFTER)
+    assert d["lock_id"] == lid
+    n = Int64(d["n"] + 1)
+    operators = {"$set": {"n": n, "lock_id": None, "lock_time": None}}
+    if release == "filter":
+        r = docs.update_one({"_id": i, "lock_id": lid}, operators)
+    elif release == "filter-many":
+        r = docs.update_many({"_id": i, "lock_id": lid}, operators)
+    elif release == "id-unfenced":
+        r = docs.update_one({"_id": i}, operators)
+    else:
+        held = {"$eq": ["$lock_id", {"$literal": lid}]}
+        r = docs.update_one({"_id": i}, [{"$set": {
+            "lock_id": {"$cond": [held, None, "$lock_id"]}, "lock_time": {"$cond": [held, None, "$lock_time"]},
+            "n": {"$cond": [held, {"$literal": n}, "$n"]}}}])
+    assert r.modified_count == 1
+
+
+# --- guard ---------------------------------------------------------------------------------
+DOCTORS = ["Alice", "Bob", "Carol"]
+
+
+def mapped(name, val):
+    return {"$cond": [{"$isArray": "$doctors"}, {"$map": {"input": "$doctors", "as": "m", "in": {"$cond": [
+        {"$eq": ["$$m.name", {"$literal": name}]}, {"$mergeObjects": ["$$m", {"$literal": val}]}, "$$m"]}}}, "$doctors"]}
+
+
+def on_call(arr):
+    return {"$gte": [{"$size": {"$filter": {"input": {"$cond": [{"$isArray": arr}, arr, []]}, "as": "e",
+                                            "cond": {"$eq": ["$$e.on_call", {"$literal": True}]}}}}, 1]}
+
+
+def guard_pipeline(form, name, val):
+    if form == "library":
+        return [{"$set": {"doctors": {"$mergeObjects": [{"new": mapped(name, val), "old": "$doctors"}]}}},
+                {"$set": {"doctors": {"$cond": [{"$and": [on_call("$doctors.new")]}, "$doctors.new", "$doctors.old"]}}}]
+    if form == "inline":
+        m = mapped(name, val)
+        return [{"$set": {"doctors": {"$cond": [{"$and": [on_call(m)]}, m, "$doctors"]}}}]
+    if form == "let":
+        return [{"$set": {"doctors": {"$let": {"vars": {"new": mapped(name, val)},
+                                               "in": {"$cond": [{"$and": [on_call("$$new")]}, "$$new", "$doctors"]}}}}}]
+    return [{"$set": {"_dw_new": mapped(name, val)}},
+            {"$set": {"doctors": {"$cond": [{"$and": [on_call("$_dw_new")]}, "$_dw_new", "$doctors"]}, "_dw_new": "$$REMOVE"}}]
+
+
+def toggle(shifts, form):
+    s = Int64(random.randrange(1000))
+    name = random.choice(DOCTORS)
+    val = {"on_call": random.random() < 0.5, "updated": datetime.datetime.now()}
+    if form == "unguarded":
+        shifts.update_one({"_id": s, "doctors": {"$elemMatch": {"name": name}}},
+                          {"$set": {"doctors.$.on_call": val["on_call"], "doctors.$.updated": val["updated"]}})
+    else:
+        shifts.update_one({"_id": s}, guard_pipeline(form, name, val))
+
+
+# --- sequence ------------------------------------------------------------------------------
+CLASSES = ["CS 101", "CS 201", "MATH 2", "PHYS 1", "HIST 3", "ART 4"]
+SEQ = itertools.count(1)
+
+
+def apply(sets, form):
+    k = Int64(random.randrange(1000))
+    m = random.choice(CLASSES)
+    seq = Int64(next(SEQ))
+    e = f"_seq_sets.classes.state.{m}"
+    if form in ("operator", "operator-many"):
+        f = {"$and": [{"_id": k}, {"_seq_sets.classes.floor": {"$not": {"$gt": seq}}},
+                      {"$and": [{e + ".seq": {"$lt": seq}}, {e + ".present": True}]}]}
+        u = {"$set": {e: {"seq": seq, "present": True}}, "$unset": {"_seq_last": ""}}
+        r = sets.update_one(f, u) if form == "operator" else sets.update_many(f, u)
+    else:
+        wins = {"$and": [{"$not": [{"$gt": ["$_seq_sets.classes.floor", seq]}]}, {"$lt": ["$" + e + ".seq", seq]},
+                         {"$eq": ["$" + e + ".present", True]}]}
+        r = sets.update_one({"_id": k}, [{"$set": {
+            e: {"$cond": [wins, {"$literal": {"seq": seq, "present": True}}, "$" + e]}, "_seq_last": "$$REMOVE"}}])
+    assert r.modified_count == 1
+
+
+# --- claim candidate read ---------------------------------------------------------------------
+def jobs(name, single_claim_index):
+    q = db[name]
+    q.drop()
+    past = datetime.datetime.now() - datetime.timedelta(seconds=5)
+    q.insert_many([{"_id": ObjectId(), "state": "ready", "partition": Int64(random.randrange(256)), "priority": Int64(0),
+                    "run_at": past, "attempts": Int64(0), "max_attempts": Int64(25), "payload": {"n": i},
+                    "limits": None, "created_at": past, "updated_at": past} for i in range(10000)])
+    if single_claim_index:
+        q.create_index([("queue", 1), ("priority", -1), ("run_at", 1)], name="claim_q",
+                       partialFilterExpression={"state": {"$in": ["ready", "retrying"]}})
+    q.create_index([("state", 1), ("queue", 1), ("partition", 1), ("priority", -1), ("run_at", 1)],
+                   name="claim_partition_q", partialFilterExpression={"state": {"$gte": "ready", "$lte": "retrying"}})
+    q.create_index([("lease.until", 1)], name="lease", partialFilterExpression={"state": "running"})
+    q.create_index([("state", 1), ("finished_at", 1)], name="state",
+                   partialFilterExpression={"state": {"$in": ["succeeded", "dead", "cancelled"]}})
+    return q
+
+
+def candidates(q, span=12):
+    first = random.randrange(256)
+    parts = [Int64((first + i) % 256) for i in range(span)] + [None]
+    f = {"$or": [{"state": s, "queue": None, "partition": {"$in": parts}} for s in ("ready", "retrying")],
+         "run_at": {"$lte": datetime.datetime.now()}, "limits": None}
+    return [d["_id"] for d in q.find(f, {"_id": 1}).sort([("priority", -1), ("run_at", 1)]).limit(64)]
+
+
+variants = {"reference update_one": REF}
+if "locks" in GROUPS:
+    L, L0 = lock_coll("locks", True), lock_coll("locks_no_index", False)
+    variants |= {
+        "lock pair, library": lambda: lock_pair(L),
+        "lock pair, no indexes": lambda: lock_pair(L0),
+        "lock pair, no gc_at": lambda: lock_pair(L, gc=False),
+        "lock pair, acquire by _id": lambda: lock_pair(L, by_id=True),
+    }
+if "doclock" in GROUPS:
+    D = db.docs
+    D.drop()
+    D.insert_many([{"_id": i, "n": Int64(0)} for i in range(1000)])
+    variants |= {f"doclock, release {r}": (lambda r=r: doclock_pair(D, r))
+                 for r in ("filter", "filter-many", "id-unfenced", "pipeline")}
+if "guard" in GROUPS:
+    G = db.shifts
+    G.drop()
+    G.insert_many([{"_id": Int64(s), "doctors": [{"name": n, "on_call": True, "updated": datetime.datetime.now()}
+                                                  for n in DOCTORS]} for s in range(1000)])
+    variants |= {f"guard {f}": (lambda f=f: toggle(G, f)) for f in ("library", "inline", "let", "temp-field", "unguarded")}
+if "sequence" in GROUPS:
+    S = db.sets
+    S.drop()
+    S.insert_many([{"_id": Int64(i), "classes": sorted(CLASSES), "_seq_sets": {"classes": {"state": {
+        c: {"seq": Int64(0), "present": True} for c in CLASSES}}}} for i in range(1000)])
+    variants |= {f"sequence {f}": (lambda f=f: apply(S, f)) for f in ("operator", "operator-many", "pipeline")}
+if "claim" in GROUPS:
+    Q1, Q0 = jobs("jobs", True), jobs("jobs_partition_index_only", False)
+    variants |= {"claim read, library": lambda: candidates(Q1), "claim read, one index": lambda: candidates(Q0)}
+
+for round_ in range(2):
+    print(f"round {round_ + 1}")
+    for label, op in variants.items():
+        measure(label, N // 8 if label.startswith("claim") else N, op)

@@ -446,8 +446,10 @@ impl RwLocks {
     /// lock document's lease (the intent, which keeps new readers out), then until every
     /// reader inside has released or certainly expired, renewing the intent meanwhile. The
     /// returned [`Lease`] is fenced by its token; renew and release it with
-    /// [`RwLocks::locks`] (or [`RwLocks::release_write`]). `Ok(None)` if `wait` passed (the
-    /// intent is withdrawn) or the intent was taken over while waiting.
+    /// [`RwLocks::locks`] (or [`RwLocks::release_write`]). An intent that lapses while
+    /// waiting (its renewals failed longer than its ttl, the process paused) or is taken
+    /// over by another writer is withdrawn and registered again (a new token) while the
+    /// wait lasts. `Ok(None)` if `wait` passed (the intent is withdrawn).
     ///
     /// # Errors
     /// As [`LockCollection::acquire`].
@@ -485,7 +487,24 @@ impl RwLocks {
                     // lost their replies extended it on the server): withdraw it, or it
                     // keeps readers out until then. A no-op when it was taken over.
                     self.withdraw(&lease).await;
-                    return Ok(None);
+                    // The caller's wait is not over: register the intent again (a new
+                    // acquisition, a new token) and wait on. The lapsed intent is never
+                    // handed out: only an intent that finds the readers gone while it
+                    // is certainly valid is (`readers_inside`).
+                    let Some(left) = deadline.left() else {
+                        return deadline.passed();
+                    };
+                    let Some(again) = self.locks.acquire(owner, resource, ttl, left).await? else {
+                        return Ok(None);
+                    };
+                    tracing::debug!(
+                        resource,
+                        token = again.token.get(),
+                        "write intent registered again"
+                    );
+                    lease = again;
+                    deadline.attempted();
+                    continue;
                 }
                 Ok(Readers::Inside { until_expiry }) => {
                     deadline.attempted();

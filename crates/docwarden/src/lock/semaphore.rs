@@ -7,9 +7,11 @@
 //! `_id` whose pipeline first drops the holders whose `until` is before the cut-off (server
 //! time minus the clock bound and the skew margin, from the [`TimeSource`]), then appends
 //! the new holder with `token + 1` only while fewer than `permits` holders remain and the
-//! document's token block has a token left (`token < ceiling`). Renew is one `updateOne` on
-//! the holder's array element (`$elemMatch` on owner, token and a still certainly valid
-//! `until`); release is one `$pull` of `(owner, token)`.
+//! document's token block has a token left (`token < ceiling`). A renewal is one
+//! `findOneAndUpdate` by `_id` per resource document, whatever the number of permits of
+//! that resource renewed at once ([`Semaphore::renew_many`]): it extends the holder
+//! elements that match a permit's owner and token with a still certainly valid `until`;
+//! release is one `$pull` of `(owner, token)`.
 //!
 //! **Tokens strictly increase per resource**, across release, expiry, crashes and deletion
 //! of the document, the way [`super::LockCollection`] keeps them: tokens are handed out from
@@ -538,13 +540,44 @@ impl Semaphore {
     }
 
     /// Extends `permit` to `ttl` from now (server time), only while it is still certainly
-    /// valid and still stored.
+    /// valid and still stored ([`Semaphore::renew_many`] of one permit).
     ///
     /// # Errors
-    /// [`Error::LeaseLost`] if the permit expired, was released or dropped; a database error.
+    /// [`Error::LeaseLost`] if the permit expired, was released or dropped;
+    /// [`Error::InvalidInput`] for a zero ttl; a database error.
     #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn renew(&self, permit: &mut Permit, ttl: Duration) -> Result<()> {
+        self.renew_many(std::slice::from_mut(permit), ttl)
+            .await?
+            .pop()
+            .unwrap_or(Ok(()))
+    }
+
+    /// Extends every permit of `permits` to `ttl` from now (one server time for all),
+    /// each only while it is still certainly valid and still stored, as
+    /// [`Semaphore::renew`] would: **one write per resource document** (the permits of a
+    /// resource are elements of its `holders`), a `findOneAndUpdate` by `_id` whose
+    /// pipeline extends exactly the elements that match a permit's `(owner, token)` with
+    /// a certainly valid `until`, and the writes of different resources sent concurrently.
+    /// A permit counts as renewed when the document returned shows its element with the
+    /// new expiry. Returns one result per permit, in order; a renewed permit's
+    /// `expires_at` is updated.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero ttl and the clock's error, for the whole call.
+    /// Per permit: [`Error::LeaseLost`] if it expired, was released or dropped; a
+    /// database error of its resource's write (the other resources' writes are not
+    /// affected).
+    #[instrument(skip_all, fields(collection = %self.docs.name(), permits = permits.len()))]
+    pub async fn renew_many(
+        &self,
+        permits: &mut [Permit],
+        ttl: Duration,
+    ) -> Result<Vec<Result<()>>> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        if permits.is_empty() {
+            return Ok(Vec::new());
+        }
         let now = self.time.now().await?;
         let valid_after = DateTime::from_millis(
             now.estimate_ms
@@ -552,21 +585,54 @@ impl Semaphore {
                 .saturating_add(self.time.skew_margin_ms()),
         );
         let expires_at = now.plus_ms(ttl_ms);
-        let until = format!("{}.$.{}", field::HOLDERS, field::holder::UNTIL);
-        let mut element = holder_match(permit);
-        element.insert(field::holder::UNTIL, doc! { "$gt": valid_after });
-        let r = self
-            .docs
-            .update_one(
-                doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": element } },
-                doc! { "$set": { until: expires_at } },
-            )
-            .await?;
-        if r.matched_count == 0 {
-            return Err(lost(permit));
+        // The permits of each resource, in order of first appearance.
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, p) in permits.iter().enumerate() {
+            match groups.iter_mut().find(|(r, _)| *r == p.resource) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((p.resource.as_str(), vec![i])),
+            }
         }
-        permit.expires_at = expires_at;
-        Ok(())
+        let projection = doc! {
+            format!("{}.{}", field::HOLDERS, field::holder::OWNER): 1,
+            format!("{}.{}", field::HOLDERS, field::holder::TOKEN): 1,
+            format!("{}.{}", field::HOLDERS, field::holder::UNTIL): 1,
+        };
+        let writes = groups.iter().map(|(resource, members)| {
+            let held: Vec<&Permit> = members.iter().filter_map(|&i| permits.get(i)).collect();
+            let update = renew_pipeline(&held, valid_after, expires_at);
+            self.docs
+                .find_one_and_update(doc! { field::ID: *resource }, update)
+                .projection(projection.clone())
+                .return_document(ReturnDocument::After)
+                .into_future()
+        });
+        let answers = futures::future::join_all(writes).await;
+        let mut out: Vec<Option<Result<()>>> = (0..permits.len()).map(|_| None).collect();
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            for &i in members {
+                let Some(permit) = permits.get(i) else {
+                    continue;
+                };
+                let result = match &answer {
+                    Ok(Some(after)) if renewed(after, permit, expires_at) => Ok(()),
+                    Ok(_) => Err(lost(permit)),
+                    Err(e) => Err(Error::from(e.clone())),
+                };
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = Some(result);
+                }
+            }
+        }
+        let mut results = Vec::with_capacity(permits.len());
+        for (permit, result) in permits.iter_mut().zip(out) {
+            let result = result.unwrap_or_else(|| Err(lost(permit)));
+            if result.is_ok() {
+                permit.expires_at = expires_at;
+            }
+            results.push(result);
+        }
+        Ok(results)
     }
 
     /// Gives `permit` back (one `$pull`). Releasing a permit that expired but was not
@@ -685,6 +751,54 @@ fn lost(permit: &Permit) -> Error {
 /// The holder element of `permit`: `{owner, token}` (tokens are unique per resource).
 fn holder_match(permit: &Permit) -> Document {
     doc! { field::holder::OWNER: &permit.owner, field::holder::TOKEN: permit.token }
+}
+
+/// The renewal of `held` (permits of one resource): every holder element that matches one
+/// of them by `(owner, token)` and whose `until` is a date after `valid_after` (still
+/// certainly valid) gets `until = expires_at`; every other element stays as it is. One
+/// stage, so each element is decided on the document as stored.
+fn renew_pipeline(held: &[&Permit], valid_after: DateTime, expires_at: DateTime) -> Vec<Document> {
+    let holders = format!("${}", field::HOLDERS);
+    let owner = format!("$$h.{}", field::holder::OWNER);
+    let token = format!("$$h.{}", field::holder::TOKEN);
+    let until = format!("$$h.{}", field::holder::UNTIL);
+    let ours: Vec<Document> = held
+        .iter()
+        .map(|p| {
+            doc! { "$and": [
+                { "$eq": [&owner, { "$literal": &p.owner }] },
+                { "$eq": [&token, { "$literal": p.token.get() }] },
+            ] }
+        })
+        .collect();
+    vec![doc! { "$set": { field::HOLDERS: { "$map": {
+        "input": { "$cond": [{ "$isArray": &holders }, &holders, []] },
+        "as": "h",
+        "in": { "$cond": [
+            { "$and": [
+                { "$or": ours },
+                { "$eq": [{ "$type": &until }, "date"] },
+                { "$gt": [&until, { "$literal": valid_after }] },
+            ] },
+            { "$mergeObjects": ["$$h", { field::holder::UNTIL: { "$literal": expires_at } }] },
+            "$$h",
+        ] },
+    } } } }]
+}
+
+/// Whether `after` (the document a renewal returned) shows `permit`'s holder element with
+/// the renewal's new expiry.
+fn renewed(after: &Document, permit: &Permit, expires_at: DateTime) -> bool {
+    after
+        .get_array(field::HOLDERS)
+        .map(|hs| {
+            hs.iter().filter_map(Bson::as_document).any(|h| {
+                h.get_str(field::holder::OWNER).ok() == Some(permit.owner.as_str())
+                    && h.get_i64(field::holder::TOKEN).ok() == Some(permit.token.get())
+                    && h.get_datetime(field::holder::UNTIL).ok() == Some(&expires_at)
+            })
+        })
+        .unwrap_or(false)
 }
 
 struct AcquireArgs<'a> {

@@ -533,3 +533,39 @@ async fn a_writer_whose_intent_lapses_registers_again_within_its_wait() -> anyho
     );
     Ok(())
 }
+
+/// Session 18 (review of the re-registration above): a write lease is handed out only
+/// while certainly valid, so one whose ttl is not longer than the skew margin (250 ms by
+/// default) can never be. `write` refuses such a ttl at once, registering no intent;
+/// without the check it registered an intent, found it not certainly valid, and (since
+/// the intent is registered again while the wait lasts) did so again and again until its
+/// wait passed, drawing a token each time. Counts: intents registered (0).
+#[tokio::test]
+async fn a_write_ttl_within_the_skew_margin_is_refused_without_registering() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_ttl_within_margin").await?;
+    let rw = rwlocks(&t, RwLockOptions::default()).await?;
+    let started = Instant::now();
+    let got = rw
+        .write(
+            &Owner::random(),
+            RESOURCE,
+            Duration::from_millis(200),
+            Duration::from_secs(2),
+        )
+        .await;
+    let took = started.elapsed();
+    let registered = rw.locks().last_token(RESOURCE).await?;
+    println!("ttl 200 ms: {got:?} after {took:?}; last token {registered:?}");
+    assert!(
+        matches!(got, Err(Error::InvalidInput { what: "ttl", .. })),
+        "{got:?}"
+    );
+    assert_eq!(registered, None, "no intent registered");
+    // Longer than the margin: handed out, certainly valid.
+    let lease = rw
+        .try_write(&Owner::random(), RESOURCE, Duration::from_millis(600))
+        .await?
+        .expect("free");
+    rw.release_write(&lease).await?;
+    Ok(())
+}

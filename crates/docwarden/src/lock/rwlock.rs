@@ -452,7 +452,8 @@ impl RwLocks {
     /// wait lasts. `Ok(None)` if `wait` passed (the intent is withdrawn).
     ///
     /// # Errors
-    /// As [`LockCollection::acquire`].
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (such
+    /// a lease is never certainly valid); otherwise as [`LockCollection::acquire`].
     #[instrument(skip(self, owner), fields(collection = %self.coll().name()))]
     pub async fn write(
         &self,
@@ -463,6 +464,20 @@ impl RwLocks {
     ) -> Result<Option<Lease>> {
         let mut deadline = Deadline::after(wait);
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        // Only a certainly valid intent becomes the write lease, and an intent is certainly
+        // valid only while more than the skew margin (plus the clock's bound) is left: a
+        // shorter ttl could never be handed out, and would register one intent after
+        // another until the wait passed.
+        let margin = self.margin();
+        if ttl_ms <= margin {
+            return Err(Error::invalid(
+                "ttl",
+                format!(
+                    "a write lease of {ttl_ms} ms is never certainly valid with a skew margin \
+                     of {margin} ms: give it more than the margin"
+                ),
+            ));
+        }
         let mut backoff = self.locks.backoff()?;
         let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
             return Ok(None);
@@ -491,6 +506,12 @@ impl RwLocks {
                     // acquisition, a new token) and wait on. The lapsed intent is never
                     // handed out: only an intent that finds the readers gone while it
                     // is certainly valid is (`readers_inside`).
+                    // With backoff: an intent that keeps lapsing (a clock bound that
+                    // eats the ttl) must not turn the wait into a busy loop.
+                    let Some(left) = deadline.left() else {
+                        return deadline.passed();
+                    };
+                    tokio::time::sleep(backoff.next_delay().min(left)).await;
                     let Some(left) = deadline.left() else {
                         return deadline.passed();
                     };

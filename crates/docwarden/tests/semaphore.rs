@@ -344,3 +344,82 @@ async fn renewing_many_permits_is_one_write_per_resource_and_keeps_each_fenced()
     assert!(sem.renew_many(&mut [], long).await?.is_empty());
     Ok(())
 }
+
+/// Session 18 review: a blocking acquire whose attempts are granted but lose their replies
+/// (`failCommand` with a write concern error on this test's own client) for most of the
+/// ttl. Until then the next answered attempt returned the first lost attempt's holder
+/// entry as it was: its expiry set when that attempt ran, so the permit handed out had
+/// a fraction of its ttl left, less than the skew margin: not certainly valid. The
+/// acquire must hand out a permit with its ttl from now (the lost entries given back) and
+/// still hold one permit only. Counts: permits handed out not certainly valid (0), entries
+/// of this owner (1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_permit_taken_back_from_lost_replies_is_certainly_valid() -> anyhow::Result<()> {
+    let test = "sem_lost_replies_fresh_permit";
+    let t = TestDb::new(test).await?;
+    if docwarden_testkit::fail_point_client(&t, test)
+        .await?
+        .is_none()
+    {
+        return Ok(());
+    }
+    let app = "sem-lost-replies";
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some(app.to_owned());
+    options.heartbeat_freq = Some(Duration::from_millis(500));
+    options.server_selection_timeout = Some(Duration::from_secs(20));
+    let client = mongodb::Client::with_options(options)?;
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let sem = Semaphore::open(
+        &client.database(t.db.name()),
+        SEM,
+        time.clone(),
+        SemaphoreOptions::default()
+            .default_permits(2)
+            .backoff(Duration::from_millis(5), Duration::from_millis(50)),
+    )
+    .await?;
+    let me = Owner::random();
+    // A token block first, so every attempt is one findAndModify.
+    let seed = sem
+        .try_acquire(&me, "r", Duration::from_secs(1))
+        .await?
+        .context("seed")?;
+    sem.release(&seed).await?;
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["findAndModify"],
+                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+                "appName": app,
+            },
+        })
+        .await?;
+    let ttl = Duration::from_millis(1_500);
+    let acquiring = {
+        let (sem, me) = (sem.clone(), me.clone());
+        tokio::spawn(async move { sem.acquire(&me, "r", ttl, Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    let permit = acquiring.await??.context("a permit within the wait")?;
+    let now = time.now().await?;
+    let status = sem.status("r").await?.context("status")?;
+    let entries = status.holders.iter().filter(|h| h.owner == me.id()).count();
+    let not_valid = usize::from(!permit.is_certainly_valid(&now, time.skew_margin_ms()));
+    println!(
+        "permit {:?}: {} ms left of {ttl:?}; {entries} entries of this owner",
+        permit.token,
+        permit.expires_at.timestamp_millis() - now.estimate_ms
+    );
+    assert_eq!(
+        not_valid, 0,
+        "a permit handed out that is not certainly valid"
+    );
+    assert_eq!(entries, 1, "one permit only: {status:?}");
+    sem.release(&permit).await?;
+    Ok(())
+}

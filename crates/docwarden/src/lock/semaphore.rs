@@ -333,9 +333,10 @@ impl Semaphore {
 
     /// One acquire attempt with acquisition nonce `nonce` (every round of it: a round
     /// that answered was not admitted). `unknown`: the nonces of this blocking acquire's
-    /// earlier attempts that failed with a transient error, whose holder entry (a lost
-    /// reply) is taken back rather than a second permit taken; empty for
-    /// [`Semaphore::try_acquire`].
+    /// earlier attempts that failed with a transient error, whose holder entries (lost
+    /// replies) the attempt gives back in the same write before it is admitted afresh, so
+    /// the acquire never holds two permits and never hands out an old entry with part of
+    /// its ttl gone; empty for [`Semaphore::try_acquire`].
     async fn attempt(
         &self,
         owner: &Owner,
@@ -374,25 +375,10 @@ impl Semaphore {
                 self.refill(resource).await?;
                 continue;
             };
-            match admitted(&after, nonce, unknown, self.default_permits) {
+            match admitted(&after, nonce, self.default_permits) {
                 Admission::Granted(token) => {
                     crate::observe::lock_acquired(self.docs.name(), Some(token));
                     tracing::debug!(resource, token, "permit acquired");
-                    return Ok(Some(Permit {
-                        resource: resource.to_owned(),
-                        owner: owner.id().to_owned(),
-                        token: FencingToken::new(token),
-                        acquired_at,
-                        expires_at,
-                    }));
-                }
-                Admission::Recovered {
-                    token,
-                    acquired_at,
-                    expires_at,
-                } => {
-                    crate::observe::lock_acquired(self.docs.name(), Some(token));
-                    tracing::debug!(resource, token, "permit of a lost reply taken back");
                     return Ok(Some(Permit {
                         resource: resource.to_owned(),
                         owner: owner.id().to_owned(),
@@ -432,7 +418,8 @@ impl Semaphore {
         let mut deadline = Deadline::after(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         // Attempts that failed with a transient error may have been admitted all the same
-        // (a lost reply): later attempts take that permit back instead of a second one.
+        // (a lost reply): later attempts give that permit back in the write that admits
+        // them, instead of holding a second one or handing out the old one.
         let mut unanswered = Unanswered::default();
         loop {
             let nonce = validate::random_id();
@@ -804,8 +791,8 @@ fn renewed(after: &Document, permit: &Permit, expires_at: DateTime) -> bool {
 struct AcquireArgs<'a> {
     owner: &'a str,
     nonce: &'a str,
-    /// Earlier attempts' nonces (see [`Semaphore::acquire`]): no admission while a live
-    /// holder carries one of them.
+    /// Earlier attempts' nonces (see [`Semaphore::acquire`]): their holder entries are
+    /// dropped before the admission.
     unknown: &'a [String],
     acquired_at: DateTime,
     expires_at: DateTime,
@@ -814,7 +801,7 @@ struct AcquireArgs<'a> {
 }
 
 /// The acquire: stage 1 drops the holders whose `until` is before `cutoff` (or not a
-/// date); stage 2 appends the new holder with `token + 1` (and stores that token) only
+/// date) and those of `unknown` (this acquire's lost attempts); stage 2 appends the new holder with `token + 1` (and stores that token) only
 /// while fewer than `permits` holders remain and `token < ceiling`. Both stages are one
 /// atomic update of one document.
 fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
@@ -826,13 +813,24 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
     let live = if ignore_expiry {
         Bson::Array(Vec::new())
     } else {
+        let mut keep = vec![
+            Bson::Document(doc! { "$eq": [{ "$type": &until }, "date"] }),
+            Bson::Document(doc! { "$gte": [&until, a.cutoff] }),
+        ];
+        if !a.unknown.is_empty() {
+            // The entries of this acquire's earlier attempts whose replies were lost:
+            // nobody was told they hold them, so they are given back here and the
+            // attempt is admitted afresh (a new token, `until` from now).
+            let acquisition = format!("$$h.{}", field::holder::ACQUISITION);
+            keep.push(Bson::Document(doc! { "$not": [{ "$in": [
+                { "$ifNull": [acquisition, Bson::Null] },
+                { "$literal": a.unknown },
+            ] }] }));
+        }
         Bson::Document(doc! { "$filter": {
             "input": { "$cond": [{ "$isArray": &holders }, &holders, []] },
             "as": "h",
-            "cond": { "$and": [
-                { "$eq": [{ "$type": &until }, "date"] },
-                { "$gte": [&until, a.cutoff] },
-            ] },
+            "cond": { "$and": keep },
         } })
     };
     let admit = doc! { "$and": [
@@ -841,20 +839,6 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
         { "$lt": [&token, &ceiling] },
         { "$lt": [{ "$size": &holders }, { "$cond": [{ "$isNumber": &permits }, &permits, a.default_permits] }] },
     ] };
-    let admit = if a.unknown.is_empty() {
-        admit
-    } else {
-        // A live holder of an earlier attempt of this acquire: take that one back.
-        let acquisition = format!("$$h.{}", field::holder::ACQUISITION);
-        doc! { "$and": [
-            admit,
-            { "$not": [{ "$anyElementTrue": [{ "$map": {
-                "input": &holders,
-                "as": "h",
-                "in": { "$in": [{ "$ifNull": [acquisition, Bson::Null] }, a.unknown] },
-            } }] }] },
-        ] }
-    };
     let next = doc! { "$add": [&token, 1_i64] };
     let holder = doc! {
         field::holder::OWNER: { "$literal": a.owner },
@@ -889,12 +873,6 @@ fn commit_pipeline(base: i64, ceiling: i64) -> Vec<Document> {
 
 enum Admission {
     Granted(i64),
-    /// The live holder entry of an earlier attempt whose reply was lost.
-    Recovered {
-        token: i64,
-        acquired_at: DateTime,
-        expires_at: DateTime,
-    },
     Full,
     Exhausted,
 }
@@ -902,7 +880,7 @@ enum Admission {
 /// What an acquire's returned document says: our holder (by nonce) is in it, or the
 /// semaphore is full, or the block is used up (or the document has none yet). Permits are
 /// read as the acquire pipeline reads them: a stored number, else `default_permits`.
-fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: i64) -> Admission {
+fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     let holders = after
         .get_array(field::HOLDERS)
         .map(Vec::as_slice)
@@ -913,21 +891,6 @@ fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: 
             && let Ok(t) = h.get_i64(field::holder::TOKEN)
         {
             return Admission::Granted(t);
-        }
-    }
-    for h in holders {
-        if let Bson::Document(h) = h
-            && let Ok(acquisition) = h.get_str(field::holder::ACQUISITION)
-            && unknown.iter().any(|u| u == acquisition)
-            && let Ok(token) = h.get_i64(field::holder::TOKEN)
-            && let Ok(acquired_at) = h.get_datetime(field::holder::ACQUIRED_AT)
-            && let Ok(expires_at) = h.get_datetime(field::holder::UNTIL)
-        {
-            return Admission::Recovered {
-                token,
-                acquired_at: *acquired_at,
-                expires_at: *expires_at,
-            };
         }
     }
     let room = match after.get(field::PERMITS) {
@@ -1016,34 +979,51 @@ mod tests {
     fn admission_is_read_from_the_document() {
         let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "n", &[], 3), Admission::Granted(5)));
-        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
+        assert!(matches!(admitted(&d, "n", 3), Admission::Granted(5)));
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
         let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
-        assert!(matches!(admitted(&e, "m", &[], 3), Admission::Exhausted));
+        assert!(matches!(admitted(&e, "m", 3), Admission::Exhausted));
         // Session 15: `permits` as a double (mongosh's `permits: 1`) read as "no limit
         // stored", so a full semaphore looked exhausted: every contended acquire refilled
         // MAX_ROUNDS token blocks (8 million tokens, ~6 ms) before answering `None`.
         let d = doc! { "_id": "r", "permits": 1.0, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
         // Permits missing or not a number: the pipeline admits by the handle's default,
         // and so does this reading (a string read as "no limit" made a full semaphore
         // refill its token block for every round of a contended acquire).
         let s = doc! { "_id": "r", "permits": "1", "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&s, "m", &[], 1), Admission::Full));
-        assert!(matches!(admitted(&s, "m", &[], 2), Admission::Exhausted));
+        assert!(matches!(admitted(&s, "m", 1), Admission::Full));
+        assert!(matches!(admitted(&s, "m", 2), Admission::Exhausted));
     }
 
     #[test]
-    fn an_earlier_attempts_holder_is_recovered_not_doubled() {
-        let d = doc! { "_id": "r", "permits": 2_i64, "token": 5_i64, "ceiling": 9_i64,
-        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "lost", "acquired_at": DateTime::from_millis(1), "until": DateTime::from_millis(2) }] };
-        assert!(matches!(
-            admitted(&d, "now", &["lost".to_owned()], 3),
-            Admission::Recovered { token: 5, .. }
-        ));
-        assert!(matches!(admitted(&d, "now", &[], 3), Admission::Exhausted));
+    fn an_earlier_attempts_holder_is_given_back_not_doubled() {
+        let p = acquire_pipeline(
+            &AcquireArgs {
+                owner: "o",
+                nonce: "now",
+                unknown: &["lost".to_owned()],
+                acquired_at: DateTime::from_millis(1),
+                expires_at: DateTime::from_millis(2),
+                cutoff: DateTime::from_millis(0),
+                default_permits: 3,
+            },
+            false,
+        );
+        let keep = p[0]
+            .get_document("$set")
+            .and_then(|s| s.get_document("holders"))
+            .and_then(|h| h.get_document("$filter"))
+            .and_then(|f| f.get_document("cond"))
+            .and_then(|c| c.get_array("$and"))
+            .map(Vec::len);
+        assert_eq!(
+            keep,
+            Ok(3),
+            "a date, not certainly expired, not a lost attempt's"
+        );
     }
 
     #[test]

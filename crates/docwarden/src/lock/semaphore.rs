@@ -543,11 +543,13 @@ impl Semaphore {
     /// Extends every permit of `permits` to `ttl` from now (one server time for all),
     /// each only while it is still certainly valid and still stored, as
     /// [`Semaphore::renew`] would: **one write per resource document** (the permits of a
-    /// resource are elements of its `holders`), a `findOneAndUpdate` by `_id` whose
-    /// pipeline extends exactly the elements that match a permit's `(owner, token)` with
-    /// a certainly valid `until`, and the writes of different resources sent concurrently.
-    /// A permit counts as renewed when the document returned shows its element with the
-    /// new expiry. Returns one result per permit, in order; a renewed permit's
+    /// resource are elements of its `holders`), the writes of different resources sent
+    /// concurrently. For one permit of a resource, an `updateOne` by `_id` and
+    /// `$elemMatch` on its `(owner, token)` with a certainly valid `until` (renewed if it
+    /// matched); for several, a `findOneAndUpdate` by `_id` whose pipeline extends
+    /// exactly the elements that match one of them with a certainly valid `until` (a
+    /// permit is renewed when the document returned shows its element with the new
+    /// expiry). Returns one result per permit, in order; a renewed permit's
     /// `expires_at` is updated.
     ///
     /// # Errors
@@ -585,24 +587,50 @@ impl Semaphore {
             format!("{}.{}", field::HOLDERS, field::holder::TOKEN): 1,
             format!("{}.{}", field::HOLDERS, field::holder::UNTIL): 1,
         };
+        let until = format!("{}.$.{}", field::HOLDERS, field::holder::UNTIL);
         let writes = groups.iter().map(|(resource, members)| {
             let held: Vec<&Permit> = members.iter().filter_map(|&i| permits.get(i)).collect();
-            let update = renew_pipeline(&held, valid_after, expires_at);
-            self.docs
-                .find_one_and_update(doc! { field::ID: *resource }, update)
-                .projection(projection.clone())
-                .return_document(ReturnDocument::After)
-                .into_future()
+            let (projection, until) = (&projection, &until);
+            async move {
+                if let [one] = held.as_slice() {
+                    // One permit of this resource: the positional update of its element
+                    // (same condition; no document to send back).
+                    let mut element = holder_match(one);
+                    element.insert(field::holder::UNTIL, doc! { "$gt": valid_after });
+                    let r = self
+                        .docs
+                        .update_one(
+                            doc! { field::ID: *resource, field::HOLDERS: { "$elemMatch": element } },
+                            doc! { "$set": { until: expires_at } },
+                        )
+                        .await?;
+                    return Ok(vec![r.matched_count == 1]);
+                }
+                let after = self
+                    .docs
+                    .find_one_and_update(
+                        doc! { field::ID: *resource },
+                        renew_pipeline(&held, valid_after, expires_at),
+                    )
+                    .projection(projection.clone())
+                    .return_document(ReturnDocument::After)
+                    .await?;
+                Ok::<_, mongodb::error::Error>(
+                    held.iter()
+                        .map(|p| after.as_ref().is_some_and(|a| renewed(a, p, expires_at)))
+                        .collect(),
+                )
+            }
         });
         let answers = futures::future::join_all(writes).await;
         let mut out: Vec<Option<Result<()>>> = (0..permits.len()).map(|_| None).collect();
         for ((_, members), answer) in groups.iter().zip(answers) {
-            for &i in members {
+            for (k, &i) in members.iter().enumerate() {
                 let Some(permit) = permits.get(i) else {
                     continue;
                 };
                 let result = match &answer {
-                    Ok(Some(after)) if renewed(after, permit, expires_at) => Ok(()),
+                    Ok(renewed) if renewed.get(k) == Some(&true) => Ok(()),
                     Ok(_) => Err(lost(permit)),
                     Err(e) => Err(Error::from(e.clone())),
                 };

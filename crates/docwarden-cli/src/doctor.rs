@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use docwarden::capabilities::{self, Capabilities};
 use docwarden::clock::{ClockOptions, ClockSample, TimeSource};
+use docwarden::format::lock::collection as lock_field;
 use docwarden::preflight::{self, MIN_SERVER_VERSION};
 use docwarden_server::mask_uri;
 use futures::TryStreamExt;
@@ -222,7 +223,7 @@ fn is_obsolete_lock_ttl_index(index: &mongodb::IndexModel) -> bool {
         .options
         .as_ref()
         .is_some_and(|o| o.expire_after.is_some());
-    named && ttl && index.keys.keys().next().map(String::as_str) == Some("expires_at")
+    named && ttl && index.keys.keys().next().map(String::as_str) == Some(lock_field::EXPIRES_AT)
 }
 
 /// One `obsolete-lock-ttl-index` warning per collection of `collections` (`db.collection`).
@@ -352,6 +353,7 @@ mod tests {
     use std::time::Duration;
 
     use docwarden::clock::{ClockOptions, TimeSource};
+    use docwarden::format::lock::collection as lock_field;
     use docwarden::lock::{LockCollection, LockOptions};
     use docwarden_testkit::TestDb;
     use mongodb::IndexModel;
@@ -386,7 +388,7 @@ mod tests {
         let old = t.db.collection::<Document>("locks_old");
         old.create_index(
             IndexModel::builder()
-                .keys(doc! { "expires_at": 1 })
+                .keys(doc! { lock_field::EXPIRES_AT: 1 })
                 .options(
                     IndexOptions::builder()
                         .name("expires_at_gc".to_owned())
@@ -400,7 +402,7 @@ mod tests {
         not_ttl
             .create_index(
                 IndexModel::builder()
-                    .keys(doc! { "expires_at": 1 })
+                    .keys(doc! { lock_field::EXPIRES_AT: 1 })
                     .options(
                         IndexOptions::builder()
                             .name("expires_at_gc".to_owned())

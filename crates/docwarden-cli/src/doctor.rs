@@ -7,8 +7,10 @@ use std::time::Instant;
 
 use docwarden::capabilities::{self, Capabilities};
 use docwarden::clock::{ClockOptions, ClockSample, TimeSource};
+use docwarden::format::lock::collection as lock_field;
 use docwarden::preflight::{self, MIN_SERVER_VERSION};
 use docwarden_server::mask_uri;
+use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
 
 use crate::conn::ConnArgs;
@@ -103,7 +105,9 @@ pub(crate) async fn gather(
     let capabilities = capabilities::probe(client).await?;
     let replicated = topology != "standalone";
     let (w, source) = effective_write_concern(client).await;
-    let warnings = warnings(uri, replicated, &w, sample.bound_ms);
+    let obsolete = obsolete_ttl_indexes(client).await;
+    let mut warnings = warnings(uri, replicated, &w, sample.bound_ms);
+    warnings.extend(obsolete_index_warnings(&obsolete));
     Ok(Report {
         uri: mask_uri(uri),
         embedded,
@@ -152,6 +156,95 @@ async fn effective_write_concern(client: &mongodb::Client) -> (String, &'static 
             },
         );
     (w, source)
+}
+
+/// Name of the TTL index that lock collections of docwarden versions before session 17
+/// carried on `expires_at` (`lock/collection.rs` drops it; its successor is `gc_at_gc`).
+const OBSOLETE_LOCK_TTL_INDEX: &str = "expires_at_gc";
+
+/// The collections, as `db.collection`, that carry [`OBSOLETE_LOCK_TTL_INDEX`] as a TTL
+/// index on `expires_at`: lock collections a process of a version before session 17
+/// opened (again), in every database but `admin`, `config` and `local`. One `listIndexes`
+/// per collection. Best effort: a database or collection the user may not list is skipped
+/// (logged), never an error of `doctor`.
+async fn obsolete_ttl_indexes(client: &mongodb::Client) -> Vec<String> {
+    let mut found = Vec::new();
+    let databases = match client.list_database_names().await {
+        Ok(names) => names,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot list databases: obsolete TTL indexes not checked");
+            return found;
+        }
+    };
+    for name in databases {
+        if matches!(name.as_str(), "admin" | "config" | "local") {
+            continue;
+        }
+        let db = client.database(&name);
+        let collections = match db
+            .list_collection_names()
+            .filter(doc! { "type": "collection" })
+            .await
+        {
+            Ok(names) => names,
+            Err(e) => {
+                tracing::debug!(error = %e, database = %name, "cannot list collections");
+                continue;
+            }
+        };
+        for coll in collections {
+            let indexes = match db.collection::<Document>(&coll).list_indexes().await {
+                Ok(cursor) => cursor.try_collect::<Vec<_>>().await,
+                Err(e) => Err(e),
+            };
+            match indexes {
+                Ok(indexes) if indexes.iter().any(is_obsolete_lock_ttl_index) => {
+                    found.push(format!("{name}.{coll}"));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, collection = %coll, "cannot list indexes");
+                }
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Whether `index` is the obsolete lock TTL index: its name, a TTL, on `expires_at`.
+fn is_obsolete_lock_ttl_index(index: &mongodb::IndexModel) -> bool {
+    let named = index
+        .options
+        .as_ref()
+        .and_then(|o| o.name.as_deref())
+        .is_some_and(|n| n == OBSOLETE_LOCK_TTL_INDEX);
+    let ttl = index
+        .options
+        .as_ref()
+        .is_some_and(|o| o.expire_after.is_some());
+    named && ttl && index.keys.keys().next().map(String::as_str) == Some(lock_field::EXPIRES_AT)
+}
+
+/// One `obsolete-lock-ttl-index` warning per collection of `collections` (`db.collection`).
+fn obsolete_index_warnings(collections: &[String]) -> Vec<Warning> {
+    collections
+        .iter()
+        .map(|c| Warning {
+            code: "obsolete-lock-ttl-index",
+            message: format!(
+                "lock collection `{c}` has the TTL index `{OBSOLETE_LOCK_TTL_INDEX}` on \
+                 `expires_at` of a docwarden version before session 17 (a process of that \
+                 version opened it: an unfinished rolling upgrade). It can delete a \
+                 read/write lock document while readers are inside, and a writer then \
+                 overlaps a live reader. Stop every process of the earlier version, then \
+                 open the collection once with this version (your service's \
+                 `LockCollection::open` / `RwLocks::open` with its own `LockOptions`): it \
+                 drops the index and gives each document a `gc_at` (docs/locks.md, \
+                 \"Migration from earlier versions\")."
+            ),
+        })
+        .collect()
 }
 
 fn w_name(w: &mongodb::options::Acknowledgment) -> String {
@@ -257,7 +350,84 @@ fn print_human(r: &Report) {
 
 #[cfg(test)]
 mod tests {
-    use super::warnings;
+    use std::time::Duration;
+
+    use docwarden::clock::{ClockOptions, TimeSource};
+    use docwarden::format::lock::collection as lock_field;
+    use docwarden::lock::{LockCollection, LockOptions};
+    use docwarden_testkit::TestDb;
+    use mongodb::IndexModel;
+    use mongodb::bson::{Document, doc};
+    use mongodb::options::IndexOptions;
+
+    use super::{gather, warnings};
+
+    /// The `obsolete-lock-ttl-index` warnings of `doctor` (against the test's server)
+    /// that name a collection of database `db`.
+    async fn obsolete_in(t: &TestDb, db: &str) -> anyhow::Result<Vec<String>> {
+        let report = gather(&t.client, t.uri(), false).await?;
+        Ok(report
+            .warnings
+            .into_iter()
+            .filter(|w| w.code == "obsolete-lock-ttl-index")
+            .filter(|w| w.message.contains(&format!("`{db}.")))
+            .map(|w| w.message)
+            .collect())
+    }
+
+    /// Session 18: a lock collection that a process of a version before session 17 opened
+    /// keeps (or gets back) the TTL index `expires_at_gc` on `expires_at`, which can delete
+    /// a read/write lock document with live readers. `doctor` names it, with what to do;
+    /// a collection with only an index of that name that is not a TTL is not named; once
+    /// the collection is opened by this version (the migration), the warning goes.
+    /// Without the check: no warning (fails).
+    #[tokio::test]
+    async fn doctor_warns_about_the_obsolete_lock_ttl_index() -> anyhow::Result<()> {
+        let t = TestDb::new("doctor_obsolete_ttl").await?;
+        let db = t.db.name().to_owned();
+        let old = t.db.collection::<Document>("locks_old");
+        old.create_index(
+            IndexModel::builder()
+                .keys(doc! { lock_field::EXPIRES_AT: 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name("expires_at_gc".to_owned())
+                        .expire_after(Duration::from_secs(3600))
+                        .build(),
+                )
+                .build(),
+        )
+        .await?;
+        let not_ttl = t.db.collection::<Document>("not_a_ttl");
+        not_ttl
+            .create_index(
+                IndexModel::builder()
+                    .keys(doc! { lock_field::EXPIRES_AT: 1 })
+                    .options(
+                        IndexOptions::builder()
+                            .name("expires_at_gc".to_owned())
+                            .build(),
+                    )
+                    .build(),
+            )
+            .await?;
+        let warned = obsolete_in(&t, &db).await?;
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(
+            warned[0].contains(&format!("`{db}.locks_old`")),
+            "{warned:?}"
+        );
+        assert!(
+            warned[0].contains("LockCollection::open"),
+            "what to do: {warned:?}"
+        );
+
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        LockCollection::open(&t.db, "locks_old", time, LockOptions::default()).await?;
+        let warned = obsolete_in(&t, &db).await?;
+        assert!(warned.is_empty(), "migrated: {warned:?}");
+        Ok(())
+    }
 
     fn codes(uri: &str, replicated: bool, w: &str, bound: i64) -> Vec<&'static str> {
         warnings(uri, replicated, w, bound)

@@ -313,3 +313,48 @@ async fn observers_follow_the_leader_and_its_terms() -> anyhow::Result<()> {
     lb.resign().await?;
     Ok(())
 }
+
+/// Session 18 review: a term is worth something only while it is certainly valid, which
+/// takes more than the skew margin (250 ms by default) left. With a term ttl within the
+/// margin, every campaign won a term whose leadership was lost the moment it began: a
+/// leader loop campaigning again on loss drew term after term and never led. `Election::new`
+/// refuses such a ttl. Counts: terms drawn by a leader loop in 1 s (0), leaderships won
+/// already lost (0).
+#[tokio::test]
+async fn a_term_ttl_within_the_skew_margin_is_refused() -> anyhow::Result<()> {
+    let t = TestDb::new("election_ttl_within_margin").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "elections", time, LockOptions::default()).await?;
+    let short = ElectionOptions::default().term_ttl(Duration::from_millis(200));
+    let (mut lost_at_once, mut terms) = (0, 0);
+    match Election::new(locks.clone(), NAME, short) {
+        Err(docwarden::Error::InvalidInput { .. }) => {}
+        Err(e) => return Err(e.into()),
+        Ok(e) => {
+            // A leader loop: campaign, lead while not lost, campaign again.
+            let me = Owner::random();
+            let until = Instant::now() + Duration::from_secs(1);
+            while Instant::now() < until {
+                if let Some(l) = e.campaign(&me, Duration::from_millis(200)).await? {
+                    terms += 1;
+                    lost_at_once += usize::from(l.is_lost());
+                    l.abandon();
+                }
+            }
+        }
+    }
+    println!("term ttl 200 ms: {terms} terms drawn, {lost_at_once} lost at once");
+    assert_eq!(lost_at_once, 0, "leaderships lost the moment they were won");
+    assert_eq!(terms, 0, "terms drawn");
+    // More than the margin: leads.
+    let e = Election::new(
+        locks,
+        NAME,
+        ElectionOptions::default().term_ttl(Duration::from_millis(600)),
+    )?;
+    let l = e.campaign(&Owner::random(), Duration::from_secs(2)).await?;
+    let l = l.expect("elected");
+    assert!(!l.is_lost());
+    l.resign().await?;
+    Ok(())
+}

@@ -431,3 +431,141 @@ async fn open_migrates_the_ttl_index_and_gives_old_documents_a_gc_date() -> anyh
     );
     Ok(())
 }
+
+/// Session 18, defect 1: a writer waits for a reader inside while its renewals of the
+/// intent fail (a transient error, `failCommand` on the writer's own client) for longer
+/// than the intent's ttl, so the intent lapses; the fail point is switched off and the
+/// reader leaves well within the writer's wait. The writer must register its intent
+/// again and get the write lease after the reader left (before session 18 it returned
+/// `Ok(None)` with most of its wait left: 0.7 s into a 15 s wait with a 0.6 s intent). Counts: writes refused with time left (0),
+/// write leases handed out not certainly valid or before the reader left (0).
+#[tokio::test]
+async fn a_writer_whose_intent_lapses_registers_again_within_its_wait() -> anyhow::Result<()> {
+    let test = "rwlock_intent_lapses";
+    let t = TestDb::new(test).await?;
+    if docwarden_testkit::fail_point_client(&t, test)
+        .await?
+        .is_none()
+    {
+        return Ok(());
+    }
+    let app = "rwlock-lapsing-writer";
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some(app.to_owned());
+    let client_w = mongodb::Client::with_options(options)?;
+    let time_w = TimeSource::server(client_w.clone(), ClockOptions::default())?;
+    let locks_w = LockCollection::open(
+        &client_w.database(t.db.name()),
+        "rwlocks",
+        time_w.clone(),
+        LockOptions::default(),
+    )
+    .await?;
+    let writer_rw = RwLocks::new(
+        locks_w,
+        RwLockOptions::default().poll_interval(Duration::from_millis(50)),
+    )?;
+    let rw = rwlocks(&t, RwLockOptions::default()).await?;
+    let docs = t.db.collection::<Document>("rwlocks");
+    let reader = rw
+        .try_read(&Owner::random(), RESOURCE, Duration::from_secs(10))
+        .await?
+        .expect("free");
+
+    let wait = Duration::from_secs(20);
+    let started = Instant::now();
+    let writer = tokio::spawn(async move {
+        let got = writer_rw
+            .write(&Owner::random(), RESOURCE, Duration::from_secs(1), wait)
+            .await;
+        (got, Instant::now(), writer_rw)
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while docs
+        .find_one(doc! { "_id": RESOURCE, "owner": { "$type": "string" } })
+        .await?
+        .is_none()
+    {
+        assert!(Instant::now() < deadline, "the writer never registered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The writer's updates (its renewals, its withdrawal, its acquire's attempts) fail
+    // with ExceededTimeLimit, a transient error, for 2.5 s: 2.5 times the intent's ttl.
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": { "failCommands": ["update", "findAndModify"], "errorCode": 262_i32, "appName": app },
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    docwarden_testkit::fail_commands_off(&t.client).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let finished_early = writer.is_finished();
+    rw.release_read(&reader).await?;
+    let left_at = Instant::now();
+
+    let (got, returned_at, writer_rw) = writer.await?;
+    let got = got?;
+    let now = time_w.now().await?;
+    let refused_with_time_left = usize::from(got.is_none() && started.elapsed() < wait);
+    let invalid = usize::from(got.as_ref().is_some_and(|lease| {
+        finished_early
+            || returned_at < left_at
+            || !lease.is_certainly_valid(&now, time_w.skew_margin_ms())
+    }));
+    println!(
+        "writer: {:?} after {:?}; refused with time left: {refused_with_time_left}, invalid: {invalid}",
+        got.as_ref().map(|l| l.token),
+        returned_at - started
+    );
+    if let Some(lease) = &got {
+        writer_rw.release_write(lease).await?;
+    }
+    assert_eq!(
+        refused_with_time_left, 0,
+        "the writer gave up with time left"
+    );
+    assert_eq!(
+        invalid, 0,
+        "a write lease next to the reader or not certainly valid"
+    );
+    Ok(())
+}
+
+/// Session 18 (review of the re-registration above): a write lease is handed out only
+/// while certainly valid, so one whose ttl is not longer than the skew margin (250 ms by
+/// default) can never be. `write` refuses such a ttl at once, registering no intent;
+/// without the check it registered an intent, found it not certainly valid, and (since
+/// the intent is registered again while the wait lasts) did so again and again until its
+/// wait passed, drawing a token each time. Counts: intents registered (0).
+#[tokio::test]
+async fn a_write_ttl_within_the_skew_margin_is_refused_without_registering() -> anyhow::Result<()> {
+    let t = TestDb::new("rwlock_ttl_within_margin").await?;
+    let rw = rwlocks(&t, RwLockOptions::default()).await?;
+    let started = Instant::now();
+    let got = rw
+        .write(
+            &Owner::random(),
+            RESOURCE,
+            Duration::from_millis(200),
+            Duration::from_secs(2),
+        )
+        .await;
+    let took = started.elapsed();
+    let registered = rw.locks().last_token(RESOURCE).await?;
+    println!("ttl 200 ms: {got:?} after {took:?}; last token {registered:?}");
+    assert!(
+        matches!(got, Err(Error::InvalidInput { what: "ttl", .. })),
+        "{got:?}"
+    );
+    assert_eq!(registered, None, "no intent registered");
+    // Longer than the margin: handed out, certainly valid.
+    let lease = rw
+        .try_write(&Owner::random(), RESOURCE, Duration::from_millis(600))
+        .await?
+        .expect("free");
+    rw.release_write(&lease).await?;
+    Ok(())
+}

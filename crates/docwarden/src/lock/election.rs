@@ -131,10 +131,23 @@ impl Election {
     /// Only validates.
     ///
     /// # Errors
-    /// [`crate::Error::InvalidInput`] for an empty or too long name or invalid options.
+    /// [`crate::Error::InvalidInput`] for an empty or too long name or invalid options,
+    /// among them a term ttl not longer than the time source's skew margin (such a term is
+    /// never certainly valid: every leadership would be lost the moment it was won).
     pub fn new(locks: LockCollection, name: &str, options: ElectionOptions) -> Result<Self> {
         validate::name("election", name)?;
         options.validate()?;
+        let ttl_ms = validate::duration_ms("term ttl", options.term_ttl)?;
+        let margin = locks.time().skew_margin_ms();
+        if ttl_ms <= margin {
+            return Err(crate::Error::invalid(
+                "term ttl",
+                format!(
+                    "a term of {ttl_ms} ms is never certainly valid with a skew margin of \
+                     {margin} ms: give it more than the margin"
+                ),
+            ));
+        }
         Ok(Self {
             locks,
             name: name.to_owned(),

@@ -446,11 +446,14 @@ impl RwLocks {
     /// lock document's lease (the intent, which keeps new readers out), then until every
     /// reader inside has released or certainly expired, renewing the intent meanwhile. The
     /// returned [`Lease`] is fenced by its token; renew and release it with
-    /// [`RwLocks::locks`] (or [`RwLocks::release_write`]). `Ok(None)` if `wait` passed (the
-    /// intent is withdrawn) or the intent was taken over while waiting.
+    /// [`RwLocks::locks`] (or [`RwLocks::release_write`]). An intent that lapses while
+    /// waiting (its renewals failed longer than its ttl, the process paused) or is taken
+    /// over by another writer is withdrawn and registered again (a new token) while the
+    /// wait lasts. `Ok(None)` if `wait` passed (the intent is withdrawn).
     ///
     /// # Errors
-    /// As [`LockCollection::acquire`].
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (such
+    /// a lease is never certainly valid); otherwise as [`LockCollection::acquire`].
     #[instrument(skip(self, owner), fields(collection = %self.coll().name()))]
     pub async fn write(
         &self,
@@ -461,6 +464,20 @@ impl RwLocks {
     ) -> Result<Option<Lease>> {
         let mut deadline = Deadline::after(wait);
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        // Only a certainly valid intent becomes the write lease, and an intent is certainly
+        // valid only while more than the skew margin (plus the clock's bound) is left: a
+        // shorter ttl could never be handed out, and would register one intent after
+        // another until the wait passed.
+        let margin = self.margin();
+        if ttl_ms <= margin {
+            return Err(Error::invalid(
+                "ttl",
+                format!(
+                    "a write lease of {ttl_ms} ms is never certainly valid with a skew margin \
+                     of {margin} ms: give it more than the margin"
+                ),
+            ));
+        }
         let mut backoff = self.locks.backoff()?;
         let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
             return Ok(None);
@@ -485,7 +502,30 @@ impl RwLocks {
                     // lost their replies extended it on the server): withdraw it, or it
                     // keeps readers out until then. A no-op when it was taken over.
                     self.withdraw(&lease).await;
-                    return Ok(None);
+                    // The caller's wait is not over: register the intent again (a new
+                    // acquisition, a new token) and wait on. The lapsed intent is never
+                    // handed out: only an intent that finds the readers gone while it
+                    // is certainly valid is (`readers_inside`).
+                    // With backoff: an intent that keeps lapsing (a clock bound that
+                    // eats the ttl) must not turn the wait into a busy loop.
+                    let Some(left) = deadline.left() else {
+                        return deadline.passed();
+                    };
+                    tokio::time::sleep(backoff.next_delay().min(left)).await;
+                    let Some(left) = deadline.left() else {
+                        return deadline.passed();
+                    };
+                    let Some(again) = self.locks.acquire(owner, resource, ttl, left).await? else {
+                        return Ok(None);
+                    };
+                    tracing::debug!(
+                        resource,
+                        token = again.token.get(),
+                        "write intent registered again"
+                    );
+                    lease = again;
+                    deadline.attempted();
+                    continue;
                 }
                 Ok(Readers::Inside { until_expiry }) => {
                     deadline.attempted();

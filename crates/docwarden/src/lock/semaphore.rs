@@ -7,9 +7,11 @@
 //! `_id` whose pipeline first drops the holders whose `until` is before the cut-off (server
 //! time minus the clock bound and the skew margin, from the [`TimeSource`]), then appends
 //! the new holder with `token + 1` only while fewer than `permits` holders remain and the
-//! document's token block has a token left (`token < ceiling`). Renew is one `updateOne` on
-//! the holder's array element (`$elemMatch` on owner, token and a still certainly valid
-//! `until`); release is one `$pull` of `(owner, token)`.
+//! document's token block has a token left (`token < ceiling`). A renewal is one
+//! `findOneAndUpdate` by `_id` per resource document, whatever the number of permits of
+//! that resource renewed at once ([`Semaphore::renew_many`]): it extends the holder
+//! elements that match a permit's owner and token with a still certainly valid `until`;
+//! release is one `$pull` of `(owner, token)`.
 //!
 //! **Tokens strictly increase per resource**, across release, expiry, crashes and deletion
 //! of the document, the way [`super::LockCollection`] keeps them: tokens are handed out from
@@ -331,9 +333,10 @@ impl Semaphore {
 
     /// One acquire attempt with acquisition nonce `nonce` (every round of it: a round
     /// that answered was not admitted). `unknown`: the nonces of this blocking acquire's
-    /// earlier attempts that failed with a transient error, whose holder entry (a lost
-    /// reply) is taken back rather than a second permit taken; empty for
-    /// [`Semaphore::try_acquire`].
+    /// earlier attempts that failed with a transient error, whose holder entries (lost
+    /// replies) the attempt gives back in the same write before it is admitted afresh, so
+    /// the acquire never holds two permits and never hands out an old entry with part of
+    /// its ttl gone; empty for [`Semaphore::try_acquire`].
     async fn attempt(
         &self,
         owner: &Owner,
@@ -372,25 +375,10 @@ impl Semaphore {
                 self.refill(resource).await?;
                 continue;
             };
-            match admitted(&after, nonce, unknown, self.default_permits) {
+            match admitted(&after, nonce, self.default_permits) {
                 Admission::Granted(token) => {
                     crate::observe::lock_acquired(self.docs.name(), Some(token));
                     tracing::debug!(resource, token, "permit acquired");
-                    return Ok(Some(Permit {
-                        resource: resource.to_owned(),
-                        owner: owner.id().to_owned(),
-                        token: FencingToken::new(token),
-                        acquired_at,
-                        expires_at,
-                    }));
-                }
-                Admission::Recovered {
-                    token,
-                    acquired_at,
-                    expires_at,
-                } => {
-                    crate::observe::lock_acquired(self.docs.name(), Some(token));
-                    tracing::debug!(resource, token, "permit of a lost reply taken back");
                     return Ok(Some(Permit {
                         resource: resource.to_owned(),
                         owner: owner.id().to_owned(),
@@ -430,7 +418,8 @@ impl Semaphore {
         let mut deadline = Deadline::after(wait);
         let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
         // Attempts that failed with a transient error may have been admitted all the same
-        // (a lost reply): later attempts take that permit back instead of a second one.
+        // (a lost reply): later attempts give that permit back in the write that admits
+        // them, instead of holding a second one or handing out the old one.
         let mut unanswered = Unanswered::default();
         loop {
             let nonce = validate::random_id();
@@ -538,13 +527,46 @@ impl Semaphore {
     }
 
     /// Extends `permit` to `ttl` from now (server time), only while it is still certainly
-    /// valid and still stored.
+    /// valid and still stored ([`Semaphore::renew_many`] of one permit).
     ///
     /// # Errors
-    /// [`Error::LeaseLost`] if the permit expired, was released or dropped; a database error.
+    /// [`Error::LeaseLost`] if the permit expired, was released or dropped;
+    /// [`Error::InvalidInput`] for a zero ttl; a database error.
     #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn renew(&self, permit: &mut Permit, ttl: Duration) -> Result<()> {
+        self.renew_many(std::slice::from_mut(permit), ttl)
+            .await?
+            .pop()
+            .unwrap_or(Ok(()))
+    }
+
+    /// Extends every permit of `permits` to `ttl` from now (one server time for all),
+    /// each only while it is still certainly valid and still stored, as
+    /// [`Semaphore::renew`] would: **one write per resource document** (the permits of a
+    /// resource are elements of its `holders`), the writes of different resources sent
+    /// concurrently. For one permit of a resource, an `updateOne` by `_id` and
+    /// `$elemMatch` on its `(owner, token)` with a certainly valid `until` (renewed if it
+    /// matched); for several, a `findOneAndUpdate` by `_id` whose pipeline extends
+    /// exactly the elements that match one of them with a certainly valid `until` (a
+    /// permit is renewed when the document returned shows its element with the new
+    /// expiry). Returns one result per permit, in order; a renewed permit's
+    /// `expires_at` is updated.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a zero ttl and the clock's error, for the whole call.
+    /// Per permit: [`Error::LeaseLost`] if it expired, was released or dropped; a
+    /// database error of its resource's write (the other resources' writes are not
+    /// affected).
+    #[instrument(skip_all, fields(collection = %self.docs.name(), permits = permits.len()))]
+    pub async fn renew_many(
+        &self,
+        permits: &mut [Permit],
+        ttl: Duration,
+    ) -> Result<Vec<Result<()>>> {
         let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        if permits.is_empty() {
+            return Ok(Vec::new());
+        }
         let now = self.time.now().await?;
         let valid_after = DateTime::from_millis(
             now.estimate_ms
@@ -552,21 +574,80 @@ impl Semaphore {
                 .saturating_add(self.time.skew_margin_ms()),
         );
         let expires_at = now.plus_ms(ttl_ms);
-        let until = format!("{}.$.{}", field::HOLDERS, field::holder::UNTIL);
-        let mut element = holder_match(permit);
-        element.insert(field::holder::UNTIL, doc! { "$gt": valid_after });
-        let r = self
-            .docs
-            .update_one(
-                doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": element } },
-                doc! { "$set": { until: expires_at } },
-            )
-            .await?;
-        if r.matched_count == 0 {
-            return Err(lost(permit));
+        // The permits of each resource, in order of first appearance.
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, p) in permits.iter().enumerate() {
+            match groups.iter_mut().find(|(r, _)| *r == p.resource) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((p.resource.as_str(), vec![i])),
+            }
         }
-        permit.expires_at = expires_at;
-        Ok(())
+        let projection = doc! {
+            format!("{}.{}", field::HOLDERS, field::holder::OWNER): 1,
+            format!("{}.{}", field::HOLDERS, field::holder::TOKEN): 1,
+            format!("{}.{}", field::HOLDERS, field::holder::UNTIL): 1,
+        };
+        let until = format!("{}.$.{}", field::HOLDERS, field::holder::UNTIL);
+        let writes = groups.iter().map(|(resource, members)| {
+            let held: Vec<&Permit> = members.iter().filter_map(|&i| permits.get(i)).collect();
+            let (projection, until) = (&projection, &until);
+            async move {
+                if let [one] = held.as_slice() {
+                    // One permit of this resource: the positional update of its element
+                    // (same condition; no document to send back).
+                    let mut element = holder_match(one);
+                    element.insert(field::holder::UNTIL, doc! { "$gt": valid_after });
+                    let r = self
+                        .docs
+                        .update_one(
+                            doc! { field::ID: *resource, field::HOLDERS: { "$elemMatch": element } },
+                            doc! { "$set": { until: expires_at } },
+                        )
+                        .await?;
+                    return Ok(vec![r.matched_count == 1]);
+                }
+                let after = self
+                    .docs
+                    .find_one_and_update(
+                        doc! { field::ID: *resource },
+                        renew_pipeline(&held, valid_after, expires_at),
+                    )
+                    .projection(projection.clone())
+                    .return_document(ReturnDocument::After)
+                    .await?;
+                Ok::<_, mongodb::error::Error>(
+                    held.iter()
+                        .map(|p| after.as_ref().is_some_and(|a| renewed(a, p, expires_at)))
+                        .collect(),
+                )
+            }
+        });
+        let answers = futures::future::join_all(writes).await;
+        let mut out: Vec<Option<Result<()>>> = (0..permits.len()).map(|_| None).collect();
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            for (k, &i) in members.iter().enumerate() {
+                let Some(permit) = permits.get(i) else {
+                    continue;
+                };
+                let result = match &answer {
+                    Ok(renewed) if renewed.get(k) == Some(&true) => Ok(()),
+                    Ok(_) => Err(lost(permit)),
+                    Err(e) => Err(Error::from(e.clone())),
+                };
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = Some(result);
+                }
+            }
+        }
+        let mut results = Vec::with_capacity(permits.len());
+        for (permit, result) in permits.iter_mut().zip(out) {
+            let result = result.unwrap_or_else(|| Err(lost(permit)));
+            if result.is_ok() {
+                permit.expires_at = expires_at;
+            }
+            results.push(result);
+        }
+        Ok(results)
     }
 
     /// Gives `permit` back (one `$pull`). Releasing a permit that expired but was not
@@ -687,11 +768,59 @@ fn holder_match(permit: &Permit) -> Document {
     doc! { field::holder::OWNER: &permit.owner, field::holder::TOKEN: permit.token }
 }
 
+/// The renewal of `held` (permits of one resource): every holder element that matches one
+/// of them by `(owner, token)` and whose `until` is a date after `valid_after` (still
+/// certainly valid) gets `until = expires_at`; every other element stays as it is. One
+/// stage, so each element is decided on the document as stored.
+fn renew_pipeline(held: &[&Permit], valid_after: DateTime, expires_at: DateTime) -> Vec<Document> {
+    let holders = format!("${}", field::HOLDERS);
+    let owner = format!("$$h.{}", field::holder::OWNER);
+    let token = format!("$$h.{}", field::holder::TOKEN);
+    let until = format!("$$h.{}", field::holder::UNTIL);
+    let ours: Vec<Document> = held
+        .iter()
+        .map(|p| {
+            doc! { "$and": [
+                { "$eq": [&owner, { "$literal": &p.owner }] },
+                { "$eq": [&token, { "$literal": p.token.get() }] },
+            ] }
+        })
+        .collect();
+    vec![doc! { "$set": { field::HOLDERS: { "$map": {
+        "input": { "$cond": [{ "$isArray": &holders }, &holders, []] },
+        "as": "h",
+        "in": { "$cond": [
+            { "$and": [
+                { "$or": ours },
+                { "$eq": [{ "$type": &until }, "date"] },
+                { "$gt": [&until, { "$literal": valid_after }] },
+            ] },
+            { "$mergeObjects": ["$$h", { field::holder::UNTIL: { "$literal": expires_at } }] },
+            "$$h",
+        ] },
+    } } } }]
+}
+
+/// Whether `after` (the document a renewal returned) shows `permit`'s holder element with
+/// the renewal's new expiry.
+fn renewed(after: &Document, permit: &Permit, expires_at: DateTime) -> bool {
+    after
+        .get_array(field::HOLDERS)
+        .map(|hs| {
+            hs.iter().filter_map(Bson::as_document).any(|h| {
+                h.get_str(field::holder::OWNER).ok() == Some(permit.owner.as_str())
+                    && h.get_i64(field::holder::TOKEN).ok() == Some(permit.token.get())
+                    && h.get_datetime(field::holder::UNTIL).ok() == Some(&expires_at)
+            })
+        })
+        .unwrap_or(false)
+}
+
 struct AcquireArgs<'a> {
     owner: &'a str,
     nonce: &'a str,
-    /// Earlier attempts' nonces (see [`Semaphore::acquire`]): no admission while a live
-    /// holder carries one of them.
+    /// Earlier attempts' nonces (see [`Semaphore::acquire`]): their holder entries are
+    /// dropped before the admission.
     unknown: &'a [String],
     acquired_at: DateTime,
     expires_at: DateTime,
@@ -700,7 +829,7 @@ struct AcquireArgs<'a> {
 }
 
 /// The acquire: stage 1 drops the holders whose `until` is before `cutoff` (or not a
-/// date); stage 2 appends the new holder with `token + 1` (and stores that token) only
+/// date) and those of `unknown` (this acquire's lost attempts); stage 2 appends the new holder with `token + 1` (and stores that token) only
 /// while fewer than `permits` holders remain and `token < ceiling`. Both stages are one
 /// atomic update of one document.
 fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
@@ -712,13 +841,24 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
     let live = if ignore_expiry {
         Bson::Array(Vec::new())
     } else {
+        let mut keep = vec![
+            Bson::Document(doc! { "$eq": [{ "$type": &until }, "date"] }),
+            Bson::Document(doc! { "$gte": [&until, a.cutoff] }),
+        ];
+        if !a.unknown.is_empty() {
+            // The entries of this acquire's earlier attempts whose replies were lost:
+            // nobody was told they hold them, so they are given back here and the
+            // attempt is admitted afresh (a new token, `until` from now).
+            let acquisition = format!("$$h.{}", field::holder::ACQUISITION);
+            keep.push(Bson::Document(doc! { "$not": [{ "$in": [
+                { "$ifNull": [acquisition, Bson::Null] },
+                { "$literal": a.unknown },
+            ] }] }));
+        }
         Bson::Document(doc! { "$filter": {
             "input": { "$cond": [{ "$isArray": &holders }, &holders, []] },
             "as": "h",
-            "cond": { "$and": [
-                { "$eq": [{ "$type": &until }, "date"] },
-                { "$gte": [&until, a.cutoff] },
-            ] },
+            "cond": { "$and": keep },
         } })
     };
     let admit = doc! { "$and": [
@@ -727,20 +867,6 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
         { "$lt": [&token, &ceiling] },
         { "$lt": [{ "$size": &holders }, { "$cond": [{ "$isNumber": &permits }, &permits, a.default_permits] }] },
     ] };
-    let admit = if a.unknown.is_empty() {
-        admit
-    } else {
-        // A live holder of an earlier attempt of this acquire: take that one back.
-        let acquisition = format!("$$h.{}", field::holder::ACQUISITION);
-        doc! { "$and": [
-            admit,
-            { "$not": [{ "$anyElementTrue": [{ "$map": {
-                "input": &holders,
-                "as": "h",
-                "in": { "$in": [{ "$ifNull": [acquisition, Bson::Null] }, a.unknown] },
-            } }] }] },
-        ] }
-    };
     let next = doc! { "$add": [&token, 1_i64] };
     let holder = doc! {
         field::holder::OWNER: { "$literal": a.owner },
@@ -775,12 +901,6 @@ fn commit_pipeline(base: i64, ceiling: i64) -> Vec<Document> {
 
 enum Admission {
     Granted(i64),
-    /// The live holder entry of an earlier attempt whose reply was lost.
-    Recovered {
-        token: i64,
-        acquired_at: DateTime,
-        expires_at: DateTime,
-    },
     Full,
     Exhausted,
 }
@@ -788,7 +908,7 @@ enum Admission {
 /// What an acquire's returned document says: our holder (by nonce) is in it, or the
 /// semaphore is full, or the block is used up (or the document has none yet). Permits are
 /// read as the acquire pipeline reads them: a stored number, else `default_permits`.
-fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: i64) -> Admission {
+fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     let holders = after
         .get_array(field::HOLDERS)
         .map(Vec::as_slice)
@@ -799,21 +919,6 @@ fn admitted(after: &Document, nonce: &str, unknown: &[String], default_permits: 
             && let Ok(t) = h.get_i64(field::holder::TOKEN)
         {
             return Admission::Granted(t);
-        }
-    }
-    for h in holders {
-        if let Bson::Document(h) = h
-            && let Ok(acquisition) = h.get_str(field::holder::ACQUISITION)
-            && unknown.iter().any(|u| u == acquisition)
-            && let Ok(token) = h.get_i64(field::holder::TOKEN)
-            && let Ok(acquired_at) = h.get_datetime(field::holder::ACQUIRED_AT)
-            && let Ok(expires_at) = h.get_datetime(field::holder::UNTIL)
-        {
-            return Admission::Recovered {
-                token,
-                acquired_at: *acquired_at,
-                expires_at: *expires_at,
-            };
         }
     }
     let room = match after.get(field::PERMITS) {
@@ -902,34 +1007,51 @@ mod tests {
     fn admission_is_read_from_the_document() {
         let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "n", &[], 3), Admission::Granted(5)));
-        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
+        assert!(matches!(admitted(&d, "n", 3), Admission::Granted(5)));
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
         let e = doc! { "_id": "r", "permits": 2_i64, "holders": [] };
-        assert!(matches!(admitted(&e, "m", &[], 3), Admission::Exhausted));
+        assert!(matches!(admitted(&e, "m", 3), Admission::Exhausted));
         // Session 15: `permits` as a double (mongosh's `permits: 1`) read as "no limit
         // stored", so a full semaphore looked exhausted: every contended acquire refilled
         // MAX_ROUNDS token blocks (8 million tokens, ~6 ms) before answering `None`.
         let d = doc! { "_id": "r", "permits": 1.0, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&d, "m", &[], 3), Admission::Full));
+        assert!(matches!(admitted(&d, "m", 3), Admission::Full));
         // Permits missing or not a number: the pipeline admits by the handle's default,
         // and so does this reading (a string read as "no limit" made a full semaphore
         // refill its token block for every round of a contended acquire).
         let s = doc! { "_id": "r", "permits": "1", "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
-        assert!(matches!(admitted(&s, "m", &[], 1), Admission::Full));
-        assert!(matches!(admitted(&s, "m", &[], 2), Admission::Exhausted));
+        assert!(matches!(admitted(&s, "m", 1), Admission::Full));
+        assert!(matches!(admitted(&s, "m", 2), Admission::Exhausted));
     }
 
     #[test]
-    fn an_earlier_attempts_holder_is_recovered_not_doubled() {
-        let d = doc! { "_id": "r", "permits": 2_i64, "token": 5_i64, "ceiling": 9_i64,
-        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "lost", "acquired_at": DateTime::from_millis(1), "until": DateTime::from_millis(2) }] };
-        assert!(matches!(
-            admitted(&d, "now", &["lost".to_owned()], 3),
-            Admission::Recovered { token: 5, .. }
-        ));
-        assert!(matches!(admitted(&d, "now", &[], 3), Admission::Exhausted));
+    fn an_earlier_attempts_holder_is_given_back_not_doubled() {
+        let p = acquire_pipeline(
+            &AcquireArgs {
+                owner: "o",
+                nonce: "now",
+                unknown: &["lost".to_owned()],
+                acquired_at: DateTime::from_millis(1),
+                expires_at: DateTime::from_millis(2),
+                cutoff: DateTime::from_millis(0),
+                default_permits: 3,
+            },
+            false,
+        );
+        let keep = p[0]
+            .get_document("$set")
+            .and_then(|s| s.get_document("holders"))
+            .and_then(|h| h.get_document("$filter"))
+            .and_then(|f| f.get_document("cond"))
+            .and_then(|c| c.get_array("$and"))
+            .map(Vec::len);
+        assert_eq!(
+            keep,
+            Ok(3),
+            "a date, not certainly expired, not a lost attempt's"
+        );
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! Installs invariants as the collection's validator (`$expr`, strict level, error
-//! action), after listing the documents that already violate them.
+//! action), after listing the documents that already violate them, and lists them again
+//! once it is installed: a violating document written between the first list and
+//! `collMod` is reported too (and, unless the caller proceeds despite violations, the
+//! previous validator is put back).
 //!
 //! A validator refuses any insert or update whose result breaks an invariant (error
 //! 121), including writes that bypass [`super::Guarded`]. It is a second safeguard, not a
@@ -15,7 +18,7 @@ use mongodb::results::CollectionSpecification;
 use tracing::{info, instrument, warn};
 
 use super::check::{InvariantViolation, violations};
-use super::invariant::{Invariant, all_of};
+use super::invariant::{Invariant, all_of, refused_operator};
 use crate::error::{Error, Result};
 
 /// Options of [`install_validator`].
@@ -70,13 +73,16 @@ impl ValidatorOptions {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum ValidatorInstall {
-    /// The validator is installed. `existing_violations` lists documents that violated it
-    /// when it was installed (empty unless `proceed_despite_violations` was set).
+    /// The validator is installed. `existing_violations` lists documents that violate it
+    /// once it is installed (read after `collMod`, so a document written while it was being
+    /// installed is in; empty unless `proceed_despite_violations` was set).
     Installed {
         /// Documents that already violated the invariants.
         existing_violations: Vec<InvariantViolation>,
     },
-    /// Nothing was installed because these documents already violate the invariants.
+    /// Nothing was installed because these documents already violate the invariants
+    /// (found before `collMod`, or after it: then the collection's previous validator,
+    /// level and action were put back).
     Refused {
         /// The violating documents (at most `list_limit`).
         violations: Vec<InvariantViolation>,
@@ -103,9 +109,20 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// `opts.proceed_despite_violations` is false ([`ValidatorInstall::Refused`]). Installing
 /// the same invariants again is allowed (it resets the level and action).
 ///
+/// The violators are listed before `collMod` and again after it. Once the validator is in
+/// place (strict, error) no write can add a violator, except with
+/// `bypassDocumentValidation`, so the second list is complete: a document written between
+/// the first list and `collMod` is reported. If the second list finds violators and the
+/// caller did not proceed despite them, the previous validator, level and action are put
+/// back (no validator for a collection that had none) and the answer is
+/// [`ValidatorInstall::Refused`]; writes that would have broken the invariants in the
+/// moment between may have been refused with code 121.
+///
 /// # Errors
-/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1;
-/// [`Error::Database`] if listing or `collMod`/`create` fails.
+/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
+/// "invariant" }` if the server does not know an operator an invariant uses;
+/// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
+/// back fails (then the new validator may be in place).
 #[instrument(skip(coll, invariants, opts), fields(coll = %coll.name()))]
 pub async fn install_validator(
     coll: &Collection<Document>,
@@ -142,25 +159,48 @@ pub async fn install_validator(
             violations: existing,
         });
     }
-    if specs.is_empty() {
-        db.run_command(doc! {
-            "create": coll.name(),
-            "validator": validator,
-            "validationLevel": "strict",
-            "validationAction": "error",
-        })
-        .await?;
+    let command = if specs.is_empty() {
+        "create"
     } else {
+        "collMod"
+    };
+    db.run_command(doc! {
+        command: coll.name(),
+        "validator": validator,
+        "validationLevel": "strict",
+        "validationAction": "error",
+    })
+    .await
+    .map_err(|e| refused_operator(e, invariants))?;
+    // Complete now: with the validator in place no write adds a violator.
+    let after = violations(coll, invariants, Some(opts.list_limit)).await?;
+    if !after.is_empty() && !opts.proceed_despite_violations {
+        warn!(
+            violators = after.len(),
+            "violating documents were written while the validator was installed; putting the previous one back"
+        );
+        let previous = specs.first().map(|spec| &spec.options);
+        let level = previous
+            .and_then(|o| o.validation_level.as_ref())
+            .map(mongodb::bson::to_bson)
+            .transpose()
+            .map_err(|e| Error::invalid("validationLevel", e.to_string()))?;
+        let action = previous
+            .and_then(|o| o.validation_action.as_ref())
+            .map(mongodb::bson::to_bson)
+            .transpose()
+            .map_err(|e| Error::invalid("validationAction", e.to_string()))?;
         db.run_command(doc! {
             "collMod": coll.name(),
-            "validator": validator,
-            "validationLevel": "strict",
-            "validationAction": "error",
+            "validator": previous.and_then(|o| o.validator.clone()).unwrap_or_default(),
+            "validationLevel": level.unwrap_or_else(|| "strict".into()),
+            "validationAction": action.unwrap_or_else(|| "error".into()),
         })
         .await?;
+        return Ok(ValidatorInstall::Refused { violations: after });
     }
     info!(invariants = invariants.len(), "validator installed");
     Ok(ValidatorInstall::Installed {
-        existing_violations: existing,
+        existing_violations: after,
     })
 }

@@ -1607,3 +1607,72 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
     }
     Ok(())
 }
+
+/// Session 18 (review): `Change::push` appended to `{$ifNull: ["$F", []]}`, so a stored
+/// null was taken for an empty array and replaced by `[element]` (`Applied`), and a
+/// string or a document failed the update with a bare database error (`$concatArrays`);
+/// MongoDB's `$push` refuses every field that is not an array (code 2, asserted here
+/// against the server). Now the guard refuses them alike with `InvalidInput { what:
+/// "field" }`, nothing written; a missing field still becomes `[element]`.
+#[tokio::test]
+async fn a_push_onto_a_field_that_is_not_an_array_is_refused_as_mongodb_push_refuses_it()
+-> anyhow::Result<()> {
+    let t = TestDb::new("guard_push_not_an_array").await?;
+    let coll = t.db.collection::<Document>("flights");
+    let stored = vec![
+        doc! { "_id": 1, "capacity": 10, "bookings": Bson::Null },
+        doc! { "_id": 2, "capacity": 10, "bookings": "none" },
+        doc! { "_id": 3, "capacity": 10, "bookings": { "id": "a", "seats": 1 } },
+        doc! { "_id": 4, "capacity": 10, "bookings": 0 },
+    ];
+    coll.insert_many(stored.clone()).await?;
+    coll.insert_one(doc! { "_id": 5, "capacity": 10 }).await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let booking = doc! { "id": "b", "seats": 1 };
+    let mut wrong = Vec::new();
+    for d in &stored {
+        let id = d.get("_id").cloned().unwrap();
+        let raw = coll
+            .update_one(
+                doc! { "_id": id.clone() },
+                doc! { "$push": { "bookings": booking.clone() } },
+            )
+            .await;
+        assert!(raw.is_err(), "MongoDB's $push accepted {d}: {raw:?}");
+        let got = g
+            .update(
+                id.clone(),
+                &Change::push("bookings", booking.clone())?,
+                &[within_capacity()],
+            )
+            .await;
+        if !matches!(
+            got,
+            Err(docwarden::Error::InvalidInput { what: "field", .. })
+        ) {
+            wrong.push(format!("{d}: {got:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused as $push refuses: {wrong:#?}");
+    let now: Vec<Document> = coll
+        .find(doc! { "_id": { "$lte": 4 } })
+        .sort(doc! { "_id": 1 })
+        .await?
+        .try_collect()
+        .await?;
+    assert_eq!(now, stored, "nothing written");
+    assert_eq!(
+        g.update(
+            5,
+            &Change::push("bookings", booking.clone())?,
+            &[within_capacity()]
+        )
+        .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 5 }).await?.unwrap(),
+        doc! { "_id": 5, "capacity": 10, "bookings": [booking] }
+    );
+    Ok(())
+}

@@ -130,7 +130,9 @@ impl Change {
         })
     }
 
-    /// Append `element` to `array` (a missing array is created).
+    /// Append `element` to `array` (a missing array is created). As MongoDB's `$push`, the
+    /// update refuses a field that holds anything but an array (null included:
+    /// [`Error::InvalidInput`] `{ what: "field" }`, nothing written).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name or `_id`.
@@ -220,16 +222,19 @@ impl Change {
                 }},
                 &path,
             ]},
-            Kind::Push { element } => doc! {
-                "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]]
-            },
+            Kind::Push { element } => doc! { "$cond": [
+                refuses_stored(&path, &ARRAY_OR_MISSING),
+                &path,
+                { "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]] },
+            ]},
             Kind::Inc { by } => {
                 let sum =
                     doc! { "$add": [{ "$ifNull": [&path, 0_i32] }, { "$literal": by.clone() }] };
                 // Keep the stored value; the diagnosis reports the refusal.
+                let not_a_number = refuses_stored(&path, &NUMERIC_OR_MISSING);
                 let refuse = match inc_overflows(by, &path) {
-                    Some(overflows) => doc! { "$or": [not_a_number(&path), overflows] },
-                    None => not_a_number(&path),
+                    Some(overflows) => doc! { "$or": [not_a_number, overflows] },
+                    None => not_a_number,
                 };
                 doc! { "$cond": [refuse, &path, sum] }
             }
@@ -421,16 +426,21 @@ fn inc_overflows(by: &Bson, path: &str) -> Option<Document> {
     ]})
 }
 
-/// Whether the value at `path` is present and not a number: what `$inc` refuses (null, a
-/// string, a date, …; code 14 on MongoDB). A missing field counts as 0. Aggregation's
-/// `$add` would count null as 0 (`$ifNull`), add a number to a date as milliseconds, and
-/// fail on a string with a bare error.
-fn not_a_number(path: &str) -> Document {
-    doc! { "$not": [{ "$in": [{ "$type": [path] }, NUMERIC_OR_MISSING.to_vec()] }] }
+/// Whether the `$type` of the value at `path` is none of `accepted`: a stored value the
+/// change refuses, as MongoDB's update operator does. `$inc` refuses anything but a
+/// number (null, a string, a date, …; code 14), where aggregation's `$add` would count null
+/// as 0 (`$ifNull`), add a number to a date as milliseconds, and fail on a string with a
+/// bare error; `$push` refuses anything but an array (code 2), where `$concatArrays`
+/// would take null for `[]` and fail on the rest. A missing field is accepted by both.
+fn refuses_stored(path: &str, accepted: &[&str]) -> Document {
+    doc! { "$not": [{ "$in": [{ "$type": [path] }, accepted.to_vec()] }] }
 }
 
-/// The `$type` aliases an `inc` adds to: the numbers, and a missing field.
+/// The `$type` aliases an `inc` adds to: the numbers, and a missing field (0).
 const NUMERIC_OR_MISSING: [&str; 5] = ["missing", "int", "long", "double", "decimal"];
+
+/// The `$type` aliases a `push` appends to: an array, and a missing field (`[]`).
+const ARRAY_OR_MISSING: [&str; 2] = ["missing", "array"];
 
 /// Whether two values are the same BSON, byte for byte (types and field order included):
 /// what both servers compare to decide that a pipeline update modified nothing. `$eq`
@@ -550,7 +560,7 @@ impl Guarded {
     /// query operator and match another document; null, an array, a regex); nothing is
     /// sent; [`Error::InvalidInput`] `{ what: "by" }` if an integer [`Change::inc`] would
     /// leave the 64-bit range, `{ what: "field" }` if a [`Change::inc`] meets a stored value
-    /// that is not a number (null included), `{ what: "invariant" }` if the server does not
+    /// that is not a number or a [`Change::push`] one that is not an array (null included), `{ what: "invariant" }` if the server does not
     /// know an operator an invariant uses (the reason names the rule): nothing written in
     /// each case. [`Error::Database`] if the server fails the update (a validator refusal is code
     /// 121); [`Error::Unavailable`] if the document changed between every one of
@@ -623,13 +633,23 @@ impl Guarded {
         if !d.get_bool("member").map_err(|_| malformed("member"))? {
             return Ok(Some(GuardOutcome::NoSuchMember));
         }
-        if let Kind::Inc { .. } = change.kind {
+        let accepted: Option<(&[&str], &str)> = match change.kind {
+            Kind::Inc { .. } => Some((
+                &NUMERIC_OR_MISSING,
+                "a number: an increment (like MongoDB's $inc)",
+            )),
+            Kind::Push { .. } => {
+                Some((&ARRAY_OR_MISSING, "an array: a push (like MongoDB's $push)"))
+            }
+            _ => None,
+        };
+        if let Some((accepted, needs)) = accepted {
             let stored = d.get_str("stored").map_err(|_| malformed("stored"))?;
-            if !NUMERIC_OR_MISSING.contains(&stored) {
+            if !accepted.contains(&stored) {
                 return Err(Error::invalid(
                     "field",
                     format!(
-                        "`{}` of {target} holds a {stored}, not a number: an increment (like MongoDB's $inc) refuses it (nothing written)",
+                        "`{}` of {target} holds a {stored}, not {needs} refuses it (nothing written)",
                         change.field
                     ),
                 ));

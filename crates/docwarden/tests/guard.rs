@@ -1676,3 +1676,45 @@ async fn a_push_onto_a_field_that_is_not_an_array_is_refused_as_mongodb_push_ref
     );
     Ok(())
 }
+
+/// Session 18 (review): `violations_of(coll, id, …)` put `id` into `{_id: id}` as given,
+/// so an operator document (`{$gt: 0}`, say an id taken from a JSON request) or a regex
+/// answered with the broken rules of some *other* document, as if they were this one's.
+/// `Guarded::update` refuses such targets since session 15; the per-document check now
+/// does too, with `InvalidInput { what: "id" }`.
+#[tokio::test]
+async fn the_check_of_one_document_refuses_an_operator_document_as_its_id() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_check_operator_id").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "balance": 10 },
+        doc! { "_id": 2, "balance": -5 },
+    ])
+    .await?;
+    let nonneg = [Invariant::field_cmp(
+        "non-negative",
+        "balance",
+        CmpOp::Gte,
+        0,
+    )?];
+    assert_eq!(
+        guard::violations_of(&coll, 2, &nonneg).await?,
+        vec!["non-negative".to_owned()]
+    );
+    assert!(guard::violations_of(&coll, 1, &nonneg).await?.is_empty());
+    for id in [
+        Bson::Document(doc! { "$gt": 0 }),
+        Bson::Document(doc! { "$ne": 1 }),
+        Bson::RegularExpression(mongodb::bson::Regex {
+            pattern: "^".into(),
+            options: String::new(),
+        }),
+    ] {
+        let got = guard::violations_of(&coll, id.clone(), &nonneg).await;
+        assert!(
+            matches!(got, Err(docwarden::Error::InvalidInput { what: "id", .. })),
+            "violations_of({id}): {got:?}"
+        );
+    }
+    Ok(())
+}

@@ -73,14 +73,18 @@ pub async fn violations(
 /// no such document): the per-operation check of a concurrency test.
 ///
 /// # Errors
-/// [`Error::InvalidInput`] `{ what: "invariant" }` if the server does not know an
-/// operator an invariant uses; [`Error::Database`] if the aggregation fails.
+/// [`Error::InvalidInput`] `{ what: "id" }` if `id` is not a plain document id
+/// ([`crate::validate::document_id`]: an operator document such as `{$gt: 0}` or a regex
+/// would match, and report, other documents; nothing is sent), `{ what: "invariant" }` if
+/// the server does not know an operator an invariant uses; [`Error::Database`] if the
+/// aggregation fails.
 pub async fn violations_of(
     coll: &Collection<Document>,
     id: impl Into<Bson>,
     invariants: &[Invariant],
 ) -> Result<Vec<String>> {
     let id = id.into();
+    crate::validate::document_id("id", &id)?;
     let mut v = collect(coll, pipeline(invariants, Some(&id), Some(1)))
         .await
         .map_err(|e| refused_operator(e, invariants))?;

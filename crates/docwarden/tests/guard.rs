@@ -1718,3 +1718,58 @@ async fn the_check_of_one_document_refuses_an_operator_document_as_its_id() -> a
     }
     Ok(())
 }
+
+/// Session 18 (review): `ensure_array_index` asked for the index under its default name
+/// (`doctors.updated_1`), and the server refuses a second index of the same keys under
+/// another name (code 85, `IndexOptionsConflict`, on MongoDB and the embedded server
+/// alike): on a collection where a DBA had created the index as `by_update`, the
+/// "idempotent" ensure failed with a bare database error. Now the existing plain index is
+/// the index; a partial one on the same keys still fails (it does not serve every query).
+#[tokio::test]
+async fn ensuring_an_array_index_accepts_the_same_index_under_another_name() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_index_other_name").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    coll.insert_many((0..5).map(|s| shift(s, 3))).await?;
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.updated": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("by_update".to_owned())
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let got = guard::ensure_array_index(&coll, "doctors.updated").await;
+    assert!(
+        matches!(got.as_deref(), Ok("by_update")),
+        "ensure_array_index: {got:?}"
+    );
+    let one_hour_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000);
+    assert_eq!(
+        guard::index_use(&coll, doc! { "doctors.updated": { "$gte": one_hour_ago } }).await?,
+        IndexUse::IndexScan {
+            index: "by_update".into()
+        }
+    );
+    // A partial index on the same keys is not the index.
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.name": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("some_names".to_owned())
+                    .partial_filter_expression(doc! { "doctors.name": "doctor1" })
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let partial = guard::ensure_array_index(&coll, "doctors.name").await;
+    assert!(
+        !matches!(partial.as_deref(), Ok("some_names")),
+        "a partial index was taken for the index: {partial:?}"
+    );
+    Ok(())
+}

@@ -1549,9 +1549,21 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
     let inv = [on_call()];
     let mut bad = shift(0, 1);
     bad.insert("doctors", vec![doc! { "name": "x", "on_call": false }]);
-    for (round, proceed) in [(1_i64, false), (2, true)] {
+    // Round 3: the collection had a user's validator, level and action of its own, which
+    // the caller asked to replace; refused, they are put back as they were.
+    let users = doc! { "$jsonSchema": { "required": ["doctors"] } };
+    for (round, proceed) in [(1_i64, false), (2, true), (3, false)] {
         let name = format!("shifts{round}");
         let coll = t.db.collection::<Document>(&name);
+        if round == 3 {
+            t.db.run_command(doc! {
+                "create": &name,
+                "validator": users.clone(),
+                "validationLevel": "moderate",
+                "validationAction": "warn",
+            })
+            .await?;
+        }
         coll.insert_one(shift(1, 2)).await?;
         t.client
             .database("admin")
@@ -1569,7 +1581,9 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
         let theirs = installer
             .database(t.db.name())
             .collection::<Document>(&name);
-        let opts = ValidatorOptions::default().proceed_despite_violations(proceed);
+        let opts = ValidatorOptions::default()
+            .proceed_despite_violations(proceed)
+            .replace_other_validator(round == 3);
         let rules = inv.clone();
         let install =
             tokio::spawn(async move { guard::install_validator(&theirs, &rules, &opts).await });
@@ -1599,10 +1613,34 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
                 "installed: {third:?}"
             );
         } else {
-            assert!(
-                third.is_ok(),
-                "the previous (no) validator is back: {third:?}"
-            );
+            assert!(third.is_ok(), "the previous validator is back: {third:?}");
+        }
+        let spec =
+            t.db.run_command(doc! { "listCollections": 1, "filter": { "name": &name } })
+                .await?;
+        let options = spec
+            .get_document("cursor")?
+            .get_array("firstBatch")?
+            .first()
+            .and_then(Bson::as_document)
+            .map(|c| c.get_document("options").cloned().unwrap_or_default())
+            .unwrap_or_default();
+        let validator = options
+            .get_document("validator")
+            .ok()
+            .filter(|v| !v.is_empty());
+        match round {
+            1 => assert_eq!(validator, None, "{options}"),
+            2 => assert_eq!(
+                validator,
+                Some(&guard::validator_document(&inv)),
+                "{options}"
+            ),
+            _ => {
+                assert_eq!(validator, Some(&users), "{options}");
+                assert_eq!(options.get_str("validationLevel")?, "moderate", "{options}");
+                assert_eq!(options.get_str("validationAction")?, "warn", "{options}");
+            }
         }
     }
     Ok(())

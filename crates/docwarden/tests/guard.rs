@@ -19,6 +19,11 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 
 const WORKERS: usize = 8;
+
+/// Held by the tests that configure the server's `failCommand` fail point: it is one
+/// configuration per server, each replacing the last, and this binary's tests share one
+/// server (an `appName` in the configuration only keeps it off other clients).
+static FAIL_POINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const OPS_PER_WORKER: usize = 1_000;
 const SHIFTS: i64 = 10;
 
@@ -1534,6 +1539,7 @@ async fn a_set_of_an_equal_value_of_another_type_is_a_change_not_no_change() -> 
 /// validator again; proceeding, `Installed` lists it.
 #[tokio::test]
 async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow::Result<()> {
+    let _fail_point = FAIL_POINT.lock().await;
     let t = TestDb::new("guard_validator_gap").await?;
     let Some(_) = docwarden_testkit::fail_point_client(
         &t,
@@ -1808,6 +1814,71 @@ async fn ensuring_an_array_index_accepts_the_same_index_under_another_name() -> 
     assert!(
         !matches!(partial.as_deref(), Ok("some_names")),
         "a partial index was taken for the index: {partial:?}"
+    );
+    Ok(())
+}
+
+/// Session 18 (review): `install_validator` on a collection that does not exist yet sends
+/// `create`; when another process creates the collection first (two services installing
+/// their validator at start-up, or one inserting its first document), `create` fails with
+/// code 48 (`NamespaceExists`) and the install failed with a bare database error. Here the
+/// installer's `create` is held (a `failCommand` `blockConnection` on its `appName`) while
+/// another client creates the collection. Now the install reads the collection's options
+/// again and installs with `collMod`.
+#[tokio::test]
+async fn installing_a_validator_while_someone_creates_the_collection_installs_it()
+-> anyhow::Result<()> {
+    let _fail_point = FAIL_POINT.lock().await;
+    let t = TestDb::new("guard_validator_create_race").await?;
+    let Some(_) = docwarden_testkit::fail_point_client(
+        &t,
+        "installing_a_validator_while_someone_creates_the_collection_installs_it",
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("guard-slow-create".into());
+    let installer = mongodb::Client::with_options(options)?;
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["create"],
+                "blockConnection": true,
+                "blockTimeMS": 1_000,
+                "appName": "guard-slow-create",
+            },
+        })
+        .await?;
+    let theirs = installer
+        .database(t.db.name())
+        .collection::<Document>("shifts");
+    let install = tokio::spawn(async move {
+        guard::install_validator(&theirs, &[on_call()], &ValidatorOptions::default()).await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    t.db.create_collection("shifts").await?;
+    let got = install.await?;
+    assert!(
+        matches!(
+            got,
+            Ok(ValidatorInstall::Installed { ref existing_violations }) if existing_violations.is_empty()
+        ),
+        "{got:?}"
+    );
+    let coll = t.db.collection::<Document>("shifts");
+    let bypass = coll
+        .insert_one(doc! { "_id": 1, "doctors": [{ "name": "a", "on_call": false }] })
+        .await;
+    assert!(
+        bypass
+            .as_ref()
+            .is_err_and(|e| docwarden::error::error_code(e) == Some(121)),
+        "the validator is in place: {bypass:?}"
     );
     Ok(())
 }

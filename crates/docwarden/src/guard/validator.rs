@@ -122,7 +122,10 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
 /// "invariant" }` if the server does not know an operator an invariant uses;
 /// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
-/// back fails (then the new validator may be in place).
+/// back fails (then the new validator may be in place). A collection created by someone
+/// else between reading its options and `create` is not an error: its options are read
+/// again and the install goes on from them (once; [`Error::Unavailable`] if it happens
+/// twice).
 #[instrument(skip(coll, invariants, opts), fields(coll = %coll.name()))]
 pub async fn install_validator(
     coll: &Collection<Document>,
@@ -132,6 +135,27 @@ pub async fn install_validator(
     if invariants.is_empty() {
         return Err(Error::invalid("invariants", "at least one is needed"));
     }
+    // A collection that did not exist may be created by someone else (another process
+    // installing the same validator at start-up) before `create`: then start over once,
+    // from its options.
+    match install(coll, invariants, opts, true).await? {
+        Some(done) => Ok(done),
+        None => install(coll, invariants, opts, false)
+            .await?
+            .ok_or(Error::Unavailable {
+                what: "validator install (the collection kept being created and dropped)",
+            }),
+    }
+}
+
+/// One attempt of [`install_validator`]; `None` if the collection appeared between reading
+/// its options and `create` (code 48, `NamespaceExists`) and `retry_created` is set.
+async fn install(
+    coll: &Collection<Document>,
+    invariants: &[Invariant],
+    opts: &ValidatorOptions,
+    retry_created: bool,
+) -> Result<Option<ValidatorInstall>> {
     let db = coll.client().database(&coll.namespace().db);
     let specs: Vec<CollectionSpecification> = db
         .list_collections()
@@ -147,31 +171,38 @@ pub async fn install_validator(
     if let Some(other) = other {
         if !opts.replace_other_validator {
             warn!(validator = %other, "the collection has another validator; not replaced");
-            return Ok(ValidatorInstall::OtherValidator {
+            return Ok(Some(ValidatorInstall::OtherValidator {
                 validator: other.clone(),
-            });
+            }));
         }
         info!(validator = %other, "replacing the collection's other validator");
     }
     let existing = violations(coll, invariants, Some(opts.list_limit)).await?;
     if !existing.is_empty() && !opts.proceed_despite_violations {
-        return Ok(ValidatorInstall::Refused {
+        return Ok(Some(ValidatorInstall::Refused {
             violations: existing,
-        });
+        }));
     }
     let command = if specs.is_empty() {
         "create"
     } else {
         "collMod"
     };
-    db.run_command(doc! {
-        command: coll.name(),
-        "validator": validator,
-        "validationLevel": "strict",
-        "validationAction": "error",
-    })
-    .await
-    .map_err(|e| refused_operator(e, invariants))?;
+    let installed = db
+        .run_command(doc! {
+            command: coll.name(),
+            "validator": validator,
+            "validationLevel": "strict",
+            "validationAction": "error",
+        })
+        .await;
+    match installed {
+        Err(e) if specs.is_empty() && retry_created && crate::error::error_code(&e) == Some(48) => {
+            info!("the collection was created meanwhile; reading its options again");
+            return Ok(None);
+        }
+        other => other.map_err(|e| refused_operator(e, invariants))?,
+    };
     // Complete now: with the validator in place no write adds a violator.
     let after = violations(coll, invariants, Some(opts.list_limit)).await?;
     if !after.is_empty() && !opts.proceed_despite_violations {
@@ -197,10 +228,10 @@ pub async fn install_validator(
             "validationAction": action.unwrap_or_else(|| "error".into()),
         })
         .await?;
-        return Ok(ValidatorInstall::Refused { violations: after });
+        return Ok(Some(ValidatorInstall::Refused { violations: after }));
     }
     info!(invariants = invariants.len(), "validator installed");
-    Ok(ValidatorInstall::Installed {
+    Ok(Some(ValidatorInstall::Installed {
         existing_violations: after,
-    })
+    }))
 }

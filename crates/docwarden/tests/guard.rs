@@ -1800,6 +1800,20 @@ async fn ensuring_an_array_index_accepts_the_same_index_under_another_name() -> 
             index: "by_update".into()
         }
     );
+    // Keys written as a double (the legacy shell's `1.0`) are the same keys.
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.on_call": 1.0 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("on_call_dbl".to_owned())
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let dbl = guard::ensure_array_index(&coll, "doctors.on_call").await;
+    assert!(matches!(dbl.as_deref(), Ok("on_call_dbl")), "{dbl:?}");
     // A partial index on the same keys is not the index.
     coll.create_index(
         mongodb::IndexModel::builder()

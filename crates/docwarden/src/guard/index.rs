@@ -53,12 +53,24 @@ pub async fn ensure_array_index(coll: &Collection<Document>, path: &str) -> Resu
             let existing: Vec<IndexModel> = coll.list_indexes().await?.try_collect().await?;
             existing
                 .into_iter()
-                .find(|ix| ix.keys == keys && is_plain(ix))
+                .find(|ix| ascending_on(&ix.keys, path) && is_plain(ix))
                 .and_then(|ix| ix.options.and_then(|o| o.name))
                 .ok_or_else(|| e.into())
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Whether index keys are `{path: 1}` alone, the 1 of any numeric type (the legacy
+/// shell sends `1.0`).
+fn ascending_on(keys: &Document, path: &str) -> bool {
+    keys.len() == 1
+        && match keys.get(path) {
+            Some(Bson::Int32(v)) => *v == 1,
+            Some(Bson::Int64(v)) => *v == 1,
+            Some(Bson::Double(v)) => *v == 1.0,
+            _ => false,
+        }
 }
 
 /// Whether an index serves every query on its keys: not partial, not sparse, no

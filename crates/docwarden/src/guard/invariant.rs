@@ -3,9 +3,11 @@
 //! An [`Invariant`] is a name plus an aggregation expression that is truthy when the
 //! document satisfies it. The same expression is used in three places: over the document
 //! *after* a change in a guarded update's pipeline, as the collection's `$jsonSchema`-free
-//! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names are
-//! checked when an invariant is built, so a bad name is an [`Error::InvalidInput`] and
-//! never a malformed query.
+//! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names, and
+//! the operators of a raw expression, are checked when an invariant is built, so a bad
+//! name or an operator that is not an aggregation expression is an
+//! [`Error::InvalidInput`] and never a malformed query; an operator the server turns out
+//! not to know is mapped to the same error, naming the rule.
 
 use mongodb::bson::{Bson, Document, doc};
 

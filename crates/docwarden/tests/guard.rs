@@ -1535,7 +1535,7 @@ async fn a_set_of_an_equal_value_of_another_type_is_a_change_not_no_change() -> 
 
 /// Session 18: `install_validator` listed the violators, then ran `collMod`; a violating
 /// document written in between was in the collection, unreported, with the validator
-/// answering `Installed { existing_violations: [] }`. Here `collMod` is held for 1.5 s
+/// answering `Installed { existing_violations: [] }`. Here `collMod` is held for 3 s
 /// (a `failCommand` `blockConnection` on the installer's connection alone) while another
 /// client writes a violator. Now the violators are listed again once the validator is in
 /// place: without proceeding the answer is `Refused` with it and the collection has no
@@ -1582,7 +1582,7 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
                 "data": {
                     "failCommands": ["collMod"],
                     "blockConnection": true,
-                    "blockTimeMS": 1_500,
+                    "blockTimeMS": 3_000,
                     "appName": "guard-slow-collmod",
                 },
             })
@@ -1596,7 +1596,7 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
         let rules = inv.clone();
         let install =
             tokio::spawn(async move { guard::install_validator(&theirs, &rules, &opts).await });
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
         bad.insert("_id", 2_i64);
         coll.insert_one(bad.clone()).await?;
         let got = install.await??;
@@ -1866,7 +1866,7 @@ async fn installing_a_validator_while_someone_creates_the_collection_installs_it
             "data": {
                 "failCommands": ["create"],
                 "blockConnection": true,
-                "blockTimeMS": 1_000,
+                "blockTimeMS": 2_500,
                 "appName": "guard-slow-create",
             },
         })
@@ -1877,7 +1877,7 @@ async fn installing_a_validator_while_someone_creates_the_collection_installs_it
     let install = tokio::spawn(async move {
         guard::install_validator(&theirs, &[on_call()], &ValidatorOptions::default()).await
     });
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     t.db.create_collection("shifts").await?;
     let got = install.await?;
     assert!(

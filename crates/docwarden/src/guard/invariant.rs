@@ -165,7 +165,10 @@ impl Condition {
         Condition::Any(conditions)
     }
 
-    /// A raw aggregation expression over the element `$$elem`.
+    /// A raw aggregation expression over the element `$$elem`. It is checked as
+    /// [`Invariant::raw`] checks its expression (an operator expression, every `$` key an
+    /// aggregation expression operator) when the invariant using it is built, which then
+    /// fails with [`Error::InvalidInput`] `{ what: "condition" }` naming the rule.
     pub fn raw(expr: Document) -> Self {
         Condition::Raw(expr)
     }

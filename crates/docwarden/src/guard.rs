@@ -25,6 +25,6 @@ mod validator;
 
 pub use check::{InvariantViolation, violations, violations_of};
 pub use index::{IndexUse, ensure_array_index, index_use};
-pub use invariant::{CmpOp, Condition, ELEMENT_VAR, Invariant, Operand};
+pub use invariant::{CmpOp, Condition, ELEMENT_VAR, EXPRESSION_OPERATORS, Invariant, Operand};
 pub use update::{Change, GuardOptions, GuardOutcome, Guarded};
 pub use validator::{ValidatorInstall, ValidatorOptions, install_validator, validator_document};

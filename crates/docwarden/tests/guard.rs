@@ -19,6 +19,11 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 
 const WORKERS: usize = 8;
+
+/// Held by the tests that configure the server's `failCommand` fail point: it is one
+/// configuration per server, each replacing the last, and this binary's tests share one
+/// server (an `appName` in the configuration only keeps it off other clients).
+static FAIL_POINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const OPS_PER_WORKER: usize = 1_000;
 const SHIFTS: i64 = 10;
 
@@ -1277,6 +1282,620 @@ async fn a_get_field_invariant_checks_the_new_value() -> anyhow::Result<()> {
             .unwrap()
             .get_i32("balance")?,
         -5
+    );
+    Ok(())
+}
+
+/// Session 18: `Change::inc` counted a stored null as 0 (`$ifNull`) and wrote a number,
+/// added a number to a date as milliseconds, and failed on a string or a boolean with a
+/// bare database error (`$add`'s code 16554), where MongoDB's `$inc` refuses every
+/// non-numeric field, null included (code 14; asserted here against the server). Now the
+/// guard refuses them alike with `InvalidInput { what: "field" }`, nothing written; a
+/// missing field still counts as 0.
+#[tokio::test]
+async fn an_inc_of_a_field_that_is_not_a_number_is_refused_as_mongodb_inc_refuses_it()
+-> anyhow::Result<()> {
+    let t = TestDb::new("guard_inc_not_a_number").await?;
+    let coll = t.db.collection::<Document>("counters");
+    let stored = vec![
+        doc! { "_id": 1, "n": Bson::Null },
+        doc! { "_id": 2, "n": "5" },
+        doc! { "_id": 3, "n": DateTime::from_millis(0) },
+        doc! { "_id": 4, "n": true },
+        doc! { "_id": 5, "n": [1] },
+    ];
+    coll.insert_many(stored.clone()).await?;
+    coll.insert_one(doc! { "_id": 6 }).await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let any = [Invariant::raw("anything", doc! { "$literal": true })?];
+    let mut wrong = Vec::new();
+    for d in &stored {
+        let id = d.get("_id").cloned().unwrap();
+        // MongoDB's own $inc refuses the field.
+        let raw = coll
+            .update_one(doc! { "_id": id.clone() }, doc! { "$inc": { "n": 2 } })
+            .await;
+        assert_eq!(
+            raw.as_ref().err().and_then(docwarden::error::error_code),
+            Some(14),
+            "{d}: {raw:?}"
+        );
+        for by in [Bson::Int32(2), Bson::Int64(0), Bson::Double(0.5)] {
+            let got = g
+                .update(id.clone(), &Change::inc("n", by.clone())?, &any)
+                .await;
+            if !matches!(
+                got,
+                Err(docwarden::Error::InvalidInput { what: "field", .. })
+            ) {
+                wrong.push(format!("{d} + {by}: {got:?}"));
+            }
+        }
+        let each = g
+            .update_each(
+                &[
+                    (id.clone(), Change::inc("n", 1)?),
+                    (Bson::Int32(6), Change::inc("m", 1)?),
+                ],
+                &any,
+            )
+            .await?;
+        if !matches!(
+            each[..],
+            [
+                Err(docwarden::Error::InvalidInput { what: "field", .. }),
+                Ok(GuardOutcome::Applied)
+            ]
+        ) {
+            wrong.push(format!("{d} in a batch: {each:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused as $inc refuses: {wrong:#?}");
+    let now: Vec<Document> = coll
+        .find(doc! { "_id": { "$lte": 5 } })
+        .sort(doc! { "_id": 1 })
+        .await?
+        .try_collect()
+        .await?;
+    assert_eq!(now, stored, "nothing written");
+    // A missing field counts as 0, as with $inc.
+    assert_eq!(
+        g.update(6, &Change::inc("n", 2)?, &any).await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 6 }).await?.unwrap(),
+        doc! { "_id": 6, "m": 5, "n": 2 }
+    );
+    Ok(())
+}
+
+/// Session 18: a raw rule with an operator that is not an aggregation expression (a typo
+/// such as `$frobnicate`, a query operator such as `$exists`, anywhere inside it) was
+/// accepted when built, and every update using it failed with a bare database error
+/// (code 168); on the embedded server the validator built from it was even installed.
+/// Now it is `InvalidInput` when built, naming the rule and the key. An operator MongoDB
+/// documents but the server does not know (`$toUUID` before 8.0, and on the embedded
+/// server) passes the build and the server's refusal is `InvalidInput { what:
+/// "invariant" }` naming the rule, from the update, a batch and the checker.
+#[tokio::test]
+async fn an_unknown_operator_in_a_raw_rule_is_invalid_input_naming_the_rule() -> anyhow::Result<()>
+{
+    let t = TestDb::new("guard_unknown_operator").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_one(doc! { "_id": 1, "balance": 10, "name": "a" })
+        .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let bad = [
+        doc! { "$frobnicate": ["$balance", 0] },
+        doc! { "$gte": [{ "$frobnicate": "$balance" }, 0] },
+        doc! { "$and": [{ "$exists": ["$balance", true] }] },
+        doc! { "$gt": [{ "$size": { "$filter": {
+            "input": "$items", "as": "i", "cond": { "$elemMatch": { "x": 1 } },
+        }}}, 0] },
+        doc! { "$gte": [{ "$abs": "$balance", "extra": 1 }, 0] },
+        doc! { "$eq": [{ "$regex": "^a" }, "$name"] },
+    ];
+    let mut accepted = Vec::new();
+    for expr in bad {
+        match Invariant::raw("my rule", expr.clone()) {
+            Err(docwarden::Error::InvalidInput {
+                what: "expr",
+                reason,
+            }) if reason.contains("my rule") => {}
+            Ok(inv) => {
+                let got = g
+                    .update(1, &Change::inc("balance", -1)?, std::slice::from_ref(&inv))
+                    .await;
+                accepted.push(format!("{expr}: built, update {got:?}"));
+            }
+            Err(e) => accepted.push(format!("{expr}: {e}")),
+        }
+    }
+    let cond = Condition::raw(doc! { "$eq": [{ "$frobnicate": "$$elem.x" }, 1] });
+    match Invariant::at_least("elem rule", "items", 1, cond) {
+        Err(docwarden::Error::InvalidInput {
+            what: "condition",
+            reason,
+        }) if reason.contains("elem rule") => {}
+        other => accepted.push(format!("condition: {other:?}")),
+    }
+    assert!(accepted.is_empty(), "{accepted:#?}");
+    // `$literal` contents are data, and `$$`-variables and plain keys are not operators.
+    Invariant::raw(
+        "literal",
+        doc! { "$ne": ["$name", { "$literal": { "$frobnicate": 1 } }] },
+    )?;
+
+    // Documented, but perhaps not known to this server: typed either way.
+    let newer = Invariant::raw(
+        "uuid rule",
+        doc! { "$ne": [
+            { "$toUUID": { "$literal": "0e3b9063-8abd-4eb3-9f9f-f4c59fd30a60" } },
+            { "$concat": ["$name", "-"] },
+        ] },
+    )?;
+    let names_rule = |r: &docwarden::Error| matches!(r, docwarden::Error::InvalidInput { what: "invariant", reason } if reason.contains("uuid rule") && reason.contains("$toUUID"));
+    let nonneg = Invariant::field_cmp("non-negative", "balance", CmpOp::Gte, 0)?;
+    let rules = [nonneg, newer];
+    let one = g.update(1, &Change::set("name", "b")?, &rules).await;
+    let each = g
+        .update_each(
+            &[
+                (Bson::Int32(1), Change::set("name", "c")?),
+                (Bson::Int32(1), Change::set("name", "d")?),
+            ],
+            &rules,
+        )
+        .await?;
+    let checked = guard::violations(&coll, &rules, None).await;
+    if std::env::var_os("MONGODB_URI").is_none() {
+        // The embedded server does not know `$toUUID`: the refusal is what is tested.
+        assert!(one.is_err(), "the embedded server ran $toUUID: {one:?}");
+    }
+    match &one {
+        // The server knows `$toUUID` (MongoDB 8.0+): the rule holds.
+        Ok(_) => {}
+        Err(e) => {
+            assert!(names_rule(e), "update: {e}");
+            for r in &each {
+                assert!(r.as_ref().is_err_and(names_rule), "batch: {r:?}");
+            }
+            assert!(
+                checked.as_ref().is_err_and(names_rule),
+                "checker: {checked:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Session 18: the diagnosing read compared the new value with the stored one by `$eq`,
+/// for which `5.0 == NumberLong(5)`. A change to an equal value of another type is
+/// written when the rules hold (`$set` writes the double: `Applied`), but on a document
+/// that already broke a rule the pipeline kept the long and the outcome was `NoChange`,
+/// though the stored type had not become the one asked for. Now "same" is byte for byte:
+/// that change is `Rejected` by the broken rule; only an identical value is `NoChange`.
+#[tokio::test]
+async fn a_set_of_an_equal_value_of_another_type_is_a_change_not_no_change() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_same_typed").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    let broken = doc! {
+        "_id": 1, "n": 5_i64, "balance": -1, "profile": { "a": 5_i64 },
+        "doctors": [{ "name": "Bob", "shifts": 5_i64 }],
+    };
+    coll.insert_many(vec![
+        broken.clone(),
+        doc! { "_id": 2, "n": 5_i64, "balance": 1 },
+    ])
+    .await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let nonneg = [Invariant::field_cmp(
+        "non-negative",
+        "balance",
+        CmpOp::Gte,
+        0,
+    )?];
+    let rejected = GuardOutcome::Rejected {
+        invariant: "non-negative".into(),
+    };
+    for change in [
+        Change::set("n", 5.0)?,
+        Change::set("n", 5_i32)?,
+        Change::set("profile", doc! { "a": 5.0 })?,
+        Change::set_member("doctors", "name", "Bob", doc! { "shifts": 5.0 })?,
+    ] {
+        assert_eq!(g.update(1, &change, &nonneg).await?, rejected, "{change:?}");
+    }
+    assert_eq!(
+        coll.find_one(doc! { "_id": 1 }).await?.unwrap(),
+        broken,
+        "nothing written"
+    );
+    // The identical value is no change, whatever the rules say.
+    assert_eq!(
+        g.update(1, &Change::set("n", 5_i64)?, &nonneg).await?,
+        GuardOutcome::NoChange
+    );
+    // Where the rules hold, the new type is written; then it is the same.
+    assert_eq!(
+        g.update(2, &Change::set("n", 5.0)?, &nonneg).await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 2 }).await?.unwrap().get("n"),
+        Some(&Bson::Double(5.0))
+    );
+    assert_eq!(
+        g.update(2, &Change::set("n", 5.0)?, &nonneg).await?,
+        GuardOutcome::NoChange
+    );
+    Ok(())
+}
+
+/// Session 18: `install_validator` listed the violators, then ran `collMod`; a violating
+/// document written in between was in the collection, unreported, with the validator
+/// answering `Installed { existing_violations: [] }`. Here `collMod` is held for 3 s
+/// (a `failCommand` `blockConnection` on the installer's connection alone) while another
+/// client writes a violator. Now the violators are listed again once the validator is in
+/// place: without proceeding the answer is `Refused` with it and the collection has no
+/// validator again; proceeding, `Installed` lists it.
+#[tokio::test]
+async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow::Result<()> {
+    let _fail_point = FAIL_POINT.lock().await;
+    let t = TestDb::new("guard_validator_gap").await?;
+    let Some(_) = docwarden_testkit::fail_point_client(
+        &t,
+        "a_violator_written_while_the_validator_installs_is_reported",
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("guard-slow-collmod".into());
+    let installer = mongodb::Client::with_options(options)?;
+    let inv = [on_call()];
+    let mut bad = shift(0, 1);
+    bad.insert("doctors", vec![doc! { "name": "x", "on_call": false }]);
+    // Round 3: the collection had a user's validator, level and action of its own, which
+    // the caller asked to replace; refused, they are put back as they were.
+    let users = doc! { "$jsonSchema": { "required": ["doctors"] } };
+    for (round, proceed) in [(1_i64, false), (2, true), (3, false)] {
+        let name = format!("shifts{round}");
+        let coll = t.db.collection::<Document>(&name);
+        if round == 3 {
+            t.db.run_command(doc! {
+                "create": &name,
+                "validator": users.clone(),
+                "validationLevel": "moderate",
+                "validationAction": "warn",
+            })
+            .await?;
+        }
+        coll.insert_one(shift(1, 2)).await?;
+        t.client
+            .database("admin")
+            .run_command(doc! {
+                "configureFailPoint": "failCommand",
+                "mode": { "times": 1 },
+                "data": {
+                    "failCommands": ["collMod"],
+                    "blockConnection": true,
+                    "blockTimeMS": 3_000,
+                    "appName": "guard-slow-collmod",
+                },
+            })
+            .await?;
+        let theirs = installer
+            .database(t.db.name())
+            .collection::<Document>(&name);
+        let opts = ValidatorOptions::default()
+            .proceed_despite_violations(proceed)
+            .replace_other_validator(round == 3);
+        let rules = inv.clone();
+        let install =
+            tokio::spawn(async move { guard::install_validator(&theirs, &rules, &opts).await });
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        bad.insert("_id", 2_i64);
+        coll.insert_one(bad.clone()).await?;
+        let got = install.await??;
+        let violators = match &got {
+            ValidatorInstall::Refused { violations } if !proceed => violations,
+            ValidatorInstall::Installed {
+                existing_violations,
+            } if proceed => existing_violations,
+            other => panic!("round {round}: {other:?}"),
+        };
+        assert_eq!(
+            violators.iter().map(|v| v.id.clone()).collect::<Vec<_>>(),
+            vec![Bson::Int64(2)],
+            "round {round}: {got:?}"
+        );
+        bad.insert("_id", 3_i64);
+        let third = coll.insert_one(bad.clone()).await;
+        if proceed {
+            assert!(
+                third
+                    .as_ref()
+                    .is_err_and(|e| docwarden::error::error_code(e) == Some(121)),
+                "installed: {third:?}"
+            );
+        } else {
+            assert!(third.is_ok(), "the previous validator is back: {third:?}");
+        }
+        let spec =
+            t.db.run_command(doc! { "listCollections": 1, "filter": { "name": &name } })
+                .await?;
+        let options = spec
+            .get_document("cursor")?
+            .get_array("firstBatch")?
+            .first()
+            .and_then(Bson::as_document)
+            .map(|c| c.get_document("options").cloned().unwrap_or_default())
+            .unwrap_or_default();
+        let validator = options
+            .get_document("validator")
+            .ok()
+            .filter(|v| !v.is_empty());
+        match round {
+            1 => assert_eq!(validator, None, "{options}"),
+            2 => assert_eq!(
+                validator,
+                Some(&guard::validator_document(&inv)),
+                "{options}"
+            ),
+            _ => {
+                assert_eq!(validator, Some(&users), "{options}");
+                assert_eq!(options.get_str("validationLevel")?, "moderate", "{options}");
+                assert_eq!(options.get_str("validationAction")?, "warn", "{options}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Session 18 (review): `Change::push` appended to `{$ifNull: ["$F", []]}`, so a stored
+/// null was taken for an empty array and replaced by `[element]` (`Applied`), and a
+/// string or a document failed the update with a bare database error (`$concatArrays`);
+/// MongoDB's `$push` refuses every field that is not an array (code 2, asserted here
+/// against the server). Now the guard refuses them alike with `InvalidInput { what:
+/// "field" }`, nothing written; a missing field still becomes `[element]`.
+#[tokio::test]
+async fn a_push_onto_a_field_that_is_not_an_array_is_refused_as_mongodb_push_refuses_it()
+-> anyhow::Result<()> {
+    let t = TestDb::new("guard_push_not_an_array").await?;
+    let coll = t.db.collection::<Document>("flights");
+    let stored = vec![
+        doc! { "_id": 1, "capacity": 10, "bookings": Bson::Null },
+        doc! { "_id": 2, "capacity": 10, "bookings": "none" },
+        doc! { "_id": 3, "capacity": 10, "bookings": { "id": "a", "seats": 1 } },
+        doc! { "_id": 4, "capacity": 10, "bookings": 0 },
+    ];
+    coll.insert_many(stored.clone()).await?;
+    coll.insert_one(doc! { "_id": 5, "capacity": 10 }).await?;
+    let g = Guarded::new(coll.clone(), GuardOptions::default())?;
+    let booking = doc! { "id": "b", "seats": 1 };
+    let mut wrong = Vec::new();
+    for d in &stored {
+        let id = d.get("_id").cloned().unwrap();
+        let raw = coll
+            .update_one(
+                doc! { "_id": id.clone() },
+                doc! { "$push": { "bookings": booking.clone() } },
+            )
+            .await;
+        assert!(raw.is_err(), "MongoDB's $push accepted {d}: {raw:?}");
+        let got = g
+            .update(
+                id.clone(),
+                &Change::push("bookings", booking.clone())?,
+                &[within_capacity()],
+            )
+            .await;
+        if !matches!(
+            got,
+            Err(docwarden::Error::InvalidInput { what: "field", .. })
+        ) {
+            wrong.push(format!("{d}: {got:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused as $push refuses: {wrong:#?}");
+    let now: Vec<Document> = coll
+        .find(doc! { "_id": { "$lte": 4 } })
+        .sort(doc! { "_id": 1 })
+        .await?
+        .try_collect()
+        .await?;
+    assert_eq!(now, stored, "nothing written");
+    assert_eq!(
+        g.update(
+            5,
+            &Change::push("bookings", booking.clone())?,
+            &[within_capacity()]
+        )
+        .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        coll.find_one(doc! { "_id": 5 }).await?.unwrap(),
+        doc! { "_id": 5, "capacity": 10, "bookings": [booking] }
+    );
+    Ok(())
+}
+
+/// Session 18 (review): `violations_of(coll, id, …)` put `id` into `{_id: id}` as given,
+/// so an operator document (`{$gt: 0}`, say an id taken from a JSON request) or a regex
+/// answered with the broken rules of some *other* document, as if they were this one's.
+/// `Guarded::update` refuses such targets since session 15; the per-document check now
+/// does too, with `InvalidInput { what: "id" }`.
+#[tokio::test]
+async fn the_check_of_one_document_refuses_an_operator_document_as_its_id() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_check_operator_id").await?;
+    let coll = t.db.collection::<Document>("accounts");
+    coll.insert_many(vec![
+        doc! { "_id": 1, "balance": 10 },
+        doc! { "_id": 2, "balance": -5 },
+    ])
+    .await?;
+    let nonneg = [Invariant::field_cmp(
+        "non-negative",
+        "balance",
+        CmpOp::Gte,
+        0,
+    )?];
+    assert_eq!(
+        guard::violations_of(&coll, 2, &nonneg).await?,
+        vec!["non-negative".to_owned()]
+    );
+    assert!(guard::violations_of(&coll, 1, &nonneg).await?.is_empty());
+    for id in [
+        Bson::Document(doc! { "$gt": 0 }),
+        Bson::Document(doc! { "$ne": 1 }),
+        Bson::RegularExpression(mongodb::bson::Regex {
+            pattern: "^".into(),
+            options: String::new(),
+        }),
+    ] {
+        let got = guard::violations_of(&coll, id.clone(), &nonneg).await;
+        assert!(
+            matches!(got, Err(docwarden::Error::InvalidInput { what: "id", .. })),
+            "violations_of({id}): {got:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Session 18 (review): `ensure_array_index` asked for the index under its default name
+/// (`doctors.updated_1`), and the server refuses a second index of the same keys under
+/// another name (code 85, `IndexOptionsConflict`, on MongoDB and the embedded server
+/// alike): on a collection where a DBA had created the index as `by_update`, the
+/// "idempotent" ensure failed with a bare database error. Now the existing plain index is
+/// the index; a partial one on the same keys still fails (it does not serve every query).
+#[tokio::test]
+async fn ensuring_an_array_index_accepts_the_same_index_under_another_name() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_index_other_name").await?;
+    let coll = t.db.collection::<Document>("shifts");
+    coll.insert_many((0..5).map(|s| shift(s, 3))).await?;
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.updated": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("by_update".to_owned())
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let got = guard::ensure_array_index(&coll, "doctors.updated").await;
+    assert!(
+        matches!(got.as_deref(), Ok("by_update")),
+        "ensure_array_index: {got:?}"
+    );
+    let one_hour_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000);
+    assert_eq!(
+        guard::index_use(&coll, doc! { "doctors.updated": { "$gte": one_hour_ago } }).await?,
+        IndexUse::IndexScan {
+            index: "by_update".into()
+        }
+    );
+    // Keys written as a double (the legacy shell's `1.0`) are the same keys.
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.on_call": 1.0 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("on_call_dbl".to_owned())
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let dbl = guard::ensure_array_index(&coll, "doctors.on_call").await;
+    assert!(matches!(dbl.as_deref(), Ok("on_call_dbl")), "{dbl:?}");
+    // A partial index on the same keys is not the index.
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! { "doctors.name": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("some_names".to_owned())
+                    .partial_filter_expression(doc! { "doctors.name": "doctor1" })
+                    .build(),
+            )
+            .build(),
+    )
+    .await?;
+    let partial = guard::ensure_array_index(&coll, "doctors.name").await;
+    assert!(
+        !matches!(partial.as_deref(), Ok("some_names")),
+        "a partial index was taken for the index: {partial:?}"
+    );
+    Ok(())
+}
+
+/// Session 18 (review): `install_validator` on a collection that does not exist yet sends
+/// `create`; when another process creates the collection first (two services installing
+/// their validator at start-up, or one inserting its first document), `create` fails with
+/// code 48 (`NamespaceExists`) and the install failed with a bare database error. Here the
+/// installer's `create` is held (a `failCommand` `blockConnection` on its `appName`) while
+/// another client creates the collection. Now the install reads the collection's options
+/// again and installs with `collMod`.
+#[tokio::test]
+async fn installing_a_validator_while_someone_creates_the_collection_installs_it()
+-> anyhow::Result<()> {
+    let _fail_point = FAIL_POINT.lock().await;
+    let t = TestDb::new("guard_validator_create_race").await?;
+    let Some(_) = docwarden_testkit::fail_point_client(
+        &t,
+        "installing_a_validator_while_someone_creates_the_collection_installs_it",
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = Some("guard-slow-create".into());
+    let installer = mongodb::Client::with_options(options)?;
+    t.client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["create"],
+                "blockConnection": true,
+                "blockTimeMS": 2_500,
+                "appName": "guard-slow-create",
+            },
+        })
+        .await?;
+    let theirs = installer
+        .database(t.db.name())
+        .collection::<Document>("shifts");
+    let install = tokio::spawn(async move {
+        guard::install_validator(&theirs, &[on_call()], &ValidatorOptions::default()).await
+    });
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    t.db.create_collection("shifts").await?;
+    let got = install.await?;
+    assert!(
+        matches!(
+            got,
+            Ok(ValidatorInstall::Installed { ref existing_violations }) if existing_violations.is_empty()
+        ),
+        "{got:?}"
+    );
+    let coll = t.db.collection::<Document>("shifts");
+    let bypass = coll
+        .insert_one(doc! { "_id": 1, "doctors": [{ "name": "a", "on_call": false }] })
+        .await;
+    assert!(
+        bypass
+            .as_ref()
+            .is_err_and(|e| docwarden::error::error_code(e) == Some(121)),
+        "the validator is in place: {bypass:?}"
     );
     Ok(())
 }

@@ -52,8 +52,8 @@ impl Guarded {
     }
 
     /// As [`Guarded::update_many`], with each change's own result: a change that fails
-    /// (a validator's refusal, an integer `inc` out of range, an error of its explaining
-    /// read) does not hide the outcomes of the others, which are all sent. The answer has
+    /// (a validator's refusal, an integer `inc` out of range, an `inc` or `push` on a stored
+    /// value it refuses, an error of its explaining read) does not hide the outcomes of the others, which are all sent. The answer has
     /// one entry per change, in the same order.
     ///
     /// # Errors

@@ -8,7 +8,7 @@ use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 
-use super::invariant::{Invariant, all_of};
+use super::invariant::{Invariant, all_of, refused_operator};
 use crate::error::{Error, Result};
 
 /// A document that violates one or more invariants.
@@ -53,8 +53,9 @@ pub(crate) fn pipeline(
 /// most `limit` of them when given).
 ///
 /// # Errors
-/// [`Error::InvalidInput`] for a `limit` below 1; [`Error::Database`] if the aggregation
-/// fails.
+/// [`Error::InvalidInput`] for a `limit` below 1, or `{ what: "invariant" }` if the
+/// server does not know an operator an invariant uses; [`Error::Database`] if the
+/// aggregation fails.
 pub async fn violations(
     coll: &Collection<Document>,
     invariants: &[Invariant],
@@ -63,21 +64,30 @@ pub async fn violations(
     if limit.is_some_and(|n| n < 1) {
         return Err(Error::invalid("limit", "must be at least 1"));
     }
-    collect(coll, pipeline(invariants, None, limit)).await
+    collect(coll, pipeline(invariants, None, limit))
+        .await
+        .map_err(|e| refused_operator(e, invariants))
 }
 
 /// The invariants the document with `_id == id` violates (empty if none, or if there is
 /// no such document): the per-operation check of a concurrency test.
 ///
 /// # Errors
-/// [`Error::Database`] if the aggregation fails.
+/// [`Error::InvalidInput`] `{ what: "id" }` if `id` is not a plain document id
+/// ([`crate::validate::document_id`]: an operator document such as `{$gt: 0}` or a regex
+/// would match, and report, other documents; nothing is sent), `{ what: "invariant" }` if
+/// the server does not know an operator an invariant uses; [`Error::Database`] if the
+/// aggregation fails.
 pub async fn violations_of(
     coll: &Collection<Document>,
     id: impl Into<Bson>,
     invariants: &[Invariant],
 ) -> Result<Vec<String>> {
     let id = id.into();
-    let mut v = collect(coll, pipeline(invariants, Some(&id), Some(1))).await?;
+    crate::validate::document_id("id", &id)?;
+    let mut v = collect(coll, pipeline(invariants, Some(&id), Some(1)))
+        .await
+        .map_err(|e| refused_operator(e, invariants))?;
     Ok(v.pop().map(|v| v.invariants).unwrap_or_default())
 }
 

@@ -6,6 +6,7 @@
 //! plan of `explain`; it reports what the planner chose for that query now, not for
 //! every future data distribution.
 
+use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::{Collection, IndexModel};
 
@@ -31,17 +32,53 @@ pub enum IndexUse {
 }
 
 /// Creates (idempotently) an ascending index on `path`, a field inside an embedded array
-/// such as `doctors.updated`, and returns its name.
+/// such as `doctors.updated`, and returns its name. An index the collection already has
+/// on exactly `{path: 1}`, plain (not partial, not sparse, no collation), under another
+/// name (one a DBA created, say) is the index: its name is returned and nothing is
+/// created (the server refuses a second index of the same keys, code 85).
 ///
 /// # Errors
 /// [`Error::InvalidInput`] for a bad path; [`Error::Database`] if the index cannot be
-/// created (for example an index of that name with other options exists).
+/// created (for example an index of that name with other options exists, or the index on
+/// these keys is partial, sparse or has a collation).
 pub async fn ensure_array_index(coll: &Collection<Document>, path: &str) -> Result<String> {
     field_path("path", path)?;
-    let res = coll
-        .create_index(IndexModel::builder().keys(doc! { path: 1 }).build())
-        .await?;
-    Ok(res.index_name)
+    let keys = doc! { path: 1 };
+    match coll
+        .create_index(IndexModel::builder().keys(keys.clone()).build())
+        .await
+    {
+        Ok(res) => Ok(res.index_name),
+        Err(e) if crate::error::error_code(&e) == Some(85) => {
+            let existing: Vec<IndexModel> = coll.list_indexes().await?.try_collect().await?;
+            existing
+                .into_iter()
+                .find(|ix| ascending_on(&ix.keys, path) && is_plain(ix))
+                .and_then(|ix| ix.options.and_then(|o| o.name))
+                .ok_or_else(|| e.into())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether index keys are `{path: 1}` alone, the 1 of any numeric type (the legacy
+/// shell sends `1.0`).
+fn ascending_on(keys: &Document, path: &str) -> bool {
+    keys.len() == 1
+        && match keys.get(path) {
+            Some(Bson::Int32(v)) => *v == 1,
+            Some(Bson::Int64(v)) => *v == 1,
+            Some(Bson::Double(v)) => *v == 1.0,
+            _ => false,
+        }
+}
+
+/// Whether an index serves every query on its keys: not partial, not sparse, no
+/// collation (the collection's simple one).
+fn is_plain(ix: &IndexModel) -> bool {
+    ix.options.as_ref().is_none_or(|o| {
+        o.partial_filter_expression.is_none() && o.sparse != Some(true) && o.collation.is_none()
+    })
 }
 
 /// Explains `filter` on `coll` and reports how its winning plan reads the collection.

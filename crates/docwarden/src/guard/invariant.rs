@@ -3,9 +3,11 @@
 //! An [`Invariant`] is a name plus an aggregation expression that is truthy when the
 //! document satisfies it. The same expression is used in three places: over the document
 //! *after* a change in a guarded update's pipeline, as the collection's `$jsonSchema`-free
-//! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names are
-//! checked when an invariant is built, so a bad name is an [`Error::InvalidInput`] and
-//! never a malformed query.
+//! `$expr` validator, and in the checker's `$match: {$expr: {$not: …}}`. Field names, and
+//! the operators of a raw expression, are checked when an invariant is built, so a bad
+//! name or an operator that is not an aggregation expression is an
+//! [`Error::InvalidInput`] and never a malformed query; an operator the server turns out
+//! not to know is mapped to the same error, naming the rule.
 
 use mongodb::bson::{Bson, Document, doc};
 
@@ -163,7 +165,10 @@ impl Condition {
         Condition::Any(conditions)
     }
 
-    /// A raw aggregation expression over the element `$$elem`.
+    /// A raw aggregation expression over the element `$$elem`. It is checked as
+    /// [`Invariant::raw`] checks its expression (an operator expression, every `$` key an
+    /// aggregation expression operator) when the invariant using it is built, which then
+    /// fails with [`Error::InvalidInput`] `{ what: "condition" }` naming the rule.
     pub fn raw(expr: Document) -> Self {
         Condition::Raw(expr)
     }
@@ -175,7 +180,10 @@ impl Condition {
                 value.check()
             }
             Condition::All(cs) | Condition::Any(cs) => cs.iter().try_for_each(Condition::check),
-            Condition::Raw(d) => operator_expression("condition", d),
+            Condition::Raw(d) => {
+                operator_expression("condition", d)?;
+                known_operators("condition", &Bson::Document(d.clone()))
+            }
         }
     }
 
@@ -232,7 +240,7 @@ impl Invariant {
 
     fn count(name: String, array: &str, op: &str, n: i64, condition: Condition) -> Result<Self> {
         field_path("array", array)?;
-        condition.check()?;
+        condition.check().map_err(|e| in_rule(&name, e))?;
         if n < 0 {
             return Err(Error::invalid("n", "a count bound must not be negative"));
         }
@@ -306,12 +314,23 @@ impl Invariant {
     /// plain fields is an object literal to the server, always true, so a query filter
     /// such as `{status: "active"}` passed here is refused rather than checking nothing.
     ///
+    /// Every `$` key inside `expr` must be an aggregation expression operator MongoDB
+    /// documents ([`EXPRESSION_OPERATORS`]), alone in its document: a typo (`$gtee`), a
+    /// query operator (`{$exists: …}`, `$elemMatch`, `$regex`) or a document mixing an
+    /// operator with other keys is refused here, where the server would refuse the first
+    /// update that uses the rule. An operator of a newer MongoDB than the server's passes
+    /// this check; the server's refusal is then [`Error::InvalidInput`] `{ what:
+    /// "invariant" }` naming the rule, from the update, the checker or the validator.
+    ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name, or an `expr` (or an operand of its
-    /// `$and`/`$or`/`$not`) that is not an operator expression.
+    /// [`Error::InvalidInput`] for a bad name, an `expr` (or an operand of its
+    /// `$and`/`$or`/`$not`) that is not an operator expression, or a `$` key that is not
+    /// an expression operator (the reason names the rule and the key).
     pub fn raw(name: impl Into<String>, expr: Document) -> Result<Self> {
-        operator_expression("expr", &expr)?;
-        Self::named(name.into(), Bson::Document(expr))
+        let name = name.into();
+        operator_expression("expr", &expr).map_err(|e| in_rule(&name, e))?;
+        known_operators("expr", &Bson::Document(expr.clone())).map_err(|e| in_rule(&name, e))?;
+        Self::named(name, Bson::Document(expr))
     }
 
     fn named(name: String, expr: Bson) -> Result<Self> {
@@ -340,6 +359,159 @@ pub(crate) fn all_of(invariants: &[Invariant]) -> Bson {
     Bson::Document(doc! {
         "$and": invariants.iter().map(|i| i.expr.clone()).collect::<Vec<_>>()
     })
+}
+
+/// The aggregation expression operators of MongoDB's manual (through 8.x): what a `$` key
+/// inside an invariant's expression may be. Accumulators that are also expressions
+/// (`$sum`, `$max`, `$median`, …) are in; stages, query-only operators (`$exists`,
+/// `$elemMatch`, `$regex`), update operators and accumulators without an expression form
+/// (`$push`, `$top`) are not.
+#[rustfmt::skip]
+pub const EXPRESSION_OPERATORS: &[&str] = &[
+    "$abs", "$acos", "$acosh", "$add", "$allElementsTrue", "$and", "$anyElementTrue",
+    "$arrayElemAt", "$arrayToObject", "$asin", "$asinh", "$atan", "$atan2", "$atanh", "$avg",
+    "$binarySize", "$bitAnd", "$bitNot", "$bitOr", "$bitXor", "$bsonSize", "$ceil", "$cmp",
+    "$concat", "$concatArrays", "$cond", "$convert", "$cos", "$cosh", "$createObjectId",
+    "$dateAdd", "$dateDiff", "$dateFromParts", "$dateFromString", "$dateSubtract",
+    "$dateToParts", "$dateToString", "$dateTrunc", "$dayOfMonth", "$dayOfWeek", "$dayOfYear",
+    "$degreesToRadians", "$divide", "$eq", "$exp", "$filter", "$first", "$firstN", "$floor",
+    "$function", "$getField", "$gt", "$gte", "$hour", "$ifNull", "$in", "$indexOfArray",
+    "$indexOfBytes", "$indexOfCP", "$isArray", "$isNumber", "$isoDayOfWeek", "$isoWeek",
+    "$isoWeekYear", "$last", "$lastN", "$let", "$literal", "$ln", "$log", "$log10", "$lt",
+    "$lte", "$ltrim", "$map", "$max", "$maxN", "$median", "$mergeObjects", "$meta",
+    "$millisecond", "$min", "$minN", "$minute", "$mod", "$month", "$multiply", "$ne", "$not",
+    "$objectToArray", "$or", "$percentile", "$pow", "$radiansToDegrees", "$rand", "$range",
+    "$reduce", "$regexFind", "$regexFindAll", "$regexMatch", "$replaceAll", "$replaceOne",
+    "$reverseArray", "$round", "$rtrim", "$sampleRate", "$second", "$setDifference",
+    "$setEquals", "$setField", "$setIntersection", "$setIsSubset", "$setUnion", "$sigmoid",
+    "$sin", "$sinh", "$size", "$slice", "$sortArray", "$split", "$sqrt", "$stdDevPop",
+    "$stdDevSamp", "$strLenBytes", "$strLenCP", "$strcasecmp", "$substr", "$substrBytes",
+    "$substrCP", "$subtract", "$sum", "$switch", "$tan", "$tanh", "$toBool", "$toDate",
+    "$toDecimal", "$toDouble", "$toHashedIndexKey", "$toInt", "$toLong", "$toLower",
+    "$toObjectId", "$toString", "$toUUID", "$toUpper", "$trim", "$trunc", "$tsIncrement",
+    "$tsSecond", "$type", "$unsetField", "$week", "$year", "$zip",
+];
+
+/// Query-language operators that are not aggregation expressions, for a clearer refusal.
+#[rustfmt::skip]
+const QUERY_ONLY_OPERATORS: &[&str] = &[
+    "$all", "$bitsAllClear", "$bitsAllSet", "$bitsAnyClear", "$bitsAnySet", "$comment",
+    "$elemMatch", "$exists", "$expr", "$geoIntersects", "$geoWithin", "$jsonSchema", "$near",
+    "$nearSphere", "$nin", "$nor", "$options", "$regex", "$text", "$where",
+];
+
+/// Checks every `$` key inside `expr` (outside `$literal`): it must be one of
+/// [`EXPRESSION_OPERATORS`] and the only key of its document. Keys without `$` (an object
+/// literal, the named arguments of `$filter`, `$let`'s variables) are walked through.
+fn known_operators(what: &'static str, expr: &Bson) -> Result<()> {
+    match expr {
+        Bson::Array(a) => a.iter().try_for_each(|b| known_operators(what, b)),
+        Bson::Document(d) => {
+            for (k, v) in d {
+                if !k.starts_with('$') {
+                    known_operators(what, v)?;
+                    continue;
+                }
+                if d.len() > 1 {
+                    return Err(Error::invalid(
+                        what,
+                        format!(
+                            "`{d}` mixes the operator `{k}` with other keys: an operator must be the only key of its document"
+                        ),
+                    ));
+                }
+                if QUERY_ONLY_OPERATORS.contains(&k.as_str()) {
+                    return Err(Error::invalid(
+                        what,
+                        format!(
+                            "`{k}` is a query operator, not an aggregation expression (`{{$ne: [{{$type: \"$field\"}}, \"missing\"]}}` tests presence, `$regexMatch` a pattern)"
+                        ),
+                    ));
+                }
+                if !EXPRESSION_OPERATORS.contains(&k.as_str()) {
+                    return Err(Error::invalid(
+                        what,
+                        format!("`{k}` is not an aggregation expression operator"),
+                    ));
+                }
+                if k != "$literal" {
+                    known_operators(what, v)?;
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Prefixes an [`Error::InvalidInput`]'s reason with the rule it is about.
+fn in_rule(name: &str, e: Error) -> Error {
+    match e {
+        Error::InvalidInput { what, reason } => Error::InvalidInput {
+            what,
+            reason: format!("rule `{name}`: {reason}"),
+        },
+        other => other,
+    }
+}
+
+/// Every `$` key (operator) used in `expr`, outside `$literal`.
+fn operators_in<'a>(expr: &'a Bson, out: &mut Vec<&'a str>) {
+    match expr {
+        Bson::Array(a) => a.iter().for_each(|b| operators_in(b, out)),
+        Bson::Document(d) => {
+            for (k, v) in d {
+                if k.starts_with('$') {
+                    out.push(k);
+                }
+                if k != "$literal" {
+                    operators_in(v, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A database error mapped to [`Error::InvalidInput`] `{ what: "invariant" }` when the
+/// server refused an operator one of `invariants` uses (code 168,
+/// `InvalidPipelineOperator`, or 31325, "Unknown expression", whose message names the
+/// operator): an operator newer than the server, which [`Invariant::raw`]'s check lets
+/// through. The first invariant (in the order given) using the named operator is named.
+/// Any other error is [`Error::Database`]. Costs nothing unless the server refused.
+pub(crate) fn refused_operator(err: impl Into<Error>, invariants: &[Invariant]) -> Error {
+    let err = err.into();
+    let Error::Database { source } = &err else {
+        return err;
+    };
+    let Some(code) = crate::error::error_codes(source).find(|c| matches!(c, 168 | 31325)) else {
+        return err;
+    };
+    // The server's message is in the write error, the command error or the bulk's
+    // per-operation errors; the debug form holds all of them.
+    let message = format!("{source:?}");
+    let named = |op: &str| {
+        message.match_indices(op).any(|(at, _)| {
+            !message[at + op.len()..]
+                .chars()
+                .next()
+                .is_some_and(char::is_alphanumeric)
+        })
+    };
+    for inv in invariants {
+        let mut ops = Vec::new();
+        operators_in(&inv.expr, &mut ops);
+        if let Some(op) = ops.into_iter().find(|op| named(op)) {
+            return Error::invalid(
+                "invariant",
+                format!(
+                    "rule `{}`: the server does not know the operator `{op}` (code {code}); nothing was written",
+                    inv.name
+                ),
+            );
+        }
+    }
+    err
 }
 
 /// Checks that `expr` is an operator expression: exactly one key, starting with `$`. An

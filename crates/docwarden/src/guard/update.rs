@@ -21,7 +21,7 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use tracing::{debug, instrument};
 
-use super::invariant::{Invariant, NEW_VAR, field_name, rebase_field};
+use super::invariant::{Invariant, NEW_VAR, field_name, rebase_field, refused_operator};
 
 /// The key of the field's new value inside the field, between the update's two stages.
 const WRAP_NEW: &str = "new";
@@ -35,7 +35,10 @@ use crate::error::{Error, Result};
 pub enum GuardOutcome {
     /// The change was written; the document now satisfies every invariant.
     Applied,
-    /// The document was already in the requested state; nothing was written.
+    /// The document was already in the requested state: the new value is the stored one,
+    /// byte for byte (a value equal to it but of another type, `5.0` for a stored
+    /// `NumberLong(5)`, is a change, as with `$set`); nothing was written, and the
+    /// invariants were not consulted.
     NoChange,
     /// No document has this `_id`.
     NotFound,
@@ -127,7 +130,9 @@ impl Change {
         })
     }
 
-    /// Append `element` to `array` (a missing array is created).
+    /// Append `element` to `array` (a missing array is created). As MongoDB's `$push`, the
+    /// update refuses a field that holds anything but an array (null included:
+    /// [`Error::InvalidInput`] `{ what: "field" }`, nothing written).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name or `_id`.
@@ -141,9 +146,11 @@ impl Change {
         })
     }
 
-    /// Add `by` to a numeric top-level `field` (a missing field counts as 0). An integer
-    /// sum that would leave the 64-bit range is refused when the update runs (as MongoDB's
-    /// `$inc` refuses it), never rounded to a double.
+    /// Add `by` to a numeric top-level `field` (a missing field counts as 0). As MongoDB's
+    /// `$inc`, the update refuses a field that holds anything but a number (null, a
+    /// string, a date, …: [`Error::InvalidInput`] `{ what: "field" }`) and an integer sum
+    /// that would leave the 64-bit range (`{ what: "by" }`, never rounded to a double);
+    /// nothing is written.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad field name, `_id`, or a non-numeric `by`.
@@ -215,17 +222,21 @@ impl Change {
                 }},
                 &path,
             ]},
-            Kind::Push { element } => doc! {
-                "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]]
-            },
+            Kind::Push { element } => doc! { "$cond": [
+                refuses_stored(&path, &ARRAY_OR_MISSING),
+                &path,
+                { "$concatArrays": [{ "$ifNull": [&path, []] }, [{ "$literal": element.clone() }]] },
+            ]},
             Kind::Inc { by } => {
                 let sum =
                     doc! { "$add": [{ "$ifNull": [&path, 0_i32] }, { "$literal": by.clone() }] };
-                match inc_overflows(by, &path) {
-                    // Keep the stored value; the diagnosis reports the overflow.
-                    Some(overflows) => doc! { "$cond": [overflows, &path, sum] },
-                    None => sum,
-                }
+                // Keep the stored value; the diagnosis reports the refusal.
+                let not_a_number = refuses_stored(&path, &NUMERIC_OR_MISSING);
+                let refuse = match inc_overflows(by, &path) {
+                    Some(overflows) => doc! { "$or": [not_a_number, overflows] },
+                    None => not_a_number,
+                };
+                doc! { "$cond": [refuse, &path, sum] }
             }
             Kind::Set { value } => doc! { "$literal": value.clone() },
         };
@@ -360,8 +371,9 @@ impl Change {
                 doc! { "$project": {
                     "_id": 0,
                     "member": { "$and": [self.member_present(&self.wrapped(WRAP_OLD))] },
+                    "stored": { "$type": [self.wrapped(WRAP_OLD)] },
                     "overflow": { "$and": [self.overflows(&self.wrapped(WRAP_OLD))] },
-                    "same": { "$eq": [self.wrapped(WRAP_NEW), self.wrapped(WRAP_OLD)] },
+                    "same": same_pair(self.wrapped(WRAP_NEW), self.wrapped(WRAP_OLD)),
                     "ok": ok_each(checks),
                 }},
             ],
@@ -372,14 +384,22 @@ impl Change {
                     doc! { "$project": {
                         "_id": 0,
                         "member": { "$and": [self.member_present(&self.path())] },
+                        "stored": { "$type": [self.path()] },
                         "overflow": { "$and": [self.overflows(&self.path())] },
-                        "same": { "$eq": [self.new_value(), self.path()] },
+                        "same": same_pair(self.new_value(), self.path()),
                         "ok": self.over_new(ok_each(checks)),
                     }},
                 ]
             }
         }
     }
+}
+
+/// `[new, old]` when the two are `$eq` (a candidate for "nothing to write", decided byte
+/// for byte by [`same_bytes`]), `false` otherwise: values travel only in that case.
+fn same_pair(new: impl Into<Bson>, old: impl Into<Bson>) -> Document {
+    let (new, old) = (new.into(), old.into());
+    doc! { "$cond": [{ "$eq": [new.clone(), old.clone()] }, [new, old], false] }
 }
 
 /// For an integer `by` (int or long): whether adding it to the integer at `path` would
@@ -404,6 +424,36 @@ fn inc_overflows(by: &Bson, path: &str) -> Option<Document> {
         { "$in": [{ "$type": [path] }, ["int", "long"]] },
         { op: [path, limit] },
     ]})
+}
+
+/// Whether the `$type` of the value at `path` is none of `accepted`: a stored value the
+/// change refuses, as MongoDB's update operator does. `$inc` refuses anything but a
+/// number (null, a string, a date, …; code 14), where aggregation's `$add` would count null
+/// as 0 (`$ifNull`), add a number to a date as milliseconds, and fail on a string with a
+/// bare error; `$push` refuses anything but an array (code 2), where `$concatArrays`
+/// would take null for `[]` and fail on the rest. A missing field is accepted by both.
+fn refuses_stored(path: &str, accepted: &[&str]) -> Document {
+    doc! { "$not": [{ "$in": [{ "$type": [path] }, accepted.to_vec()] }] }
+}
+
+/// The `$type` aliases an `inc` adds to: the numbers, and a missing field (0).
+const NUMERIC_OR_MISSING: [&str; 5] = ["missing", "int", "long", "double", "decimal"];
+
+/// The `$type` aliases a `push` appends to: an array, and a missing field (`[]`).
+const ARRAY_OR_MISSING: [&str; 2] = ["missing", "array"];
+
+/// Whether two values are the same BSON, byte for byte (types and field order included):
+/// what both servers compare to decide that a pipeline update modified nothing. `$eq`
+/// alone says `5.0 == NumberLong(5)`, yet `$set` writes the double.
+fn same_bytes(a: &Bson, b: &Bson) -> bool {
+    let bytes = |v: &Bson| {
+        let mut out = Vec::new();
+        doc! { "v": v.clone() }
+            .to_writer(&mut out)
+            .map(|()| out)
+            .ok()
+    };
+    matches!((bytes(a), bytes(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// Checks the top-level field a change writes: a [`field_name`], and not `_id`, which no
@@ -509,7 +559,10 @@ impl Guarded {
     /// ([`crate::validate::document_id`]: a document with a `$` key would be read as a
     /// query operator and match another document; null, an array, a regex); nothing is
     /// sent; [`Error::InvalidInput`] `{ what: "by" }` if an integer [`Change::inc`] would
-    /// leave the 64-bit range (nothing written). [`Error::Database`] if the server fails the update (a validator refusal is code
+    /// leave the 64-bit range, `{ what: "field" }` if a [`Change::inc`] meets a stored value
+    /// that is not a number or a [`Change::push`] one that is not an array (null included), `{ what: "invariant" }` if the server does not
+    /// know an operator an invariant uses (the reason names the rule): nothing written in
+    /// each case. [`Error::Database`] if the server fails the update (a validator refusal is code
     /// 121); [`Error::Unavailable`] if the document changed between every one of
     /// `max_attempts` updates and the reads explaining them (retry later).
     #[instrument(skip(self, target, change, invariants), fields(coll = %self.coll.name(), field = %change.field))]
@@ -528,7 +581,11 @@ impl Guarded {
             let (filter, pipeline) = first
                 .take()
                 .unwrap_or_else(|| (change.filter(&target), change.pipeline(invariants)));
-            let res = self.coll.update_one(filter, pipeline).await?;
+            let res = self
+                .coll
+                .update_one(filter, pipeline)
+                .await
+                .map_err(|e| refused_operator(e, invariants))?;
             if res.modified_count > 0 {
                 return Ok(GuardOutcome::Applied);
             }
@@ -560,8 +617,13 @@ impl Guarded {
         let mut cursor = self
             .coll
             .aggregate(change.diagnose(target, invariants))
-            .await?;
-        let Some(d) = cursor.try_next().await? else {
+            .await
+            .map_err(|e| refused_operator(e, invariants))?;
+        let Some(d) = cursor
+            .try_next()
+            .await
+            .map_err(|e| refused_operator(e, invariants))?
+        else {
             return Ok(Some(GuardOutcome::NotFound));
         };
         let malformed = |reason: &str| Error::Malformed {
@@ -570,6 +632,28 @@ impl Guarded {
         };
         if !d.get_bool("member").map_err(|_| malformed("member"))? {
             return Ok(Some(GuardOutcome::NoSuchMember));
+        }
+        let accepted: Option<(&[&str], &str)> = match change.kind {
+            Kind::Inc { .. } => Some((
+                &NUMERIC_OR_MISSING,
+                "a number: an increment (like MongoDB's $inc)",
+            )),
+            Kind::Push { .. } => {
+                Some((&ARRAY_OR_MISSING, "an array: a push (like MongoDB's $push)"))
+            }
+            _ => None,
+        };
+        if let Some((accepted, needs)) = accepted {
+            let stored = d.get_str("stored").map_err(|_| malformed("stored"))?;
+            if !accepted.contains(&stored) {
+                return Err(Error::invalid(
+                    "field",
+                    format!(
+                        "`{}` of {target} holds a {stored}, not {needs} refuses it (nothing written)",
+                        change.field
+                    ),
+                ));
+            }
         }
         if d.get_bool("overflow").map_err(|_| malformed("overflow"))? {
             return Err(Error::invalid(
@@ -580,7 +664,12 @@ impl Guarded {
                 ),
             ));
         }
-        if d.get_bool("same").map_err(|_| malformed("same"))? {
+        let same = match d.get("same") {
+            Some(Bson::Boolean(false)) => false,
+            Some(Bson::Array(pair)) if pair.len() == 2 => same_bytes(&pair[0], &pair[1]),
+            _ => return Err(malformed("same")),
+        };
+        if same {
             return Ok(Some(GuardOutcome::NoChange));
         }
         let ok = d.get_array("ok").map_err(|_| malformed("ok"))?;

@@ -1,5 +1,8 @@
 //! Installs invariants as the collection's validator (`$expr`, strict level, error
-//! action), after listing the documents that already violate them.
+//! action), after listing the documents that already violate them, and lists them again
+//! once it is installed: a violating document written between the first list and
+//! `collMod` is reported too (and, unless the caller proceeds despite violations, the
+//! previous validator is put back).
 //!
 //! A validator refuses any insert or update whose result breaks an invariant (error
 //! 121), including writes that bypass [`super::Guarded`]. It is a second safeguard, not a
@@ -15,7 +18,7 @@ use mongodb::results::CollectionSpecification;
 use tracing::{info, instrument, warn};
 
 use super::check::{InvariantViolation, violations};
-use super::invariant::{Invariant, all_of};
+use super::invariant::{Invariant, all_of, refused_operator};
 use crate::error::{Error, Result};
 
 /// Options of [`install_validator`].
@@ -70,13 +73,16 @@ impl ValidatorOptions {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum ValidatorInstall {
-    /// The validator is installed. `existing_violations` lists documents that violated it
-    /// when it was installed (empty unless `proceed_despite_violations` was set).
+    /// The validator is installed. `existing_violations` lists documents that violate it
+    /// once it is installed (read after `collMod`, so a document written while it was being
+    /// installed is in; empty unless `proceed_despite_violations` was set).
     Installed {
         /// Documents that already violated the invariants.
         existing_violations: Vec<InvariantViolation>,
     },
-    /// Nothing was installed because these documents already violate the invariants.
+    /// Nothing was installed because these documents already violate the invariants
+    /// (found before `collMod`, or after it: then the collection's previous validator,
+    /// level and action were put back).
     Refused {
         /// The violating documents (at most `list_limit`).
         violations: Vec<InvariantViolation>,
@@ -103,9 +109,23 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// `opts.proceed_despite_violations` is false ([`ValidatorInstall::Refused`]). Installing
 /// the same invariants again is allowed (it resets the level and action).
 ///
+/// The violators are listed before `collMod` and again after it. Once the validator is in
+/// place (strict, error) no write can add a violator, except with
+/// `bypassDocumentValidation`, so the second list is complete: a document written between
+/// the first list and `collMod` is reported. If the second list finds violators and the
+/// caller did not proceed despite them, the previous validator, level and action are put
+/// back (no validator for a collection that had none) and the answer is
+/// [`ValidatorInstall::Refused`]; writes that would have broken the invariants in the
+/// moment between may have been refused with code 121.
+///
 /// # Errors
-/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1;
-/// [`Error::Database`] if listing or `collMod`/`create` fails.
+/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
+/// "invariant" }` if the server does not know an operator an invariant uses;
+/// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
+/// back fails (then the new validator may be in place). A collection created by someone
+/// else between reading its options and `create` is not an error: its options are read
+/// again and the install goes on from them (once; [`Error::Unavailable`] if it happens
+/// twice).
 #[instrument(skip(coll, invariants, opts), fields(coll = %coll.name()))]
 pub async fn install_validator(
     coll: &Collection<Document>,
@@ -115,6 +135,27 @@ pub async fn install_validator(
     if invariants.is_empty() {
         return Err(Error::invalid("invariants", "at least one is needed"));
     }
+    // A collection that did not exist may be created by someone else (another process
+    // installing the same validator at start-up) before `create`: then start over once,
+    // from its options.
+    match install(coll, invariants, opts, true).await? {
+        Some(done) => Ok(done),
+        None => install(coll, invariants, opts, false)
+            .await?
+            .ok_or(Error::Unavailable {
+                what: "validator install (the collection kept being created and dropped)",
+            }),
+    }
+}
+
+/// One attempt of [`install_validator`]; `None` if the collection appeared between reading
+/// its options and `create` (code 48, `NamespaceExists`) and `retry_created` is set.
+async fn install(
+    coll: &Collection<Document>,
+    invariants: &[Invariant],
+    opts: &ValidatorOptions,
+    retry_created: bool,
+) -> Result<Option<ValidatorInstall>> {
     let db = coll.client().database(&coll.namespace().db);
     let specs: Vec<CollectionSpecification> = db
         .list_collections()
@@ -130,37 +171,67 @@ pub async fn install_validator(
     if let Some(other) = other {
         if !opts.replace_other_validator {
             warn!(validator = %other, "the collection has another validator; not replaced");
-            return Ok(ValidatorInstall::OtherValidator {
+            return Ok(Some(ValidatorInstall::OtherValidator {
                 validator: other.clone(),
-            });
+            }));
         }
         info!(validator = %other, "replacing the collection's other validator");
     }
     let existing = violations(coll, invariants, Some(opts.list_limit)).await?;
     if !existing.is_empty() && !opts.proceed_despite_violations {
-        return Ok(ValidatorInstall::Refused {
+        return Ok(Some(ValidatorInstall::Refused {
             violations: existing,
-        });
+        }));
     }
-    if specs.is_empty() {
-        db.run_command(doc! {
-            "create": coll.name(),
+    let command = if specs.is_empty() {
+        "create"
+    } else {
+        "collMod"
+    };
+    let installed = db
+        .run_command(doc! {
+            command: coll.name(),
             "validator": validator,
             "validationLevel": "strict",
             "validationAction": "error",
         })
-        .await?;
-    } else {
+        .await;
+    match installed {
+        Err(e) if specs.is_empty() && retry_created && crate::error::error_code(&e) == Some(48) => {
+            info!("the collection was created meanwhile; reading its options again");
+            return Ok(None);
+        }
+        other => other.map_err(|e| refused_operator(e, invariants))?,
+    };
+    // Complete now: with the validator in place no write adds a violator.
+    let after = violations(coll, invariants, Some(opts.list_limit)).await?;
+    if !after.is_empty() && !opts.proceed_despite_violations {
+        warn!(
+            violators = after.len(),
+            "violating documents were written while the validator was installed; putting the previous one back"
+        );
+        let previous = specs.first().map(|spec| &spec.options);
+        let level = previous
+            .and_then(|o| o.validation_level.as_ref())
+            .map(mongodb::bson::to_bson)
+            .transpose()
+            .map_err(|e| Error::invalid("validationLevel", e.to_string()))?;
+        let action = previous
+            .and_then(|o| o.validation_action.as_ref())
+            .map(mongodb::bson::to_bson)
+            .transpose()
+            .map_err(|e| Error::invalid("validationAction", e.to_string()))?;
         db.run_command(doc! {
             "collMod": coll.name(),
-            "validator": validator,
-            "validationLevel": "strict",
-            "validationAction": "error",
+            "validator": previous.and_then(|o| o.validator.clone()).unwrap_or_default(),
+            "validationLevel": level.unwrap_or_else(|| "strict".into()),
+            "validationAction": action.unwrap_or_else(|| "error".into()),
         })
         .await?;
+        return Ok(Some(ValidatorInstall::Refused { violations: after }));
     }
     info!(invariants = invariants.len(), "validator installed");
-    Ok(ValidatorInstall::Installed {
-        existing_violations: existing,
-    })
+    Ok(Some(ValidatorInstall::Installed {
+        existing_violations: after,
+    }))
 }

@@ -525,31 +525,54 @@ impl JobQueue {
     /// per job, whether it still holds every permit (`true` for a job without permits).
     pub(crate) async fn renew_permits(&self, jobs: &[ClaimedJob]) -> Vec<bool> {
         let ttl = self.permit_ttl();
-        let mut out = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            let permits = self
+        // Every permit of every job, by semaphore, with the job it belongs to: one
+        // `renew_many` per semaphore (one write per permit document, the documents'
+        // writes concurrent), not one round trip per permit.
+        let (mut queue, mut keys) = (Vec::new(), Vec::new());
+        let (mut queue_of, mut keys_of) = (Vec::new(), Vec::new());
+        {
+            let held = self
                 .inner
                 .limits
                 .held
                 .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&claim_key(job))
-                .map(|h| h.permits.clone())
-                .unwrap_or_default();
-            let mut ok = true;
-            for mut p in permits {
-                let sem = if !p.resource.starts_with(lcoll::KEY_PREFIX) {
-                    &self.inner.limits.queue
-                } else {
-                    &self.inner.limits.keys
-                };
-                match sem.renew(&mut p, ttl).await {
-                    Ok(()) => {}
-                    Err(Error::LeaseLost { .. }) => ok = false,
-                    Err(e) => tracing::warn!(error = %e, "permit renewal failed; will retry"),
+                .unwrap_or_else(|p| p.into_inner());
+            for (i, job) in jobs.iter().enumerate() {
+                for p in held
+                    .get(&claim_key(job))
+                    .map(|h| h.permits.clone())
+                    .unwrap_or_default()
+                {
+                    if p.resource.starts_with(lcoll::KEY_PREFIX) {
+                        keys.push(p);
+                        keys_of.push(i);
+                    } else {
+                        queue.push(p);
+                        queue_of.push(i);
+                    }
                 }
             }
-            out.push(ok);
+        }
+        let (by_queue, by_keys) = futures::join!(
+            self.inner.limits.queue.renew_many(&mut queue, ttl),
+            self.inner.limits.keys.renew_many(&mut keys, ttl),
+        );
+        let mut out = vec![true; jobs.len()];
+        for (results, owners) in [(by_queue, queue_of), (by_keys, keys_of)] {
+            match results {
+                Ok(results) => {
+                    for (r, i) in results.into_iter().zip(owners) {
+                        match r {
+                            Ok(()) => {}
+                            Err(Error::LeaseLost { .. }) => out[i] = false,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "permit renewal failed; will retry");
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "permit renewals failed; will retry"),
+            }
         }
         out
     }

@@ -17,8 +17,9 @@
 //! it back from itself: each later attempt also matches the acquisitions of the earlier
 //! attempts that failed transiently (their nonces, the last 16), never the current one's,
 //! and hands out a fresh token; nobody else was ever told they hold it. The semaphore's
-//! acquire likewise returns the permit such an attempt was granted instead of taking a
-//! second one. A blocking read ([`super::RwLocks::read`]) removes the entries its earlier
+//! acquire likewise gives back the holder entries such attempts were granted, in the write
+//! that admits its next attempt, and takes one fresh, certainly valid permit (session 18;
+//! before, it returned the lost attempt's entry as it was, which could have lapsed). A blocking read ([`super::RwLocks::read`]) removes the entries its earlier
 //! attempts may have left in the readers (so they do not hold a writer up until their
 //! ttl), and, when a writer's intent arrived behind such an entry, enters by renewing that
 //! entry under the new attempt's id while it is still certainly valid (the writer waits for

@@ -1227,6 +1227,17 @@ async fn a_retried_dead_job_starts_as_a_fresh_run() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Hand edits of a running job's `attempts` (a string, a double, null, missing): shared by
+/// the give-back and the sweep tests of malformed attempt counts.
+fn attempts_hand_edits() -> Vec<(&'static str, Document)> {
+    vec![
+        ("attempts string", doc! { "$set": { "attempts": "2" } }),
+        ("attempts double", doc! { "$set": { "attempts": 1.5 } }),
+        ("attempts null", doc! { "$set": { "attempts": Bson::Null } }),
+        ("attempts missing", doc! { "$unset": { "attempts": "" } }),
+    ]
+}
+
 /// Session 17: `release` and `snooze` count `attempts` down and `snoozes` up with `$inc`.
 /// On a job hand-edited while it ran they returned a bare database error (a string or a
 /// null: the server's TypeMismatch), or wrote what no claim parses again (a double
@@ -1240,27 +1251,11 @@ async fn a_give_back_of_a_hand_edited_job_is_malformed_and_writes_nothing() -> a
     let t = TestDb::new("queue_lifecycle_give_back_malformed").await?;
     let q = open(&t.db, &t.client, "jobs", QueueOptions::default()).await?;
     let coll = q.collection().clone();
-    let edits: Vec<(&str, Document, &str)> = vec![
-        (
-            "attempts string",
-            doc! { "$set": { "attempts": "2" } },
-            "attempts",
-        ),
-        (
-            "attempts double",
-            doc! { "$set": { "attempts": 1.5 } },
-            "attempts",
-        ),
-        (
-            "attempts null",
-            doc! { "$set": { "attempts": Bson::Null } },
-            "attempts",
-        ),
-        (
-            "attempts missing",
-            doc! { "$unset": { "attempts": "" } },
-            "attempts",
-        ),
+    let mut edits: Vec<(&str, Document, &str)> = attempts_hand_edits()
+        .into_iter()
+        .map(|(name, edit)| (name, edit, "attempts"))
+        .collect();
+    edits.extend([
         (
             "snoozes string",
             doc! { "$set": { "snoozes": "many" } },
@@ -1271,7 +1266,7 @@ async fn a_give_back_of_a_hand_edited_job_is_malformed_and_writes_nothing() -> a
             doc! { "$set": { "snoozes": 2.5 } },
             "snoozes",
         ),
-    ];
+    ]);
     for (name, edit, field) in &edits {
         for op in ["release", "snooze"] {
             if *field == "snoozes" && op == "release" {
@@ -1563,27 +1558,11 @@ async fn an_expired_job_with_a_malformed_attempt_count_is_buried_naming_the_fiel
     )
     .await?;
     let coll = q.collection().clone();
-    let edits: Vec<(&str, Document, &str)> = vec![
-        (
-            "attempts string",
-            doc! { "$set": { "attempts": "2" } },
-            "`attempts`",
-        ),
-        (
-            "attempts double",
-            doc! { "$set": { "attempts": 1.5 } },
-            "`attempts`",
-        ),
-        (
-            "attempts null",
-            doc! { "$set": { "attempts": Bson::Null } },
-            "`attempts`",
-        ),
-        (
-            "attempts missing",
-            doc! { "$unset": { "attempts": "" } },
-            "`attempts`",
-        ),
+    let mut edits: Vec<(&str, Document, &str)> = attempts_hand_edits()
+        .into_iter()
+        .map(|(name, edit)| (name, edit, "`attempts`"))
+        .collect();
+    edits.extend([
         (
             "max_attempts missing",
             doc! { "$unset": { "max_attempts": "" } },
@@ -1594,7 +1573,7 @@ async fn an_expired_job_with_a_malformed_attempt_count_is_buried_naming_the_fiel
             doc! { "$set": { "max_attempts": 0_i64 } },
             "`max_attempts` must be at least 1, found 0",
         ),
-    ];
+    ]);
     let mut ids = Vec::new();
     for (name, edit, _) in &edits {
         q.enqueue(doc! { "case": *name }, &EnqueueOptions::default())

@@ -503,8 +503,11 @@ async fn a_writer_whose_intent_lapses_registers_again_within_its_wait() -> anyho
     docwarden_testkit::fail_commands_off(&t.client).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let finished_early = writer.is_finished();
-    rw.release_read(&reader).await?;
+    // The reader leaves when the server applies the release, before its reply: the writer
+    // may see it gone and return before `release_read` does. So the instant the release
+    // is sent is what the writer must not return before.
     let left_at = Instant::now();
+    rw.release_read(&reader).await?;
 
     let (got, returned_at, writer_rw) = writer.await?;
     let got = got?;

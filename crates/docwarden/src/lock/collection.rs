@@ -814,10 +814,7 @@ impl LockCollection {
             .locks
             .update_one(
                 renew_filter(lease, &now, self.time.skew_margin_ms()),
-                vec![doc! { "$set": {
-                    f::EXPIRES_AT: { "$literal": expires_at },
-                    f::GC_AT: keep_gc_at(expires_at),
-                } }],
+                renew_pipeline(expires_at),
             )
             .await?;
         if result.matched_count == 0 {
@@ -1048,6 +1045,17 @@ pub(crate) fn renew_filter(lease: &Lease, now: &ServerTime, margin_ms: i64) -> D
     let mut f = cas_filter(lease);
     f.insert("expires_at", doc! { "$gt": valid_after });
     f
+}
+
+/// The renewal to `expires_at`, never earlier than the stored expiry: a renewal the
+/// holder stopped waiting for (the watchdog's timeout, a lost connection) may still land
+/// after a later one, and must not move the lease back (`tests/lock_late_renewal.rs`).
+/// The filter ([`renew_filter`]) has matched a date expiry.
+fn renew_pipeline(expires_at: DateTime) -> Vec<Document> {
+    vec![doc! { "$set": {
+        f::EXPIRES_AT: { "$max": [format!("${}", f::EXPIRES_AT), { "$literal": expires_at }] },
+        f::GC_AT: keep_gc_at(expires_at),
+    } }]
 }
 
 /// The release as a pipeline for the filter `{_id}` alone: `owner: null` and `expires_at:

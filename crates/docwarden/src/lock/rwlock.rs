@@ -395,7 +395,11 @@ impl RwLocks {
                 "as": "r",
                 "in": { "$cond": [
                     { "$eq": [this, { "$literal": &lease.id }] },
-                    { "$mergeObjects": ["$$r", { rf::READER_EXPIRES_AT: { "$literal": expires_at } }] },
+                    // Never earlier than stored: a renewal that lands after a later one
+                    // (its holder stopped waiting for it) does not move the lease back.
+                    { "$mergeObjects": ["$$r", { rf::READER_EXPIRES_AT: {
+                        "$max": [format!("$$r.{}", rf::READER_EXPIRES_AT), { "$literal": expires_at }],
+                    } }] },
                     "$$r",
                 ] },
             } },

@@ -601,7 +601,9 @@ impl Semaphore {
                         .docs
                         .update_one(
                             doc! { field::ID: *resource, field::HOLDERS: { "$elemMatch": element } },
-                            doc! { "$set": { until: expires_at } },
+                            // `$max`: a renewal that lands after a later one (its
+                            // holder stopped waiting for it) does not move it back.
+                            doc! { "$max": { until: expires_at } },
                         )
                         .await?;
                     return Ok(vec![r.matched_count == 1]);
@@ -617,7 +619,11 @@ impl Semaphore {
                     .await?;
                 Ok::<_, mongodb::error::Error>(
                     held.iter()
-                        .map(|p| after.as_ref().is_some_and(|a| renewed(a, p, expires_at)))
+                        .map(|p| {
+                            after
+                                .as_ref()
+                                .is_some_and(|a| renewed(a, p, valid_after, expires_at))
+                        })
                         .collect(),
                 )
             }
@@ -770,8 +776,9 @@ fn holder_match(permit: &Permit) -> Document {
 
 /// The renewal of `held` (permits of one resource): every holder element that matches one
 /// of them by `(owner, token)` and whose `until` is a date after `valid_after` (still
-/// certainly valid) gets `until = expires_at`; every other element stays as it is. One
-/// stage, so each element is decided on the document as stored.
+/// certainly valid) gets `until = max(until, expires_at)` (a renewal that lands after a
+/// later one does not move it back); every other element stays as it is. One stage, so
+/// each element is decided on the document as stored.
 fn renew_pipeline(held: &[&Permit], valid_after: DateTime, expires_at: DateTime) -> Vec<Document> {
     let holders = format!("${}", field::HOLDERS);
     let owner = format!("$$h.{}", field::holder::OWNER);
@@ -795,22 +802,25 @@ fn renew_pipeline(held: &[&Permit], valid_after: DateTime, expires_at: DateTime)
                 { "$eq": [{ "$type": &until }, "date"] },
                 { "$gt": [&until, { "$literal": valid_after }] },
             ] },
-            { "$mergeObjects": ["$$h", { field::holder::UNTIL: { "$literal": expires_at } }] },
+            { "$mergeObjects": ["$$h", { field::holder::UNTIL: { "$max": [&until, { "$literal": expires_at }] } }] },
             "$$h",
         ] },
     } } } }]
 }
 
-/// Whether `after` (the document a renewal returned) shows `permit`'s holder element with
-/// the renewal's new expiry.
-fn renewed(after: &Document, permit: &Permit, expires_at: DateTime) -> bool {
+/// Whether `after` (the document a renewal returned) shows `permit`'s holder element
+/// renewed: its `until` at least the renewal's new expiry and after `valid_after` (the
+/// renewal keeps a later `until`, so equality would miss a permit a later renewal
+/// extended further; an element the renewal skipped was not after `valid_after`).
+fn renewed(after: &Document, permit: &Permit, valid_after: DateTime, expires_at: DateTime) -> bool {
     after
         .get_array(field::HOLDERS)
         .map(|hs| {
             hs.iter().filter_map(Bson::as_document).any(|h| {
                 h.get_str(field::holder::OWNER).ok() == Some(permit.owner.as_str())
                     && h.get_i64(field::holder::TOKEN).ok() == Some(permit.token.get())
-                    && h.get_datetime(field::holder::UNTIL).ok() == Some(&expires_at)
+                    && h.get_datetime(field::holder::UNTIL)
+                        .is_ok_and(|u| *u >= expires_at && *u > valid_after)
             })
         })
         .unwrap_or(false)

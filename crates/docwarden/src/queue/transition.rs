@@ -339,6 +339,17 @@ fn groups_to_statements(groups: Vec<Group>, unfenced: bool) -> Vec<Document> {
         .collect()
 }
 
+/// A heartbeat's update: the lease until `until`, never earlier than stored (`$max`): a
+/// heartbeat the worker stopped waiting for may land after a later one and must not move
+/// the lease back (`tests/lock_late_renewal.rs`). A hand-edited `lease.until` of a type
+/// that sorts before dates (a string, a number, `null`) is replaced by the date.
+fn heartbeat_update(until: DateTime, at: DateTime) -> Document {
+    doc! {
+        "$max": { field::LEASE_UNTIL: until },
+        "$set": { field::UPDATED_AT: at },
+    }
+}
+
 /// Whether a claim still holds a job, as a heartbeat found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Held {
@@ -856,8 +867,7 @@ impl JobQueue {
         }
         let now = self.inner.time.now().await?;
         let until = now.plus_ms(self.inner.ttl_ms);
-        let update =
-            doc! { "$set": { field::LEASE_UNTIL: until, field::UPDATED_AT: now.estimate() } };
+        let update = heartbeat_update(until, now.estimate());
         let mut groups: Vec<Group> = Vec::new();
         let mut by_token: HashMap<&str, usize> = HashMap::new();
         for job in jobs {
@@ -954,11 +964,8 @@ impl JobQueue {
         }
         let now = self.inner.time.now().await?;
         let until = now.plus_ms(self.inner.ttl_ms);
-        self.fenced(
-            job,
-            doc! { "$set": { field::LEASE_UNTIL: until, field::UPDATED_AT: now.estimate() } },
-        )
-        .await?;
+        self.fenced(job, heartbeat_update(until, now.estimate()))
+            .await?;
         Ok(until)
     }
 

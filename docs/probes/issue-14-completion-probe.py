@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+# Completion forms: one updateMany per claim ({_id:$in, state, lease.token}) vs 64 point
+# statements by {_id} with the fence inside a pipeline $cond vs 64 fenced statements.
+import datetime, glob, os, random, subprocess, sys, time, uuid
+from bson import Int64, ObjectId
+from pymongo import MongoClient
+
+PORT = int(os.environ.get("PORT", "27998"))
+OUT = os.environ.get("CGDIR", "/tmp/cg")
+c = MongoClient(f"mongodb://127.0.0.1:{PORT}/?directConnection=true", serverSelectionTimeoutMS=60000)
+db = c.cgprobe
+PID = c.admin.command("serverStatus")["pid"]
+B = 64
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+CG = os.environ.get("NOCG") is None
+
+
+def zero():
+    if CG:
+        subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
+
+
+def dump(label, n):
+    if not CG:
+        return
+    started = time.time()
+    subprocess.run(["callgrind_control", "-d", label, str(PID)], check=True, capture_output=True)
+    total = None
+    while total is None:
+        time.sleep(0.2)
+        for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
+            if os.path.getmtime(f) < started - 1:
+                continue
+            text = open(f, "rb").read().decode("utf-8", "replace")
+            if f"Trigger: dump {label}\n" in text:
+                total = next((int(l.split()[1]) for l in text.splitlines()
+                              if l.startswith(("summary:", "totals:"))), None)
+    print(f"{label:34} {total / n / 1000:9.1f} kIr/job", flush=True)
+
+
+q = db.jobs
+q.drop()
+past = datetime.datetime.now() - datetime.timedelta(seconds=5)
+q.insert_many([{"_id": ObjectId(), "state": "ready", "partition": Int64(random.randrange(256)), "priority": Int64(0),
+                "run_at": past, "attempts": Int64(0), "max_attempts": Int64(25), "payload": {"n": i},
+                "limits": None, "created_at": past, "updated_at": past} for i in range(20000)])
+q.create_index([("queue", 1), ("priority", -1), ("run_at", 1)], name="claim",
+               partialFilterExpression={"state": {"$in": ["ready", "retrying"]}})
+q.create_index([("state", 1), ("queue", 1), ("partition", 1), ("priority", -1), ("run_at", 1)],
+               name="claim_partition", partialFilterExpression={"state": {"$gte": "ready", "$lte": "retrying"}})
+q.create_index([("lease.until", 1)], name="lease", partialFilterExpression={"state": "running"})
+q.create_index([("dedupe_key", 1)], name="dedupe", unique=True,
+               partialFilterExpression={"dedupe_key": {"$exists": True}, "state": {"$in": ["ready", "retrying", "running"]}})
+q.create_index([("state", 1), ("finished_at", 1)], name="state",
+               partialFilterExpression={"state": {"$in": ["succeeded", "dead", "cancelled"]}})
+q.create_index([("unique_slot", 1)], name="unique_slot", unique=True,
+               partialFilterExpression={"unique_slot": {"$exists": True}})
+ready = [d["_id"] for d in q.find({"state": "ready"}, {"_id": 1})]
+
+
+def claim_batch():
+    ids = [ready.pop() for _ in range(B)]
+    t = uuid.uuid4().hex
+    now = datetime.datetime.now()
+    r = q.update_many({"_id": {"$in": ids}, "state": "ready"},
+                      {"$set": {"state": "running", "lease": {"owner": "w", "token": t, "until": now + datetime.timedelta(seconds=30)},
+                                "updated_at": now}, "$inc": {"attempts": 1}})
+    assert r.modified_count == B
+    return ids, t
+
+
+def completion_fields(t, held):
+    at = datetime.datetime.now()
+    has = {"$eq": [{"$type": "$follow_up"}, "object"]}
+    pick = lambda a, b: {"$cond": [has, a, b]}
+    fu = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
+    s = {
+        "state": pick("ready", "succeeded"),
+        "result": {"$literal": {"ok": True}},
+        "payload": pick("$follow_up.payload", "$payload"),
+        "attempts": pick(Int64(0), "$attempts"),
+        "run_at": pick(at, "$run_at"),
+        "finished_at": pick(None, at),
+        "follow_ups": pick({"$add": [fu, Int64(1)]}, {"$ifNull": ["$follow_ups", Int64(0)]}),
+        "follow_up": None,
+        "updated_at": at,
+        "settled": {"$literal": {"token": t, "by": "complete"}},
+    }
+    if held is None:
+        return s
+    out = {}
+    for k in sorted(s):
+        v = s[k]
+        keep = "$" + k
+        out[k] = {"$cond": [held, v, keep]}
+    return out
+
+
+def complete(form, ids, t):
+    if form == "many":
+        cmd = {"update": "jobs", "ordered": False, "updates": [
+            {"q": {"_id": {"$in": ids}, "state": "running", "lease.token": t}, "u": [{"$set": completion_fields(t, None)}], "multi": True}]}
+    elif form == "fenced-each":
+        cmd = {"update": "jobs", "ordered": False, "updates": [
+            {"q": {"_id": i, "state": "running", "lease.token": t}, "u": [{"$set": completion_fields(t, None)}]} for i in ids]}
+    elif form == "point-cond":
+        held = {"$and": [{"$eq": ["$state", "running"]}, {"$eq": ["$lease.token", t]}]}
+        cmd = {"update": "jobs", "ordered": False, "updates": [
+            {"q": {"_id": i}, "u": [{"$set": completion_fields(t, held)}]} for i in ids]}
+    elif form == "point-unfenced":
+        cmd = {"update": "jobs", "ordered": False, "updates": [
+            {"q": {"_id": i}, "u": [{"$set": completion_fields(t, None)}]} for i in ids]}
+    r = db.command(cmd)
+    assert r["nModified"] == B, (form, r)
+
+
+FORMS = ["many", "fenced-each", "point-cond", "point-unfenced"]
+for round_ in range(2):
+    print(f"round {round_ + 1}")
+    for form in FORMS:
+        batches = [claim_batch() for _ in range(ROUNDS)]
+        complete(form, *batches.pop())  # warm
+        zero()
+        for ids, t in batches:
+            complete(form, ids, t)
+        dump(f"complete {form} r{round_}", (ROUNDS - 1) * B)

@@ -168,19 +168,20 @@ impl Leaders {
             self.write(history, process, &leader, term).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // The term is named from the start: a resignation cut short (the task aborted, the
+        // process killed) is recorded as indeterminate *of this term*, which it may have
+        // ended (`tests/election_abandoned_resign.rs`).
         history
-            .record(
+            .record_with_token(
                 process,
                 Op::Resign.as_str(),
                 ELECTION,
+                term,
                 leader.resign(),
                 |r, e| match r {
-                    Ok(()) => e.token(term),
+                    Ok(()) => e,
                     // A lost reply may have resigned: indeterminate, not refused.
-                    Err(err) => e
-                        .token(term)
-                        .outcome(outcome_of(err))
-                        .detail(err.to_string()),
+                    Err(err) => e.outcome(outcome_of(err)).detail(err.to_string()),
                 },
             )
             .await
@@ -196,25 +197,20 @@ impl Leaders {
         term: i64,
     ) {
         let _ = history
-            .record(
+            .record_with_token(
                 process,
                 Op::Write.as_str(),
                 ELECTION,
+                term,
                 self.fence.apply(
                     holder,
                     doc! { "_id": LOG_ID },
                     doc! { "$push": { TERMS: term } },
                 ),
                 |r, e| match r {
-                    Ok(FenceOutcome::Applied) => e.token(term),
-                    Ok(other) => e
-                        .token(term)
-                        .outcome(OpOutcome::Failed)
-                        .detail(format!("{other:?}")),
-                    Err(err) => e
-                        .token(term)
-                        .outcome(outcome_of(err))
-                        .detail(err.to_string()),
+                    Ok(FenceOutcome::Applied) => e,
+                    Ok(other) => e.outcome(OpOutcome::Failed).detail(format!("{other:?}")),
+                    Err(err) => e.outcome(outcome_of(err)).detail(err.to_string()),
                 },
             )
             .await;

@@ -21,7 +21,8 @@
 //!
 //! Events used: [`ELECT_OP`] (Ok, token = term), [`WRITE_OP`] (Ok, token = term), [`HOLD_OP`] (token, value = ms of
 //! certain validity left), [`RESIGN_OP`] (token; Ok or indeterminate: it may have ended
-//! the term).
+//! the term; an indeterminate one without a token, cut short before its term was recorded,
+//! may have ended its process's current term).
 //!
 //! **Limits:** real-time order comes from the history's monotonic clock, so operations
 //! that overlap are never counted against each other.
@@ -85,12 +86,20 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
     }
     // 3.
     // A resignation ends the claim unless it was refused; one whose reply was lost may
-    // have landed, and the checker accepts either outcome.
-    let resigned: BTreeMap<(&str, i64), u64> = events
+    // have landed, and the checker accepts either outcome. So may one cut short whose
+    // term was never recorded (its process killed or its task aborted while it was in
+    // flight, recorded without a token): a process resigns only the term it holds, so
+    // such a resignation by the claim's process after the claim may have ended it.
+    let mut resigned: BTreeMap<(&str, i64), u64> = BTreeMap::new();
+    for e in events
         .iter()
         .filter(|e| e.op == RESIGN_OP && e.outcome != OpOutcome::Failed)
-        .filter_map(|e| e.token.map(|t| ((e.key.as_str(), t), e.start_us)))
-        .collect();
+    {
+        if let Some(t) = e.token {
+            let at = resigned.entry((e.key.as_str(), t)).or_insert(e.start_us);
+            *at = (*at).min(e.start_us);
+        }
+    }
     for h in events.iter().filter(|e| e.op == HOLD_OP) {
         let (Some(term), Some(ms)) = (h.token, h.value) else {
             continue;
@@ -101,7 +110,22 @@ pub fn check(events: &[Event], log: &[i64]) -> Vec<Violation> {
         let until = h
             .start_us
             .saturating_add(u64::try_from(ms).unwrap_or(0).saturating_mul(1_000));
-        let resign = resigned.get(&(h.key.as_str(), term)).copied();
+        let untagged = events
+            .iter()
+            .filter(|e| {
+                e.op == RESIGN_OP
+                    && e.key == h.key
+                    && e.token.is_none()
+                    && e.process == h.process
+                    && e.outcome == OpOutcome::Indeterminate
+                    && e.start_us >= h.start_us
+            })
+            .map(|e| e.start_us)
+            .min();
+        let resign = match (resigned.get(&(h.key.as_str(), term)).copied(), untagged) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if let Some(e) = elects.iter().find(|e| {
             e.key == h.key
                 && e.token.is_some_and(|t| t > term)
@@ -190,6 +214,24 @@ mod tests {
         };
         assert!(check(&history(OpOutcome::Indeterminate), &[]).is_empty());
         assert_eq!(check(&history(OpOutcome::Failed), &[]).len(), 1);
+    }
+
+    /// A resignation cut short before its term was recorded (its process killed while it
+    /// was in flight) may have landed: by the claim's own process after the claim, it may
+    /// end the claim; by another process, or refused, it does not.
+    #[test]
+    fn an_untagged_abandoned_resignation_of_the_claims_process_may_have_ended_it() {
+        let history = |process: u32, outcome| {
+            vec![
+                ev(1, ELECT_OP, 0, 10, 1),
+                ev(1, HOLD_OP, 20, 20, 1).value(100),
+                Event::new(process, RESIGN_OP, "e", 30, 40).outcome(outcome),
+                ev(2, ELECT_OP, 35, 60, 2),
+            ]
+        };
+        assert!(check(&history(1, OpOutcome::Indeterminate), &[]).is_empty());
+        assert_eq!(check(&history(3, OpOutcome::Indeterminate), &[]).len(), 1);
+        assert_eq!(check(&history(1, OpOutcome::Failed), &[]).len(), 1);
     }
 
     /// The log is the final read of the fenced writes: an acknowledged write missing from

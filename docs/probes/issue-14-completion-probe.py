@@ -1,6 +1,14 @@
 #!/usr/bin/env python3
-# Completion forms: one updateMany per claim ({_id:$in, state, lease.token}) vs 64 point
-# statements by {_id} with the fence inside a pipeline $cond vs 64 fenced statements.
+# Usage (pip install pymongo; valgrind from Debian):
+#   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg/cg.out.%p \
+#       secantusd-rs --port 27998 --storage-path /tmp/cg/data &
+#   CGDIR=/tmp/cg python3 docs/probes/issue-14-completion-probe.py [batches per form]
+#   (NOCG=1 runs it against a server without valgrind, to check it works)
+# Not part of the suite: the session-19 probe of docs/benchmarks.md. The instructions the
+# embedded server executes per job for a claim's completion (64 jobs): one `updateMany`
+# by `{_id: {$in}, state, lease.token}` (the library's), 64 statements of one `update`
+# command with the fence in the filter, 64 by `{_id}` with the fence in the pipeline, and
+# 64 by `{_id}` unfenced. Jobs are claimed outside the measured window.
 import datetime, glob, os, random, subprocess, sys, time, uuid
 from bson import Int64, ObjectId
 from pymongo import MongoClient

@@ -41,7 +41,8 @@ pub(crate) struct Args {
 #[derive(Debug, clap::Subcommand)]
 enum QueueCommand {
     /// Counts by state, the oldest due job's wait, running jobs with expired leases, and
-    /// hand-edited jobs that cannot progress (a lease.until or run_at that is not a date).
+    /// hand-edited jobs that cannot progress (a lease.until or run_at that is not a date;
+    /// for the default queue, jobs stored with queue: "default", which are in no queue).
     Stats,
     /// List jobs, newest change first.
     List {
@@ -118,6 +119,19 @@ pub(crate) fn parse_age(s: &str) -> anyhow::Result<Duration> {
     };
     anyhow::ensure!(secs > 0, "the age must be positive");
     Ok(Duration::from_secs(secs))
+}
+
+/// The one-line `mongosh` fix of the jobs stored with `queue: "default"`
+/// ([`JobQueue::misnamed_default_filter`]): `$unset` their `queue` (also printed by
+/// `docwarden doctor`).
+pub(crate) fn misnamed_default_fix(db: &str, collection: &str) -> String {
+    let filter = Bson::Document(JobQueue::misnamed_default_filter()).into_relaxed_extjson();
+    format!(
+        "db.getSiblingDB({}).getCollection({}).updateMany({filter}, {{\"$unset\": {{\"{}\": \"\"}}}})",
+        serde_json::Value::from(db),
+        serde_json::Value::from(collection),
+        field::QUEUE
+    )
 }
 
 fn parse_id(s: &str) -> anyhow::Result<ObjectId> {
@@ -282,6 +296,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     println!(
                         "ready/retrying with a run_at that is not a date: {} (hand-edited; never due; the next sweep moves them to dead)",
                         stats.undatable
+                    );
+                }
+                if stats.misnamed_default > 0 {
+                    println!(
+                        "stored with queue: \"default\": {} (in no queue: the default queue's jobs carry no queue field, so nothing claims, lists or counts them; fix: {})",
+                        stats.misnamed_default,
+                        misnamed_default_fix(&args.db, &args.collection)
                     );
                 }
             }
@@ -538,5 +559,13 @@ mod tests {
             .unwrap_or_default();
         assert!(bare.contains("has no unit"), "{bare}");
         assert!(parse_id("nope").is_err());
+    }
+
+    #[test]
+    fn the_misnamed_default_fix_is_one_update_many() {
+        assert_eq!(
+            misnamed_default_fix("app", "jobs"),
+            r#"db.getSiblingDB("app").getCollection("jobs").updateMany({"queue":"default"}, {"$unset": {"queue": ""}})"#
+        );
     }
 }

@@ -40,6 +40,14 @@ pub struct QueueStats {
     pub undatable: u64,
     /// All jobs.
     pub total: u64,
+    /// Jobs that store `queue: "default"` (any state), counted for the default queue
+    /// only (always 0 for a named queue). The default queue's jobs carry *no* `queue`
+    /// field ([`QueueOptions::queue`](super::QueueOptions::queue)), so no handle claims,
+    /// lists, counts, sweeps, cancels or purges these: a foreign producer or a hand edit
+    /// wrote them. They are not in [`QueueStats::total`]. The fix is one `updateMany` of
+    /// [`JobQueue::misnamed_default_filter`] that `$unset`s `queue` (`docs/queue.md`,
+    /// "Named queues"); `docwarden doctor` and `docwarden queue stats` print it.
+    pub misnamed_default: u64,
 }
 
 /// Which jobs [`JobQueue::list`] returns. Every criterion set must hold (they are
@@ -227,7 +235,24 @@ impl JobQueue {
             .await?;
         stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
         stats.undatable = coll.count_documents(self.undatable_filter()).await?;
+        if self.inner.options.queue.is_none() {
+            // Not indexed (the claim indexes are partial on the claimable states): one
+            // read of the collection, as the counts by state above.
+            stats.misnamed_default = coll
+                .count_documents(Self::misnamed_default_filter())
+                .await?;
+        }
         Ok(stats)
+    }
+
+    /// The jobs that store `queue: "default"` ([`QueueStats::misnamed_default`]): in no
+    /// queue, since the default queue's jobs carry no `queue` field. The fix, in
+    /// `mongosh`: `db.getCollection("<collection>").updateMany({queue: "default"},
+    /// {$unset: {queue: ""}})`, safe in any state (no handle can have claimed them).
+    /// The claim filters are not widened to take them: their `queue: null` equality is
+    /// what the claim indexes serve (`docs/queue.md`, "Named queues").
+    pub fn misnamed_default_filter() -> Document {
+        doc! { field::QUEUE: crate::format::schedule::DEFAULT_QUEUE }
     }
 
     /// The stored job documents of this queue matching `filter`, newest change first (raw, so a

@@ -1,7 +1,9 @@
 //! Operations: stats, list, retry dead jobs, cancel, purge, and the claim's query plan.
 //!
-//! These are for operators and the CLI; each is one or two indexed commands. Cancelling
-//! a running job takes its lease away: the worker's later transitions are refused.
+//! These are for operators and the CLI; each is one or two indexed commands, except
+//! `retry_dead` and `purge`, which send one command per batch of jobs (1,000 and
+//! [`PURGE_BATCH`]), and `stats`, whose counts read the queue's jobs. Cancelling a
+//! running job takes its lease away: the worker's later transitions are refused.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -9,6 +9,7 @@ use docwarden::capabilities::{self, Capabilities};
 use docwarden::clock::{ClockOptions, ClockSample, TimeSource};
 use docwarden::format::lock::collection as lock_field;
 use docwarden::preflight::{self, MIN_SERVER_VERSION};
+use docwarden::queue::{JobQueue, index as queue_index};
 use docwarden_server::mask_uri;
 use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
@@ -105,9 +106,10 @@ pub(crate) async fn gather(
     let capabilities = capabilities::probe(client).await?;
     let replicated = topology != "standalone";
     let (w, source) = effective_write_concern(client).await;
-    let obsolete = obsolete_ttl_indexes(client).await;
+    let scan = scan_collections(client).await;
     let mut warnings = warnings(uri, replicated, &w, sample.bound_ms);
-    warnings.extend(obsolete_index_warnings(&obsolete));
+    warnings.extend(obsolete_index_warnings(&scan.obsolete_lock_ttl));
+    warnings.extend(misnamed_default_warnings(&scan.misnamed_default));
     Ok(Report {
         uri: mask_uri(uri),
         embedded,
@@ -162,17 +164,31 @@ async fn effective_write_concern(client: &mongodb::Client) -> (String, &'static 
 /// carried on `expires_at` (`lock/collection.rs` drops it; its successor is `gc_at_gc`).
 const OBSOLETE_LOCK_TTL_INDEX: &str = "expires_at_gc";
 
-/// The collections, as `db.collection`, that carry [`OBSOLETE_LOCK_TTL_INDEX`] as a TTL
-/// index on `expires_at`: lock collections a process of a version before session 17
-/// opened (again), in every database but `admin`, `config` and `local`. One `listIndexes`
-/// per collection. Best effort: a database or collection the user may not list is skipped
-/// (logged), never an error of `doctor`.
-async fn obsolete_ttl_indexes(client: &mongodb::Client) -> Vec<String> {
-    let mut found = Vec::new();
+/// What [`scan_collections`] found.
+#[derive(Debug, Default)]
+struct Scan {
+    /// The collections, as `db.collection`, that carry [`OBSOLETE_LOCK_TTL_INDEX`] as a
+    /// TTL index on `expires_at`: lock collections a process of a version before session
+    /// 17 opened (again).
+    obsolete_lock_ttl: Vec<String>,
+    /// The queue collections (they carry a docwarden claim index), as `db.collection`,
+    /// holding jobs stored with `queue: "default"`
+    /// ([`JobQueue::misnamed_default_filter`](docwarden::queue::JobQueue::misnamed_default_filter)),
+    /// and how many.
+    misnamed_default: Vec<(String, String, u64)>,
+}
+
+/// Reads every collection's indexes, in every database but `admin`, `config` and
+/// `local` (one `listIndexes` per collection), and in each queue collection counts the
+/// jobs stored with `queue: "default"` (one count: not indexed, it reads the
+/// collection). Best effort: a database or collection the user may not list or count is
+/// skipped (logged), never an error of `doctor`.
+async fn scan_collections(client: &mongodb::Client) -> Scan {
+    let mut found = Scan::default();
     let databases = match client.list_database_names().await {
         Ok(names) => names,
         Err(e) => {
-            tracing::debug!(error = %e, "cannot list databases: obsolete TTL indexes not checked");
+            tracing::debug!(error = %e, "cannot list databases: collections not checked");
             return found;
         }
     };
@@ -193,23 +209,67 @@ async fn obsolete_ttl_indexes(client: &mongodb::Client) -> Vec<String> {
             }
         };
         for coll in collections {
-            let indexes = match db.collection::<Document>(&coll).list_indexes().await {
+            let handle = db.collection::<Document>(&coll);
+            let indexes = match handle.list_indexes().await {
                 Ok(cursor) => cursor.try_collect::<Vec<_>>().await,
                 Err(e) => Err(e),
             };
-            match indexes {
-                Ok(indexes) if indexes.iter().any(is_obsolete_lock_ttl_index) => {
-                    found.push(format!("{name}.{coll}"));
-                }
-                Ok(_) => {}
+            let indexes = match indexes {
+                Ok(indexes) => indexes,
                 Err(e) => {
                     tracing::debug!(error = %e, collection = %coll, "cannot list indexes");
+                    continue;
+                }
+            };
+            if indexes.iter().any(is_obsolete_lock_ttl_index) {
+                found.obsolete_lock_ttl.push(format!("{name}.{coll}"));
+            }
+            if indexes.iter().any(is_claim_index) {
+                match handle
+                    .count_documents(JobQueue::misnamed_default_filter())
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => found.misnamed_default.push((name.clone(), coll.clone(), n)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, collection = %coll, "cannot count jobs");
+                    }
                 }
             }
         }
     }
-    found.sort();
+    found.obsolete_lock_ttl.sort();
+    found.misnamed_default.sort();
     found
+}
+
+/// Whether `index` is one of docwarden's claim indexes (format 3 or a legacy one): its
+/// collection is a job queue.
+fn is_claim_index(index: &mongodb::IndexModel) -> bool {
+    let Some(name) = index.options.as_ref().and_then(|o| o.name.as_deref()) else {
+        return false;
+    };
+    name == queue_index::CLAIM
+        || name == queue_index::CLAIM_PARTITION
+        || queue_index::LEGACY.contains(&name)
+}
+
+/// One `default-queue-field` warning per queue collection whose jobs store `queue:
+/// "default"`, with the one-line fix.
+fn misnamed_default_warnings(found: &[(String, String, u64)]) -> Vec<Warning> {
+    found
+        .iter()
+        .map(|(db, coll, n)| Warning {
+            code: "default-queue-field",
+            message: format!(
+                "queue collection `{db}.{coll}` has {n} job(s) stored with `queue: \"default\"` \
+                 (a foreign producer or a hand edit): the default queue's jobs carry no \
+                 `queue` field, so no docwarden worker claims them and `queue list` \
+                 does not show them (`queue stats` counts them). Fix (mongosh): {}",
+                crate::queue::misnamed_default_fix(db, coll)
+            ),
+        })
+        .collect()
 }
 
 /// Whether `index` is the obsolete lock TTL index: its name, a TTL, on `expires_at`.
@@ -355,8 +415,10 @@ mod tests {
     use docwarden::clock::{ClockOptions, TimeSource};
     use docwarden::format::lock::collection as lock_field;
     use docwarden::lock::{LockCollection, LockOptions};
+    use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
     use docwarden_testkit::TestDb;
     use mongodb::IndexModel;
+    use mongodb::bson::oid::ObjectId;
     use mongodb::bson::{Document, doc};
     use mongodb::options::IndexOptions;
 
@@ -426,6 +488,53 @@ mod tests {
         LockCollection::open(&t.db, "locks_old", time, LockOptions::default()).await?;
         let warned = obsolete_in(&t, &db).await?;
         assert!(warned.is_empty(), "migrated: {warned:?}");
+        Ok(())
+    }
+
+    /// Session 19: a job stored with `queue: "default"` (a foreign producer, a hand edit)
+    /// is in no queue: the default queue's jobs carry no `queue` field. `doctor` names
+    /// the collection, the count and the one-line fix; after the fix the warning goes and
+    /// the job is claimable. Without the check: no warning (fails).
+    #[tokio::test]
+    async fn doctor_warns_about_jobs_stored_with_queue_default() -> anyhow::Result<()> {
+        let t = TestDb::new("doctor_default_queue_field").await?;
+        let db = t.db.name().to_owned();
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+        q.enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
+            .await?;
+        let jobs = t.db.collection::<Document>("jobs");
+        let mut foreign = jobs
+            .find_one(doc! {})
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job"))?;
+        foreign.insert("_id", ObjectId::new());
+        foreign.insert("queue", "default");
+        jobs.insert_one(foreign).await?;
+        let mine = |r: super::Report| -> Vec<String> {
+            r.warnings
+                .into_iter()
+                .filter(|w| w.code == "default-queue-field")
+                .filter(|w| w.message.contains(&format!("`{db}.jobs`")))
+                .map(|w| w.message)
+                .collect()
+        };
+        let warned = mine(gather(&t.client, t.uri(), false).await?);
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].contains("has 1 job(s)"), "{warned:?}");
+        assert!(
+            warned[0].contains(r#"updateMany({"queue":"default"}, {"$unset": {"queue": ""}})"#),
+            "the fix: {warned:?}"
+        );
+
+        // The fix as printed, through the driver.
+        jobs.update_many(
+            JobQueue::misnamed_default_filter(),
+            doc! { "$unset": { "queue": "" } },
+        )
+        .await?;
+        assert!(mine(gather(&t.client, t.uri(), false).await?).is_empty());
+        assert_eq!(q.stats().await?.total, 2);
         Ok(())
     }
 

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::format::schedule::DEFAULT_QUEUE;
 use docwarden::queue::format::field;
 use docwarden::queue::{
     CancelOutcome, JobListFilter, JobQueue, JobState, MissedTicks, PauseOutcome, QueueOptions,
@@ -30,9 +31,11 @@ pub(crate) struct Args {
     /// The queue collection.
     #[arg(long, default_value = "jobs", global = true)]
     collection: String,
-    /// The named queue in the collection (`default`: jobs without a queue name).
-    #[arg(long, default_value = "default", global = true)]
-    queue: String,
+    /// The named queue in the collection (`default`: jobs without a queue name). Default
+    /// `default`, except for `show`, which without it shows a job of any queue (and says
+    /// which).
+    #[arg(long, global = true)]
+    queue: Option<String>,
     /// Print JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -41,7 +44,8 @@ pub(crate) struct Args {
 #[derive(Debug, clap::Subcommand)]
 enum QueueCommand {
     /// Counts by state, the oldest due job's wait, running jobs with expired leases, and
-    /// hand-edited jobs that cannot progress (a lease.until or run_at that is not a date).
+    /// hand-edited jobs that cannot progress (a lease.until or run_at that is not a date;
+    /// for the default queue, jobs stored with queue: "default", which are in no queue).
     Stats,
     /// List jobs, newest change first.
     List {
@@ -59,7 +63,10 @@ enum QueueCommand {
         #[arg(long, default_value_t = 20)]
         limit: i64,
     },
-    /// Show one job's whole document (progress, result, stalls, snoozes, follow-up).
+    /// Show one job's whole document (progress, result, stalls, snoozes, follow-up) and
+    /// the queue it belongs to. With `--queue`, a job of another queue is not found (as
+    /// for `cancel`). `--json` prints the stored document as it is: its `queue` field
+    /// names its queue (none: the default queue).
     Show {
         /// The job id (24 hex digits).
         id: String,
@@ -118,6 +125,79 @@ pub(crate) fn parse_age(s: &str) -> anyhow::Result<Duration> {
     };
     anyhow::ensure!(secs > 0, "the age must be positive");
     Ok(Duration::from_secs(secs))
+}
+
+/// The one-line `mongosh` fix of the jobs stored with `queue: "default"`
+/// ([`JobQueue::misnamed_default_filter`]): `$unset` their `queue` (also printed by
+/// `docwarden doctor`).
+pub(crate) fn misnamed_default_fix(db: &str, collection: &str) -> String {
+    let filter = Bson::Document(JobQueue::misnamed_default_filter()).into_relaxed_extjson();
+    format!(
+        "db.getSiblingDB({}).getCollection({}).updateMany({filter}, {{\"$unset\": {{\"{}\": \"\"}}}})",
+        serde_json::Value::from(db),
+        serde_json::Value::from(collection),
+        field::QUEUE
+    )
+}
+
+/// What `queue show` found.
+#[derive(Debug)]
+enum Shown {
+    /// The job, and which queue it belongs to (a sentence).
+    Found { job: Document, belongs: String },
+    /// No such job (in the queue asked for), and why (a sentence).
+    NotFound { why: String },
+}
+
+/// The queue a stored job belongs to: its `queue` field, the default queue when it has
+/// none; `Err` with the reason when it is in no queue (a `queue` that no handle reads:
+/// `"default"`, or not a string — a foreign producer or a hand edit).
+fn queue_of(d: &Document) -> std::result::Result<String, String> {
+    match d.get(field::QUEUE) {
+        None | Some(Bson::Null) => Ok(DEFAULT_QUEUE.to_owned()),
+        Some(Bson::String(s)) if s == DEFAULT_QUEUE => Err(format!(
+            "stored with `queue: \"{DEFAULT_QUEUE}\"`, so in no queue: the default queue's jobs \
+             carry no queue field (see `queue stats`)"
+        )),
+        Some(Bson::String(s)) => Ok(s.clone()),
+        Some(other) => Err(format!(
+            "its queue field is {other}, not a queue name, so it is in no queue"
+        )),
+    }
+}
+
+/// `queue show`: job `id` of the collection, with the queue it belongs to. With `asked`
+/// (`--queue`), a job of another queue (or of none) is not found, as for `cancel`.
+async fn show(
+    jobs: &mongodb::Collection<Document>,
+    id: ObjectId,
+    asked: Option<&str>,
+) -> anyhow::Result<Shown> {
+    let Some(job) = jobs.find_one(mongodb::bson::doc! { field::ID: id }).await? else {
+        return Ok(Shown::NotFound {
+            why: match asked {
+                Some(q) => format!("no such job in queue `{q}`"),
+                None => "no such job".to_owned(),
+            },
+        });
+    };
+    Ok(match (queue_of(&job), asked) {
+        (Ok(q), None) => Shown::Found {
+            belongs: format!("in queue `{q}`"),
+            job,
+        },
+        (Ok(q), Some(a)) if q == a => Shown::Found {
+            belongs: format!("in queue `{q}`"),
+            job,
+        },
+        (Ok(q), Some(a)) => Shown::NotFound {
+            why: format!("no such job in queue `{a}` (it is in queue `{q}`: use `--queue {q}`)"),
+        },
+        (Err(why), None) => Shown::Found { belongs: why, job },
+        (Err(why), Some(a)) => Shown::NotFound {
+            why: format!("no such job in queue `{a}` ({why})"),
+        },
+    })
 }
 
 fn parse_id(s: &str) -> anyhow::Result<ObjectId> {
@@ -236,14 +316,21 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         QueueCommand::Schedules => {}
     }
-    docwarden::validate::name("queue", &args.queue)?;
+    if let Some(q) = &args.queue {
+        docwarden::validate::name("queue", q)?;
+    }
+    // Every command but `show` acts on one queue: `default` unless named.
+    let queue_name = args
+        .queue
+        .clone()
+        .unwrap_or_else(|| DEFAULT_QUEUE.to_owned());
     let session = args.conn.open(args.json).await?;
     let db = session.client.database(&args.db);
     let time = TimeSource::server(session.client.clone(), ClockOptions::default())?;
     let queue = JobQueue::new(
         db.collection(&args.collection),
         time,
-        QueueOptions::default().queue(args.queue.as_str()),
+        QueueOptions::default().queue(queue_name.as_str()),
     )?;
     match args.command {
         QueueCommand::Stats => {
@@ -253,7 +340,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             } else {
                 println!(
                     "{} jobs in {}.{} (queue {})",
-                    stats.total, args.db, args.collection, args.queue
+                    stats.total, args.db, args.collection, queue_name
                 );
                 for state in JobState::ALL {
                     let n = stats.by_state.get(state.as_str()).copied().unwrap_or(0);
@@ -282,6 +369,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                     println!(
                         "ready/retrying with a run_at that is not a date: {} (hand-edited; never due; the next sweep moves them to dead)",
                         stats.undatable
+                    );
+                }
+                if stats.misnamed_default > 0 {
+                    println!(
+                        "stored with queue: \"default\": {} (in no queue: the default queue's jobs carry no queue field, so nothing claims, lists or counts them; fix: {})",
+                        stats.misnamed_default,
+                        misnamed_default_fix(&args.db, &args.collection)
                     );
                 }
             }
@@ -341,21 +435,22 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
         QueueCommand::Show { id } => {
-            let found = queue
-                .collection()
-                .find_one(mongodb::bson::doc! { field::ID: parse_id(&id)? })
-                .await?;
-            let Some(d) = found else {
-                if args.json {
-                    crate::output::print_json(&serde_json::Value::Null)?;
-                } else {
-                    println!("{id}: no such job");
+            let shown = show(queue.collection(), parse_id(&id)?, args.queue.as_deref()).await?;
+            let (d, belongs) = match shown {
+                Shown::Found { job, belongs } => (job, belongs),
+                Shown::NotFound { why } => {
+                    if args.json {
+                        crate::output::print_json(&serde_json::Value::Null)?;
+                    } else {
+                        println!("{id}: {}", terminal_safe(&why));
+                    }
+                    return Ok(ExitCode::from(1));
                 }
-                return Ok(ExitCode::from(1));
             };
             if args.json {
                 crate::output::print_json(&Bson::Document(d).into_relaxed_extjson())?;
             } else {
+                println!("{id}: {}", terminal_safe(&belongs));
                 for (k, v) in &d {
                     match v {
                         Bson::Document(sub) => {
@@ -399,7 +494,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                         "docwarden: {missed} of {} named job(s) not retried: no such job, not \
                          dead, or not in queue `{}` (see `queue show <id>`, `--queue`)",
                         ids.len(),
-                        args.queue
+                        queue_name
                     );
                 }
             }
@@ -419,7 +514,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 CancelOutcome::NotFound => (
                     format!(
                         "no such job in queue `{}` (see `queue show <id>`, `--queue`)",
-                        args.queue
+                        queue_name
                     ),
                     ExitCode::from(1),
                 ),
@@ -484,14 +579,14 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .collect();
             if args.json {
                 crate::output::print_json(&serde_json::json!({
-                    "queue": args.queue,
+                    "queue": queue_name,
                     "paused": control.paused,
                     "schedules": rows,
                 }))?;
             } else {
                 println!(
                     "queue {} of {}.{}: {}",
-                    args.queue,
+                    queue_name,
                     args.db,
                     args.collection,
                     if control.paused {
@@ -538,5 +633,101 @@ mod tests {
             .unwrap_or_default();
         assert!(bare.contains("has no unit"), "{bare}");
         assert!(parse_id("nope").is_err());
+    }
+
+    /// Session 19: `queue show <id>` read the job by `_id` across queues and never said
+    /// which queue it was in, so `--queue` was ignored (`cancel` with the same `--queue`
+    /// said "no such job"). Now it names the job's queue, and with `--queue` a job of
+    /// another queue (or of none) is not found, naming both. Fails without the check:
+    /// the job of `emails` is shown for `--queue default`.
+    #[tokio::test]
+    async fn show_names_the_queue_and_honours_queue() -> anyhow::Result<()> {
+        use docwarden::queue::EnqueueOptions;
+        use docwarden_testkit::TestDb;
+        use mongodb::bson::doc;
+
+        let t = TestDb::new("cli_queue_show_queue").await?;
+        let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+        let q = JobQueue::open(&t.db, "jobs", time, QueueOptions::default()).await?;
+        let emails = q.named("emails", QueueOptions::default())?;
+        let created = |e: docwarden::queue::Enqueued| {
+            e.created().ok_or_else(|| anyhow::anyhow!("not created"))
+        };
+        let plain = created(q.enqueue(doc! {}, &EnqueueOptions::default()).await?)?;
+        let mail = created(emails.enqueue(doc! {}, &EnqueueOptions::default()).await?)?;
+        let jobs = t.db.collection::<Document>("jobs");
+        let nowhere = ObjectId::new();
+        let mut d = jobs
+            .find_one(doc! { "_id": plain })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?;
+        d.insert("_id", nowhere);
+        d.insert("queue", "default");
+        jobs.insert_one(d).await?;
+
+        let found = |s: Shown| match s {
+            Shown::Found { belongs, .. } => Ok(belongs),
+            Shown::NotFound { why } => Err(why),
+        };
+        let said = |id, asked| {
+            let jobs = jobs.clone();
+            async move { anyhow::Ok(found(show(&jobs, id, asked).await?)) }
+        };
+        assert_eq!(said(plain, None).await?, Ok("in queue `default`".into()));
+        assert_eq!(
+            said(plain, Some("default")).await?,
+            Ok("in queue `default`".into())
+        );
+        assert_eq!(said(mail, None).await?, Ok("in queue `emails`".into()));
+        assert_eq!(
+            said(mail, Some("emails")).await?,
+            Ok("in queue `emails`".into())
+        );
+        assert_eq!(
+            said(mail, Some("default")).await?,
+            Err(
+                "no such job in queue `default` (it is in queue `emails`: use `--queue emails`)"
+                    .into()
+            )
+        );
+        assert_eq!(
+            said(plain, Some("emails")).await?,
+            Err(
+                "no such job in queue `emails` (it is in queue `default`: use `--queue default`)"
+                    .into()
+            )
+        );
+        let misnamed = said(nowhere, None).await?;
+        assert!(
+            misnamed.as_ref().is_ok_and(|s| s.contains("in no queue")),
+            "{misnamed:?}"
+        );
+        let refused = said(nowhere, Some("default")).await?;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|s| s.starts_with("no such job in queue `default` (")
+                    && s.contains("in no queue")),
+            "{refused:?}"
+        );
+        assert_eq!(
+            said(ObjectId::new(), Some("emails")).await?,
+            Err("no such job in queue `emails`".into())
+        );
+        assert_eq!(
+            said(ObjectId::new(), None).await?,
+            Err("no such job".into())
+        );
+        // `cancel` agrees: a job of `emails` is not found in the default queue.
+        assert_eq!(q.cancel(mail).await?, CancelOutcome::NotFound);
+        Ok(())
+    }
+
+    #[test]
+    fn the_misnamed_default_fix_is_one_update_many() {
+        assert_eq!(
+            misnamed_default_fix("app", "jobs"),
+            r#"db.getSiblingDB("app").getCollection("jobs").updateMany({"queue":"default"}, {"$unset": {"queue": ""}})"#
+        );
     }
 }

@@ -5,12 +5,15 @@
 //! [`crate::format::job::field::limits`]). **The plain claims never take such a job**
 //! (their filters require `limits: null`); only [`JobQueue::claim_limited`] does, and only
 //! after it holds what the job names:
-//! 1. a permit of the semaphore `queue` in `<queue>.limits` if `limits.queue` (at most
+//! 1. a permit of the semaphore `queue` (a named queue's: `queue:<name>`) in
+//!    `<collection>.limits` if `limits.queue` (at most
 //!    [`LimitOptions::queue_concurrency`] running jobs in the queue),
-//! 2. a permit of the semaphore `key:<key>` in `<queue>.limits` if `limits.key` (at most
-//!    N running jobs of the key, N stored in the semaphore document, set by
+//! 2. a permit of the semaphore `key:<key>` in `<collection>.limits` if `limits.key` (at
+//!    most N running jobs of the key, N stored in the semaphore document, set by
 //!    [`JobQueue::set_concurrency_limit`], default [`LimitOptions::key_concurrency`]),
-//! 3. a rate start admitted in `<queue>.rates` if `limits.rate` (`queue/rate.rs`),
+//!    shared by every queue of the collection (see [`LimitOptions`]),
+//! 3. a rate start admitted in `<collection>.rates` if `limits.rate` (`queue/rate.rs`),
+//!    shared likewise,
 //!
 //! then it claims the job by `_id` with the claim filter re-checked in the write; if that
 //! fails it gives the permits and the start back. Each permit is a
@@ -20,8 +23,9 @@
 //! lease and released after the job's final transition is written. So a job never runs
 //! without its permits, and a crashed worker's permits expire after its job leases.
 //!
-//! **Guarantee:** at any server instant at most N jobs of a key (and at most the queue limit
-//! of limited jobs) hold a valid lease. **Limits:** a handle without [`LimitOptions`] never
+//! **Guarantee:** at any server instant at most N jobs of a key, across every queue of
+//! the collection (and at most the queue limit of the queue's limited jobs) hold a valid
+//! lease. **Limits:** a handle without [`LimitOptions`] never
 //! claims limited jobs (it cannot bypass a limit, it only leaves the jobs to others). The
 //! candidates of a limited claim are read from a few rotating partitions, like the plain
 //! batch claim's, so a claim's cost does not grow with the backlog.
@@ -54,12 +58,27 @@ use crate::validate;
 
 /// Limits a queue handle honours ([`QueueOptions::limits`]). A handle with any of them
 /// set claims limited jobs (after their permits); one without claims only plain jobs.
+///
+/// **Concurrency and rate keys are shared by every queue of the collection**: the permits
+/// of key `k` are the semaphore resource `key:k` in `<collection>.limits`, and its starts
+/// the document `k` in `<collection>.rates`, whatever the job's queue
+/// ([`QueueOptions::queue`]). So jobs of one key in two named queues together run at most
+/// N at once (and start at most `limit` times per interval). That is the point of a key:
+/// it names something outside the queue (an external API, a tenant) whose budget does not
+/// depend on which queue the work came from. Two queues that use one key string for
+/// unrelated things throttle each other: prefix such keys with the queue, or use
+/// [`LimitOptions::queue_concurrency`], which is per queue (resource `queue:<name>`). A
+/// key's N is stored on its first permit, from the `key_concurrency` of the handle that
+/// takes it, and then holds for every queue; set it with
+/// [`JobQueue::set_concurrency_limit`] (a rate's with [`JobQueue::set_rate_limit`]) rather
+/// than relying on handles' defaults agreeing (`docs/queue.md`, "Limits and fairness").
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct LimitOptions {
     /// Whether this handle claims limited jobs. Set by every setter.
     pub enabled: bool,
-    /// Running jobs per concurrency key, for a key whose semaphore stores no number yet.
+    /// Running jobs per concurrency key, for a key whose semaphore stores no number yet
+    /// (the first permit of the key stores it, for every queue of the collection).
     /// Default 1.
     pub key_concurrency: Option<u32>,
     /// Running limited jobs in the queue; every job enqueued through this handle counts

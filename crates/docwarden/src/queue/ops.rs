@@ -1,7 +1,9 @@
 //! Operations: stats, list, retry dead jobs, cancel, purge, and the claim's query plan.
 //!
-//! These are for operators and the CLI; each is one or two indexed commands. Cancelling
-//! a running job takes its lease away: the worker's later transitions are refused.
+//! These are for operators and the CLI; each is one or two indexed commands, except
+//! `retry_dead` and `purge`, which send one command per batch of jobs (1,000 and
+//! [`PURGE_BATCH`]), and `stats`, whose counts read the queue's jobs. Cancelling a
+//! running job takes its lease away: the worker's later transitions are refused.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -17,6 +19,12 @@ use crate::validate;
 
 /// Jobs deleted per statement by [`JobQueue::purge`].
 pub const PURGE_BATCH: i64 = 10_000;
+
+/// Most jobs revived per command by [`JobQueue::retry_dead`] (one statement each).
+const RETRY_BATCH: usize = 1_000;
+
+/// The server's duplicate-key error code.
+const DUPLICATE_KEY: i64 = 11_000;
 
 /// The `last_error` an operator's [`JobQueue::cancel`] stores.
 pub(crate) const CANCELLED_REASON: &str = "cancelled by an operator";
@@ -40,6 +48,14 @@ pub struct QueueStats {
     pub undatable: u64,
     /// All jobs.
     pub total: u64,
+    /// Jobs that store `queue: "default"` (any state), counted for the default queue
+    /// only (always 0 for a named queue). The default queue's jobs carry *no* `queue`
+    /// field ([`QueueOptions::queue`](super::QueueOptions::queue)), so no handle claims,
+    /// lists, counts, sweeps, cancels or purges these: a foreign producer or a hand edit
+    /// wrote them. They are not in [`QueueStats::total`]. The fix is one `updateMany` of
+    /// [`JobQueue::misnamed_default_filter`] that `$unset`s `queue` (`docs/queue.md`,
+    /// "Named queues"); `docwarden doctor` and `docwarden queue stats` print it.
+    pub misnamed_default: u64,
 }
 
 /// Which jobs [`JobQueue::list`] returns. Every criterion set must hold (they are
@@ -227,7 +243,24 @@ impl JobQueue {
             .await?;
         stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
         stats.undatable = coll.count_documents(self.undatable_filter()).await?;
+        if self.inner.options.queue.is_none() {
+            // Not indexed (the claim indexes are partial on the claimable states): one
+            // read of the collection, as the counts by state above.
+            stats.misnamed_default = coll
+                .count_documents(Self::misnamed_default_filter())
+                .await?;
+        }
         Ok(stats)
+    }
+
+    /// The jobs that store `queue: "default"` ([`QueueStats::misnamed_default`]): in no
+    /// queue, since the default queue's jobs carry no `queue` field. The fix, in
+    /// `mongosh`: `db.getCollection("<collection>").updateMany({queue: "default"},
+    /// {$unset: {queue: ""}})`, safe in any state (no handle can have claimed them).
+    /// The claim filters are not widened to take them: their `queue: null` equality is
+    /// what the claim indexes serve (`docs/queue.md`, "Named queues").
+    pub fn misnamed_default_filter() -> Document {
+        doc! { field::QUEUE: crate::format::schedule::DEFAULT_QUEUE }
     }
 
     /// The stored job documents of this queue matching `filter`, newest change first (raw, so a
@@ -313,57 +346,114 @@ impl JobQueue {
     /// and `max_attempts` count from zero again), and a follow-up dropped when the job
     /// died stays dropped (no `follow_up`). Its history is kept: `last_error` (why it
     /// died), `created_at`, `follow_ups`, and `settled` (the proof a worker's read-back
-    /// may still need). A dead job whose dedupe key is
-    /// taken by a newer unfinished job stays dead. Returns how many were revived.
+    /// may still need). A dead job whose dedupe key is taken by an unfinished job (a
+    /// newer one, or another dead job of the key revived by this same call) stays dead.
+    /// Returns how many were revived: exactly the jobs this call moved to `ready`.
+    ///
+    /// The jobs are revived one statement per job (`{_id, state: "dead", queue}`),
+    /// sent as unordered `update` commands of up to 1,000 statements, after one
+    /// read of the dead jobs' ids when `ids` is `None`. A statement refused with a
+    /// duplicate key is skipped; the others apply and are counted by the server's
+    /// `nModified`. (Until session 19 one `updateMany` did it, and on a duplicate key
+    /// revived the jobs still dead one by one, counting only those: MongoDB's
+    /// multi-update stops at the first failing document and keeps, without reporting
+    /// them, the documents it updated before, so those were revived but not counted.)
     ///
     /// # Errors
-    /// A database error.
+    /// [`Error::Malformed`] naming a job whose revival the server refused for another
+    /// reason than a duplicate key (a hand edit, a validator); a database error. The
+    /// commands sent before either stay applied.
     pub async fn retry_dead(&self, ids: Option<&[ObjectId]>) -> Result<u64> {
         let now = self.inner.time.now().await?.estimate();
-        let mut filter =
-            doc! { field::STATE: JobState::Dead.as_str(), field::QUEUE: self.queue_value() };
-        if let Some(ids) = ids {
-            filter.insert(field::ID, doc! { "$in": ids.to_vec() });
-        }
+        let ids: Vec<ObjectId> = match ids {
+            Some(ids) => ids.to_vec(),
+            None => self
+                .inner
+                .coll
+                .find(doc! { field::STATE: JobState::Dead.as_str(), field::QUEUE: self.queue_value() })
+                .projection(doc! { field::ID: 1 })
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await?
+                .iter()
+                .filter_map(|d| d.get_object_id(field::ID).ok())
+                .collect(),
+        };
         let update = retry_update(now);
-        match self
-            .inner
-            .coll
-            .update_many(filter.clone(), update.clone())
-            .await
-        {
-            Ok(r) => Ok(r.modified_count),
-            Err(e) if crate::error::is_duplicate_key(&e) => {
-                // Some keys are taken: revive one by one, skipping those.
-                let docs: Vec<Document> = self
-                    .inner
-                    .coll
-                    .find(filter)
-                    .projection(doc! { field::ID: 1 })
-                    .await?
-                    .try_collect()
-                    .await?;
-                let mut n = 0;
-                for d in docs {
-                    let Some(id) = d.get(field::ID) else { continue };
-                    match self
-                        .inner
-                        .coll
-                        .update_one(
-                            doc! { field::ID: id.clone(), field::STATE: JobState::Dead.as_str() },
-                            update.clone(),
-                        )
-                        .await
-                    {
-                        Ok(r) => n += r.modified_count,
-                        Err(e) if crate::error::is_duplicate_key(&e) => {}
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                Ok(n)
-            }
-            Err(e) => Err(e.into()),
+        let mut revived = 0;
+        for chunk in ids.chunks(RETRY_BATCH) {
+            revived += self.revive_each(chunk, &update).await?;
         }
+        Ok(revived)
+    }
+
+    /// Sends one statement per job of `ids` (`{_id, state: "dead", queue}` → `update`)
+    /// as one unordered `update` command with the collection's write concern; returns
+    /// the server's `nModified`. A statement refused with a duplicate key is skipped (the
+    /// job stays dead); any other refusal is an error naming its job.
+    async fn revive_each(&self, ids: &[ObjectId], update: &Document) -> Result<u64> {
+        let coll = &self.inner.coll;
+        let statements: Vec<Document> = ids
+            .iter()
+            .map(|id| {
+                doc! {
+                    "q": {
+                        field::ID: id,
+                        field::STATE: JobState::Dead.as_str(),
+                        field::QUEUE: self.queue_value(),
+                    },
+                    "u": update.clone(),
+                }
+            })
+            .collect();
+        let mut command = doc! {
+            "update": coll.name(),
+            "updates": statements,
+            "ordered": false,
+        };
+        if let Some(wc) = coll.write_concern() {
+            let wc = mongodb::bson::to_document(wc)
+                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
+            if !wc.is_empty() {
+                command.insert("writeConcern", wc);
+            }
+        }
+        let reply = coll
+            .client()
+            .database(&coll.namespace().db)
+            .run_command(command)
+            .await?;
+        if reply.contains_key("writeConcernError") {
+            return Err(Error::Unavailable {
+                what: "write concern",
+            });
+        }
+        let int = |v: Option<&Bson>| match v {
+            Some(Bson::Int32(n)) => i64::from(*n),
+            Some(Bson::Int64(n)) => *n,
+            _ => -1,
+        };
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            for e in errors.iter().filter_map(Bson::as_document) {
+                let code = int(e.get("code"));
+                if code == DUPLICATE_KEY {
+                    continue;
+                }
+                let id = usize::try_from(int(e.get("index")))
+                    .ok()
+                    .and_then(|i| ids.get(i))
+                    .map(|id| id.to_hex())
+                    .unwrap_or_default();
+                return Err(Error::Malformed {
+                    id,
+                    reason: format!(
+                        "the retry of the dead job was refused (code {code}): {}",
+                        e.get_str("errmsg").unwrap_or_default()
+                    ),
+                });
+            }
+        }
+        Ok(u64::try_from(int(reply.get("nModified"))).unwrap_or(0))
     }
 
     /// Cancels an unfinished job of this handle's queue: one conditional write, `{_id,

@@ -468,6 +468,48 @@ pub struct WorkerOptions {
     /// 90 s instead of finishing in 19 s), and the re-read every `poll_max` (one point
     /// read) already bounds the delay.
     pub watch_control: bool,
+    /// How long one handler run may take (River's `JobTimeout`, Oban's `timeout/1`). Once
+    /// it passes, measured by the worker's monotonic clock from the handler's start (time
+    /// spent waiting for a slot does not count), the worker stops waiting: it drops the
+    /// handler's future (it never resumes from its pending `.await`) and fails the
+    /// attempt through the normal fenced failure, with `last_error` `timed out after
+    /// <duration>` (`timed out after 2s` for whole seconds, `timed out after 1500ms`
+    /// otherwise): the job is
+    /// retried per its `max_attempts`, or goes `dead` at its last attempt. Counted in
+    /// [`WorkerReport::timed_out`](super::WorkerReport::timed_out) (and the failure in
+    /// `retried` or `dead` once written).
+    ///
+    /// Default `None`: no timeout, as before this option existed (Oban's default,
+    /// `:infinity`; River's is one minute). A default would fail a legitimately long job
+    /// at every attempt and bury it; a dead or cut-off worker is already covered by the
+    /// lease (heartbeats, the sweep), so the timeout is only for handlers that hang.
+    ///
+    /// - **Heartbeats** keep renewing the lease while the handler runs, so the timeout
+    ///   may be longer than the lease TTL; a lease lost first drops the handler without
+    ///   any write (the timeout then never fires).
+    /// - **Cancel grace**: a job cancelled by an operator is dropped at the timeout or at
+    ///   the end of [`WorkerOptions::cancel_grace`], whichever comes first; the fence
+    ///   refuses the failure either way (counted in `lease_lost`).
+    /// - **Shutdown**: the timeout still runs while shutdown waits up to
+    ///   [`WorkerOptions::shutdown_deadline`]; a handler timed out before that deadline
+    ///   fails its attempt, one still running at the deadline is released (its attempt
+    ///   given back).
+    /// - **Limits**: dropping a future cannot stop work the handler spawned
+    ///   (`tokio::spawn`) or a handler that blocks its thread without awaiting; the
+    ///   claim's [`cancellation`](super::ClaimedJob::cancellation) token is not signalled
+    ///   by a timeout.
+    pub job_timeout: Option<Duration>,
+}
+
+/// The `last_error` of an attempt that ran past [`WorkerOptions::job_timeout`] `after`:
+/// `timed out after 2s` for whole seconds, `timed out after 1500ms` otherwise.
+pub(crate) fn timed_out_error(after: Duration) -> String {
+    let ms = after.as_millis();
+    if ms.is_multiple_of(1000) {
+        format!("timed out after {}s", ms / 1000)
+    } else {
+        format!("timed out after {ms}ms")
+    }
 }
 
 impl Default for WorkerOptions {
@@ -486,6 +528,7 @@ impl Default for WorkerOptions {
             run_schedules: false,
             schedule_every: Duration::from_millis(200),
             watch_control: false,
+            job_timeout: None,
         }
     }
 }
@@ -553,6 +596,11 @@ impl WorkerOptions {
         self.schedule_every = every;
         self
     }
+    /// Sets [`WorkerOptions::job_timeout`].
+    pub fn job_timeout(mut self, timeout: Duration) -> Self {
+        self.job_timeout = Some(timeout);
+        self
+    }
 
     pub(crate) fn validate(&self, lease_ttl: Duration) -> Result<()> {
         validate::name("worker name", &self.name)?;
@@ -567,6 +615,9 @@ impl WorkerOptions {
             ));
         }
         validate::duration_ms("scheduler period", self.schedule_every)?;
+        if let Some(t) = self.job_timeout {
+            validate::duration_ms("job timeout", t)?;
+        }
         validate::positive("concurrency", self.concurrency)?;
         if self.concurrency > MAX_CONCURRENCY {
             return Err(Error::invalid(
@@ -626,6 +677,38 @@ mod tests {
                 .heartbeat_every(Duration::from_secs(3))
                 .validate(ttl)
                 .is_err()
+        );
+    }
+
+    /// A job timeout is at least a millisecond and fits in milliseconds; its error text.
+    #[test]
+    fn the_job_timeout_is_validated() {
+        let ttl = Duration::from_secs(3);
+        assert!(
+            WorkerOptions::default()
+                .job_timeout(Duration::from_secs(60))
+                .validate(ttl)
+                .is_ok()
+        );
+        for bad in [Duration::ZERO, Duration::from_micros(10), Duration::MAX] {
+            assert!(
+                matches!(
+                    WorkerOptions::default().job_timeout(bad).validate(ttl),
+                    Err(Error::InvalidInput {
+                        what: "job timeout",
+                        ..
+                    })
+                ),
+                "{bad:?} was accepted"
+            );
+        }
+        assert_eq!(
+            timed_out_error(Duration::from_secs(2)),
+            "timed out after 2s"
+        );
+        assert_eq!(
+            timed_out_error(Duration::from_millis(1500)),
+            "timed out after 1500ms"
         );
     }
 

@@ -27,7 +27,8 @@
 //! a second), and reopened as soon as a claim finds nothing, then the worker claims
 //! once more for the jobs inserted in between; while it is closed, a job cancelled as it runs is signalled by the next
 //! heartbeat instead of at once. Database errors (a restarting server) make the worker back
-//! off and resume; they never end it. A handler that panics fails its attempt. Shutdown stops claiming, releases the jobs still
+//! off and resume; they never end it. A handler that panics fails its attempt, and so does one that runs past
+//! [`WorkerOptions::job_timeout`] (its future is dropped). Shutdown stops claiming, releases the jobs still
 //! waiting, waits for running handlers up to `shutdown_deadline`, then releases the
 //! jobs still running so other workers can claim them at once.
 //!
@@ -96,6 +97,10 @@ pub struct WorkerReport {
     pub cancelled: u64,
     /// Jobs snoozed by their handler ([`super::snooze`]).
     pub snoozed: u64,
+    /// Handlers dropped at [`WorkerOptions::job_timeout`]; each one's failure is then
+    /// written like any failed attempt and counted again in `retried` or `dead` (or
+    /// `lease_lost` if the fence refuses it).
+    pub timed_out: u64,
 }
 
 #[derive(Debug, Default)]
@@ -109,6 +114,7 @@ struct Counters {
     claim_errors: AtomicU64,
     cancelled: AtomicU64,
     snoozed: AtomicU64,
+    timed_out: AtomicU64,
 }
 
 impl Counters {
@@ -129,6 +135,7 @@ impl Counters {
             claim_errors: self.claim_errors.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),
             snoozed: self.snoozed.load(Ordering::Relaxed),
+            timed_out: self.timed_out.load(Ordering::Relaxed),
         }
     }
 }
@@ -893,6 +900,16 @@ async fn run_job(
             job.cancellation().cancelled().await;
             tokio::time::sleep(ctx.options.cancel_grace).await;
         };
+        // `WorkerOptions::job_timeout`, from the handler's start.
+        let timeout = async {
+            match ctx.options.job_timeout {
+                Some(after) => {
+                    tokio::time::sleep(after).await;
+                    after
+                }
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             r = handler => Some(match r {
                 Ok(Ok(result)) => match too_large(&result) {
@@ -930,6 +947,11 @@ async fn run_job(
             () = grace => {
                 tracing::warn!("job cancelled and its handler ran past the cancel grace; handler dropped");
                 None
+            }
+            after = timeout => {
+                tracing::warn!(?after, "handler ran past the job timeout; handler dropped, attempt failed");
+                Counters::bump(&ctx.counters.timed_out);
+                Some(Transition::Fail(super::options::timed_out_error(after)))
             }
             () = hard.cancelled() => Some(Transition::Release),
         }

@@ -473,6 +473,8 @@ struct QueueCard {
     expired_running: u64,
     unreadable_leases: u64,
     undatable: u64,
+    /// Jobs stored with `queue: "default"`: in no queue (see `docwarden queue stats`).
+    misnamed_default: u64,
     history: Vec<data::Minute>,
     chart: Chart,
 }
@@ -594,6 +596,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
                 expired_running: stats.expired_running,
                 unreadable_leases: stats.unreadable_leases,
                 undatable: stats.undatable,
+                misnamed_default: stats.misnamed_default,
                 chart: chart(&history),
                 history,
             });

@@ -1139,6 +1139,32 @@ async fn a_foreign_state_is_counted_but_not_linked_to_a_page_that_fails() -> any
     Ok(())
 }
 
+/// A job stored with `queue: "default"` (a foreign producer, a hand edit) is in no queue:
+/// no handle claims, lists or counts it. The queues page says how many there are (session
+/// 19, as `docwarden queue stats` and `doctor` do).
+#[tokio::test]
+async fn jobs_stored_with_queue_default_are_reported_on_the_queues_page() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_misnamed_default").await?;
+    let f = fixture(&t).await?;
+    let ui = start_ui(&t, &[]).await?;
+    let before = page(&ui, "/").await?;
+    assert!(!before.contains("in no queue"), "{before}");
+    f.queue
+        .collection()
+        .update_one(
+            doc! { field::ID: f.dead },
+            doc! { "$set": { field::QUEUE: "default" } },
+        )
+        .await?;
+    let home = page(&ui, "/").await?;
+    assert!(home.contains("in no queue"), "{home}");
+    assert!(
+        home.contains("shows the fix): <strong>1</strong>"),
+        "{home}"
+    );
+    Ok(())
+}
+
 /// Session 16 (docs review): naming one kind of collection turned discovery off for the
 /// other, although `--help` promises it per option (`--queue jobs` alone showed no lock
 /// collection); and a queue's concurrency-limit semaphore `jobs.limits` (it has

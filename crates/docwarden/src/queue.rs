@@ -45,6 +45,7 @@ use crate::clock::TimeSource;
 use crate::error::{Error, Result};
 use crate::validate;
 
+mod bulk;
 mod claim;
 mod control;
 mod enqueue;

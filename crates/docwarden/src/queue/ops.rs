@@ -406,54 +406,21 @@ impl JobQueue {
                 }
             })
             .collect();
-        let mut command = doc! {
-            "update": coll.name(),
-            "updates": statements,
-            "ordered": false,
-        };
-        if let Some(wc) = coll.write_concern() {
-            let wc = mongodb::bson::to_document(wc)
-                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
-            if !wc.is_empty() {
-                command.insert("writeConcern", wc);
-            }
-        }
-        let reply = coll
-            .client()
-            .database(&coll.namespace().db)
-            .run_command(command)
-            .await?;
-        if reply.contains_key("writeConcernError") {
-            return Err(Error::Unavailable {
-                what: "write concern",
+        let reply = super::bulk::unordered_update(coll, statements).await?;
+        if let Some(r) = reply
+            .refused
+            .iter()
+            .find(|r| i64::from(r.code) != DUPLICATE_KEY)
+        {
+            return Err(Error::Malformed {
+                id: ids.get(r.index).map(|id| id.to_hex()).unwrap_or_default(),
+                reason: format!(
+                    "the retry of the dead job was refused (code {}): {}",
+                    r.code, r.message
+                ),
             });
         }
-        let int = |v: Option<&Bson>| match v {
-            Some(Bson::Int32(n)) => i64::from(*n),
-            Some(Bson::Int64(n)) => *n,
-            _ => -1,
-        };
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            for e in errors.iter().filter_map(Bson::as_document) {
-                let code = int(e.get("code"));
-                if code == DUPLICATE_KEY {
-                    continue;
-                }
-                let id = usize::try_from(int(e.get("index")))
-                    .ok()
-                    .and_then(|i| ids.get(i))
-                    .map(|id| id.to_hex())
-                    .unwrap_or_default();
-                return Err(Error::Malformed {
-                    id,
-                    reason: format!(
-                        "the retry of the dead job was refused (code {code}): {}",
-                        e.get_str("errmsg").unwrap_or_default()
-                    ),
-                });
-            }
-        }
-        Ok(u64::try_from(int(reply.get("nModified"))).unwrap_or(0))
+        Ok(reply.modified)
     }
 
     /// Cancels an unfinished job of this handle's queue: one conditional write, `{_id,

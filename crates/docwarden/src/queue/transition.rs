@@ -560,49 +560,20 @@ impl JobQueue {
     /// Sends `statements` (`{q, u}` documents, each `q` a fence by `_id`) as one
     /// unordered `update` command with the queue's write concern.
     async fn bulk_fenced(&self, statements: Vec<Document>) -> Result<BulkReply> {
-        let coll = &self.inner.coll;
-        let db = coll.client().database(&coll.namespace().db);
-        let mut command = doc! {
-            "update": coll.name(),
-            "updates": statements,
-            "ordered": false,
-        };
-        if let Some(wc) = coll.write_concern() {
-            let wc = mongodb::bson::to_document(wc)
-                .map_err(|e| Error::invalid("write concern", e.to_string()))?;
-            if !wc.is_empty() {
-                command.insert("writeConcern", wc);
-            }
-        }
-        let reply = db.run_command(command).await?;
-        if reply.contains_key("writeConcernError") {
-            // Applied on the primary, not acknowledged as asked: in doubt, like a lost
-            // reply (retried, then read back).
-            return Err(Error::Unavailable {
-                what: "write concern",
-            });
-        }
-        let matched = match reply.get("n") {
-            Some(Bson::Int32(n)) => usize::try_from(*n).unwrap_or(0),
-            Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
-            _ => 0,
-        };
-        let mut refused = HashMap::new();
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            for e in errors.iter().filter_map(Bson::as_document) {
-                let index = match e.get("index") {
-                    Some(Bson::Int32(i)) => usize::try_from(*i).ok(),
-                    Some(Bson::Int64(i)) => usize::try_from(*i).ok(),
-                    _ => None,
-                };
-                if let Some(index) = index {
-                    let code = e.get_i32("code").unwrap_or_default();
-                    let msg = e.get_str("errmsg").unwrap_or_default();
-                    refused.insert(index, format!("write refused (code {code}): {msg}"));
-                }
-            }
-        }
-        Ok(BulkReply { matched, refused })
+        let reply = super::bulk::unordered_update(&self.inner.coll, statements).await?;
+        Ok(BulkReply {
+            matched: usize::try_from(reply.matched).unwrap_or(usize::MAX),
+            refused: reply
+                .refused
+                .into_iter()
+                .map(|r| {
+                    (
+                        r.index,
+                        format!("write refused (code {}): {}", r.code, r.message),
+                    )
+                })
+                .collect(),
+        })
     }
 
     /// The stored jobs `ids`, by id (for the read-back after a short bulk).

@@ -361,8 +361,9 @@ pub(crate) fn all_of(invariants: &[Invariant]) -> Bson {
     })
 }
 
-/// The aggregation expression operators of MongoDB's manual (through 8.x): what a `$` key
-/// inside an invariant's expression may be. Accumulators that are also expressions
+/// The aggregation expression operators of MongoDB's manual (through 8.x), and `$const`
+/// (the server's own name for `$literal`, accepted since session 19): what a `$` key inside
+/// an invariant's expression may be. Accumulators that are also expressions
 /// (`$sum`, `$max`, `$median`, …) are in; stages, query-only operators (`$exists`,
 /// `$elemMatch`, `$regex`), update operators and accumulators without an expression form
 /// (`$push`, `$top`) are not.
@@ -371,8 +372,9 @@ pub const EXPRESSION_OPERATORS: &[&str] = &[
     "$abs", "$acos", "$acosh", "$add", "$allElementsTrue", "$and", "$anyElementTrue",
     "$arrayElemAt", "$arrayToObject", "$asin", "$asinh", "$atan", "$atan2", "$atanh", "$avg",
     "$binarySize", "$bitAnd", "$bitNot", "$bitOr", "$bitXor", "$bsonSize", "$ceil", "$cmp",
-    "$concat", "$concatArrays", "$cond", "$convert", "$cos", "$cosh", "$createObjectId",
-    "$dateAdd", "$dateDiff", "$dateFromParts", "$dateFromString", "$dateSubtract",
+    "$concat", "$concatArrays", "$cond", "$const", "$convert", "$cos", "$cosh",
+    "$createObjectId", "$dateAdd", "$dateDiff", "$dateFromParts", "$dateFromString",
+    "$dateSubtract",
     "$dateToParts", "$dateToString", "$dateTrunc", "$dayOfMonth", "$dayOfWeek", "$dayOfYear",
     "$degreesToRadians", "$divide", "$eq", "$exp", "$filter", "$first", "$firstN", "$floor",
     "$function", "$getField", "$gt", "$gte", "$hour", "$ifNull", "$in", "$indexOfArray",
@@ -392,6 +394,18 @@ pub const EXPRESSION_OPERATORS: &[&str] = &[
     "$tsSecond", "$type", "$unsetField", "$week", "$year", "$zip",
 ];
 
+/// The operators whose argument is a constant, taken as it is: `$literal` and `$const`,
+/// which MongoDB registers as one expression (`ExpressionConstant`, `$literal` being the
+/// alias) and the embedded server accepts too. Nothing inside them is a field path or an
+/// operator: the operator check, the server-refusal mapping and both rewrites onto the
+/// document after a change leave their contents alone.
+const LITERAL_OPERATORS: [&str; 2] = ["$literal", "$const"];
+
+/// Whether `key` is one of [`LITERAL_OPERATORS`].
+fn is_literal(key: &str) -> bool {
+    LITERAL_OPERATORS.contains(&key)
+}
+
 /// Query-language operators that are not aggregation expressions, for a clearer refusal.
 #[rustfmt::skip]
 const QUERY_ONLY_OPERATORS: &[&str] = &[
@@ -400,7 +414,7 @@ const QUERY_ONLY_OPERATORS: &[&str] = &[
     "$nearSphere", "$nin", "$nor", "$options", "$regex", "$text", "$where",
 ];
 
-/// Checks every `$` key inside `expr` (outside `$literal`): it must be one of
+/// Checks every `$` key inside `expr` (outside `$literal`/`$const`): it must be one of
 /// [`EXPRESSION_OPERATORS`] and the only key of its document. Keys without `$` (an object
 /// literal, the named arguments of `$filter`, `$let`'s variables) are walked through.
 fn known_operators(what: &'static str, expr: &Bson) -> Result<()> {
@@ -434,7 +448,7 @@ fn known_operators(what: &'static str, expr: &Bson) -> Result<()> {
                         format!("`{k}` is not an aggregation expression operator"),
                     ));
                 }
-                if k != "$literal" {
+                if !is_literal(k) {
                     known_operators(what, v)?;
                 }
             }
@@ -455,7 +469,7 @@ fn in_rule(name: &str, e: Error) -> Error {
     }
 }
 
-/// Every `$` key (operator) used in `expr`, outside `$literal`.
+/// Every `$` key (operator) used in `expr`, outside `$literal`/`$const`.
 fn operators_in<'a>(expr: &'a Bson, out: &mut Vec<&'a str>) {
     match expr {
         Bson::Array(a) => a.iter().for_each(|b| operators_in(b, out)),
@@ -464,7 +478,7 @@ fn operators_in<'a>(expr: &'a Bson, out: &mut Vec<&'a str>) {
                 if k.starts_with('$') {
                     out.push(k);
                 }
-                if k != "$literal" {
+                if !is_literal(k) {
                     operators_in(v, out);
                 }
             }
@@ -649,7 +663,7 @@ pub(crate) fn field_name(what: &'static str, name: &str) -> Result<()> {
 /// path `"$a.b"` becomes `"$$var.a.b"`, `$$ROOT` / `$$CURRENT` become `$$var`, and a
 /// `$getField` without `input` (which reads the current document) gets `input: "$$var"`. In an
 /// aggregation expression a string starting with one `$` is always a field path, so the
-/// rewrite is exact; `$literal` contents are left alone.
+/// rewrite is exact; `$literal` and `$const` contents are left alone.
 pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
     match expr {
         Bson::String(s) => Bson::String(rebase_str(s, var)),
@@ -657,7 +671,7 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
         Bson::Document(d) => {
             let mut out = Document::new();
             for (k, v) in d {
-                if k == "$literal" {
+                if is_literal(k) {
                     out.insert(k.clone(), v.clone());
                 } else if k == "$getField" && reads_current(v) {
                     out.insert(k.clone(), get_field_from(v, var));
@@ -723,7 +737,7 @@ fn rebase_path(expr: &Bson, whole: &str, to: &str) -> Option<Bson> {
         Bson::Document(d) => {
             let mut out = Document::new();
             for (k, v) in d {
-                if k == "$literal" {
+                if is_literal(k) {
                     out.insert(k.clone(), v.clone());
                 } else if k == "$getField" && reads_current(v) {
                     // Reads the whole document by name, not by path: bind it.

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // a test may panic on a missing document
 
-use docwarden::guard::{self, Change, GuardOptions, GuardOutcome, Guarded, Invariant};
+use docwarden::guard::{self, Change, Condition, GuardOptions, GuardOutcome, Guarded, Invariant};
 use docwarden_testkit::TestDb;
 use mongodb::Collection;
 use mongodb::bson::{Document, doc};
@@ -88,5 +88,108 @@ async fn a_const_in_a_raw_rule_is_accepted_and_stays_a_constant() -> anyhow::Res
         doc! { "$ne": ["$meta", { "$const": { "$frobnicate": 1 } }] },
     );
     assert!(shaped.is_ok(), "{shaped:?}");
+    Ok(())
+}
+
+/// Creates `name` with the case-insensitive default collation `{locale: "en", strength:
+/// 2}`; `false` (the test reported as skipped, loudly) if the server refuses collations,
+/// does not keep the collection's collation, or ignores it when comparing strings.
+async fn case_insensitive(t: &TestDb, test: &str, name: &str) -> anyhow::Result<bool> {
+    use mongodb::options::{Collation, CollationStrength};
+    let collation = Collation::builder()
+        .locale("en")
+        .strength(CollationStrength::Secondary)
+        .build();
+    if let Err(e) = t.db.create_collection(name).collation(collation).await {
+        docwarden_testkit::skip(test, &format!("the server refuses collations: {e}"));
+        return Ok(false);
+    }
+    if docwarden::preflight::default_collation(&t.db, name)
+        .await?
+        .is_none()
+    {
+        docwarden_testkit::skip(test, "the server does not keep a collection's collation");
+        return Ok(false);
+    }
+    let coll = t.db.collection::<Document>(name);
+    coll.insert_one(doc! { "_id": "probe", "name": "Bob" })
+        .await?;
+    let honoured = coll.find_one(doc! { "name": "bob" }).await?.is_some();
+    coll.delete_one(doc! { "_id": "probe" }).await?;
+    if !honoured {
+        docwarden_testkit::skip(test, "the server ignores a collection's default collation");
+    }
+    Ok(honoured)
+}
+
+/// MongoDB evaluates a validator with the collection's default collation
+/// (`CollectionImpl::parseValidator` clones the collection's collator into the validator's
+/// expression context), as it does every update and aggregation that names none; the
+/// embedded server does the same. So on a collection created with `{locale: "en",
+/// strength: 2}` the rule "Bob is on call" holds for a shift whose only doctor is "bob", in
+/// the validator, the guarded update and the checker alike, where docwarden's rules compare
+/// byte for byte everywhere else (and `Guarded::open` refuses the collection). Until
+/// session 19 `install_validator` installed it there anyway; now it is
+/// `Error::Incompatible` naming the collation, and nothing is installed.
+#[tokio::test]
+async fn a_validator_is_not_installed_on_a_collection_with_a_non_simple_collation()
+-> anyhow::Result<()> {
+    let test = "a_validator_is_not_installed_on_a_collection_with_a_non_simple_collation";
+    let t = TestDb::new(test).await?;
+    if !case_insensitive(&t, test, "shifts").await? {
+        return Ok(());
+    }
+    let coll = t.db.collection::<Document>("shifts");
+    let bob_on_call = Invariant::at_least(
+        "Bob on call",
+        "doctors",
+        1,
+        Condition::all(vec![
+            Condition::eq("name", "Bob"),
+            Condition::eq("on_call", true),
+        ]),
+    )?;
+    let rule = [bob_on_call];
+    // Control: the collation changes what the rule means. Byte for byte shift 2 has no Bob;
+    // under the collection's collation the checker finds no violation.
+    coll.insert_many(vec![
+        doc! { "_id": 1, "doctors": [{ "name": "Bob", "on_call": true }] },
+        doc! { "_id": 2, "doctors": [{ "name": "bob", "on_call": true }] },
+    ])
+    .await?;
+    let listed = guard::violations(&coll, &rule, None).await?;
+    assert!(listed.is_empty(), "the collation did not apply: {listed:?}");
+
+    let installed = guard::install_validator(&coll, &rule, &Default::default()).await;
+    assert!(
+        matches!(&installed, Err(docwarden::Error::Incompatible { reason }) if reason.contains("collation")),
+        "{installed:?}"
+    );
+    let options = docwarden::preflight::default_collation(&t.db, "shifts").await?;
+    assert!(options.is_some());
+    let specs: Vec<mongodb::results::CollectionSpecification> = futures::TryStreamExt::try_collect(
+        t.db.list_collections()
+            .filter(doc! { "name": "shifts" })
+            .await?,
+    )
+    .await?;
+    assert_eq!(
+        specs[0].options.validator, None,
+        "a validator was installed"
+    );
+    // A collection with the simple collation stated is accepted.
+    t.db.create_collection("simple")
+        .collation(
+            mongodb::options::Collation::builder()
+                .locale("simple")
+                .build(),
+        )
+        .await?;
+    let simple = t.db.collection::<Document>("simple");
+    let ok = guard::install_validator(&simple, &rule, &Default::default()).await?;
+    assert!(
+        matches!(ok, guard::ValidatorInstall::Installed { .. }),
+        "{ok:?}"
+    );
     Ok(())
 }

@@ -118,7 +118,18 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// [`ValidatorInstall::Refused`]; writes that would have broken the invariants in the
 /// moment between may have been refused with code 121.
 ///
+/// A collection whose default collation is not the simple one is refused before anything
+/// is read or written: MongoDB evaluates a validator with the collection's default
+/// collation (`CollectionImpl::parseValidator` gives the validator's expression context a
+/// clone of the collection's collator), as it does every update and aggregation that names
+/// none, so on such a collection an invariant comparing strings would not mean what it
+/// means everywhere else in docwarden (byte for byte): `{locale: "en", strength: 2}` makes
+/// `name == "Bob"` hold for `"bob"`, in the validator, the guarded update and the checker
+/// alike. The same collections [`super::Guarded::open`] refuses.
+///
 /// # Errors
+/// [`Error::Incompatible`] naming the collation if the collection has a non-simple default
+/// collation (nothing installed);
 /// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
 /// "invariant" }` if the server does not know an operator an invariant uses;
 /// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
@@ -157,6 +168,8 @@ async fn install(
     retry_created: bool,
 ) -> Result<Option<ValidatorInstall>> {
     let db = coll.client().database(&coll.namespace().db);
+    // Read again on the second attempt: the collection someone else created may have one.
+    crate::preflight::require_simple_collation(&db, coll.name()).await?;
     let specs: Vec<CollectionSpecification> = db
         .list_collections()
         .filter(doc! { "name": coll.name() })

@@ -193,3 +193,118 @@ async fn a_validator_is_not_installed_on_a_collection_with_a_non_simple_collatio
     );
     Ok(())
 }
+
+async fn validator_of(t: &TestDb, name: &str) -> anyhow::Result<Option<Document>> {
+    let specs: Vec<mongodb::results::CollectionSpecification> = futures::TryStreamExt::try_collect(
+        t.db.list_collections()
+            .filter(doc! { "name": name })
+            .await?,
+    )
+    .await?;
+    Ok(specs
+        .first()
+        .and_then(|s| s.options.validator.clone())
+        .filter(|v| !v.is_empty()))
+}
+
+/// A validator is docwarden's only if it is byte for byte what this version would install,
+/// so after an upgrade that changed a rule's rendering (session 17 added the type bracket
+/// to ordering comparisons) the validator an earlier version installed was reported as
+/// `OtherValidator`, someone else's, and kept: the collection went on accepting
+/// `balance: "-5"`, which the fixed rule refuses, unless the caller replaced "other"
+/// validators blindly (a user's `$jsonSchema` included). Since session 19 the validator
+/// carries a `$comment` marker naming the invariants, and an unmarked validator that is
+/// `{$expr: {$and: [...]}}` of these invariants as this or an earlier version rendered them
+/// is recognised too: `install_validator` replaces it after the usual violator checks and
+/// answers `Upgraded { previous }`. A hand-written validator of the same meaning is still
+/// someone else's.
+#[tokio::test]
+async fn a_validator_installed_by_an_earlier_docwarden_is_upgraded() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_s19_upgrade").await?;
+    let accounts = t.db.collection::<Document>("accounts");
+    // As session 16 installed `balance >= 0` (and sessions 17-18 the on-call rule).
+    let before_17 = doc! { "$expr": { "$and": [
+        { "$gte": ["$balance", { "$literal": 0_i64 }] },
+    ]}};
+    t.db.run_command(doc! { "create": "accounts", "validator": before_17.clone() })
+        .await?;
+    accounts
+        .insert_one(doc! { "_id": 1, "balance": "-5" })
+        .await?;
+    let rule = [Invariant::field_cmp(
+        "balance never negative",
+        "balance",
+        docwarden::guard::CmpOp::Gte,
+        0_i64,
+    )?];
+    // The violator the old rendering let in is found first: the old validator stays.
+    let refused = guard::install_validator(&accounts, &rule, &Default::default()).await?;
+    let guard::ValidatorInstall::Refused { violations } = refused else {
+        panic!("{refused:?}");
+    };
+    assert_eq!(violations.len(), 1, "{violations:?}");
+    assert_eq!(validator_of(&t, "accounts").await?, Some(before_17.clone()));
+    accounts.delete_one(doc! { "_id": 1 }).await?;
+    let upgraded = guard::install_validator(&accounts, &rule, &Default::default()).await?;
+    assert_eq!(
+        upgraded,
+        guard::ValidatorInstall::Upgraded {
+            previous: before_17,
+            existing_violations: vec![]
+        }
+    );
+    assert_eq!(
+        validator_of(&t, "accounts").await?,
+        Some(guard::validator_document(&rule))
+    );
+    let string = accounts
+        .insert_one(doc! { "_id": 2, "balance": "-5" })
+        .await;
+    assert!(refused_by_validator(&string), "{string:?}");
+    accounts
+        .insert_one(doc! { "_id": 3, "balance": 5_i64 })
+        .await?;
+    // Installed again: the same.
+    let again = guard::install_validator(&accounts, &rule, &Default::default()).await?;
+    assert!(
+        matches!(again, guard::ValidatorInstall::Installed { .. }),
+        "{again:?}"
+    );
+
+    // Sessions 17-18: the current expressions without the marker.
+    let on_call = [docwarden_workloads::on_call::rule()?];
+    let unmarked = doc! { "$expr": { "$and": [on_call[0].expr().clone()] } };
+    t.db.run_command(doc! { "create": "shifts", "validator": unmarked.clone() })
+        .await?;
+    let shifts = t.db.collection::<Document>("shifts");
+    let upgraded = guard::install_validator(&shifts, &on_call, &Default::default()).await?;
+    assert_eq!(
+        upgraded,
+        guard::ValidatorInstall::Upgraded {
+            previous: unmarked,
+            existing_violations: vec![]
+        }
+    );
+
+    // Someone else's: a hand-written rule of the same meaning, and docwarden's marker for
+    // other invariants.
+    let others = [
+        doc! { "$expr": { "$gte": ["$balance", 0_i64] } },
+        guard::validator_document(&on_call),
+    ];
+    for (i, other) in others.into_iter().enumerate() {
+        let name = format!("other{i}");
+        t.db.run_command(doc! { "create": &name, "validator": other.clone() })
+            .await?;
+        let coll = t.db.collection::<Document>(&name);
+        let kept = guard::install_validator(&coll, &rule, &Default::default()).await?;
+        assert_eq!(
+            kept,
+            guard::ValidatorInstall::OtherValidator {
+                validator: other.clone()
+            }
+        );
+        assert_eq!(validator_of(&t, &name).await?, Some(other));
+    }
+    Ok(())
+}

@@ -187,17 +187,16 @@ impl Condition {
         }
     }
 
-    fn render(&self) -> Bson {
+    /// The condition as an expression over `$$elem`, its comparisons rendered by `cmp`
+    /// ([`compare`], or [`compare_before_17`] for the rendering of earlier versions).
+    fn render(&self, cmp: Compare) -> Bson {
+        let all = |cs: &[Condition]| cs.iter().map(|c| c.render(cmp)).collect::<Vec<_>>();
         match self {
             Condition::Field { field, op, value } => {
-                compare(*op, Bson::String(format!("$${ELEMENT_VAR}.{field}")), value)
+                cmp(*op, Bson::String(format!("$${ELEMENT_VAR}.{field}")), value)
             }
-            Condition::All(cs) => Bson::Document(
-                doc! { "$and": cs.iter().map(Condition::render).collect::<Vec<_>>() },
-            ),
-            Condition::Any(cs) => {
-                Bson::Document(doc! { "$or": cs.iter().map(Condition::render).collect::<Vec<_>>() })
-            }
+            Condition::All(cs) => Bson::Document(doc! { "$and": all(cs) }),
+            Condition::Any(cs) => Bson::Document(doc! { "$or": all(cs) }),
             Condition::Raw(d) => Bson::Document(d.clone()),
         }
     }
@@ -208,6 +207,10 @@ impl Condition {
 pub struct Invariant {
     name: String,
     expr: Bson,
+    /// How docwarden rendered the same rule before session 17 (ordering comparisons without
+    /// the type bracket), when that differs from `expr`: a validator holding it was
+    /// installed by an earlier docwarden ([`super::install_validator`] upgrades it).
+    before_17: Option<Bson>,
 }
 
 impl Invariant {
@@ -244,14 +247,18 @@ impl Invariant {
         if n < 0 {
             return Err(Error::invalid("n", "a count bound must not be negative"));
         }
-        let count = doc! {
-            "$size": { "$filter": {
-                "input": as_array(array),
-                "as": ELEMENT_VAR,
-                "cond": condition.render(),
-            }}
+        let counted = |cmp: Compare| {
+            let count = doc! {
+                "$size": { "$filter": {
+                    "input": as_array(array),
+                    "as": ELEMENT_VAR,
+                    "cond": condition.render(cmp),
+                }}
+            };
+            Bson::Document(doc! { op: [count, n] })
         };
-        Self::named(name, Bson::Document(doc! { op: [count, n] }))
+        Self::named(name, counted(compare))
+            .map(|i| i.rendered_before_17(counted(compare_before_17)))
     }
 
     /// The sum of `field` over the elements of `array` is at most `cap` (seats booked ≤
@@ -281,7 +288,11 @@ impl Invariant {
         let sum = doc! { "$sum": {
             "$map": { "input": as_array(array), "as": ELEMENT_VAR, "in": format!("$${ELEMENT_VAR}.{field}") }
         }};
-        Self::named(name.into(), compare(CmpOp::Lte, Bson::Document(sum), &cap))
+        Self::named(
+            name.into(),
+            compare(CmpOp::Lte, Bson::Document(sum.clone()), &cap),
+        )
+        .map(|i| i.rendered_before_17(compare_before_17(CmpOp::Lte, Bson::Document(sum), &cap)))
     }
 
     /// `field <op> value` on the document (`balance >= 0`). An ordering comparison (`<`,
@@ -302,10 +313,9 @@ impl Invariant {
         field_path("field", field)?;
         let value = value.into();
         value.check()?;
-        Self::named(
-            name.into(),
-            compare(op, Bson::String(format!("${field}")), &value),
-        )
+        let left = Bson::String(format!("${field}"));
+        Self::named(name.into(), compare(op, left.clone(), &value))
+            .map(|i| i.rendered_before_17(compare_before_17(op, left, &value)))
     }
 
     /// Any aggregation expression over the document (`$field` paths, `$$ROOT`): the escape
@@ -335,7 +345,24 @@ impl Invariant {
 
     fn named(name: String, expr: Bson) -> Result<Self> {
         crate::validate::name("invariant name", &name)?;
-        Ok(Self { name, expr })
+        Ok(Self {
+            name,
+            expr,
+            before_17: None,
+        })
+    }
+
+    /// Records `old`, the rendering of this rule before session 17, if it differs.
+    fn rendered_before_17(mut self, old: Bson) -> Self {
+        self.before_17 = (old != self.expr).then_some(old);
+        self
+    }
+
+    /// The expressions earlier docwarden versions rendered for this rule where they differ
+    /// from [`Invariant::expr`] (none for most rules): what a validator they installed
+    /// holds.
+    pub(crate) fn earlier_renderings(&self) -> impl Iterator<Item = &Bson> {
+        self.before_17.iter()
     }
 
     /// The invariant's name (what [`super::GuardOutcome::Rejected`] reports).
@@ -568,6 +595,16 @@ fn operator_expression(what: &'static str, expr: &Document) -> Result<()> {
     Ok(())
 }
 
+/// How a comparison is rendered: [`compare`], or [`compare_before_17`].
+type Compare = fn(CmpOp, Bson, &Operand) -> Bson;
+
+/// `{op: [left, right]}` alone: how every comparison was rendered before session 17, which
+/// added the type bracket to ordering comparisons ([`compare`]). Kept to recognise the
+/// validators earlier versions installed.
+fn compare_before_17(op: CmpOp, left: Bson, right: &Operand) -> Bson {
+    Bson::Document(doc! { op.operator(): [left, right.render()] })
+}
+
 /// `{op: [left, right]}`; an ordering comparison also requires both sides to be in the
 /// same type bracket, as MongoDB's query language does (`{f: {$gte: 0}}` matches numbers
 /// only), where aggregation's `$gte` alone follows the BSON type order (every string,
@@ -575,7 +612,7 @@ fn operator_expression(what: &'static str, expr: &Document) -> Result<()> {
 /// type are one bracket; a null right-hand side is left to the BSON order (null and
 /// missing at the bottom). `$eq`/`$ne` are unchanged (already false across brackets).
 fn compare(op: CmpOp, left: Bson, right: &Operand) -> Bson {
-    let cmp = Bson::Document(doc! { op.operator(): [left.clone(), right.render()] });
+    let cmp = compare_before_17(op, left.clone(), right);
     if matches!(op, CmpOp::Eq | CmpOp::Ne) {
         return cmp;
     }

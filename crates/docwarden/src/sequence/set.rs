@@ -654,8 +654,9 @@ impl SequencedSet {
                     member: encode::decode_member_key(k)
                         .ok_or_else(|| malformed("a key is not an encoded member"))?,
                     seq: e
-                        .get_i64("seq")
-                        .map_err(|_| malformed("entry without seq"))?,
+                        .get("seq")
+                        .and_then(super::stored_seq)
+                        .ok_or_else(|| malformed("entry without a sequence number"))?,
                     present: e
                         .get_bool("present")
                         .map_err(|_| malformed("entry without present"))?,

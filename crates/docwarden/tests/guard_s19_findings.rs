@@ -308,3 +308,83 @@ async fn a_validator_installed_by_an_earlier_docwarden_is_upgraded() -> anyhow::
     }
     Ok(())
 }
+
+/// The API block of `docs/guard.md`, run as written against a seed-shaped shift (the
+/// block's `&[on_call.clone()]` written `std::slice::from_ref(&on_call)` for clippy).
+#[tokio::test]
+async fn the_api_block_of_the_guard_docs_does_what_it_says() -> anyhow::Result<()> {
+    use mongodb::bson::DateTime;
+    let t = TestDb::new("guard_s19_docs").await?;
+    let db = &t.db;
+    let coll = db.collection::<Document>("shifts");
+    let now = DateTime::now();
+    coll.insert_one(doc! { "_id": 1, "doctors": [
+        { "name": "Alice", "on_call": true, "updated": now },
+        { "name": "Bob", "on_call": true, "updated": now },
+    ]})
+    .await?;
+    let on_call = Invariant::at_least(
+        "at least one doctor on call",
+        "doctors",
+        1,
+        Condition::eq("on_call", true),
+    )?;
+    let shifts = Guarded::open(db, "shifts", GuardOptions::default()).await?;
+    let off = Change::set_member("doctors", "name", "Bob", doc! { "on_call": false })?;
+    assert_eq!(
+        shifts
+            .update(1, &off, std::slice::from_ref(&on_call))
+            .await?,
+        GuardOutcome::Applied
+    );
+    assert_eq!(
+        shifts
+            .update(1, &off, std::slice::from_ref(&on_call))
+            .await?,
+        GuardOutcome::NoChange
+    );
+    assert_eq!(
+        shifts
+            .update(2, &off, std::slice::from_ref(&on_call))
+            .await?,
+        GuardOutcome::NotFound
+    );
+    let zoe = Change::set_member("doctors", "name", "Zoe", doc! { "on_call": false })?;
+    assert_eq!(
+        shifts
+            .update(1, &zoe, std::slice::from_ref(&on_call))
+            .await?,
+        GuardOutcome::NoSuchMember
+    );
+    let alice = Change::set_member("doctors", "name", "Alice", doc! { "on_call": false })?;
+    assert_eq!(
+        shifts
+            .update(1, &alice, std::slice::from_ref(&on_call))
+            .await?,
+        GuardOutcome::Rejected {
+            invariant: "at least one doctor on call".into()
+        }
+    );
+    assert!(
+        guard::violations(&coll, std::slice::from_ref(&on_call), None)
+            .await?
+            .is_empty()
+    );
+    let installed = guard::install_validator(&coll, &[on_call], &Default::default()).await?;
+    assert!(
+        matches!(installed, guard::ValidatorInstall::Installed { .. }),
+        "{installed:?}"
+    );
+    assert_eq!(
+        guard::ensure_array_index(&coll, "doctors.updated").await?,
+        "doctors.updated_1"
+    );
+    let t0 = DateTime::from_millis(now.timestamp_millis() - 3_600_000);
+    assert_eq!(
+        guard::index_use(&coll, doc! { "doctors.updated": { "$gte": t0 } }).await?,
+        guard::IndexUse::IndexScan {
+            index: "doctors.updated_1".into()
+        }
+    );
+    Ok(())
+}

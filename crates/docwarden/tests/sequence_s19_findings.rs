@@ -166,3 +166,58 @@ async fn the_api_block_of_the_sequence_docs_does_what_it_says() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// A set's document hand-edited into a shape the pipeline cannot work on — the members
+/// array replaced by a string, the state sub-document by a string — failed every later
+/// operation with a bare `Error::Database` (code 2 "Cannot apply $pull to a non-array
+/// value" from the operator form, 40081 "$in requires an array", 40390 "$objectToArray
+/// requires a document input"), where the docs promise `Malformed` for a hand-edited
+/// document (and `members`/`states` already said so). Now the apply answers `Malformed`
+/// naming the field; nothing is written. (An add to a member whose entry is present, which
+/// changes only the entry, still applies over a broken members array.)
+#[tokio::test]
+async fn a_hand_edited_set_document_is_malformed_not_a_bare_database_error() -> anyhow::Result<()> {
+    let t = TestDb::new("seq_s19_malformed").await?;
+    let set = SequencedSet::open(
+        &t.db,
+        "students",
+        SetOptions::default()
+            .key_field("student_id")
+            .field("classes"),
+    )
+    .await?;
+    let students = t.db.collection::<Document>("students");
+    let edits = [
+        ("classes", doc! { "$set": { "classes": "CS 101" } }),
+        (
+            "_seq_sets.classes.state",
+            doc! { "$set": { "_seq_sets.classes.state": "x" } },
+        ),
+    ];
+    for (k, (field, edit)) in (1_i64..).zip(edits) {
+        assert_eq!(set.add(k, "CS 101", 1001).await?, ApplyOutcome::Applied);
+        students.update_one(doc! { "student_id": k }, edit).await?;
+        let before = students.find_one(doc! { "student_id": k }).await?;
+        let mut outcomes = vec![
+            ("remove", set.remove(k, "CS 101", 1002).await),
+            ("add of a new member", set.add(k, "PHYS", 5).await),
+        ];
+        // An add to a member whose entry is present touches only the entry (the operator
+        // form leaves the members array alone): with the array broken it still applies.
+        if field != "classes" {
+            outcomes.push(("add", set.add(k, "CS 101", 1003).await));
+        }
+        for (what, outcome) in outcomes {
+            assert!(
+                matches!(&outcome, Err(docwarden::Error::Malformed { reason, .. }) if reason.contains(field)),
+                "{field}: {what}: {outcome:?}"
+            );
+        }
+        assert_eq!(
+            students.find_one(doc! { "student_id": k }).await?,
+            before,
+            "{field}"
+        );
+    }
+    Ok(())
+}

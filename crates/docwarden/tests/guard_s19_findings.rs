@@ -388,3 +388,42 @@ async fn the_api_block_of_the_guard_docs_does_what_it_says() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// `ValidatorOptions::list_limit` below 1 is documented as `InvalidInput`, but it was only
+/// checked by the violations listing, after the collection's validator was read: on a
+/// collection with someone else's validator the answer was `OtherValidator`, and elsewhere
+/// the error named `limit`, not the option. Options are now validated before anything is
+/// sent (`what: "list_limit"`), as a handle validates its options once.
+#[tokio::test]
+async fn a_list_limit_below_one_is_invalid_input_before_anything_is_read() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_s19_list_limit").await?;
+    t.db.run_command(
+        doc! { "create": "other", "validator": { "$jsonSchema": { "required": ["a"] } } },
+    )
+    .await?;
+    let rule = [Invariant::field_cmp(
+        "nonneg",
+        "balance",
+        docwarden::guard::CmpOp::Gte,
+        0_i64,
+    )?];
+    for name in ["other", "fresh"] {
+        let r = guard::install_validator(
+            &t.db.collection(name),
+            &rule,
+            &guard::ValidatorOptions::default().list_limit(0),
+        )
+        .await;
+        assert!(
+            matches!(
+                r,
+                Err(docwarden::Error::InvalidInput {
+                    what: "list_limit",
+                    ..
+                })
+            ),
+            "{name}: {r:?}"
+        );
+    }
+    Ok(())
+}

@@ -223,8 +223,9 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// # Errors
 /// [`Error::Incompatible`] naming the collation if the collection has a non-simple default
 /// collation (nothing installed);
-/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
-/// "invariant" }` if the server does not know an operator an invariant uses;
+/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1 (both checked before
+/// anything is sent), or `{ what: "invariant" }` if the server does not know an operator
+/// an invariant uses;
 /// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
 /// back fails (then the new validator may be in place). A collection created by someone
 /// else between reading its options and `create` is not an error: its options are read
@@ -238,6 +239,9 @@ pub async fn install_validator(
 ) -> Result<ValidatorInstall> {
     if invariants.is_empty() {
         return Err(Error::invalid("invariants", "at least one is needed"));
+    }
+    if opts.list_limit < 1 {
+        return Err(Error::invalid("list_limit", "must be at least 1"));
     }
     // A collection that did not exist may be created by someone else (another process
     // installing the same validator at start-up) before `create`: then start over once,

@@ -159,19 +159,9 @@ fn integral_double(f: f64) -> Option<i64> {
 /// [`Error::Malformed`] if a stored sequence number (or watermark) at `path` is there but
 /// not a number (a hand edit: a string, a document). The pipelines compare it in BSON
 /// order, where a string is above every number, so every later operation would be
-/// reported [`ApplyOutcome::Stale`] and dropped, for good. A decimal that [`stored_seq`]
-/// cannot read exactly (`1001.0`, `1.001E+3`) is refused too: the server may take it to
-/// equal the operation's number where the client cannot tell.
+/// reported [`ApplyOutcome::Stale`] and dropped, for good.
 pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Result<()> {
     match get_path(doc, path) {
-        Some(Bson::Decimal128(d)) if stored_seq(&Bson::Decimal128(*d)).is_none() => {
-            Err(Error::Malformed {
-                id: key.to_string(),
-                reason: format!(
-                    "`{path}` holds the decimal {d}, which is not a plain integer: store sequence numbers as int64"
-                ),
-            })
-        }
         None | Some(Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_)) => {
             Ok(())
         }
@@ -182,6 +172,24 @@ pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Res
                 other.element_type()
             ),
         }),
+    }
+}
+
+/// [`check_stored_number`] for a number the client compares for equality with an
+/// operation's (a state entry's or a register's `seq`): a decimal that [`stored_seq`]
+/// cannot read exactly (`1001.0`, `1.001E+3`) is refused too, since the server may take it
+/// to equal the operation's number where the client cannot tell (the apply would go
+/// round until [`Error::Unavailable`]).
+pub(crate) fn check_stored_seq(doc: &Document, path: &str, key: &Bson) -> Result<()> {
+    check_stored_number(doc, path, key)?;
+    match get_path(doc, path) {
+        Some(v @ Bson::Decimal128(d)) if stored_seq(v).is_none() => Err(Error::Malformed {
+            id: key.to_string(),
+            reason: format!(
+                "`{path}` holds the decimal {d}, which is not a plain integer: store sequence numbers as int64"
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 

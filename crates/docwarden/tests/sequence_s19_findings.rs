@@ -65,6 +65,16 @@ async fn a_sequence_number_stored_as_an_equal_double_is_read_as_that_number() ->
         matches!(odd, Err(docwarden::Error::Malformed { .. })),
         "{odd:?}"
     );
+    // A floor is only ordered, never compared for equality: any number will do.
+    assert_eq!(set.add(4, "CS 101", 1001).await?, ApplyOutcome::Applied);
+    students
+        .update_one(
+            doc! { "student_id": 4 },
+            doc! { "$set": { "_seq_sets.classes.floor": Decimal128::from_str("900.0")? } },
+        )
+        .await?;
+    assert_eq!(set.add(4, "PHYS", 1000).await?, ApplyOutcome::Applied);
+    assert_eq!(set.add(4, "MATH", 800).await?, ApplyOutcome::Stale);
 
     let profiles = SequencedFields::open(&t.db, "profiles", FieldsOptions::default()).await?;
     let address = doc! { "city": "Oslo" };

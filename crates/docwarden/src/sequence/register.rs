@@ -398,7 +398,7 @@ fn holds(
             });
         }
     };
-    super::check_stored_number(doc, seq_path, key)?;
+    super::check_stored_seq(doc, seq_path, key)?;
     Ok(
         super::get_path(doc, seq_path).and_then(super::stored_seq) == Some(seq)
             && stored_tie.as_slice() == tie,

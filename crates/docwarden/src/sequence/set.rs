@@ -731,7 +731,7 @@ fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Re
         id: key.to_string(),
         reason: format!("`{entry}` is not a document"),
     })?;
-    super::check_stored_number(e, "seq", key)?;
+    super::check_stored_seq(e, "seq", key)?;
     Ok(e.get("seq").and_then(super::stored_seq) == Some(seq)
         && e.get("present") == Some(&Bson::Boolean(present)))
 }

@@ -132,14 +132,28 @@ pub(crate) fn get_path<'a>(doc: &'a Document, path: &str) -> Option<&'a Bson> {
     Some(cur)
 }
 
-/// A stored sequence number (or watermark) read back as an `i64`: docwarden writes `int64`;
-/// an `int32` written by another client is accepted.
+/// A stored sequence number (or watermark) read back as the `i64` both servers take it to
+/// equal: docwarden writes `int64`; an `int32`, a double holding an integer (JavaScript's
+/// number type, a shell edit) or a decimal written as a plain integer by another client is
+/// accepted. The servers compare numbers by value (`1001.0 == 1001`), so reading such a
+/// value as "not a number" made a re-delivered message look like a document that changed
+/// between two reads (until [`Error::Unavailable`]). `None` for anything else (a fraction,
+/// a decimal in another form, a non-number).
 pub(crate) fn stored_seq(value: &Bson) -> Option<i64> {
     match value {
         Bson::Int64(n) => Some(*n),
         Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Double(f) => integral_double(*f),
+        Bson::Decimal128(d) => d.to_string().parse().ok(),
         _ => None,
     }
+}
+
+/// `f` as an `i64` when it is an integer in the `i64` range (then exactly that integer).
+#[allow(clippy::cast_possible_truncation)] // checked: integral and within [-2^63, 2^63)
+fn integral_double(f: f64) -> Option<i64> {
+    const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+    (f.fract() == 0.0 && (-TWO_63..TWO_63).contains(&f)).then_some(f as i64)
 }
 
 /// [`Error::Malformed`] if a stored sequence number (or watermark) at `path` is there but
@@ -158,6 +172,24 @@ pub(crate) fn check_stored_number(doc: &Document, path: &str, key: &Bson) -> Res
                 other.element_type()
             ),
         }),
+    }
+}
+
+/// [`check_stored_number`] for a number the client compares for equality with an
+/// operation's (a state entry's or a register's `seq`): a decimal that [`stored_seq`]
+/// cannot read exactly (`1001.0`, `1.001E+3`) is refused too, since the server may take it
+/// to equal the operation's number where the client cannot tell (the apply would go
+/// round until [`Error::Unavailable`]).
+pub(crate) fn check_stored_seq(doc: &Document, path: &str, key: &Bson) -> Result<()> {
+    check_stored_number(doc, path, key)?;
+    match get_path(doc, path) {
+        Some(v @ Bson::Decimal128(d)) if stored_seq(v).is_none() => Err(Error::Malformed {
+            id: key.to_string(),
+            reason: format!(
+                "`{path}` holds the decimal {d}, which is not a plain integer: store sequence numbers as int64"
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -321,5 +353,17 @@ mod tests {
         assert_eq!(get_path(&d, "s.x"), None);
         assert_eq!(get_path(&d, "n").and_then(stored_seq), Some(2));
         assert_eq!(get_path(&d, "s").and_then(stored_seq), None);
+        assert_eq!(stored_seq(&Bson::Double(1001.0)), Some(1001));
+        assert_eq!(stored_seq(&Bson::Double(-3.0)), Some(-3));
+        assert_eq!(stored_seq(&Bson::Double(1001.5)), None);
+        assert_eq!(stored_seq(&Bson::Double(f64::NAN)), None);
+        assert_eq!(stored_seq(&Bson::Double(9.3e18)), None);
+        assert_eq!(
+            stored_seq(&Bson::Double(-9_223_372_036_854_775_808.0)),
+            Some(i64::MIN)
+        );
+        let dec = |s: &str| Bson::Decimal128(s.parse().unwrap_or_else(|_| panic!("{s}")));
+        assert_eq!(stored_seq(&dec("1001")), Some(1001));
+        assert_eq!(stored_seq(&dec("1001.0")), None);
     }
 }

@@ -187,17 +187,16 @@ impl Condition {
         }
     }
 
-    fn render(&self) -> Bson {
+    /// The condition as an expression over `$$elem`, its comparisons rendered by `cmp`
+    /// ([`compare`], or [`compare_before_17`] for the rendering of earlier versions).
+    fn render(&self, cmp: Compare) -> Bson {
+        let all = |cs: &[Condition]| cs.iter().map(|c| c.render(cmp)).collect::<Vec<_>>();
         match self {
             Condition::Field { field, op, value } => {
-                compare(*op, Bson::String(format!("$${ELEMENT_VAR}.{field}")), value)
+                cmp(*op, Bson::String(format!("$${ELEMENT_VAR}.{field}")), value)
             }
-            Condition::All(cs) => Bson::Document(
-                doc! { "$and": cs.iter().map(Condition::render).collect::<Vec<_>>() },
-            ),
-            Condition::Any(cs) => {
-                Bson::Document(doc! { "$or": cs.iter().map(Condition::render).collect::<Vec<_>>() })
-            }
+            Condition::All(cs) => Bson::Document(doc! { "$and": all(cs) }),
+            Condition::Any(cs) => Bson::Document(doc! { "$or": all(cs) }),
             Condition::Raw(d) => Bson::Document(d.clone()),
         }
     }
@@ -208,6 +207,10 @@ impl Condition {
 pub struct Invariant {
     name: String,
     expr: Bson,
+    /// How docwarden rendered the same rule before session 17 (ordering comparisons without
+    /// the type bracket), when that differs from `expr`: a validator holding it was
+    /// installed by an earlier docwarden ([`super::install_validator`] upgrades it).
+    before_17: Option<Bson>,
 }
 
 impl Invariant {
@@ -244,14 +247,18 @@ impl Invariant {
         if n < 0 {
             return Err(Error::invalid("n", "a count bound must not be negative"));
         }
-        let count = doc! {
-            "$size": { "$filter": {
-                "input": as_array(array),
-                "as": ELEMENT_VAR,
-                "cond": condition.render(),
-            }}
+        let counted = |cmp: Compare| {
+            let count = doc! {
+                "$size": { "$filter": {
+                    "input": as_array(array),
+                    "as": ELEMENT_VAR,
+                    "cond": condition.render(cmp),
+                }}
+            };
+            Bson::Document(doc! { op: [count, n] })
         };
-        Self::named(name, Bson::Document(doc! { op: [count, n] }))
+        Self::named(name, counted(compare))
+            .map(|i| i.rendered_before_17(counted(compare_before_17)))
     }
 
     /// The sum of `field` over the elements of `array` is at most `cap` (seats booked ≤
@@ -281,7 +288,11 @@ impl Invariant {
         let sum = doc! { "$sum": {
             "$map": { "input": as_array(array), "as": ELEMENT_VAR, "in": format!("$${ELEMENT_VAR}.{field}") }
         }};
-        Self::named(name.into(), compare(CmpOp::Lte, Bson::Document(sum), &cap))
+        Self::named(
+            name.into(),
+            compare(CmpOp::Lte, Bson::Document(sum.clone()), &cap),
+        )
+        .map(|i| i.rendered_before_17(compare_before_17(CmpOp::Lte, Bson::Document(sum), &cap)))
     }
 
     /// `field <op> value` on the document (`balance >= 0`). An ordering comparison (`<`,
@@ -302,10 +313,9 @@ impl Invariant {
         field_path("field", field)?;
         let value = value.into();
         value.check()?;
-        Self::named(
-            name.into(),
-            compare(op, Bson::String(format!("${field}")), &value),
-        )
+        let left = Bson::String(format!("${field}"));
+        Self::named(name.into(), compare(op, left.clone(), &value))
+            .map(|i| i.rendered_before_17(compare_before_17(op, left, &value)))
     }
 
     /// Any aggregation expression over the document (`$field` paths, `$$ROOT`): the escape
@@ -335,7 +345,24 @@ impl Invariant {
 
     fn named(name: String, expr: Bson) -> Result<Self> {
         crate::validate::name("invariant name", &name)?;
-        Ok(Self { name, expr })
+        Ok(Self {
+            name,
+            expr,
+            before_17: None,
+        })
+    }
+
+    /// Records `old`, the rendering of this rule before session 17, if it differs.
+    fn rendered_before_17(mut self, old: Bson) -> Self {
+        self.before_17 = (old != self.expr).then_some(old);
+        self
+    }
+
+    /// The expressions earlier docwarden versions rendered for this rule where they differ
+    /// from [`Invariant::expr`] (none for most rules): what a validator they installed
+    /// holds.
+    pub(crate) fn earlier_renderings(&self) -> impl Iterator<Item = &Bson> {
+        self.before_17.iter()
     }
 
     /// The invariant's name (what [`super::GuardOutcome::Rejected`] reports).
@@ -361,8 +388,9 @@ pub(crate) fn all_of(invariants: &[Invariant]) -> Bson {
     })
 }
 
-/// The aggregation expression operators of MongoDB's manual (through 8.x): what a `$` key
-/// inside an invariant's expression may be. Accumulators that are also expressions
+/// The aggregation expression operators of MongoDB's manual (through 8.x), and `$const`
+/// (the server's own name for `$literal`, accepted since session 19): what a `$` key inside
+/// an invariant's expression may be. Accumulators that are also expressions
 /// (`$sum`, `$max`, `$median`, …) are in; stages, query-only operators (`$exists`,
 /// `$elemMatch`, `$regex`), update operators and accumulators without an expression form
 /// (`$push`, `$top`) are not.
@@ -371,8 +399,9 @@ pub const EXPRESSION_OPERATORS: &[&str] = &[
     "$abs", "$acos", "$acosh", "$add", "$allElementsTrue", "$and", "$anyElementTrue",
     "$arrayElemAt", "$arrayToObject", "$asin", "$asinh", "$atan", "$atan2", "$atanh", "$avg",
     "$binarySize", "$bitAnd", "$bitNot", "$bitOr", "$bitXor", "$bsonSize", "$ceil", "$cmp",
-    "$concat", "$concatArrays", "$cond", "$convert", "$cos", "$cosh", "$createObjectId",
-    "$dateAdd", "$dateDiff", "$dateFromParts", "$dateFromString", "$dateSubtract",
+    "$concat", "$concatArrays", "$cond", "$const", "$convert", "$cos", "$cosh",
+    "$createObjectId", "$dateAdd", "$dateDiff", "$dateFromParts", "$dateFromString",
+    "$dateSubtract",
     "$dateToParts", "$dateToString", "$dateTrunc", "$dayOfMonth", "$dayOfWeek", "$dayOfYear",
     "$degreesToRadians", "$divide", "$eq", "$exp", "$filter", "$first", "$firstN", "$floor",
     "$function", "$getField", "$gt", "$gte", "$hour", "$ifNull", "$in", "$indexOfArray",
@@ -392,6 +421,18 @@ pub const EXPRESSION_OPERATORS: &[&str] = &[
     "$tsSecond", "$type", "$unsetField", "$week", "$year", "$zip",
 ];
 
+/// The operators whose argument is a constant, taken as it is: `$literal` and `$const`,
+/// which MongoDB registers as one expression (`ExpressionConstant`, `$literal` being the
+/// alias) and the embedded server accepts too. Nothing inside them is a field path or an
+/// operator: the operator check, the server-refusal mapping and both rewrites onto the
+/// document after a change leave their contents alone.
+const LITERAL_OPERATORS: [&str; 2] = ["$literal", "$const"];
+
+/// Whether `key` is one of [`LITERAL_OPERATORS`].
+fn is_literal(key: &str) -> bool {
+    LITERAL_OPERATORS.contains(&key)
+}
+
 /// Query-language operators that are not aggregation expressions, for a clearer refusal.
 #[rustfmt::skip]
 const QUERY_ONLY_OPERATORS: &[&str] = &[
@@ -400,7 +441,7 @@ const QUERY_ONLY_OPERATORS: &[&str] = &[
     "$nearSphere", "$nin", "$nor", "$options", "$regex", "$text", "$where",
 ];
 
-/// Checks every `$` key inside `expr` (outside `$literal`): it must be one of
+/// Checks every `$` key inside `expr` (outside `$literal`/`$const`): it must be one of
 /// [`EXPRESSION_OPERATORS`] and the only key of its document. Keys without `$` (an object
 /// literal, the named arguments of `$filter`, `$let`'s variables) are walked through.
 fn known_operators(what: &'static str, expr: &Bson) -> Result<()> {
@@ -434,7 +475,7 @@ fn known_operators(what: &'static str, expr: &Bson) -> Result<()> {
                         format!("`{k}` is not an aggregation expression operator"),
                     ));
                 }
-                if k != "$literal" {
+                if !is_literal(k) {
                     known_operators(what, v)?;
                 }
             }
@@ -455,7 +496,7 @@ fn in_rule(name: &str, e: Error) -> Error {
     }
 }
 
-/// Every `$` key (operator) used in `expr`, outside `$literal`.
+/// Every `$` key (operator) used in `expr`, outside `$literal`/`$const`.
 fn operators_in<'a>(expr: &'a Bson, out: &mut Vec<&'a str>) {
     match expr {
         Bson::Array(a) => a.iter().for_each(|b| operators_in(b, out)),
@@ -464,7 +505,7 @@ fn operators_in<'a>(expr: &'a Bson, out: &mut Vec<&'a str>) {
                 if k.starts_with('$') {
                     out.push(k);
                 }
-                if k != "$literal" {
+                if !is_literal(k) {
                     operators_in(v, out);
                 }
             }
@@ -554,6 +595,16 @@ fn operator_expression(what: &'static str, expr: &Document) -> Result<()> {
     Ok(())
 }
 
+/// How a comparison is rendered: [`compare`], or [`compare_before_17`].
+type Compare = fn(CmpOp, Bson, &Operand) -> Bson;
+
+/// `{op: [left, right]}` alone: how every comparison was rendered before session 17, which
+/// added the type bracket to ordering comparisons ([`compare`]). Kept to recognise the
+/// validators earlier versions installed.
+fn compare_before_17(op: CmpOp, left: Bson, right: &Operand) -> Bson {
+    Bson::Document(doc! { op.operator(): [left, right.render()] })
+}
+
 /// `{op: [left, right]}`; an ordering comparison also requires both sides to be in the
 /// same type bracket, as MongoDB's query language does (`{f: {$gte: 0}}` matches numbers
 /// only), where aggregation's `$gte` alone follows the BSON type order (every string,
@@ -561,7 +612,7 @@ fn operator_expression(what: &'static str, expr: &Document) -> Result<()> {
 /// type are one bracket; a null right-hand side is left to the BSON order (null and
 /// missing at the bottom). `$eq`/`$ne` are unchanged (already false across brackets).
 fn compare(op: CmpOp, left: Bson, right: &Operand) -> Bson {
-    let cmp = Bson::Document(doc! { op.operator(): [left.clone(), right.render()] });
+    let cmp = compare_before_17(op, left.clone(), right);
     if matches!(op, CmpOp::Eq | CmpOp::Ne) {
         return cmp;
     }
@@ -649,7 +700,7 @@ pub(crate) fn field_name(what: &'static str, name: &str) -> Result<()> {
 /// path `"$a.b"` becomes `"$$var.a.b"`, `$$ROOT` / `$$CURRENT` become `$$var`, and a
 /// `$getField` without `input` (which reads the current document) gets `input: "$$var"`. In an
 /// aggregation expression a string starting with one `$` is always a field path, so the
-/// rewrite is exact; `$literal` contents are left alone.
+/// rewrite is exact; `$literal` and `$const` contents are left alone.
 pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
     match expr {
         Bson::String(s) => Bson::String(rebase_str(s, var)),
@@ -657,7 +708,7 @@ pub(crate) fn rebase(expr: &Bson, var: &str) -> Bson {
         Bson::Document(d) => {
             let mut out = Document::new();
             for (k, v) in d {
-                if k == "$literal" {
+                if is_literal(k) {
                     out.insert(k.clone(), v.clone());
                 } else if k == "$getField" && reads_current(v) {
                     out.insert(k.clone(), get_field_from(v, var));
@@ -723,7 +774,7 @@ fn rebase_path(expr: &Bson, whole: &str, to: &str) -> Option<Bson> {
         Bson::Document(d) => {
             let mut out = Document::new();
             for (k, v) in d {
-                if k == "$literal" {
+                if is_literal(k) {
                     out.insert(k.clone(), v.clone());
                 } else if k == "$getField" && reads_current(v) {
                     // Reads the whole document by name, not by path: bind it.

@@ -88,7 +88,8 @@ impl Change {
     ///
     /// # Errors
     /// [`Error::InvalidInput`]: `array` or `key_field` is not a top-level field name
-    /// (`array` is `_id`), or `fields` is empty or has a key with a dot or a leading `$`.
+    /// (`array` is `_id`), or `fields` is empty, has a key with a dot or a leading `$`, or
+    /// is larger than a document can be (16 MiB as BSON).
     pub fn set_member(
         array: &str,
         key_field: &str,
@@ -103,6 +104,7 @@ impl Change {
         for k in fields.keys() {
             field_name("fields", k)?;
         }
+        fits_a_document("fields", &Bson::Document(fields.clone()))?;
         Ok(Self {
             field: array.to_owned(),
             kind: Kind::SetMember {
@@ -135,14 +137,15 @@ impl Change {
     /// [`Error::InvalidInput`] `{ what: "field" }`, nothing written).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad field name or `_id`.
+    /// [`Error::InvalidInput`] for a bad field name or `_id`, or an element larger than a
+    /// document can be (16 MiB as BSON).
     pub fn push(array: &str, element: impl Into<Bson>) -> Result<Self> {
         change_field("array", array)?;
+        let element = element.into();
+        fits_a_document("element", &element)?;
         Ok(Self {
             field: array.to_owned(),
-            kind: Kind::Push {
-                element: element.into(),
-            },
+            kind: Kind::Push { element },
         })
     }
 
@@ -172,14 +175,15 @@ impl Change {
     /// Set a top-level `field` to `value` (taken literally).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad field name or `_id`.
+    /// [`Error::InvalidInput`] for a bad field name or `_id`, or a value larger than a
+    /// document can be (16 MiB as BSON).
     pub fn set(field: &str, value: impl Into<Bson>) -> Result<Self> {
         change_field("field", field)?;
+        let value = value.into();
+        fits_a_document("value", &value)?;
         Ok(Self {
             field: field.to_owned(),
-            kind: Kind::Set {
-                value: value.into(),
-            },
+            kind: Kind::Set { value },
         })
     }
 
@@ -456,6 +460,28 @@ fn same_bytes(a: &Bson, b: &Bson) -> bool {
     matches!((bytes(a), bytes(b)), (Some(x), Some(y)) if x == y)
 }
 
+/// Checks that `value` can be written into a document at all: `{v: value}` is at most
+/// [`crate::validate::MAX_DOCUMENT_BYTES`] (16 MiB) as BSON. A larger value could never be
+/// stored (the server refuses the update, code 10334 "object to insert too large"), so it
+/// is [`Error::InvalidInput`] when the change is built, before anything is sent.
+fn fits_a_document(what: &'static str, value: &Bson) -> Result<()> {
+    let mut encoded = Vec::new();
+    doc! { "v": value.clone() }
+        .to_writer(&mut encoded)
+        .map_err(|e| Error::invalid(what, format!("cannot be encoded as BSON: {e}")))?;
+    if encoded.len() > crate::validate::MAX_DOCUMENT_BYTES {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "is {} bytes as BSON; a document holds at most {} (nothing sent)",
+                encoded.len(),
+                crate::validate::MAX_DOCUMENT_BYTES
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the top-level field a change writes: a [`field_name`], and not `_id`, which no
 /// update may change (the server would refuse the write with a bare database error).
 fn change_field(what: &'static str, name: &str) -> Result<()> {
@@ -713,6 +739,28 @@ mod tests {
             );
         }
         assert!(Change::push("", 5_i64).is_err());
+    }
+
+    /// Session 19: a value no document can hold was built into a change and sent; the
+    /// server refused the update with a bare database error (code 10334).
+    #[test]
+    fn a_value_larger_than_a_document_is_refused_when_the_change_is_built() {
+        let huge = "x".repeat(crate::validate::MAX_DOCUMENT_BYTES);
+        let too_big = |c: Result<Change>, what: &str| {
+            assert!(
+                matches!(&c, Err(Error::InvalidInput { what: w, .. }) if *w == what),
+                "{what}: {:?}",
+                c.as_ref().map(Change::field)
+            );
+        };
+        too_big(Change::set("v", huge.as_str()), "value");
+        too_big(Change::push("a", huge.as_str()), "element");
+        too_big(
+            Change::set_member("a", "k", 1, doc! { "v": huge.as_str() }),
+            "fields",
+        );
+        let fits = "x".repeat(crate::validate::MAX_DOCUMENT_BYTES - 100);
+        assert!(Change::set("v", fits).is_ok());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! concurrency control: it checks the one document written, so it cannot express rules
 //! across documents. A collection holds one validator: a different one already there (a
 //! user's `$jsonSchema`, other invariants) is reported and kept unless the caller asks to
-//! replace it.
+//! replace it; one an earlier docwarden installed for the same invariants is upgraded.
 
 use futures::TryStreamExt;
 use mongodb::Collection;
@@ -95,19 +95,112 @@ pub enum ValidatorInstall {
         /// The validator the collection has.
         validator: Document,
     },
+    /// The collection had a validator an earlier docwarden installed for these invariants
+    /// (see [`validator_document`] for how one is recognised), which differs from what this
+    /// version installs (a rule's rendering was fixed since, or the marker is new); it was
+    /// replaced as an install replaces a validator: after the violators were listed, and
+    /// listed again. Violators not proceeded past are [`ValidatorInstall::Refused`] instead,
+    /// and the earlier validator stays.
+    Upgraded {
+        /// The validator that was replaced.
+        previous: Document,
+        /// Documents that violate the invariants once the new validator is installed (as
+        /// in [`ValidatorInstall::Installed`]).
+        existing_violations: Vec<InvariantViolation>,
+    },
 }
 
-/// The validator document for `invariants`: `{$expr: {$and: [...]}}`.
+/// The start of the `$comment` that marks a validator docwarden installed.
+const MARK: &str = "docwarden guard invariants";
+
+/// The `$comment` of the validator for `invariants`: [`MARK`], then each invariant's name
+/// in quotes (`\` and `"` escaped), in the order given.
+fn marker(invariants: &[Invariant]) -> String {
+    let names: Vec<String> = invariants
+        .iter()
+        .map(|i| {
+            format!(
+                "\"{}\"",
+                i.name().replace('\\', "\\\\").replace('"', "\\\"")
+            )
+        })
+        .collect();
+    format!("{MARK}: [{}]", names.join(", "))
+}
+
+/// What the collection's validator is to an install of `invariants`.
+#[derive(Debug, PartialEq)]
+enum Existing<'a> {
+    /// None, or exactly the one this version installs.
+    NoneOrSame,
+    /// One an earlier docwarden installed for these invariants.
+    Earlier(&'a Document),
+    /// Anyone else's.
+    Other(&'a Document),
+}
+
+/// Classifies `existing` (the collection's validator, if any) against `validator`, the one
+/// this version installs for `invariants`: marked with the same [`marker`], or unmarked
+/// (before session 19) and `{$expr: {$and: [...]}}` with each invariant rendered as this or
+/// an earlier version renders it, is ours from an earlier version.
+fn classify<'a>(
+    existing: Option<&'a Document>,
+    validator: &Document,
+    invariants: &[Invariant],
+) -> Existing<'a> {
+    let Some(existing) = existing.filter(|v| !v.is_empty() && *v != validator) else {
+        return Existing::NoneOrSame;
+    };
+    if existing.get_str("$comment") == Ok(marker(invariants).as_str()) {
+        return Existing::Earlier(existing);
+    }
+    let unmarked = || {
+        let mut keys = existing.keys();
+        let expr = existing.get_document("$expr").ok()?;
+        let mut expr_keys = expr.keys();
+        let rules = expr.get_array("$and").ok()?;
+        let alone = keys.next().is_some() && keys.next().is_none();
+        let and_alone = expr_keys.next().is_some() && expr_keys.next().is_none();
+        Some(
+            alone
+                && and_alone
+                && rules.len() == invariants.len()
+                && rules.iter().zip(invariants).all(|(rule, inv)| {
+                    rule == inv.expr() || inv.earlier_renderings().any(|old| old == rule)
+                }),
+        )
+    };
+    if unmarked() == Some(true) {
+        Existing::Earlier(existing)
+    } else {
+        Existing::Other(existing)
+    }
+}
+
+/// The validator document for `invariants`: `{$expr: {$and: [...]}, $comment: "docwarden
+/// guard invariants: [\"name\", …]"}`.
+///
+/// The `$comment` (a query operator that any query predicate, a validator included, may
+/// carry; it matches every document) marks the validator as docwarden's, for these
+/// invariants by name, since session 19. [`install_validator`] takes a validator as one an
+/// earlier docwarden installed for the same invariants, and replaces it
+/// ([`ValidatorInstall::Upgraded`]), when it carries this marker, or, unmarked, when it is
+/// `{$expr: {$and: [...]}}` with each invariant rendered as this version or an earlier one
+/// rendered it (until session 16 an ordering comparison had no type bracket); any other
+/// validator is someone else's ([`ValidatorInstall::OtherValidator`]).
 pub fn validator_document(invariants: &[Invariant]) -> Document {
-    doc! { "$expr": all_of(invariants) }
+    doc! { "$expr": all_of(invariants), "$comment": marker(invariants) }
 }
 
-/// Installs `invariants` as `coll`'s validator with `validationLevel: "strict"` and
-/// `validationAction: "error"` (creating the collection if it does not exist), unless
-/// the collection has a different validator and `opts.replace_other_validator` is false
-/// ([`ValidatorInstall::OtherValidator`]), or existing documents violate them and
-/// `opts.proceed_despite_violations` is false ([`ValidatorInstall::Refused`]). Installing
-/// the same invariants again is allowed (it resets the level and action).
+/// Installs `invariants` as `coll`'s validator ([`validator_document`]) with
+/// `validationLevel: "strict"` and `validationAction: "error"` (creating the collection if
+/// it does not exist), unless the collection has a different validator and
+/// `opts.replace_other_validator` is false ([`ValidatorInstall::OtherValidator`]), or
+/// existing documents violate them and `opts.proceed_despite_violations` is false
+/// ([`ValidatorInstall::Refused`]). Installing the same invariants again is allowed (it
+/// resets the level and action). A validator an earlier docwarden installed for the same
+/// invariants is not "different": it is replaced, after the same violator checks, and the
+/// answer is [`ValidatorInstall::Upgraded`].
 ///
 /// The violators are listed before `collMod` and again after it. Once the validator is in
 /// place (strict, error) no write can add a violator, except with
@@ -118,9 +211,21 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// [`ValidatorInstall::Refused`]; writes that would have broken the invariants in the
 /// moment between may have been refused with code 121.
 ///
+/// A collection whose default collation is not the simple one is refused before anything
+/// is read or written: MongoDB evaluates a validator with the collection's default
+/// collation (`CollectionImpl::parseValidator` gives the validator's expression context a
+/// clone of the collection's collator), as it does every update and aggregation that names
+/// none, so on such a collection an invariant comparing strings would not mean what it
+/// means everywhere else in docwarden (byte for byte): `{locale: "en", strength: 2}` makes
+/// `name == "Bob"` hold for `"bob"`, in the validator, the guarded update and the checker
+/// alike. The same collections [`super::Guarded::open`] refuses.
+///
 /// # Errors
-/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1, or `{ what:
-/// "invariant" }` if the server does not know an operator an invariant uses;
+/// [`Error::Incompatible`] naming the collation if the collection has a non-simple default
+/// collation (nothing installed);
+/// [`Error::InvalidInput`] for no invariants or a `list_limit` below 1 (both checked before
+/// anything is sent), or `{ what: "invariant" }` if the server does not know an operator
+/// an invariant uses;
 /// [`Error::Database`] if listing, `collMod`/`create` or putting the previous validator
 /// back fails (then the new validator may be in place). A collection created by someone
 /// else between reading its options and `create` is not an error: its options are read
@@ -134,6 +239,9 @@ pub async fn install_validator(
 ) -> Result<ValidatorInstall> {
     if invariants.is_empty() {
         return Err(Error::invalid("invariants", "at least one is needed"));
+    }
+    if opts.list_limit < 1 {
+        return Err(Error::invalid("list_limit", "must be at least 1"));
     }
     // A collection that did not exist may be created by someone else (another process
     // installing the same validator at start-up) before `create`: then start over once,
@@ -157,6 +265,8 @@ async fn install(
     retry_created: bool,
 ) -> Result<Option<ValidatorInstall>> {
     let db = coll.client().database(&coll.namespace().db);
+    // Read again on the second attempt: the collection someone else created may have one.
+    crate::preflight::require_simple_collation(&db, coll.name()).await?;
     let specs: Vec<CollectionSpecification> = db
         .list_collections()
         .filter(doc! { "name": coll.name() })
@@ -164,19 +274,26 @@ async fn install(
         .try_collect()
         .await?;
     let validator = validator_document(invariants);
-    let other = specs
+    let current = specs
         .first()
-        .and_then(|spec| spec.options.validator.as_ref())
-        .filter(|v| !v.is_empty() && **v != validator);
-    if let Some(other) = other {
-        if !opts.replace_other_validator {
+        .and_then(|spec| spec.options.validator.as_ref());
+    let earlier = match classify(current, &validator, invariants) {
+        Existing::NoneOrSame => None,
+        Existing::Earlier(previous) => {
+            info!(validator = %previous, "upgrading the validator an earlier docwarden installed");
+            Some(previous.clone())
+        }
+        Existing::Other(other) if !opts.replace_other_validator => {
             warn!(validator = %other, "the collection has another validator; not replaced");
             return Ok(Some(ValidatorInstall::OtherValidator {
                 validator: other.clone(),
             }));
         }
-        info!(validator = %other, "replacing the collection's other validator");
-    }
+        Existing::Other(other) => {
+            info!(validator = %other, "replacing the collection's other validator");
+            None
+        }
+    };
     let existing = violations(coll, invariants, Some(opts.list_limit)).await?;
     if !existing.is_empty() && !opts.proceed_despite_violations {
         return Ok(Some(ValidatorInstall::Refused {
@@ -231,7 +348,74 @@ async fn install(
         return Ok(Some(ValidatorInstall::Refused { violations: after }));
     }
     info!(invariants = invariants.len(), "validator installed");
-    Ok(Some(ValidatorInstall::Installed {
-        existing_violations: after,
+    Ok(Some(match earlier {
+        Some(previous) => ValidatorInstall::Upgraded {
+            previous,
+            existing_violations: after,
+        },
+        None => ValidatorInstall::Installed {
+            existing_violations: after,
+        },
     }))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::guard::{CmpOp, Condition};
+
+    #[test]
+    fn earlier_docwarden_validators_are_told_from_other_ones() {
+        let nonneg = Invariant::field_cmp("nonneg", "balance", CmpOp::Gte, 0_i64).unwrap();
+        let on = Invariant::at_least("on", "doctors", 1, Condition::eq("on_call", true)).unwrap();
+        let invs = [nonneg, on.clone()];
+        let now = validator_document(&invs);
+        assert_eq!(classify(None, &now, &invs), Existing::NoneOrSame);
+        assert_eq!(classify(Some(&now), &now, &invs), Existing::NoneOrSame);
+        assert_eq!(classify(Some(&doc! {}), &now, &invs), Existing::NoneOrSame);
+        // Sessions 17-18: the same expressions, unmarked.
+        let unmarked = doc! { "$expr": all_of(&invs) };
+        assert_eq!(
+            classify(Some(&unmarked), &now, &invs),
+            Existing::Earlier(&unmarked)
+        );
+        // Until session 16: `balance >= 0` without the type bracket.
+        let old = doc! { "$expr": { "$and": [
+            { "$gte": ["$balance", { "$literal": 0_i64 }] },
+            on.expr().clone(),
+        ]}};
+        assert_eq!(classify(Some(&old), &now, &invs), Existing::Earlier(&old));
+        // Marked with the same names: ours, whatever the expressions.
+        let marked = doc! { "$expr": { "$and": [true] }, "$comment": marker(&invs) };
+        assert_eq!(
+            classify(Some(&marked), &now, &invs),
+            Existing::Earlier(&marked)
+        );
+        // Anyone else's: hand-written, another rule set, fewer rules, extra keys.
+        let others = [
+            doc! { "$expr": { "$and": [{ "$gte": ["$balance", 0_i64] }, on.expr().clone()] } },
+            doc! { "$expr": { "$and": [true] }, "$comment": marker(&invs[1..]) },
+            doc! { "$expr": { "$and": [on.expr().clone()] } },
+            doc! { "$expr": all_of(&invs), "owner": { "$exists": true } },
+            doc! { "$jsonSchema": { "required": ["owner"] } },
+        ];
+        for other in &others {
+            assert_eq!(
+                classify(Some(other), &now, &invs),
+                Existing::Other(other),
+                "{other}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_marker_quotes_each_name() {
+        let a = Invariant::raw("say \"hi\" \\ bye", doc! { "$literal": true }).unwrap();
+        let b = Invariant::raw("b", doc! { "$literal": true }).unwrap();
+        assert_eq!(
+            marker(&[a, b]),
+            r#"docwarden guard invariants: ["say \"hi\" \\ bye", "b"]"#
+        );
+    }
 }

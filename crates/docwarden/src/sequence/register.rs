@@ -355,7 +355,8 @@ impl SequencedFields {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad key or field; [`Error::Malformed`] if the stored
-    /// sequence number is not an `i64`; [`Error::Database`] otherwise.
+    /// sequence number is not one (an `int64`, or an `int32`, integral double or plain
+    /// integer decimal another writer stored); [`Error::Database`] otherwise.
     pub async fn get(&self, key: impl Into<Bson>, field: &str) -> Result<Option<(Bson, i64)>> {
         let key = encode::key(key.into())?;
         self.check_field(field)?;
@@ -370,9 +371,9 @@ impl SequencedFields {
         let Some(seq) = doc.get_document(SEQ_FIELD).ok().and_then(|s| s.get(field)) else {
             return Ok(None);
         };
-        let seq = seq.as_i64().ok_or_else(|| Error::Malformed {
+        let seq = super::stored_seq(seq).ok_or_else(|| Error::Malformed {
             id: key.to_string(),
-            reason: format!("`{SEQ_FIELD}.{field}` is not an i64"),
+            reason: format!("`{SEQ_FIELD}.{field}` is not a sequence number"),
         })?;
         Ok(Some((doc.get(field).cloned().unwrap_or(Bson::Null), seq)))
     }
@@ -397,7 +398,7 @@ fn holds(
             });
         }
     };
-    super::check_stored_number(doc, seq_path, key)?;
+    super::check_stored_seq(doc, seq_path, key)?;
     Ok(
         super::get_path(doc, seq_path).and_then(super::stored_seq) == Some(seq)
             && stored_tie.as_slice() == tie,

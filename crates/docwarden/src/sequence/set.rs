@@ -302,6 +302,21 @@ impl SequencedSet {
         let key = encode::key(key)?;
         encode::member(member)?;
         validate_seq(seq)?;
+        match self.apply_valid(&key, member, seq, present).await {
+            Err(Error::Database { source }) => Err(self.malformed_or(&key, source).await),
+            other => other,
+        }
+    }
+
+    /// [`SequencedSet::apply`] after its input was checked.
+    async fn apply_valid(
+        &self,
+        key: &Bson,
+        member: &str,
+        seq: i64,
+        present: bool,
+    ) -> Result<ApplyOutcome> {
+        let key = key.clone();
         let entry = self.entry_path(member);
         // The control without canonical order keeps to the pipeline (the operator form's
         // sorted `$push` would re-sort the array).
@@ -352,6 +367,46 @@ impl SequencedSet {
         }
         tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
         Ok(outcome)
+    }
+
+    /// The error to report for `source`, a database error of an apply on `key`:
+    /// [`Error::Malformed`] naming the field when the server refused the write (an error
+    /// with a code, not a network error) and the document's members array or bookkeeping
+    /// is not of the shape docwarden writes — a hand edit the pipeline and the operators
+    /// cannot work on (`$pull`/`$in` on a non-array, `$objectToArray` of a non-document);
+    /// `source` itself otherwise (also when the read fails). Costs a read only on such an
+    /// error.
+    async fn malformed_or(&self, key: &Bson, source: mongodb::error::Error) -> Error {
+        if crate::error::error_code(&source).is_none() {
+            return source.into();
+        }
+        let read = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { self.field.as_str(): 1, SETS_FIELD: 1 })
+            .await;
+        let Ok(Some(doc)) = read else {
+            return source.into();
+        };
+        let set = format!("{SETS_FIELD}.{}", self.field);
+        let not_an_array = super::get_path(&doc, &self.field)
+            .is_some_and(|v| v.as_array().is_none())
+            .then(|| (self.field.clone(), "an array"));
+        let wrong = not_an_array.or_else(|| {
+            [SETS_FIELD, set.as_str(), self.state_field.as_str()]
+                .into_iter()
+                .find(|path| super::get_path(&doc, path).is_some_and(|v| v.as_document().is_none()))
+                .map(|path| (path.to_owned(), "a document"))
+        });
+        match wrong {
+            Some((path, shape)) => Error::Malformed {
+                id: key.to_string(),
+                reason: format!(
+                    "`{path}` is not {shape} (the server refused the update: {source})"
+                ),
+            },
+            None => source.into(),
+        }
     }
 
     /// The last state of `(key, member)`'s entry this handle saw, if any.
@@ -654,8 +709,9 @@ impl SequencedSet {
                     member: encode::decode_member_key(k)
                         .ok_or_else(|| malformed("a key is not an encoded member"))?,
                     seq: e
-                        .get_i64("seq")
-                        .map_err(|_| malformed("entry without seq"))?,
+                        .get("seq")
+                        .and_then(super::stored_seq)
+                        .ok_or_else(|| malformed("entry without a sequence number"))?,
                     present: e
                         .get_bool("present")
                         .map_err(|_| malformed("entry without present"))?,
@@ -675,7 +731,7 @@ fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Re
         id: key.to_string(),
         reason: format!("`{entry}` is not a document"),
     })?;
-    super::check_stored_number(e, "seq", key)?;
+    super::check_stored_seq(e, "seq", key)?;
     Ok(e.get("seq").and_then(super::stored_seq) == Some(seq)
         && e.get("present") == Some(&Bson::Boolean(present)))
 }

@@ -53,6 +53,11 @@ pub(crate) async fn run(db: &Database) -> anyhow::Result<Vec<ScenarioReport>> {
         ValidatorInstall::Installed { .. } => {
             crate::demo::narrate!("   validator installed (strict, error)")
         }
+        ValidatorInstall::Upgraded { .. } => {
+            crate::demo::narrate!(
+                "   validator upgraded from an earlier docwarden's (strict, error)"
+            )
+        }
         ValidatorInstall::Refused { violations: v } => {
             crate::demo::narrate!(
                 "   validator refused: {} shifts already violate the rule",

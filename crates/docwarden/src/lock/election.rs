@@ -137,17 +137,7 @@ impl Election {
     pub fn new(locks: LockCollection, name: &str, options: ElectionOptions) -> Result<Self> {
         validate::name("election", name)?;
         options.validate()?;
-        let ttl_ms = validate::duration_ms("term ttl", options.term_ttl)?;
-        let margin = locks.time().skew_margin_ms();
-        if ttl_ms <= margin {
-            return Err(crate::Error::invalid(
-                "term ttl",
-                format!(
-                    "a term of {ttl_ms} ms is never certainly valid with a skew margin of \
-                     {margin} ms: give it more than the margin"
-                ),
-            ));
-        }
+        super::lease::ttl_ms("term ttl", options.term_ttl, locks.time().skew_margin_ms())?;
         Ok(Self {
             locks,
             name: name.to_owned(),

@@ -232,7 +232,7 @@ impl RwLocks {
     /// holds or waits (writer preference) and its lease has not certainly expired.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for an invalid resource or owner or a zero ttl; a database
+    /// [`Error::InvalidInput`] for an invalid resource or owner or a ttl not longer than the skew margin; a database
     /// error.
     pub async fn try_read(
         &self,
@@ -264,7 +264,7 @@ impl RwLocks {
     ) -> Result<Option<ReadLease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let now = self.locks.time().now().await?;
         let cutoff = now.expired_before(self.margin());
         let lease = ReadLease {
@@ -375,9 +375,9 @@ impl RwLocks {
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if it expired, was released or its entry removed;
-    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (zero included); a database error.
     pub async fn renew_read(&self, lease: &mut ReadLease, ttl: Duration) -> Result<()> {
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let now = self.locks.time().now().await?;
         let valid_after = certainly_valid_after(&now, self.margin());
         let expires_at = now.plus_ms(ttl_ms);
@@ -467,21 +467,11 @@ impl RwLocks {
         wait: Duration,
     ) -> Result<Option<Lease>> {
         let mut deadline = Deadline::after(wait);
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
         // Only a certainly valid intent becomes the write lease, and an intent is certainly
         // valid only while more than the skew margin (plus the clock's bound) is left: a
         // shorter ttl could never be handed out, and would register one intent after
         // another until the wait passed.
-        let margin = self.margin();
-        if ttl_ms <= margin {
-            return Err(Error::invalid(
-                "ttl",
-                format!(
-                    "a write lease of {ttl_ms} ms is never certainly valid with a skew margin \
-                     of {margin} ms: give it more than the margin"
-                ),
-            ));
-        }
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let mut backoff = self.locks.backoff()?;
         let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
             return Ok(None);

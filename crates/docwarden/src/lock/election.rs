@@ -50,6 +50,11 @@ pub struct ElectionOptions {
     /// election when no change arrives (a term that lapses without a resignation is not a
     /// change event; without change streams this is the only way). Default 250 ms.
     pub poll_interval: Duration,
+    /// The options of the lock collection [`Election::open`] opens (backoff of a waiting
+    /// campaign, `gc_after`, write concern, …). Default [`LockOptions::default`].
+    /// [`Election::new`] takes a [`LockCollection`] that already has its own, and ignores
+    /// this field.
+    pub locks: LockOptions,
 }
 
 impl Default for ElectionOptions {
@@ -58,11 +63,19 @@ impl Default for ElectionOptions {
             term_ttl: Duration::from_secs(10),
             watchdog: WatchdogOptions::default(),
             poll_interval: Duration::from_millis(250),
+            locks: LockOptions::default(),
         }
     }
 }
 
 impl ElectionOptions {
+    /// Sets [`ElectionOptions::locks`], the options of the lock collection
+    /// [`Election::open`] opens.
+    pub fn locks(mut self, locks: LockOptions) -> Self {
+        self.locks = locks;
+        self
+    }
+
     /// Sets [`ElectionOptions::term_ttl`].
     pub fn term_ttl(mut self, ttl: Duration) -> Self {
         self.term_ttl = ttl;
@@ -146,7 +159,8 @@ impl Election {
     }
 
     /// The election `name` in the lock collection `collection` of `db`
-    /// ([`LockCollection::open`]: preflight checks and indexes).
+    /// ([`LockCollection::open`] with [`ElectionOptions::locks`]: preflight checks and
+    /// indexes).
     ///
     /// # Errors
     /// As [`Election::new`] and [`LockCollection::open`].
@@ -159,7 +173,7 @@ impl Election {
     ) -> Result<Self> {
         validate::name("election", name)?;
         options.validate()?;
-        let locks = LockCollection::open(db, collection, time, LockOptions::default()).await?;
+        let locks = LockCollection::open(db, collection, time, options.locks.clone()).await?;
         Self::new(locks, name, options)
     }
 

@@ -53,6 +53,10 @@ pub struct RwLockOptions {
     /// lease that lapses without a release is not a change event; without change streams
     /// this is the only way). Default 250 ms.
     pub poll_interval: Duration,
+    /// The options of the lock collection [`RwLocks::open`] opens (backoff of the waits,
+    /// `gc_after`, write concern, …). Default [`LockOptions::default`]. [`RwLocks::new`]
+    /// takes a [`LockCollection`] that already has its own, and ignores this field.
+    pub locks: LockOptions,
     control: RwControl,
 }
 
@@ -71,6 +75,7 @@ impl Default for RwLockOptions {
     fn default() -> Self {
         Self {
             poll_interval: Duration::from_millis(250),
+            locks: LockOptions::default(),
             control: RwControl::None,
         }
     }
@@ -80,6 +85,13 @@ impl RwLockOptions {
     /// Sets [`RwLockOptions::poll_interval`].
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
+        self
+    }
+
+    /// Sets [`RwLockOptions::locks`], the options of the lock collection
+    /// [`RwLocks::open`] opens.
+    pub fn locks(mut self, locks: LockOptions) -> Self {
+        self.locks = locks;
         self
     }
 
@@ -186,8 +198,9 @@ impl RwLocks {
         Ok(Self { locks, options })
     }
 
-    /// Read/write locks in collection `name` of `db`: [`LockCollection::open`] and an index
-    /// on the readers' owner ids (for [`RwLocks::release_all`]).
+    /// Read/write locks in collection `name` of `db`: [`LockCollection::open`] with
+    /// [`RwLockOptions::locks`] and an index on the readers' owner ids (for
+    /// [`RwLocks::release_all`]).
     ///
     /// # Errors
     /// As [`RwLocks::new`] and [`LockCollection::open`].
@@ -197,7 +210,8 @@ impl RwLocks {
         time: TimeSource,
         options: RwLockOptions,
     ) -> Result<Self> {
-        let locks = LockCollection::open(db, name, time, LockOptions::default()).await?;
+        validate::duration_ms("poll interval", options.poll_interval)?;
+        let locks = LockCollection::open(db, name, time, options.locks.clone()).await?;
         let this = Self::new(locks, options)?;
         this.coll()
             .create_index(

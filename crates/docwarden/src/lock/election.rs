@@ -275,7 +275,7 @@ impl Election {
     pub fn observe(&self) -> Observer {
         let any_change = doc! { "operationType": { "$in": ["insert", "update", "replace", "delete", "invalidate"] } };
         Observer {
-            wake: Wake::new(self.locks.collection(), &self.name, any_change),
+            wake: Wake::new(self.locks.collection(), self.name.as_str(), any_change),
             election: self.clone(),
             last: None,
             started: false,

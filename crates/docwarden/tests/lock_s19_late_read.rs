@@ -1,27 +1,16 @@
-//! Session 19, item 4 (open finding, reproduced, not fixed): a read attempt whose write
-//! lands after the client saw its error leaves a reader entry nobody holds.
-//!
-//! Ignored: it fails on purpose until the fix lands. Measured on this branch: held 1.5 s
-//! (lands after the read entered, about 1 s) and held 3 s: 1 live stray entry each, and
-//! a writer with a 1 s wait gets `Ok(None)`. A fix tried in session 19 and not landed: a
-//! landing deadline `{$expr: {$lt: ["$$NOW", sent + 2 s]}}` in the attempt's filter plus
-//! one `$pull` of the failed attempts' ids after it, in the background. This test passed
-//! with it (0 strays, writer in), but MongoDB refuses `$expr` in an upsert's query
-//! (error 224, "$expr is not allowed in the query predicate for an upsert"), and a read
-//! attempt is an upsert: `tests/lock_failover.rs` failed. The deadline must go into the
-//! pipeline instead (append the entry only while `$$NOW` is before it), with the
-//! attempt's outcome read from the post-image (is our entry there?) rather than
-//! `matchedCount`; see `docs/locks.md`.
+//! Session 19, item 4: a read attempt whose write lands after the client saw its error
+//! must not leave a reader entry nobody holds.
 //!
 //! A TCP proxy between the reader's client and the server holds the first two `update`
 //! commands on `rw` (the read attempt and the driver's own retry of it), resets the
 //! client's connections at once (the client sees a network error, the driver's retry
-//! fails too, the blocking `read` retries with a new attempt that enters), and forwards
-//! the held commands 1.5 s later, after the reader has released its lease. Counts: reader
-//! entries left live with nobody holding them (0), and whether a writer gets the lock
-//! within 1 s. `docs/locks.md` ("a read attempt that lands late") has the analysis and
-//! the bound (the stray entry lives until the expiry attempt 1 wrote: `ttl` from its
-//! sending). Ignored until fixed: it fails on purpose.
+//! fails too, the blocking `read` retries with a new attempt that enters, about 1 s later)
+//! and forwards the held commands later: 1.5 s (inside the attempt's 2 s landing window,
+//! after the read entered: the entry lands and is removed once the window has passed)
+//! and 3 s (after the window: the write appends nothing). Counts: reader entries left
+//! live after the reader released (0), and whether a writer gets the lock within 1 s.
+//! Without the landing deadline and the removal (`RwLocks::read`), 1 stray entry in each
+//! case and the writer gets `Ok(None)`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -99,7 +88,6 @@ async fn proxy(upstream: String, hold: Arc<Hold>) -> anyhow::Result<u16> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open finding (session 19, item 4): fails until a late read attempt cannot leave an entry"]
 async fn a_read_attempt_landing_late_leaves_no_entry_behind() -> anyhow::Result<()> {
     let t = TestDb::new("s19_late_read").await?;
     let direct = ClientOptions::parse(t.uri()).await?;

@@ -79,7 +79,7 @@ async fn tokens_increase_across_release_expiry_and_deletion() -> anyhow::Result<
     for round in 0..30 {
         let me = Owner::random();
         let p = sem
-            .acquire(&me, "r", Duration::from_millis(200), Duration::from_secs(5))
+            .acquire(&me, "r", Duration::from_millis(300), Duration::from_secs(5))
             .await?
             .context("acquire")?;
         if p.token.get() <= last {
@@ -154,10 +154,11 @@ async fn a_permit_fences_writes_and_a_lapsed_one_cannot_renew() -> anyhow::Resul
         .insert_one(doc! { "_id": 1, "v": 0 })
         .await?;
     let mut old = sem
-        .try_acquire(&Owner::random(), "r", Duration::from_millis(100))
+        .try_acquire(&Owner::random(), "r", Duration::from_millis(300))
         .await?
         .context("old")?;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Past its ttl, the skew margin (250 ms) and the clock's bound.
+    tokio::time::sleep(Duration::from_millis(700)).await;
     let new = sem
         .try_acquire(&Owner::random(), "r", Duration::from_secs(10))
         .await?
@@ -253,10 +254,10 @@ async fn renewing_many_permits_is_one_write_per_resource_and_keeps_each_fenced()
     sem.release(&released).await?;
     // Stored but lapsed: nothing acquires "a" after it, so nothing drops it.
     let lapsed = sem
-        .try_acquire(&me, "a", Duration::from_millis(100))
+        .try_acquire(&me, "a", Duration::from_millis(300))
         .await?
         .context("lapsed")?;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
     let stored_until = |doc: &Document, p: &docwarden::lock::Permit| {
         doc.get_array("holders").ok().and_then(|hs| {
             hs.iter()

@@ -504,7 +504,7 @@ impl LockCollection {
     /// else and not certainly expired (contention is not an error).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for an empty or too long resource or a zero ttl (nothing is
+    /// [`Error::InvalidInput`] for an empty or too long resource or a ttl not longer than the time source's skew margin (nothing is
     /// written); a database error.
     pub async fn try_acquire(
         &self,
@@ -533,7 +533,7 @@ impl LockCollection {
     ) -> Result<Option<Lease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.time.skew_margin_ms())?;
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
         let nonce = nonce.to_owned();
@@ -798,7 +798,7 @@ impl LockCollection {
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the lease expired, was released, taken over or deleted;
-    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (zero included); a database error.
     #[instrument(skip(self, lease), fields(collection = %self.locks.name(), resource = %lease.resource, owner = %lease.owner, token = lease.token.get()))]
     pub async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.renew_at(lease, ttl).await.map(|_| ())
@@ -807,7 +807,7 @@ impl LockCollection {
     /// [`LockCollection::renew`], returning the server time the new expiry was computed
     /// from (the watchdog needs its bound).
     pub(crate) async fn renew_at(&self, lease: &mut Lease, ttl: Duration) -> Result<ServerTime> {
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.time.skew_margin_ms())?;
         let now = self.time.now().await?;
         let expires_at = now.plus_ms(ttl_ms);
         let result = self

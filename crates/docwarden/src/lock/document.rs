@@ -15,7 +15,7 @@
 //! lock id fences only writes that go through [`DocumentLocks::release_with`]. Writes made
 //! elsewhere while holding the lock are not fenced.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use mongodb::Collection;
@@ -24,7 +24,10 @@ use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
 use super::collection::describe;
+use super::deadline::Deadline;
 use super::fence::FenceOutcome;
+use super::wake::Wake;
+use crate::backoff::Backoff;
 use crate::clock::TimeSource;
 use crate::error::{self, Error, Result};
 use crate::validate;
@@ -39,8 +42,19 @@ pub struct DocumentLockOptions {
     pub lock_id_field: String,
     /// The field holding the lock time. Default `lock_time`.
     pub lock_time_field: String,
+    /// First delay of a blocking [`DocumentLocks::lock_within`] retry. Default 5 ms.
+    pub backoff_base: Duration,
+    /// Largest delay between blocking lock retries, and the polling interval for a lock
+    /// that expires without a release while a change stream wakes the waiter. Default
+    /// 250 ms.
+    pub backoff_max: Duration,
     /// Test controls only: `true` uses seed 003's AND filter.
     seed_and_filter: bool,
+    /// Test controls only: every lock counts as expired (the takeover check is off).
+    ignore_lock: bool,
+    /// Whether a blocking lock listens for the release (`lock/wake.rs`); `false` only in
+    /// tests that measure the backoff alone.
+    wake: bool,
 }
 
 impl Default for DocumentLockOptions {
@@ -49,7 +63,11 @@ impl Default for DocumentLockOptions {
             max_duration: Duration::from_secs(30),
             lock_id_field: crate::format::lock::document::LOCK_ID.to_owned(),
             lock_time_field: crate::format::lock::document::LOCK_TIME.to_owned(),
+            backoff_base: Duration::from_millis(5),
+            backoff_max: Duration::from_millis(250),
             seed_and_filter: false,
+            ignore_lock: false,
+            wake: true,
         }
     }
 }
@@ -65,6 +83,29 @@ impl DocumentLockOptions {
     pub fn fields(mut self, lock_id: impl Into<String>, lock_time: impl Into<String>) -> Self {
         self.lock_id_field = lock_id.into();
         self.lock_time_field = lock_time.into();
+        self
+    }
+
+    /// Sets [`DocumentLockOptions::backoff_base`] and [`DocumentLockOptions::backoff_max`].
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max;
+        self
+    }
+
+    /// Test controls only, **unsafe**: every lock counts as expired, so a lock attempt
+    /// takes over a held lock. Shows what the takeover check prevents.
+    #[doc(hidden)]
+    pub fn unsafe_ignore_lock(mut self) -> Self {
+        self.ignore_lock = true;
+        self
+    }
+
+    /// Test-only: a blocking lock only backs off (no change-stream wake-up), to compare
+    /// hand-off latencies.
+    #[doc(hidden)]
+    pub fn poll_only(mut self) -> Self {
+        self.wake = false;
         self
     }
 
@@ -165,13 +206,14 @@ impl DocumentLocks {
     /// `_id` index is needed; [`DocumentLocks::open`] also runs the preflight checks).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a zero `max_duration` or bad field names.
+    /// [`Error::InvalidInput`] for a zero `max_duration`, bad field names or a bad backoff.
     pub fn new(
         coll: Collection<Document>,
         time: TimeSource,
         options: DocumentLockOptions,
     ) -> Result<Self> {
         let max_ms = validate::duration_ms("max_duration", options.max_duration)?;
+        Backoff::new(options.backoff_base, options.backoff_max)?;
         for (what, f) in [
             ("lock id field", &options.lock_id_field),
             ("lock time field", &options.lock_time_field),
@@ -198,6 +240,7 @@ impl DocumentLocks {
     /// Locks the existing document `id`. Contention is not an error: `Ok(None)` if the
     /// document is locked by another holder and the lock has not certainly expired, or if
     /// there is no such document ([`DocumentLocks::lock_or_create`] creates it).
+    /// [`DocumentLocks::lock_within`] waits for the lock.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an id that is not a plain value
@@ -210,6 +253,66 @@ impl DocumentLocks {
     ) -> Result<Option<DocumentGuard>> {
         let id = id.into();
         check_id(&id)?;
+        self.attempt(id).await
+    }
+
+    /// Locks the existing document `id`, waiting until it is locked or `wait` has passed
+    /// (`Ok(None)`, as for a document that does not exist); a zero `wait` tries once, as
+    /// [`DocumentLocks::lock`]. The waiter retries the moment the lock is released (a
+    /// change stream on the document, shared by the waiters of this process: `lock/wake.rs`)
+    /// and polls every [`DocumentLockOptions::backoff_max`] for a lock that expires
+    /// without a release; where change streams are refused it retries with jittered
+    /// exponential backoff. Transient errors ([`Error::is_retryable`]) are retried within
+    /// the wait like contention (`lock/deadline.rs`). An attempt whose reply was lost may
+    /// have locked the document all the same; its lock id is not recognised, so the next
+    /// attempts wait behind it like any contender, at most `max_duration`.
+    ///
+    /// # Errors
+    /// As [`DocumentLocks::lock`]; a transient error only if the wait passed with the last
+    /// attempt failing.
+    #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
+    pub async fn lock_within(
+        &self,
+        id: impl Into<Bson> + std::fmt::Display,
+        wait: Duration,
+    ) -> Result<Option<DocumentGuard>> {
+        let id = id.into();
+        check_id(&id)?;
+        let called = Instant::now();
+        let mut deadline = Deadline::after(wait);
+        let mut backoff = Backoff::new(self.options.backoff_base, self.options.backoff_max)?;
+        let mut wake = Wake::new(
+            &self.coll,
+            id.clone(),
+            Wake::freed_document(&self.options.lock_id_field),
+        );
+        loop {
+            if let Some(guard) = deadline.attempt(self.attempt(id.clone()).await)? {
+                crate::observe::lock_handoff(self.coll.name(), called, None);
+                return Ok(Some(guard));
+            }
+            let Some(remaining) = deadline.left() else {
+                return deadline.passed();
+            };
+            if deadline.failing() {
+                tokio::time::sleep(backoff.next_delay().min(remaining)).await;
+                continue;
+            }
+            if self.options.wake && wake.arm().await {
+                // Just opened: a release before this instant was not seen; try again.
+                continue;
+            }
+            let delay = if wake.is_listening() {
+                self.options.backoff_max
+            } else {
+                backoff.next_delay()
+            };
+            wake.wait(delay.min(remaining)).await;
+        }
+    }
+
+    /// One lock attempt on `id` (already checked): [`DocumentLocks::lock`].
+    async fn attempt(&self, id: Bson) -> Result<Option<DocumentGuard>> {
         let ops = self.lock_ops().await?;
         let after = if self.options.seed_and_filter {
             let (filter, update) = self.operator_form(&id, &ops);
@@ -445,11 +548,15 @@ impl DocumentLocks {
     /// A lock attempt's values: a fresh lock id, the lock time and the expiry cutoff.
     async fn lock_ops(&self) -> Result<LockOps> {
         let now = self.time.now().await?;
-        let cutoff = DateTime::from_millis(
-            now.expired_before(self.time.skew_margin_ms())
-                .timestamp_millis()
-                .saturating_sub(self.max_ms),
-        );
+        let cutoff = if self.options.ignore_lock {
+            DateTime::MAX
+        } else {
+            DateTime::from_millis(
+                now.expired_before(self.time.skew_margin_ms())
+                    .timestamp_millis()
+                    .saturating_sub(self.max_ms),
+            )
+        };
         Ok(LockOps {
             cutoff,
             lock_id: validate::random_id(),

@@ -50,6 +50,11 @@ pub struct ElectionOptions {
     /// election when no change arrives (a term that lapses without a resignation is not a
     /// change event; without change streams this is the only way). Default 250 ms.
     pub poll_interval: Duration,
+    /// The options of the lock collection [`Election::open`] opens (backoff of a waiting
+    /// campaign, `gc_after`, write concern, …). Default [`LockOptions::default`].
+    /// [`Election::new`] takes a [`LockCollection`] that already has its own, and ignores
+    /// this field.
+    pub locks: LockOptions,
 }
 
 impl Default for ElectionOptions {
@@ -58,11 +63,19 @@ impl Default for ElectionOptions {
             term_ttl: Duration::from_secs(10),
             watchdog: WatchdogOptions::default(),
             poll_interval: Duration::from_millis(250),
+            locks: LockOptions::default(),
         }
     }
 }
 
 impl ElectionOptions {
+    /// Sets [`ElectionOptions::locks`], the options of the lock collection
+    /// [`Election::open`] opens.
+    pub fn locks(mut self, locks: LockOptions) -> Self {
+        self.locks = locks;
+        self
+    }
+
     /// Sets [`ElectionOptions::term_ttl`].
     pub fn term_ttl(mut self, ttl: Duration) -> Self {
         self.term_ttl = ttl;
@@ -137,17 +150,7 @@ impl Election {
     pub fn new(locks: LockCollection, name: &str, options: ElectionOptions) -> Result<Self> {
         validate::name("election", name)?;
         options.validate()?;
-        let ttl_ms = validate::duration_ms("term ttl", options.term_ttl)?;
-        let margin = locks.time().skew_margin_ms();
-        if ttl_ms <= margin {
-            return Err(crate::Error::invalid(
-                "term ttl",
-                format!(
-                    "a term of {ttl_ms} ms is never certainly valid with a skew margin of \
-                     {margin} ms: give it more than the margin"
-                ),
-            ));
-        }
+        super::lease::ttl_ms("term ttl", options.term_ttl, locks.time().skew_margin_ms())?;
         Ok(Self {
             locks,
             name: name.to_owned(),
@@ -156,7 +159,8 @@ impl Election {
     }
 
     /// The election `name` in the lock collection `collection` of `db`
-    /// ([`LockCollection::open`]: preflight checks and indexes).
+    /// ([`LockCollection::open`] with [`ElectionOptions::locks`]: preflight checks and
+    /// indexes).
     ///
     /// # Errors
     /// As [`Election::new`] and [`LockCollection::open`].
@@ -169,7 +173,7 @@ impl Election {
     ) -> Result<Self> {
         validate::name("election", name)?;
         options.validate()?;
-        let locks = LockCollection::open(db, collection, time, LockOptions::default()).await?;
+        let locks = LockCollection::open(db, collection, time, options.locks.clone()).await?;
         Self::new(locks, name, options)
     }
 
@@ -271,7 +275,7 @@ impl Election {
     pub fn observe(&self) -> Observer {
         let any_change = doc! { "operationType": { "$in": ["insert", "update", "replace", "delete", "invalidate"] } };
         Observer {
-            wake: Wake::new(self.locks.collection(), &self.name, any_change),
+            wake: Wake::new(self.locks.collection(), self.name.as_str(), any_change),
             election: self.clone(),
             last: None,
             started: false,

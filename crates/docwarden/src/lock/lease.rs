@@ -1,9 +1,11 @@
 //! The lease value and the owner handle.
 
+use std::time::Duration;
+
 use mongodb::bson::DateTime;
 
 use crate::clock::ServerTime;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::token::FencingToken;
 use crate::validate;
 
@@ -83,6 +85,31 @@ impl Lease {
     }
 }
 
+/// Checks the ttl of a lease, permit, read lease or term before anything is written, and
+/// returns it in milliseconds: positive, storable in BSON milliseconds
+/// ([`validate::duration_ms`]), and longer than the time source's skew margin `margin_ms`.
+/// A lease is certainly valid only while more than the margin (plus the clock's bound) of
+/// it is left, so one of at most the margin never is: its holder could not act on it, and
+/// the watchdog, the renewals and the fences would all treat it as lost from the start.
+/// The one check for every entry point that takes a ttl (acquire, renew, watch, read,
+/// write, campaign).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what`, the ttl and the margin.
+pub(crate) fn ttl_ms(what: &'static str, ttl: Duration, margin_ms: i64) -> Result<i64> {
+    let ttl_ms = validate::duration_ms(what, ttl)?;
+    if ttl_ms <= margin_ms {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{ttl_ms} ms is never certainly valid with a skew margin of {margin_ms} ms: \
+                 give it more than the margin"
+            ),
+        ));
+    }
+    Ok(ttl_ms)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,5 +144,18 @@ mod tests {
         assert!(lease.is_certainly_valid(&now, 100));
         assert!(!lease.is_certainly_valid(&now, 190));
         assert_eq!(lease.remaining_ms(&now), 200);
+    }
+
+    #[test]
+    fn a_ttl_must_be_longer_than_the_margin() {
+        let ms = Duration::from_millis;
+        assert_eq!(ttl_ms("ttl", ms(251), 250).ok(), Some(251));
+        assert_eq!(ttl_ms("ttl", ms(1), 0).ok(), Some(1));
+        for (ttl, margin) in [(ms(250), 250), (ms(100), 250), (ms(0), 0)] {
+            match ttl_ms("ttl", ttl, margin) {
+                Err(Error::InvalidInput { what: "ttl", .. }) => {}
+                other => panic!("{ttl:?} with margin {margin}: {other:?}"),
+            }
+        }
     }
 }

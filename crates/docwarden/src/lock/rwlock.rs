@@ -53,6 +53,10 @@ pub struct RwLockOptions {
     /// lease that lapses without a release is not a change event; without change streams
     /// this is the only way). Default 250 ms.
     pub poll_interval: Duration,
+    /// The options of the lock collection [`RwLocks::open`] opens (backoff of the waits,
+    /// `gc_after`, write concern, …). Default [`LockOptions::default`]. [`RwLocks::new`]
+    /// takes a [`LockCollection`] that already has its own, and ignores this field.
+    pub locks: LockOptions,
     control: RwControl,
 }
 
@@ -71,6 +75,7 @@ impl Default for RwLockOptions {
     fn default() -> Self {
         Self {
             poll_interval: Duration::from_millis(250),
+            locks: LockOptions::default(),
             control: RwControl::None,
         }
     }
@@ -80,6 +85,13 @@ impl RwLockOptions {
     /// Sets [`RwLockOptions::poll_interval`].
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
+        self
+    }
+
+    /// Sets [`RwLockOptions::locks`], the options of the lock collection
+    /// [`RwLocks::open`] opens.
+    pub fn locks(mut self, locks: LockOptions) -> Self {
+        self.locks = locks;
         self
     }
 
@@ -186,8 +198,9 @@ impl RwLocks {
         Ok(Self { locks, options })
     }
 
-    /// Read/write locks in collection `name` of `db`: [`LockCollection::open`] and an index
-    /// on the readers' owner ids (for [`RwLocks::release_all`]).
+    /// Read/write locks in collection `name` of `db`: [`LockCollection::open`] with
+    /// [`RwLockOptions::locks`] and an index on the readers' owner ids (for
+    /// [`RwLocks::release_all`]).
     ///
     /// # Errors
     /// As [`RwLocks::new`] and [`LockCollection::open`].
@@ -197,7 +210,8 @@ impl RwLocks {
         time: TimeSource,
         options: RwLockOptions,
     ) -> Result<Self> {
-        let locks = LockCollection::open(db, name, time, LockOptions::default()).await?;
+        validate::duration_ms("poll interval", options.poll_interval)?;
+        let locks = LockCollection::open(db, name, time, options.locks.clone()).await?;
         let this = Self::new(locks, options)?;
         this.coll()
             .create_index(
@@ -232,7 +246,7 @@ impl RwLocks {
     /// holds or waits (writer preference) and its lease has not certainly expired.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for an invalid resource or owner or a zero ttl; a database
+    /// [`Error::InvalidInput`] for an invalid resource or owner or a ttl not longer than the skew margin; a database
     /// error.
     pub async fn try_read(
         &self,
@@ -240,7 +254,7 @@ impl RwLocks {
         resource: &str,
         ttl: Duration,
     ) -> Result<Option<ReadLease>> {
-        self.read_attempt(owner, resource, ttl, &validate::random_id(), &[])
+        self.read_attempt(owner, resource, ttl, &validate::random_id(), &[], None)
             .await
     }
 
@@ -252,7 +266,8 @@ impl RwLocks {
     /// valid (the lost reply's read lease, which that writer is waiting for anyway): the
     /// attempt then renews it under its own id, as [`RwLocks::renew_read`] would. Either
     /// way the attempt removes those entries, so they do not hold writers up until their
-    /// ttl.
+    /// ttl. `land_by`: server time after which this attempt's write must not apply (a
+    /// blocking read's attempts; see [`RwLocks::read`]); `None` for [`RwLocks::try_read`].
     #[instrument(name = "try_read", skip(self, owner, id, unknown), fields(collection = %self.coll().name()))]
     async fn read_attempt(
         &self,
@@ -261,10 +276,11 @@ impl RwLocks {
         ttl: Duration,
         id: &str,
         unknown: &[String],
+        land_by: Option<&mut DateTime>,
     ) -> Result<Option<ReadLease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let now = self.locks.time().now().await?;
         let cutoff = now.expired_before(self.margin());
         let lease = ReadLease {
@@ -293,6 +309,14 @@ impl RwLocks {
             }
             filter
         };
+        // A blocking read's attempt appends its entry only while the server's clock is
+        // before `land_by`: a write the client gave up on that reaches the server later
+        // adds nothing (and what landed before is removed after `land_by`, `read`). Its
+        // outcome then comes from the post-image: a slow attempt may match and not enter.
+        let land_by = land_by.map(|land_by| {
+            *land_by = now.plus_ms(millis(LANDING_WINDOW));
+            *land_by
+        });
         let writer = if ignore_writer {
             Writer::Keep
         } else if unknown.is_empty() {
@@ -300,7 +324,7 @@ impl RwLocks {
         } else {
             Writer::ClearIfFree
         };
-        let update = read_pipeline(&lease, cutoff, writer, unknown);
+        let update = read_pipeline(&lease, cutoff, writer, unknown, land_by);
         // A held lock makes the upsert collide with the document on `_id`; so does a
         // racing first insert of the document: one more try tells them apart.
         for attempt in 0..2 {
@@ -311,6 +335,15 @@ impl RwLocks {
                 .await
             {
                 Ok(r) if r.matched_count == 1 || r.upserted_id.is_some() => {
+                    if let Some(land_by) = land_by
+                        && !self.entered(resource, &lease.id, land_by).await?
+                    {
+                        tracing::debug!(
+                            resource,
+                            "read attempt applied after its landing deadline"
+                        );
+                        break;
+                    }
                     crate::observe::lock_acquired(self.coll().name(), None);
                     tracing::debug!(resource, "read lease taken");
                     return Ok(Some(lease));
@@ -325,10 +358,32 @@ impl RwLocks {
         Ok(None)
     }
 
+    /// Whether an attempt with landing deadline `land_by` whose write matched (or
+    /// inserted) appended its entry: certainly, if its reply came while the server's
+    /// clock was certainly before `land_by`; otherwise the document is read back.
+    async fn entered(&self, resource: &str, id: &str, land_by: DateTime) -> Result<bool> {
+        if self.locks.time().now().await?.latest() < land_by {
+            return Ok(true);
+        }
+        let d = self.coll().find_one(doc! { "_id": resource }).await?;
+        Ok(d.is_some_and(|d| {
+            d.get_array(rf::READERS).is_ok_and(|rs| {
+                rs.iter().any(|r| {
+                    r.as_document()
+                        .is_some_and(|r| r.get_str(rf::READER_ID).ok() == Some(id))
+                })
+            })
+        }))
+    }
+
     /// Takes a read lease, waiting until the writer leaves (woken by its release, see
     /// `lock/wake.rs`) or `wait` has passed (`Ok(None)`). Transient errors
     /// ([`Error::is_retryable`]) are retried with backoff within the wait
-    /// (`lock/deadline.rs`).
+    /// (`lock/deadline.rs`). An attempt that failed may still reach the server later (its
+    /// reply was lost, or the request was held): each attempt appends its entry only while
+    /// the server's clock is before its landing deadline (sent + 2 s, `$$NOW` in the
+    /// pipeline), and after the last failed attempt's deadline has certainly passed one
+    /// `$pull` removes their entries, in the background, whether the read entered or not.
     ///
     /// # Errors
     /// As [`RwLocks::try_read`]; a transient error only if the wait passed with the last
@@ -347,18 +402,35 @@ impl RwLocks {
         // Attempts that failed with a transient error may have entered all the same (a
         // lost reply): the next attempts take their entries back (`read_attempt`).
         let mut unanswered = Unanswered::default();
-        loop {
+        // The latest landing deadline of the attempts that failed transiently.
+        let mut failed_land_by: Option<DateTime> = None;
+        let result = loop {
             let id = validate::random_id();
+            let mut land_by = DateTime::MIN;
             let result = self
-                .read_attempt(owner, resource, ttl, &id, unanswered.nonces())
+                .read_attempt(
+                    owner,
+                    resource,
+                    ttl,
+                    &id,
+                    unanswered.nonces(),
+                    Some(&mut land_by),
+                )
                 .await;
+            if matches!(&result, Err(e) if e.is_retryable()) {
+                failed_land_by = failed_land_by.max(Some(land_by));
+            }
             unanswered.note(id, &result);
-            if let Some(lease) = deadline.attempt(result)? {
-                crate::observe::lock_handoff(self.coll().name(), called, None);
-                return Ok(Some(lease));
+            match deadline.attempt(result) {
+                Ok(Some(lease)) => {
+                    crate::observe::lock_handoff(self.coll().name(), called, None);
+                    break Ok(Some(lease));
+                }
+                Ok(None) => {}
+                Err(e) => break Err(e),
             }
             let Some(left) = deadline.left() else {
-                return deadline.passed();
+                break deadline.passed();
             };
             if deadline.failing() {
                 tokio::time::sleep(backoff.next_delay().min(left)).await;
@@ -368,16 +440,66 @@ impl RwLocks {
                 continue;
             }
             wake.wait(self.options.poll_interval.min(left)).await;
+        };
+        if let Some(land_by) = failed_land_by {
+            self.remove_late_entries(resource, unanswered.nonces().to_vec(), land_by);
         }
+        result
+    }
+
+    /// Removes, once `land_by` has certainly passed by the server's clock, the entries
+    /// that the attempts `ids` of a blocking read (which failed transiently) may have left:
+    /// their writes can apply until `land_by` and not after, so one `$pull` then removes
+    /// every one of them (the later attempts removed those that had landed before them).
+    /// In the background: the read returns at once. Best effort; an entry it fails to
+    /// remove expires with its ttl.
+    fn remove_late_entries(&self, resource: &str, ids: Vec<String>, land_by: DateTime) {
+        let (coll, time, resource) = (
+            self.coll().clone(),
+            self.locks.time().clone(),
+            resource.to_owned(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let now = match time.now().await {
+                    Ok(now) => now,
+                    Err(e) => {
+                        tracing::warn!(error = %e, resource, "cannot read the server time to remove late read entries");
+                        return;
+                    }
+                };
+                let left = land_by
+                    .timestamp_millis()
+                    .saturating_sub(now.earliest().timestamp_millis());
+                if left < 0 {
+                    break;
+                }
+                let ms = u64::try_from(left).unwrap_or(0).saturating_add(1);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            let pull = doc! { "$pull": { rf::READERS: { rf::READER_ID: { "$in": &ids } } } };
+            match coll.update_one(doc! { "_id": &resource }, pull).await {
+                Ok(r) if r.modified_count > 0 => {
+                    tracing::info!(
+                        resource,
+                        "removed a read entry a failed attempt left behind"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, resource, "cannot remove late read entries; they expire with their ttl");
+                }
+            }
+        });
     }
 
     /// Extends a read lease to `ttl` from now, only while it is certainly valid.
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if it expired, was released or its entry removed;
-    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (zero included); a database error.
     pub async fn renew_read(&self, lease: &mut ReadLease, ttl: Duration) -> Result<()> {
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let now = self.locks.time().now().await?;
         let valid_after = certainly_valid_after(&now, self.margin());
         let expires_at = now.plus_ms(ttl_ms);
@@ -467,21 +589,11 @@ impl RwLocks {
         wait: Duration,
     ) -> Result<Option<Lease>> {
         let mut deadline = Deadline::after(wait);
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
         // Only a certainly valid intent becomes the write lease, and an intent is certainly
         // valid only while more than the skew margin (plus the clock's bound) is left: a
         // shorter ttl could never be handed out, and would register one intent after
         // another until the wait passed.
-        let margin = self.margin();
-        if ttl_ms <= margin {
-            return Err(Error::invalid(
-                "ttl",
-                format!(
-                    "a write lease of {ttl_ms} ms is never certainly valid with a skew margin \
-                     of {margin} ms: give it more than the margin"
-                ),
-            ));
-        }
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.margin())?;
         let mut backoff = self.locks.backoff()?;
         let Some(mut lease) = self.locks.acquire(owner, resource, ttl, wait).await? else {
             return Ok(None);
@@ -716,6 +828,14 @@ enum Writer {
     Keep,
 }
 
+/// How long after it was sent (by the server's clock) a blocking read's attempt may still
+/// apply; see [`RwLocks::read`].
+const LANDING_WINDOW: Duration = Duration::from_secs(2);
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// Server time after which a lease that expires later is still certainly valid now (the
 /// clock's bound and `margin_ms` included): what a renewal requires.
 fn certainly_valid_after(now: &ServerTime, margin_ms: i64) -> DateTime {
@@ -735,6 +855,7 @@ fn read_pipeline(
     cutoff: DateTime,
     writer: Writer,
     unknown: &[String],
+    land_by: Option<DateTime>,
 ) -> Vec<Document> {
     let readers = format!("${}", rf::READERS);
     let expiry = format!("$$r.{}", rf::READER_EXPIRES_AT);
@@ -745,6 +866,20 @@ fn read_pipeline(
         let id = format!("$$r.{}", rf::READER_ID);
         doc! { "$and": [live, { "$not": [{ "$in": [id, { "$literal": unknown }] }] }] }
     };
+    let entry = vec![Bson::Document(doc! {
+        rf::READER_OWNER: { "$literal": &lease.owner },
+        rf::READER_ID: { "$literal": &lease.id },
+        rf::READER_ACQUIRED_AT: { "$literal": lease.acquired_at },
+        rf::READER_EXPIRES_AT: { "$literal": lease.expires_at },
+    })];
+    let entry = match land_by {
+        None => Bson::Array(entry),
+        Some(land_by) => Bson::Document(doc! { "$cond": [
+            { "$lt": ["$$NOW", { "$literal": land_by }] },
+            entry,
+            [],
+        ] }),
+    };
     let mut set = doc! {
         rf::READERS: { "$concatArrays": [
             { "$filter": {
@@ -752,12 +887,7 @@ fn read_pipeline(
                 "as": "r",
                 "cond": keep,
             } },
-            [{
-                rf::READER_OWNER: { "$literal": &lease.owner },
-                rf::READER_ID: { "$literal": &lease.id },
-                rf::READER_ACQUIRED_AT: { "$literal": lease.acquired_at },
-                rf::READER_EXPIRES_AT: { "$literal": lease.expires_at },
-            }],
+            entry,
         ] },
         f::GC_AT: keep_gc_at(lease.expires_at),
     };
@@ -862,10 +992,10 @@ mod tests {
             acquired_at: DateTime::from_millis(0),
             expires_at: DateTime::from_millis(10),
         };
-        let safe = read_pipeline(&lease, DateTime::from_millis(0), Writer::Clear, &[]);
+        let safe = read_pipeline(&lease, DateTime::from_millis(0), Writer::Clear, &[], None);
         let set = safe[0].get_document("$set").ok();
         assert_eq!(set.and_then(|s| s.get(f::OWNER)), Some(&Bson::Null));
-        let control = read_pipeline(&lease, DateTime::from_millis(0), Writer::Keep, &[]);
+        let control = read_pipeline(&lease, DateTime::from_millis(0), Writer::Keep, &[], None);
         let set = control[0].get_document("$set").ok();
         assert_eq!(set.and_then(|s| s.get(f::OWNER)), None);
     }

@@ -319,7 +319,7 @@ impl Semaphore {
     /// holders that are not certainly expired hold it (contention is not an error).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad resource or owner or a zero ttl; a database error.
+    /// [`Error::InvalidInput`] for a bad resource or owner or a ttl not longer than the skew margin; a database error.
     #[instrument(skip(self, owner), fields(collection = %self.docs.name(), owner = owner.id()))]
     pub async fn try_acquire(
         &self,
@@ -347,7 +347,7 @@ impl Semaphore {
     ) -> Result<Option<Permit>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.time.skew_margin_ms())?;
         for _ in 0..MAX_ROUNDS {
             let now = self.time.now().await?;
             let cutoff = now.expired_before(self.time.skew_margin_ms());
@@ -531,7 +531,7 @@ impl Semaphore {
     ///
     /// # Errors
     /// [`Error::LeaseLost`] if the permit expired, was released or dropped;
-    /// [`Error::InvalidInput`] for a zero ttl; a database error.
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin (zero included); a database error.
     #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn renew(&self, permit: &mut Permit, ttl: Duration) -> Result<()> {
         self.renew_many(std::slice::from_mut(permit), ttl)
@@ -553,7 +553,7 @@ impl Semaphore {
     /// `expires_at` is updated.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a zero ttl and the clock's error, for the whole call.
+    /// [`Error::InvalidInput`] for a ttl not longer than the skew margin and the clock's error, for the whole call.
     /// Per permit: [`Error::LeaseLost`] if it expired, was released or dropped; a
     /// database error of its resource's write (the other resources' writes are not
     /// affected).
@@ -563,7 +563,7 @@ impl Semaphore {
         permits: &mut [Permit],
         ttl: Duration,
     ) -> Result<Vec<Result<()>>> {
-        let ttl_ms = validate::duration_ms("ttl", ttl)?;
+        let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.time.skew_margin_ms())?;
         if permits.is_empty() {
             return Ok(Vec::new());
         }

@@ -122,10 +122,14 @@ impl Wake {
     /// A wake-up on changes of document `id` in `coll` that also match `matching` (a
     /// `$match` condition on the change event, for example [`Wake::freed_lock`]); nothing
     /// is subscribed until [`Wake::arm`].
-    pub(crate) fn new(coll: &Collection<Document>, id: &str, matching: Document) -> Self {
+    pub(crate) fn new(
+        coll: &Collection<Document>,
+        id: impl Into<Bson>,
+        matching: Document,
+    ) -> Self {
         Self {
             coll: coll.clone(),
-            id: Bson::String(id.to_owned()),
+            id: id.into(),
             matching,
             state: State::Closed,
         }
@@ -142,6 +146,18 @@ impl Wake {
         doc! { "$or": [
             { "operationType": { "$in": ["delete", "replace", "invalidate"] } },
             { owner: Bson::Null },
+        ] }
+    }
+
+    /// The change-event condition "the document lock was freed or may have been" for a
+    /// document lock whose id is in `lock_id_field` ([`super::DocumentLocks`]): deleted or
+    /// replaced, updated with the lock id set to `null` (a release), or the lock id
+    /// removed (a hand edit). A lock taken by another waiter does not wake anyone.
+    pub(crate) fn freed_document(lock_id_field: &str) -> Document {
+        doc! { "$or": [
+            { "operationType": { "$in": ["delete", "replace", "invalidate"] } },
+            { format!("updateDescription.updatedFields.{lock_id_field}"): Bson::Null },
+            { "updateDescription.removedFields": lock_id_field },
         ] }
     }
 

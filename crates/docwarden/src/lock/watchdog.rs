@@ -120,14 +120,14 @@ impl Watchdog {
     /// Starts renewing `lease` for `ttl` at a time. Must be called inside a Tokio runtime.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a zero ttl or a fraction outside (0, 1).
+    /// [`Error::InvalidInput`] for a ttl not longer than the time source's skew margin or a fraction outside (0, 1).
     pub fn start(
         locks: LockCollection,
         lease: Lease,
         ttl: Duration,
         options: WatchdogOptions,
     ) -> Result<Self> {
-        validate::duration_ms("ttl", ttl)?;
+        super::lease::ttl_ms("ttl", ttl, locks.time().skew_margin_ms())?;
         let fraction = validate::fraction("renew fraction", options.renew_fraction)?;
         let interval = ttl.mul_f64(fraction).max(Duration::from_millis(1));
         // Valid until the deadline the time source's fresh sample gives, as after a

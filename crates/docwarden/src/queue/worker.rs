@@ -939,6 +939,8 @@ async fn run_job(
                         .or_else(|| panic.downcast_ref::<String>().cloned())
                         .unwrap_or_default();
                     tracing::warn!(panic = %what, "handler panicked; attempt failed");
+                    // Tasks it spawned may outlive it: tell them the attempt is over.
+                    job.cancellation().cancel();
                     Transition::Fail(format!("the handler panicked: {what}"))
                 }
             }),
@@ -963,12 +965,18 @@ async fn run_job(
             after = timeout => {
                 tracing::warn!(?after, "handler ran past the job timeout; handler dropped, attempt failed");
                 Counters::bump(&ctx.counters.timed_out);
+                // The handler is dropped; tasks it spawned are told by the claim's token.
+                job.cancellation().cancel();
                 return Ran {
                     transition: Some(Transition::Fail(super::options::timed_out_error(after))),
                     timed_out: true,
                 };
             }
-            () = hard.cancelled() => Some(Transition::Release),
+            () = hard.cancelled() => {
+                // Dropped at the shutdown deadline, the job released: as at a timeout.
+                job.cancellation().cancel();
+                Some(Transition::Release)
+            }
         };
         Ran { transition, timed_out: false }
     }

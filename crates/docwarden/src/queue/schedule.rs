@@ -282,13 +282,20 @@ fn parse(d: &Document) -> Result<(Schedule, String, DateTime, DateTime)> {
         .get_str(sf::ID)
         .map_err(|_| bad("`_id` must be a string".into()))?
         .to_owned();
-    let spec = match (d.get(sf::CRON), d.get(sf::EVERY_MS)) {
+    // int32 is read like int64 (as every integer of the stored formats): tools such as
+    // the Node.js driver store small whole numbers as int32.
+    let every_ms = match d.get(sf::EVERY_MS) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    };
+    let spec = match (d.get(sf::CRON), every_ms) {
         (Some(Bson::String(expr)), _) => ScheduleSpec::Cron {
             expr: expr.clone(),
             timezone: d.get_str(sf::TIMEZONE).unwrap_or("UTC").to_owned(),
         },
-        (_, Some(Bson::Int64(ms))) if *ms > 0 => {
-            ScheduleSpec::Every(Duration::from_millis(u64::try_from(*ms).unwrap_or(1)))
+        (_, Some(ms)) if ms > 0 => {
+            ScheduleSpec::Every(Duration::from_millis(u64::try_from(ms).unwrap_or(1)))
         }
         _ => return Err(bad("neither `cron` nor a positive `every_ms`".into())),
     };

@@ -592,22 +592,65 @@ impl JobQueue {
                 Ok((s, _, last, anchor)) => {
                     let name = s.name.clone();
                     match self.fire(&coll, s, last, anchor, &mut report).await {
-                        Ok(()) => {}
+                        Ok(()) => self.schedule_ticked(&name),
                         // This schedule's own fault (a hand edit): skip it, run the others.
                         Err(e @ (Error::InvalidInput { .. } | Error::Malformed { .. })) => {
                             report.errors += 1;
-                            tracing::warn!(schedule = %name, error = %e, "schedule skipped: its tick cannot be enqueued");
+                            self.schedule_problem(
+                                &name,
+                                &e,
+                                "schedule skipped: its tick cannot be enqueued",
+                            );
                         }
                         Err(e) => return Err(e),
                     }
                 }
                 Err(e) => {
                     report.errors += 1;
-                    tracing::warn!(error = %e, "schedule document skipped");
+                    let id = match d.get(sf::ID) {
+                        Some(Bson::String(name)) => name.clone(),
+                        Some(other) => other.to_string(),
+                        None => "?".to_owned(),
+                    };
+                    self.schedule_problem(&id, &e, "schedule document skipped");
                 }
             }
         }
         Ok(report)
+    }
+
+    /// Logs that schedule `id` cannot tick because of `error`: as a warning the first
+    /// time this handle sees that problem, at debug level on every later pass (a pass
+    /// runs every 200 ms by default, in every worker that runs schedules), so a broken
+    /// schedule is reported once per handle, and again once its problem changes or
+    /// after it was fixed and broke again.
+    fn schedule_problem(&self, id: &str, error: &Error, what: &'static str) {
+        let reason = error.to_string();
+        let new = {
+            let mut seen = self
+                .inner
+                .schedule_problems
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            seen.insert(id.to_owned(), reason.clone()).as_ref() != Some(&reason)
+        };
+        if new {
+            tracing::warn!(schedule = %id, error = %reason, "{what} (logged once until it changes)");
+        } else {
+            tracing::debug!(schedule = %id, error = %reason, "{what}");
+        }
+    }
+
+    /// Schedule `name` ticked (or had nothing due): a later problem is new again.
+    fn schedule_ticked(&self, name: &str) {
+        let mut seen = self
+            .inner
+            .schedule_problems
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !seen.is_empty() {
+            seen.remove(name);
+        }
     }
 
     async fn fire(

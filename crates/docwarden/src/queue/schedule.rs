@@ -50,7 +50,8 @@ const MAX_ROUNDS: usize = 64;
 pub enum ScheduleSpec {
     /// Every `every`, from the schedule's creation (its `anchor`).
     Every(Duration),
-    /// A cron expression (5 fields, or 6 with seconds first) in an IANA time zone.
+    /// A cron expression (5 fields, 6 with seconds first, or 7 with seconds first and a
+    /// year last, as the `croner` crate parses them) in an IANA time zone.
     Cron {
         /// The expression, e.g. `0 9 * * 1-5`.
         expr: String,

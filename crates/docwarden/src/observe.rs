@@ -114,7 +114,7 @@ pub const SERIES: [Series; 8] = [
     Series {
         name: RUN,
         kind: SeriesKind::Histogram,
-        help: "Handler run time, by outcome (succeeded, failed, snoozed, released, lease_lost).",
+        help: "Handler run time, by outcome (succeeded, failed, timed_out, snoozed, released, lease_lost).",
     },
     Series {
         name: LOCK_ACQUISITIONS,
@@ -259,9 +259,12 @@ pub(crate) fn started(queue: &str, job: &ClaimedJob) -> Instant {
 }
 
 /// A handler of `queue` started at `started` ended with `transition` (`None`: dropped,
-/// its lease lost or its cancel grace over).
-pub(crate) fn ran(queue: &str, started: Instant, transition: Option<&Transition>) {
+/// its lease lost or its cancel grace over); `timed_out`: it was dropped at
+/// `WorkerOptions::job_timeout` (its transition is then the failure), labelled
+/// `timed_out` rather than `failed`.
+pub(crate) fn ran(queue: &str, started: Instant, transition: Option<&Transition>, timed_out: bool) {
     let outcome = match transition {
+        Some(Transition::Fail(_)) if timed_out => "timed_out",
         Some(Transition::Complete(_)) => "succeeded",
         Some(Transition::Fail(_)) => "failed",
         Some(Transition::Snooze(_)) => "snoozed",

@@ -164,6 +164,10 @@ struct Inner {
     /// servers that cannot bound `$not: {$type}`), run every `claim::UNDATABLE_SWEEP_EVERY`
     /// sweeps.
     last_undatable_sweep: Mutex<Option<Instant>>,
+    /// The problem last logged per schedule document (`_id` → reason) by this handle's
+    /// scheduler passes: a schedule that cannot tick is logged once as a warning, and
+    /// again only when its problem changes or after it ticked (`queue/schedule.rs`).
+    schedule_problems: Mutex<std::collections::HashMap<String, String>>,
     /// The next partition a batch claim of this handle reads (rotating).
     next_partition: AtomicU32,
     /// How many partitions one batch claim reads (adapts to the backlog).
@@ -227,6 +231,7 @@ impl JobQueue {
                 ttl_ms,
                 last_reap: Mutex::new(None),
                 last_undatable_sweep: Mutex::new(None),
+                schedule_problems: Mutex::new(std::collections::HashMap::new()),
                 next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
                 span: AtomicU32::new(1),
                 span_full: AtomicU32::new(0),

@@ -24,11 +24,15 @@ const OK: i32 = 40;
 const FLAKY: i32 = 8;
 const DEAD: i32 = 6;
 const LOSE: i32 = 5;
+const SLOW: i32 = 4;
+/// The worker's `job_timeout`: `slow` jobs run past it on their first attempt.
+const JOB_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One handler for every kind of job: `ok` succeeds, `flaky` fails its first attempt,
 /// `dead` always fails (two attempts), `lose` loses its lease on its first attempt (its
 /// lease expires and the sweep takes it back while the handler runs) and then returns
-/// success, which the fence refuses.
+/// success, which the fence refuses; `slow` runs past the worker's job timeout on its
+/// first attempt (dropped, the attempt failed as `timed_out`) and succeeds on its second.
 async fn run(queue: JobQueue, job: ClaimedJob) -> HandlerResult {
     let kind = job
         .payload()
@@ -39,6 +43,10 @@ async fn run(queue: JobQueue, job: ClaimedJob) -> HandlerResult {
     match kind.as_str() {
         "flaky" if job.job.attempts == 1 => Err("flaky: first attempt fails".into()),
         "dead" => Err("always fails".into()),
+        "slow" if job.job.attempts == 1 => {
+            tokio::time::sleep(JOB_TIMEOUT * 30).await;
+            Ok(Bson::String("never: dropped at the timeout".into()))
+        }
         "lose" if job.job.attempts == 1 => {
             let past = mongodb::bson::DateTime::from_millis(0);
             queue
@@ -152,6 +160,7 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
         ("flaky", FLAKY, 3),
         ("dead", DEAD, 2),
         ("lose", LOSE, 3),
+        ("slow", SLOW, 3),
     ] {
         for i in 0..n {
             queue
@@ -162,7 +171,7 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
                 .await?;
         }
     }
-    let total = OK + FLAKY + DEAD + LOSE;
+    let total = OK + FLAKY + DEAD + LOSE + SLOW;
     let q = queue.clone();
     // Heartbeats far apart: a lost lease is seen by the refused completion (a heartbeat
     // seeing it first would drop the handler instead; either counts one loss).
@@ -171,7 +180,8 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
         WorkerOptions::default()
             .concurrency(8)
             .batch_size(16)
-            .heartbeat_every(Duration::from_secs(10)),
+            .heartbeat_every(Duration::from_secs(10))
+            .job_timeout(JOB_TIMEOUT),
         move |job| run(q.clone(), job),
     )?;
     let started = Instant::now();
@@ -280,11 +290,11 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     // Every attempt ended one way: completed, failed (retrying or dead), or lost.
     assert_eq!(claims, completions + retrying + dead + lost, "{text}");
     // And the designed numbers.
-    assert_eq!(db_succeeded, f64::from(OK + FLAKY + LOSE));
+    assert_eq!(db_succeeded, f64::from(OK + FLAKY + LOSE + SLOW));
     assert_eq!(db_dead, f64::from(DEAD));
     assert_eq!(lost, f64::from(LOSE));
-    assert_eq!(retrying, f64::from(FLAKY + DEAD));
-    assert_eq!(claims, f64::from(OK + 2 * (FLAKY + DEAD + LOSE)));
+    assert_eq!(retrying, f64::from(FLAKY + DEAD + SLOW));
+    assert_eq!(claims, f64::from(OK + 2 * (FLAKY + DEAD + LOSE + SLOW)));
     // Each handler run and each start is one histogram sample.
     assert_eq!(
         sum(&s, "docwarden_queue_run_seconds_count", &q),
@@ -302,9 +312,20 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
             "docwarden_queue_run_seconds_count",
             &[("queue", "jobs"), ("outcome", "failed")]
         ),
-        retrying + dead,
+        retrying + dead - f64::from(SLOW),
+        "handler errors only: a timed-out run has its own label\n{text}"
+    );
+    // A run dropped at `job_timeout` is labelled `timed_out`, not `failed`.
+    assert_eq!(
+        sum(
+            &s,
+            "docwarden_queue_run_seconds_count",
+            &[("queue", "jobs"), ("outcome", "timed_out")]
+        ),
+        f64::from(SLOW),
         "{text}"
     );
+    assert_eq!(report.timed_out, u64::try_from(SLOW)?);
     // The worker's own report agrees.
     assert_eq!(f64::from(u32::try_from(report.claimed)?), claims);
     assert_eq!(f64::from(u32::try_from(report.lease_lost)?), lost);

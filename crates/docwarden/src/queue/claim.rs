@@ -622,7 +622,8 @@ impl JobQueue {
     /// a running job whose `lease.until` is not a date (null, missing, a string) counts
     /// as expired once it has not been updated (claimed or heartbeated) for a lease TTL
     /// past the same cut-off, and goes to `retrying` (or `dead`) with the reason; a
-    /// `ready`/`retrying` job whose `run_at` is not a date can never be due, and goes to
+    /// `ready`/`retrying` job whose `run_at` is not a date can never be due, and one
+    /// whose `limits` is neither a document nor null can never be claimed: both go to
     /// `dead` with the reason.
     ///
     /// # Errors
@@ -703,7 +704,30 @@ impl JobQueue {
                 "jobs whose run_at is not a date moved to dead"
             );
         }
-        Ok(expired + unreadable + undue)
+        let unlimitable = self
+            .inner
+            .coll
+            .update_many(
+                self.malformed_limits_filter(),
+                vec![doc! { "$set": {
+                    field::STATE: JobState::Dead.as_str(),
+                    field::LAST_ERROR: { "$concat": [
+                        "malformed job document: `limits` must be a document, found ",
+                        { "$type": "$limits" },
+                    ] },
+                    field::FINISHED_AT: now.estimate(),
+                    field::UPDATED_AT: now.estimate(),
+                } }],
+            )
+            .await?
+            .modified_count;
+        if unlimitable > 0 {
+            tracing::warn!(
+                jobs = unlimitable,
+                "jobs whose limits is neither a document nor null moved to dead"
+            );
+        }
+        Ok(expired + unreadable + undue + unlimitable)
     }
 
     /// Claimable jobs that can never be due: `run_at` is not a date.
@@ -713,6 +737,23 @@ impl JobQueue {
             field::RUN_AT: { "$not": { "$type": "date" } },
             field::QUEUE: self.queue_value(),
         }
+    }
+
+    /// Claimable jobs that no claim can take: `limits` is there but neither a document
+    /// nor null (a hand edit). Every plain claim requires `limits: null` and every
+    /// limited claim `limits: {$type: "object"}`; an array counts as malformed whatever
+    /// it holds (`$type` matches an array by its elements).
+    pub(crate) fn malformed_limits_filter(&self) -> Document {
+        doc! { "$and": [
+            {
+                field::STATE: { "$in": claimable_states() },
+                field::QUEUE: self.queue_value(),
+            },
+            { "$or": [
+                { field::LIMITS: { "$type": "array" } },
+                { field::LIMITS: { "$exists": true, "$not": { "$type": ["object", "null"] } } },
+            ] },
+        ] }
     }
 
     /// Running jobs whose `lease.until` is not a date.

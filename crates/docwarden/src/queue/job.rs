@@ -329,7 +329,10 @@ impl ClaimedJob {
     /// while running (its handler should stop: whatever it returns afterwards is refused
     /// by the fence) or its lease was lost. A handler that ignores it is dropped
     /// [`WorkerOptions::cancel_grace`](super::WorkerOptions::cancel_grace) after the
-    /// signal.
+    /// signal. The worker also cancels it when it abandons the handler — at
+    /// [`WorkerOptions::job_timeout`](super::WorkerOptions::job_timeout), after a panic,
+    /// or at the end of the shutdown deadline — so that tasks the handler spawned (which
+    /// the worker cannot abort) can stop: the attempt is over and the job may run again.
     ///
     /// ```no_run
     /// # async fn handler(job: docwarden::queue::ClaimedJob) -> docwarden::queue::HandlerResult {

@@ -46,6 +46,10 @@ pub struct QueueStats {
     /// Ready or retrying jobs whose `run_at` is not a date (a hand edit): they can never
     /// be due; the next sweep moves them to `dead` with the reason.
     pub undatable: u64,
+    /// Ready or retrying jobs whose `limits` is neither a document nor null (a hand
+    /// edit): no claim can take them; the next sweep of undatable jobs moves them to
+    /// `dead` with the reason.
+    pub malformed_limits: u64,
     /// All jobs.
     pub total: u64,
     /// Jobs that store `queue: "default"` (any state), counted for the default queue
@@ -243,6 +247,7 @@ impl JobQueue {
             .await?;
         stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
         stats.undatable = coll.count_documents(self.undatable_filter()).await?;
+        stats.malformed_limits = coll.count_documents(self.malformed_limits_filter()).await?;
         if self.inner.options.queue.is_none() {
             // Not indexed (the claim indexes are partial on the claimable states): one
             // read of the collection, as the counts by state above.

@@ -50,7 +50,8 @@ const MAX_ROUNDS: usize = 64;
 pub enum ScheduleSpec {
     /// Every `every`, from the schedule's creation (its `anchor`).
     Every(Duration),
-    /// A cron expression (5 fields, or 6 with seconds first) in an IANA time zone.
+    /// A cron expression (5 fields, 6 with seconds first, or 7 with seconds first and a
+    /// year last, as the `croner` crate parses them) in an IANA time zone.
     Cron {
         /// The expression, e.g. `0 9 * * 1-5`.
         expr: String,
@@ -282,13 +283,20 @@ fn parse(d: &Document) -> Result<(Schedule, String, DateTime, DateTime)> {
         .get_str(sf::ID)
         .map_err(|_| bad("`_id` must be a string".into()))?
         .to_owned();
-    let spec = match (d.get(sf::CRON), d.get(sf::EVERY_MS)) {
+    // int32 is read like int64 (as every integer of the stored formats): tools such as
+    // the Node.js driver store small whole numbers as int32.
+    let every_ms = match d.get(sf::EVERY_MS) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    };
+    let spec = match (d.get(sf::CRON), every_ms) {
         (Some(Bson::String(expr)), _) => ScheduleSpec::Cron {
             expr: expr.clone(),
             timezone: d.get_str(sf::TIMEZONE).unwrap_or("UTC").to_owned(),
         },
-        (_, Some(Bson::Int64(ms))) if *ms > 0 => {
-            ScheduleSpec::Every(Duration::from_millis(u64::try_from(*ms).unwrap_or(1)))
+        (_, Some(ms)) if ms > 0 => {
+            ScheduleSpec::Every(Duration::from_millis(u64::try_from(ms).unwrap_or(1)))
         }
         _ => return Err(bad("neither `cron` nor a positive `every_ms`".into())),
     };
@@ -585,22 +593,65 @@ impl JobQueue {
                 Ok((s, _, last, anchor)) => {
                     let name = s.name.clone();
                     match self.fire(&coll, s, last, anchor, &mut report).await {
-                        Ok(()) => {}
+                        Ok(()) => self.schedule_ticked(&name),
                         // This schedule's own fault (a hand edit): skip it, run the others.
                         Err(e @ (Error::InvalidInput { .. } | Error::Malformed { .. })) => {
                             report.errors += 1;
-                            tracing::warn!(schedule = %name, error = %e, "schedule skipped: its tick cannot be enqueued");
+                            self.schedule_problem(
+                                &name,
+                                &e,
+                                "schedule skipped: its tick cannot be enqueued",
+                            );
                         }
                         Err(e) => return Err(e),
                     }
                 }
                 Err(e) => {
                     report.errors += 1;
-                    tracing::warn!(error = %e, "schedule document skipped");
+                    let id = match d.get(sf::ID) {
+                        Some(Bson::String(name)) => name.clone(),
+                        Some(other) => other.to_string(),
+                        None => "?".to_owned(),
+                    };
+                    self.schedule_problem(&id, &e, "schedule document skipped");
                 }
             }
         }
         Ok(report)
+    }
+
+    /// Logs that schedule `id` cannot tick because of `error`: as a warning the first
+    /// time this handle sees that problem, at debug level on every later pass (a pass
+    /// runs every 200 ms by default, in every worker that runs schedules), so a broken
+    /// schedule is reported once per handle, and again once its problem changes or
+    /// after it was fixed and broke again.
+    fn schedule_problem(&self, id: &str, error: &Error, what: &'static str) {
+        let reason = error.to_string();
+        let new = {
+            let mut seen = self
+                .inner
+                .schedule_problems
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            seen.insert(id.to_owned(), reason.clone()).as_ref() != Some(&reason)
+        };
+        if new {
+            tracing::warn!(schedule = %id, error = %reason, "{what} (logged once until it changes)");
+        } else {
+            tracing::debug!(schedule = %id, error = %reason, "{what}");
+        }
+    }
+
+    /// Schedule `name` ticked (or had nothing due): a later problem is new again.
+    fn schedule_ticked(&self, name: &str) {
+        let mut seen = self
+            .inner
+            .schedule_problems
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !seen.is_empty() {
+            seen.remove(name);
+        }
     }
 
     async fn fire(

@@ -840,12 +840,16 @@ async fn run_slot(
         };
         let started = crate::observe::started(ctx.queue.metrics_label(), &job);
         let ran_from = tokio::time::Instant::now();
-        let final_transition = run_job(&ctx, &job, &lost, &hard).await;
+        let Ran {
+            transition: final_transition,
+            timed_out,
+        } = run_job(&ctx, &job, &lost, &hard).await;
         ctx.ran_for(ran_from.elapsed());
         crate::observe::ran(
             ctx.queue.metrics_label(),
             started,
             final_transition.as_ref(),
+            timed_out,
         );
         ctx.outstanding.fetch_sub(1, Ordering::Relaxed);
         ctx.finished.fetch_add(1, Ordering::Relaxed);
@@ -868,14 +872,22 @@ async fn run_slot(
     }
 }
 
+/// How one handler run ended.
+struct Ran {
+    /// The transition to write; `None` when the lease was lost (nothing is written).
+    transition: Option<Transition>,
+    /// Dropped at [`WorkerOptions::job_timeout`] (the transition is its failure).
+    timed_out: bool,
+}
+
 /// Runs the handler of one job; returns the transition to write, or `None` when the
-/// lease was lost (nothing is written).
+/// lease was lost (nothing is written), and whether it timed out.
 async fn run_job(
     ctx: &Ctx,
     job: &ClaimedJob,
     lost: &CancellationToken,
     hard: &CancellationToken,
-) -> Option<Transition> {
+) -> Ran {
     let span = tracing::info_span!("job", id = %job.id(), queue = %ctx.queue.collection().name(), name = ctx.queue.queue_name(), attempt = job.job.attempts, token = job.lease.token.as_str());
     async move {
         if lost.is_cancelled()
@@ -886,7 +898,7 @@ async fn run_job(
         {
             // Lost, cancelled by an operator, or not renewed in time while it waited for
             // a slot (the sweep takes it back): never started.
-            return None;
+            return Ran { transition: None, timed_out: false };
         }
         // A panic in the handler (or in the call that makes its future) fails the attempt:
         // unwinding through the slot would end the slot and leave the job held, its lease
@@ -910,7 +922,7 @@ async fn run_job(
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
+        let transition = tokio::select! {
             r = handler => Some(match r {
                 Ok(Ok(result)) => match too_large(&result) {
                     None => Transition::Complete(result),
@@ -927,6 +939,8 @@ async fn run_job(
                         .or_else(|| panic.downcast_ref::<String>().cloned())
                         .unwrap_or_default();
                     tracing::warn!(panic = %what, "handler panicked; attempt failed");
+                    // Tasks it spawned may outlive it: tell them the attempt is over.
+                    job.cancellation().cancel();
                     Transition::Fail(format!("the handler panicked: {what}"))
                 }
             }),
@@ -951,10 +965,20 @@ async fn run_job(
             after = timeout => {
                 tracing::warn!(?after, "handler ran past the job timeout; handler dropped, attempt failed");
                 Counters::bump(&ctx.counters.timed_out);
-                Some(Transition::Fail(super::options::timed_out_error(after)))
+                // The handler is dropped; tasks it spawned are told by the claim's token.
+                job.cancellation().cancel();
+                return Ran {
+                    transition: Some(Transition::Fail(super::options::timed_out_error(after))),
+                    timed_out: true,
+                };
             }
-            () = hard.cancelled() => Some(Transition::Release),
-        }
+            () = hard.cancelled() => {
+                // Dropped at the shutdown deadline, the job released: as at a timeout.
+                job.cancellation().cancel();
+                Some(Transition::Release)
+            }
+        };
+        Ran { transition, timed_out: false }
     }
     .instrument(span)
     .await

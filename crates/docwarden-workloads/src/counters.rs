@@ -463,7 +463,7 @@ pub enum Increment {
     /// Locked, read, wrote `n + 1` and released in one fenced update.
     Done,
     /// Not locked: the document is locked by someone else (contention) or does not exist;
-    /// `DocumentLocks::lock` reports both as `None`.
+    /// `DocumentLocks::try_lock` reports both as `None`.
     Busy,
 }
 
@@ -476,7 +476,7 @@ pub async fn document_increment(
     locks: &DocumentLocks,
     id: impl Into<Bson> + std::fmt::Display,
 ) -> anyhow::Result<Increment> {
-    match locks.lock(id).await {
+    match locks.try_lock(id).await {
         Ok(Some(guard)) => {
             let n = guard.document.get_i64("n").unwrap_or_default();
             let outcome = locks

@@ -26,7 +26,7 @@
 //! **Handles:** [`LockCollection`], [`DocumentLocks`] and [`Fence`] each have a sync `new`
 //! that only validates and an async `open(db, name, …)` that runs
 //! [`crate::preflight::check`] and creates the indexes. Contention is `Ok(None)`
-//! ([`LockCollection::try_acquire`], [`DocumentLocks::lock`]), never an error.
+//! ([`LockCollection::try_acquire`], [`DocumentLocks::try_lock`]), never an error.
 //!
 //! **Limits:** a lease is a promise about time, not about the holder: a process paused past
 //! its ttl still believes it holds the lease. Writes made under a lease must therefore be

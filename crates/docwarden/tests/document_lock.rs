@@ -48,13 +48,13 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
     .await?;
     let locks = locks(&t, &coll, Duration::from_secs(30))?;
 
-    let guard = locks.lock("d1").await?.context("exists")?;
+    let guard = locks.try_lock("d1").await?.context("exists")?;
     assert_eq!(guard.document.get_str("lock_id")?, guard.lock_id);
     assert_eq!(guard.lock_id.len(), 32);
     // Contention is not an error: a held lock is `Ok(None)`, and the refused attempt
     // leaves the holder's lock fields exactly as they were.
     let held = coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?;
-    assert!(matches!(locks.lock("d1").await, Ok(None)));
+    assert!(matches!(locks.try_lock("d1").await, Ok(None)));
     assert_eq!(
         coll.find_one(doc! { "_id": "d1" }).await?.context("d1")?,
         held
@@ -76,19 +76,19 @@ async fn lock_release_with_and_lock_again() -> anyhow::Result<()> {
 
     // A released document can be locked again (with the seed's AND filter it cannot:
     // `lock_time < cutoff` never matches null).
-    let again = locks.lock("d1").await?.context("relock")?;
+    let again = locks.try_lock("d1").await?.context("relock")?;
     assert_eq!(locks.release(again).await?, FenceOutcome::Applied);
     // Control: docwarden's document locks with one safeguard off (seed 003's AND filter)
     // cannot relock the released document.
     let seed = seed_locks(&t, &coll, Duration::from_secs(30))?;
-    let seed_and = seed.lock("d1").await;
+    let seed_and = seed.try_lock("d1").await;
     assert!(
         matches!(seed_and, Ok(None)),
         "control: the seed's AND filter cannot relock a released document: {seed_and:?}"
     );
 
     // A missing document is not created by lock().
-    assert!(locks.lock("missing").await?.is_none());
+    assert!(locks.try_lock("missing").await?.is_none());
     assert_eq!(coll.count_documents(doc! { "_id": "missing" }).await?, 0);
     Ok(())
 }
@@ -198,7 +198,7 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
         .lock_or_create("d", doc! { "value": "start" })
         .await?
         .context("d is new")?;
-    assert!(matches!(locks.lock("d").await, Ok(None)));
+    assert!(matches!(locks.try_lock("d").await, Ok(None)));
     tokio::time::sleep(Duration::from_millis(1_800)).await; // a pauses past max_duration
 
     // Control first: docwarden's document locks with one safeguard off (seed 003's AND
@@ -206,7 +206,7 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     let seed = seed_locks(&t, &coll, Duration::from_secs(1))?;
     let mut seed_takeovers = 0;
     for attempt in [
-        seed.lock("d").await.map(|g| g.is_some()),
+        seed.try_lock("d").await.map(|g| g.is_some()),
         seed.lock_or_create("d", doc! {}).await.map(|g| g.is_some()),
     ] {
         if attempt? {
@@ -218,7 +218,7 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
         "control: the seed's AND filter says 'already locked' forever"
     );
 
-    let b = locks.lock("d").await?.context("b takes over")?;
+    let b = locks.try_lock("d").await?.context("b takes over")?;
     assert_ne!(b.lock_id, a.lock_id);
     let lost = locks
         .release_with(a, doc! { "$set": { "value": "from a" } })
@@ -234,7 +234,7 @@ async fn an_expired_lock_is_taken_over_and_the_old_release_is_lost() -> anyhow::
     assert_eq!(d.get_str("value")?, "from b");
 
     // A lock that was cleared (released by hand) is lost as well.
-    let c = locks.lock("d").await?.context("c")?;
+    let c = locks.try_lock("d").await?.context("c")?;
     coll.update_one(
         doc! { "_id": "d" },
         doc! { "$set": { "lock_id": Bson::Null } },
@@ -259,7 +259,7 @@ async fn counter_rounds(
             for _ in 0..ROUNDS {
                 match &locks {
                     Some(locks) => loop {
-                        match locks.lock("counter").await {
+                        match locks.try_lock("counter").await {
                             Ok(Some(guard)) => {
                                 let n = guard.document.get_i64("n")?;
                                 tokio::task::yield_now().await;
@@ -382,7 +382,13 @@ async fn bad_input_is_refused_and_nothing_is_written() -> anyhow::Result<()> {
             .is_err_and(invalid)
     );
     let long = "x".repeat(docwarden::validate::MAX_NAME_LEN + 1);
-    assert!(locks.lock(long.as_str()).await.as_ref().is_err_and(invalid));
+    assert!(
+        locks
+            .try_lock(long.as_str())
+            .await
+            .as_ref()
+            .is_err_and(invalid)
+    );
     assert_eq!(coll.count_documents(doc! {}).await?, 0);
     let guard = locks
         .lock_or_create("ok", doc! {})
@@ -426,7 +432,7 @@ async fn an_operator_document_as_id_locks_nothing() -> anyhow::Result<()> {
             options: String::new(),
         }),
     ] {
-        let locked = locks.lock(id.clone()).await;
+        let locked = locks.try_lock(id.clone()).await;
         assert!(
             locked.as_ref().is_err_and(invalid),
             "lock({id}): {locked:?}"
@@ -515,7 +521,7 @@ fn a_plain_release_as_a_pipeline_leaves_what_the_fenced_operator_form_leaves() -
             let mut d = base.clone();
             d.insert("_id", mine);
             coll.insert_one(d).await?;
-            let guard = locks.lock(mine).await?.context("free document")?;
+            let guard = locks.try_lock(mine).await?.context("free document")?;
             // The twin: the same fields in the same order, the same lock fields.
             let mut d = doc! { "_id": twin };
             for (k, v) in coll.find_one(doc! { "_id": mine }).await?.context("mine")? {

@@ -240,7 +240,7 @@ async fn a_document_lock_without_a_date_lock_time_is_taken_over() -> anyhow::Res
 
         let mut got = None;
         for _ in 0..3 {
-            match locks.lock(id.as_str()).await {
+            match locks.try_lock(id.as_str()).await {
                 Ok(Some(guard)) => {
                     got = Some(guard);
                     break;
@@ -282,7 +282,7 @@ async fn a_document_lock_without_a_date_lock_time_is_taken_over() -> anyhow::Res
         .lock_or_create("held", doc! {})
         .await?
         .context("held is new")?;
-    assert!(matches!(locks.lock("held").await, Ok(None)));
+    assert!(matches!(locks.try_lock("held").await, Ok(None)));
     let listed = locks.list_locked().await?;
     assert_eq!(
         listed.len(),
@@ -296,7 +296,7 @@ async fn a_document_lock_without_a_date_lock_time_is_taken_over() -> anyhow::Res
     // A fresh lock_time (a date) is honoured even with a hand-written lock id.
     coll.insert_one(doc! { "_id": "hand", "lock_id": "someone", "lock_time": DateTime::now() })
         .await?;
-    assert!(matches!(locks.lock("hand").await, Ok(None)));
+    assert!(matches!(locks.try_lock("hand").await, Ok(None)));
     assert_eq!(locks.release(held).await?, FenceOutcome::Applied);
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! Session 19, item 3: the blocking document lock, `DocumentLocks::lock_within(id, wait)`
+//! Session 19, item 3: the blocking document lock, `DocumentLocks::lock(id, wait)` (named `lock_within` on its branch; `try_lock` is the single try)
 //! (before, `lock` was try-only and every caller wrote its own retry loop). A waiter is
 //! woken by the release (change stream on the document) and gets the lock at once; the
 //! wait ends with `Ok(None)` while the holder keeps the lock; racing waiters never hold
@@ -39,11 +39,11 @@ async fn handoffs(locks: &DocumentLocks) -> anyhow::Result<Vec<Duration>> {
     const ROUNDS: usize = 8;
     let mut delays = Vec::new();
     for _ in 0..ROUNDS {
-        let held = locks.lock("d").await?.expect("free");
+        let held = locks.try_lock("d").await?.expect("free");
         let waiter = {
             let locks = locks.clone();
             tokio::spawn(async move {
-                let got = locks.lock_within("d", Duration::from_secs(10)).await;
+                let got = locks.lock("d", Duration::from_secs(10)).await;
                 (Instant::now(), got)
             })
         };
@@ -86,9 +86,9 @@ async fn a_waiter_gets_the_lock_right_after_the_release() -> anyhow::Result<()> 
 async fn the_wait_passes_with_none_while_the_holder_keeps_it() -> anyhow::Result<()> {
     let t = TestDb::new("s19_doc_wait_none").await?;
     let locks = locks(&t, DocumentLockOptions::default()).await?;
-    let held = locks.lock("d").await?.expect("free");
+    let held = locks.try_lock("d").await?.expect("free");
     let started = Instant::now();
-    let got = locks.lock_within("d", Duration::from_millis(700)).await?;
+    let got = locks.lock("d", Duration::from_millis(700)).await?;
     let took = started.elapsed();
     println!("held: {got:?} after {took:?}");
     assert!(got.is_none());
@@ -97,14 +97,14 @@ async fn the_wait_passes_with_none_while_the_holder_keeps_it() -> anyhow::Result
     // A missing document: `Ok(None)` when the wait passes, as `lock` answers.
     assert!(
         locks
-            .lock_within("missing", Duration::from_millis(200))
+            .lock("missing", Duration::from_millis(200))
             .await?
             .is_none()
     );
     // A zero wait tries once.
-    assert!(locks.lock_within("d", Duration::ZERO).await?.is_none());
+    assert!(locks.lock("d", Duration::ZERO).await?.is_none());
     assert!(locks.release(held).await?.is_applied());
-    let again = locks.lock_within("d", Duration::ZERO).await?.expect("free");
+    let again = locks.lock("d", Duration::ZERO).await?.expect("free");
     assert!(locks.release(again).await?.is_applied());
     Ok(())
 }
@@ -122,7 +122,7 @@ async fn race(locks: DocumentLocks) -> anyhow::Result<(usize, usize)> {
         tasks.push(tokio::spawn(async move {
             let mut locked = 0;
             for _ in 0..ROUNDS {
-                let Some(guard) = locks.lock_within("d", Duration::from_secs(30)).await? else {
+                let Some(guard) = locks.lock("d", Duration::from_secs(30)).await? else {
                     continue;
                 };
                 locked += 1;

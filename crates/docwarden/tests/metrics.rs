@@ -244,10 +244,10 @@ async fn worker_and_lock_counters_match_the_database_after_a_run() -> anyhow::Re
     docs.insert_one(doc! { "_id": 1, "n": 0 }).await?;
     let doc_locks = DocumentLocks::new(docs, time, DocumentLockOptions::default())?;
     let guard = doc_locks
-        .lock(1)
+        .try_lock(1)
         .await?
         .ok_or_else(|| anyhow::anyhow!("document not locked"))?;
-    anyhow::ensure!(doc_locks.lock(1).await?.is_none());
+    anyhow::ensure!(doc_locks.try_lock(1).await?.is_none());
     anyhow::ensure!(doc_locks.release(guard).await?.is_applied());
 
     handle.run_upkeep();

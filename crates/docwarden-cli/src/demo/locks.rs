@@ -57,7 +57,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
         "   lock_or_create(dummy-1) created and locked it with a random lock id {}…",
         &guard.lock_id[..8]
     );
-    match locks.lock("dummy-1").await {
+    match locks.try_lock("dummy-1").await {
         Ok(None) => {
             crate::demo::narrate!("   a second lock(dummy-1): already locked")
         }
@@ -139,7 +139,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     violations += u64::try_from((expected - n).abs())?;
 
     // A holder that crashed long ago: its lock has expired and is taken over.
-    let stale = locks.lock("dummy-1").await?.context("dummy-1")?;
+    let stale = locks.try_lock("dummy-1").await?.context("dummy-1")?;
     coll.update_one(
         doc! { "_id": "dummy-1" },
         doc! { "$set": { LOCK_TIME: DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000) } },
@@ -153,7 +153,7 @@ async fn document_lock(db: &Database, time: TimeSource) -> anyhow::Result<Scenar
     crate::demo::narrate!(
         "   a holder crashed an hour ago; the seed's AND filter (lock_id null AND lock_time expired) matches {seed_and} document: it would say 'already locked' forever"
     );
-    let taker = locks.lock("dummy-1").await?.context("takeover")?;
+    let taker = locks.try_lock("dummy-1").await?.context("takeover")?;
     ops += 2;
     crate::demo::narrate!("   the OR filter takes the expired lock over");
     match locks

@@ -1,6 +1,6 @@
 //! The wait of a blocking acquire ([`super::LockCollection::acquire`],
 //! [`super::Semaphore::acquire`], [`super::RwLocks::read`] and [`super::RwLocks::write`],
-//! [`super::Election::campaign`], [`super::DocumentLocks::lock_within`]) and what a transient error does to it.
+//! [`super::Election::campaign`], [`super::DocumentLocks::lock`]) and what a transient error does to it.
 //!
 //! **Behaviour:** a blocking acquire keeps trying through errors that
 //! [`Error::is_retryable`] calls transient (not primary, stepping down, a network error, no
@@ -25,7 +25,7 @@
 //! entry under the new attempt's id while it is still certainly valid (the writer waits for
 //! it anyway) instead of waiting behind the writer. Where an acquire does not recognise its
 //! own lost acquisition (a `try_*` call retried by its caller; a blocking document lock,
-//! [`super::DocumentLocks::lock_within`], whose lock ids are not tracked), the next attempt finds it held and waits like any other contender,
+//! [`super::DocumentLocks::lock`], whose lock ids are not tracked), the next attempt finds it held and waits like any other contender,
 //! until that lease expires or the wait passes. Nobody ever holds two leases at once: the
 //! cost of an unrecognised lost reply is at most one ttl of waiting.
 

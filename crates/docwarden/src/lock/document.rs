@@ -42,7 +42,7 @@ pub struct DocumentLockOptions {
     pub lock_id_field: String,
     /// The field holding the lock time. Default `lock_time`.
     pub lock_time_field: String,
-    /// First delay of a blocking [`DocumentLocks::lock_within`] retry. Default 5 ms.
+    /// First delay of a blocking [`DocumentLocks::lock`] retry. Default 5 ms.
     pub backoff_base: Duration,
     /// Largest delay between blocking lock retries, and the polling interval for a lock
     /// that expires without a release while a change stream wakes the waiter. Default
@@ -240,14 +240,14 @@ impl DocumentLocks {
     /// Locks the existing document `id`. Contention is not an error: `Ok(None)` if the
     /// document is locked by another holder and the lock has not certainly expired, or if
     /// there is no such document ([`DocumentLocks::lock_or_create`] creates it).
-    /// [`DocumentLocks::lock_within`] waits for the lock.
+    /// [`DocumentLocks::lock`] waits for the lock.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an id that is not a plain value
     /// ([`crate::validate::document_id`]: null, empty, an array, a regex, a document with a
     /// `$` key); a database error.
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
-    pub async fn lock(
+    pub async fn try_lock(
         &self,
         id: impl Into<Bson> + std::fmt::Display,
     ) -> Result<Option<DocumentGuard>> {
@@ -258,7 +258,7 @@ impl DocumentLocks {
 
     /// Locks the existing document `id`, waiting until it is locked or `wait` has passed
     /// (`Ok(None)`, as for a document that does not exist); a zero `wait` tries once, as
-    /// [`DocumentLocks::lock`]. The waiter retries the moment the lock is released (a
+    /// [`DocumentLocks::try_lock`]. The waiter retries the moment the lock is released (a
     /// change stream on the document, shared by the waiters of this process: `lock/wake.rs`)
     /// and polls every [`DocumentLockOptions::backoff_max`] for a lock that expires
     /// without a release; where change streams are refused it retries with jittered
@@ -268,10 +268,10 @@ impl DocumentLocks {
     /// attempts wait behind it like any contender, at most `max_duration`.
     ///
     /// # Errors
-    /// As [`DocumentLocks::lock`]; a transient error only if the wait passed with the last
-    /// attempt failing.
+    /// As [`DocumentLocks::try_lock`]; a transient error only if the wait passed with the
+    /// last attempt failing.
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
-    pub async fn lock_within(
+    pub async fn lock(
         &self,
         id: impl Into<Bson> + std::fmt::Display,
         wait: Duration,
@@ -311,7 +311,7 @@ impl DocumentLocks {
         }
     }
 
-    /// One lock attempt on `id` (already checked): [`DocumentLocks::lock`].
+    /// One lock attempt on `id` (already checked): [`DocumentLocks::try_lock`].
     async fn attempt(&self, id: Bson) -> Result<Option<DocumentGuard>> {
         let ops = self.lock_ops().await?;
         let after = if self.options.seed_and_filter {
@@ -354,7 +354,7 @@ impl DocumentLocks {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an id that is not a plain value (as
-    /// [`DocumentLocks::lock`]), or if `initial` has `$` fields, the lock fields, or an
+    /// [`DocumentLocks::try_lock`]), or if `initial` has `$` fields, the lock fields, or an
     /// `_id` other than `id`; a database error.
     #[instrument(skip(self, id, initial), fields(collection = %self.coll.name(), id = %id))]
     pub async fn lock_or_create(

@@ -371,6 +371,12 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                         stats.undatable
                     );
                 }
+                if stats.malformed_limits > 0 {
+                    println!(
+                        "ready/retrying with a limits field that is neither a document nor null: {} (hand-edited; no claim takes them; the next sweep moves them to dead)",
+                        stats.malformed_limits
+                    );
+                }
                 if stats.misnamed_default > 0 {
                     println!(
                         "stored with queue: \"default\": {} (in no queue: the default queue's jobs carry no queue field, so nothing claims, lists or counts them; fix: {})",

@@ -473,6 +473,8 @@ struct QueueCard {
     expired_running: u64,
     unreadable_leases: u64,
     undatable: u64,
+    /// Waiting jobs whose `limits` is neither a document nor null (a hand edit).
+    malformed_limits: u64,
     /// Jobs stored with `queue: "default"`: in no queue (see `docwarden queue stats`).
     misnamed_default: u64,
     history: Vec<data::Minute>,
@@ -596,6 +598,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
                 expired_running: stats.expired_running,
                 unreadable_leases: stats.unreadable_leases,
                 undatable: stats.undatable,
+                malformed_limits: stats.malformed_limits,
                 misnamed_default: stats.misnamed_default,
                 chart: chart(&history),
                 history,

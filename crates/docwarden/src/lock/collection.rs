@@ -770,23 +770,13 @@ impl LockCollection {
                 crate::observe::lock_handoff(self.locks.name(), called, Some(lease.token.get()));
                 return Ok(Some(lease));
             }
-            let Some(remaining) = deadline.left() else {
+            let listen = self.options.wake;
+            if !wake
+                .before_next_attempt(&deadline, &mut backoff, listen, self.options.backoff_max)
+                .await
+            {
                 return deadline.passed();
-            };
-            if deadline.failing() {
-                tokio::time::sleep(backoff.next_delay().min(remaining)).await;
-                continue;
             }
-            if self.options.wake && wake.arm().await {
-                // Just opened: a release before this instant was not seen; try again.
-                continue;
-            }
-            let delay = if wake.is_listening() {
-                self.options.backoff_max
-            } else {
-                backoff.next_delay()
-            };
-            wake.wait(delay.min(remaining)).await;
         }
     }
 

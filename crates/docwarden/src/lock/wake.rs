@@ -37,6 +37,9 @@ use mongodb::error::ErrorKind;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use super::deadline::Deadline;
+use crate::backoff::Backoff;
+
 /// How long the server holds one `getMore` of a listener's change stream without events.
 const MAX_AWAIT: Duration = Duration::from_millis(500);
 
@@ -246,6 +249,39 @@ impl Wake {
                 false
             }
         }
+    }
+
+    /// Between two attempts of a blocking acquire that did not get the lock (held, or a
+    /// transient error): waits for the next attempt. After a transient error, the
+    /// `backoff`; otherwise the release itself (this waiter's change stream, armed here
+    /// when `listen`; an arm that just opened returns at once, since a release before it
+    /// was not seen), polling every `poll` for an expiry without a release, or the
+    /// `backoff` where change streams are refused. Never past the `deadline`; `false`
+    /// when the wait has passed (the caller returns [`Deadline::passed`]).
+    pub(crate) async fn before_next_attempt(
+        &mut self,
+        deadline: &Deadline,
+        backoff: &mut Backoff,
+        listen: bool,
+        poll: Duration,
+    ) -> bool {
+        let Some(remaining) = deadline.left() else {
+            return false;
+        };
+        if deadline.failing() {
+            tokio::time::sleep(backoff.next_delay().min(remaining)).await;
+            return true;
+        }
+        if listen && self.arm().await {
+            return true;
+        }
+        let delay = if self.is_listening() {
+            poll
+        } else {
+            backoff.next_delay()
+        };
+        self.wait(delay.min(remaining)).await;
+        true
     }
 
     /// Whether it is subscribed to a listener (then the caller may wait longer between

@@ -16,7 +16,6 @@
 //! jobs can be a second apart across a bucket boundary. Purging a finished job frees its
 //! window slot: purge only jobs older than the longest window.
 
-use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
 use std::time::Duration;
@@ -214,17 +213,9 @@ impl JobQueue {
             // id (servers differ in how they report per-document errors of a bulk
             // insert), and the rest are retried one by one.
             Err(e) if is_duplicate_key(&e) => {
-                let stored: Vec<ObjectId> = self
-                    .inner
-                    .coll
-                    .find(doc! { field::ID: { "$in": ids.clone() } })
-                    .projection(doc! { field::ID: 1 })
-                    .await?
-                    .try_collect::<Vec<Document>>()
-                    .await?
-                    .iter()
-                    .filter_map(|d| d.get_object_id(field::ID).ok())
-                    .collect();
+                let stored = self
+                    .ids_where(doc! { field::ID: { "$in": ids.clone() } })
+                    .await?;
                 let mut out = Vec::with_capacity(ids.len());
                 for ((id, d), key) in ids.into_iter().zip(docs).zip(keys) {
                     if stored.contains(&id) {

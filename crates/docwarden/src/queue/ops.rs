@@ -372,17 +372,12 @@ impl JobQueue {
         let now = self.inner.time.now().await?.estimate();
         let ids: Vec<ObjectId> = match ids {
             Some(ids) => ids.to_vec(),
-            None => self
-                .inner
-                .coll
-                .find(doc! { field::STATE: JobState::Dead.as_str(), field::QUEUE: self.queue_value() })
-                .projection(doc! { field::ID: 1 })
+            None => {
+                self.ids_where(
+                    doc! { field::STATE: JobState::Dead.as_str(), field::QUEUE: self.queue_value() },
+                )
                 .await?
-                .try_collect::<Vec<Document>>()
-                .await?
-                .iter()
-                .filter_map(|d| d.get_object_id(field::ID).ok())
-                .collect(),
+            }
         };
         let update = retry_update(now);
         let mut revived = 0;
@@ -390,6 +385,21 @@ impl JobQueue {
             revived += self.revive_each(chunk, &update).await?;
         }
         Ok(revived)
+    }
+
+    /// The ids of the jobs matching `filter` (one `find` with an `_id` projection).
+    pub(super) async fn ids_where(&self, filter: Document) -> Result<Vec<ObjectId>> {
+        Ok(self
+            .inner
+            .coll
+            .find(filter)
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(|d| d.get_object_id(field::ID).ok())
+            .collect())
     }
 
     /// Sends one statement per job of `ids` (`{_id, state: "dead", queue}` → `update`)

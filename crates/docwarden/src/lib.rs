@@ -8,6 +8,7 @@ pub mod clock;
 pub mod error;
 pub mod format;
 pub mod guard;
+mod listener;
 pub mod lock;
 pub mod observe;
 pub mod preflight;

@@ -456,7 +456,7 @@ async fn replace_race(
                 round += 1;
                 match q
                     .enqueue(
-                        doc! { "k": k as i64, "by": e as i64, "round": round },
+                        doc! { "k": i64::try_from(k)?, "by": i64::try_from(e)?, "round": round },
                         &opts,
                     )
                     .await?

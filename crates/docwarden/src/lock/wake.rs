@@ -9,11 +9,12 @@
 //! it waits.
 //!
 //! **One stream per collection, not per waiter.** All waiters of one process on one
-//! collection (and one condition) share one change-stream listener (a `Hub`): it holds
-//! one cursor and one pooled connection for its `getMore`s, and forwards the key of each
-//! matching change to the waiters, who pick their own document. (A stream per waiter held
-//! a pooled connection per waiter: 16 waiters starved the acquirers of connections.) The
-//! listener stops when its last waiter leaves and is opened again by the next one.
+//! collection (and one condition) share one change-stream listener
+//! ([`crate::listener`]): one cursor and one pooled connection for its `getMore`s, which
+//! forwards the key of each matching change to the waiters, who pick their own document.
+//! (A stream per waiter held a pooled connection per waiter: 16 waiters starved the
+//! acquirers of connections.) The listener stops when its last waiter leaves and is
+//! opened again by the next one.
 //!
 //! **Limits:** a wake-up is a hint, never a grant: the waiter's next acquire decides.
 //! Expiry is not an event (no write happens when a crashed holder's lease lapses), so a
@@ -21,69 +22,24 @@
 //! release. Where the server refuses change streams (a standalone server, or a user
 //! without the `changeStream` privilege) the refusal is detected at run time, remembered
 //! for the collection, and waiters poll with the caller's backoff. Listeners are shared by
-//! namespace within a process: two clients of two deployments that use the same database
-//! and collection names in one process would share one (their waiters then fall back to
-//! polling, still correct).
+//! namespace within a process (see [`crate::listener`] for what that means with two
+//! deployments).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
-use futures::StreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
-use mongodb::error::ErrorKind;
-use tokio::sync::broadcast;
-use tokio_util::sync::CancellationToken;
 
 use super::deadline::Deadline;
 use crate::backoff::Backoff;
-
-/// How long the server holds one `getMore` of a listener's change stream without events.
-const MAX_AWAIT: Duration = Duration::from_millis(500);
-
-/// Changes a listener buffers per waiter before a slow waiter lags (then it retries).
-const CAPACITY: usize = 1024;
-
-/// A shared change-stream listener: one per (namespace, condition) in this process.
-#[derive(Debug)]
-struct Hub {
-    /// The key of each matching change; `None` when the stream was lost.
-    tx: broadcast::Sender<Option<Bson>>,
-    /// Set once the stream is lost: the next waiter opens a new listener.
-    dead: Arc<AtomicBool>,
-    /// Stops the listener task when the last waiter drops the hub.
-    stop: CancellationToken,
-}
-
-impl Drop for Hub {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-/// What the registry knows about one (namespace, condition).
-enum Entry {
-    /// A listener, alive while some waiter holds it.
-    Hub(Weak<Hub>),
-    /// The server refused change streams: waiters poll.
-    Refused,
-}
-
-/// The listeners of this process, by (namespace, condition).
-static HUBS: LazyLock<tokio::sync::Mutex<HashMap<String, Entry>>> =
-    LazyLock::new(|| tokio::sync::Mutex::new(HashMap::new()));
+use crate::listener::{Received, Subscribed, Subscription, subscribe};
 
 /// The state of one waiter.
 enum State {
     /// Not armed yet (or disarmed after the listener was lost: re-armed by the next `arm`).
     Closed,
     /// Subscribed to a live listener.
-    Open {
-        _hub: Arc<Hub>,
-        rx: broadcast::Receiver<Option<Bson>>,
-    },
+    Open(Subscription),
     /// The server refused change streams: poll only.
     Refused,
 }
@@ -110,7 +66,7 @@ impl std::fmt::Debug for Wake {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match self.state {
             State::Closed => "closed",
-            State::Open { .. } => "open",
+            State::Open(_) => "open",
             State::Refused => "refused",
         };
         f.debug_struct("Wake")
@@ -172,79 +128,16 @@ impl Wake {
         if !matches!(self.state, State::Closed) {
             return false;
         }
-        let key = format!("{}|{}", self.coll.namespace(), self.matching);
-        let mut hubs = HUBS.lock().await;
-        if let Some(entry) = hubs.get(&key) {
-            match entry {
-                Entry::Refused => {
-                    self.state = State::Refused;
-                    return false;
-                }
-                Entry::Hub(weak) => {
-                    if let Some(hub) = weak.upgrade()
-                        && !hub.dead.load(Ordering::SeqCst)
-                    {
-                        let rx = hub.tx.subscribe();
-                        self.state = State::Open { _hub: hub, rx };
-                        return true;
-                    }
-                }
-            }
-        }
-        // No live listener: open one (the registry stays locked, so one opens at a time).
-        match self
-            .coll
-            .watch()
-            .pipeline(pipeline(self.matching.clone()))
-            .max_await_time(MAX_AWAIT)
-            .await
-        {
-            Ok(mut stream) => {
-                let (tx, rx) = broadcast::channel(CAPACITY);
-                let dead = Arc::new(AtomicBool::new(false));
-                let stop = CancellationToken::new();
-                let hub = Arc::new(Hub {
-                    tx: tx.clone(),
-                    dead: Arc::clone(&dead),
-                    stop: stop.clone(),
-                });
-                hubs.insert(key, Entry::Hub(Arc::downgrade(&hub)));
-                tokio::spawn(async move {
-                    loop {
-                        tokio::select! {
-                            () = stop.cancelled() => break,
-                            event = stream.next() => match event {
-                                Some(Ok(e)) => {
-                                    let id = e.document_key.and_then(|k| k.get("_id").cloned());
-                                    if id.is_some() {
-                                        let _ = tx.send(id);
-                                    }
-                                }
-                                Some(Err(e)) => {
-                                    tracing::debug!(error = %e, "wake-up listener interrupted");
-                                    dead.store(true, Ordering::SeqCst);
-                                    let _ = tx.send(None);
-                                    break;
-                                }
-                                None => {
-                                    dead.store(true, Ordering::SeqCst);
-                                    let _ = tx.send(None);
-                                    break;
-                                }
-                            },
-                        }
-                    }
-                });
-                self.state = State::Open { _hub: hub, rx };
+        match subscribe(&self.coll, pipeline(self.matching.clone())).await {
+            Subscribed::Yes(sub) => {
+                self.state = State::Open(sub);
                 true
             }
-            Err(e) if matches!(*e.kind, ErrorKind::Command(_)) => {
-                tracing::info!(error = %e, collection = %self.coll.name(), "change streams refused; waiters poll");
-                hubs.insert(key, Entry::Refused);
+            Subscribed::Refused => {
                 self.state = State::Refused;
                 false
             }
-            Err(e) => {
+            Subscribed::Unavailable(e) => {
                 tracing::debug!(error = %e, "cannot open the change stream; polling this round");
                 false
             }
@@ -287,7 +180,7 @@ impl Wake {
     /// Whether it is subscribed to a listener (then the caller may wait longer between
     /// polls).
     pub(crate) fn is_listening(&self) -> bool {
-        matches!(self.state, State::Open { .. })
+        matches!(self.state, State::Open(_))
     }
 
     /// Waits for a matching change of its document, at most `max`. Without a listener it
@@ -295,18 +188,20 @@ impl Wake {
     /// subscribes again) and counts as a change, so the caller retries at once; so does a
     /// lag (changes dropped for this waiter).
     pub(crate) async fn wait(&mut self, max: Duration) -> Woken {
-        let State::Open { rx, .. } = &mut self.state else {
+        let State::Open(sub) = &mut self.state else {
             tokio::time::sleep(max).await;
             return Woken::TimedOut;
         };
         let deadline = tokio::time::Instant::now() + max;
         loop {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
+            match tokio::time::timeout_at(deadline, sub.recv()).await {
                 Err(_) => return Woken::TimedOut,
-                Ok(Ok(Some(id))) if id == self.id => return Woken::Changed,
-                Ok(Ok(Some(_))) => {}
-                Ok(Err(broadcast::error::RecvError::Lagged(_))) => return Woken::Changed,
-                Ok(Ok(None) | Err(broadcast::error::RecvError::Closed)) => {
+                Ok(Received::Change(c)) if c.id.as_ref() == Some(&self.id) => {
+                    return Woken::Changed;
+                }
+                Ok(Received::Change(_)) => {}
+                Ok(Received::Lagged) => return Woken::Changed,
+                Ok(Received::Lost) => {
                     self.state = State::Closed;
                     return Woken::Changed;
                 }

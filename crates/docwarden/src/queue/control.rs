@@ -19,7 +19,6 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -27,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::JobQueue;
 use crate::error::{Result, is_duplicate_key};
 use crate::format::schedule::{control, control_id};
+use crate::listener::{self, Received, Subscribed};
 
 /// What [`JobQueue::pause`] or [`JobQueue::resume`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,15 +202,20 @@ pub(crate) async fn watch_pause(
     failed: impl Fn() + Send,
 ) {
     let mut read_once = false;
-    let pipeline = vec![doc! { "$match": { "documentKey._id": control_id(queue.queue_name()) } }];
+    // The handle's workers in this process share one stream (`crate::listener`).
+    let pipeline = vec![
+        doc! { "$match": { "documentKey._id": control_id(queue.queue_name()) } },
+        doc! { "$project": { "operationType": 1, "documentKey": 1 } },
+    ];
     let mut stream = None;
     loop {
         if stream.is_none() && change_stream {
             stream = tokio::select! {
                 () = stop.cancelled() => return,
-                s = queue.meta().watch().pipeline(pipeline.clone()) => match s {
-                    Ok(s) => Some(s),
-                    Err(e) => {
+                s = listener::subscribe(queue.meta(), pipeline.clone()) => match s {
+                    Subscribed::Yes(s) => Some(s),
+                    Subscribed::Refused => None,
+                    Subscribed::Unavailable(e) => {
                         tracing::debug!(error = %e, "cannot watch the control document; polling");
                         None
                     }
@@ -242,8 +247,8 @@ pub(crate) async fn watch_pause(
             Some(s) => tokio::select! {
                 () = stop.cancelled() => return,
                 () = sleep => {}
-                ev = s.next() => {
-                    if !matches!(ev, Some(Ok(_))) {
+                ev = s.recv() => {
+                    if matches!(ev, Received::Lost) {
                         stream = None;
                     }
                 }

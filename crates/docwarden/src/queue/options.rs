@@ -463,10 +463,11 @@ pub struct WorkerOptions {
     pub schedule_every: Duration,
     /// Whether the worker also opens a change stream on the queue's control document
     /// (pause and resume take effect at the event instead of the next `poll_max` re-read).
-    /// Default false: on the embedded server a second change stream per worker slowed
-    /// eight workers on a 5,000-job backlog more than fivefold (the test timed out at
-    /// 90 s instead of finishing in 19 s), and the re-read every `poll_max` (one point
-    /// read) already bounds the delay.
+    /// The workers of a process share one such stream (`docs/queue.md`, "Worker
+    /// runtime"). Default false: on the embedded server a second change stream per worker
+    /// slowed eight workers on a 5,000-job backlog more than fivefold (the test timed out
+    /// at 90 s instead of finishing in 19 s; measured before the streams were shared), and
+    /// the re-read every `poll_max` (one point read) already bounds the delay.
     pub watch_control: bool,
     /// How long one handler run may take (River's `JobTimeout`, Oban's `timeout/1`). Once
     /// it passes, measured by the worker's monotonic clock from the handler's start (time

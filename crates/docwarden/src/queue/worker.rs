@@ -53,9 +53,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use mongodb::bson::{Bson, doc, oid::ObjectId};
-use mongodb::error::ErrorKind;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -67,6 +66,7 @@ use super::options::WorkerOptions;
 use super::transition::{FailOutcome, Held, MAX_RESULT_BYTES, Settled, Snooze, Transition};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
+use crate::listener::{self, Received, Subscribed};
 
 /// What a handler returns: a result to store with the job, or an error that fails
 /// the attempt (its text becomes `last_error`).
@@ -1296,17 +1296,18 @@ async fn listen(
             () = stop.cancelled() => return,
             r = wanted.wait_for(|w| *w) => if r.is_err() { return },
         }
-        let opened = tokio::select! {
+        // The handle's workers in this process share one stream (`crate::listener`).
+        let subscribed = tokio::select! {
             () = stop.cancelled() => return,
-            s = queue.collection().watch().pipeline(pipeline.clone()) => s,
+            s = listener::subscribe(queue.collection(), pipeline.clone()) => s,
         };
-        match opened {
-            Ok(mut stream) => {
+        match subscribed {
+            Subscribed::Yes(mut sub) => {
                 tracing::debug!("listening to the change stream");
                 backoff.reset();
                 is_open.store(true, Ordering::Relaxed);
                 let _open = Open(Arc::clone(&is_open));
-                // Jobs inserted while no stream was open: one claim finds them.
+                // Jobs inserted while this worker was not subscribed: one claim finds them.
                 notify.notify_one();
                 loop {
                     tokio::select! {
@@ -1318,10 +1319,10 @@ async fn listen(
                             tracing::debug!("busy: change stream closed until a claim finds nothing");
                             continue 'open;
                         }
-                        ev = stream.next() => match ev {
-                            Some(Ok(ev)) => {
-                                let cancelled = ev.update_description.as_ref().is_some_and(|u| {
-                                    u.updated_fields.get_str(field::STATE).ok()
+                        ev = sub.recv() => match ev {
+                            Received::Change(change) => {
+                                let cancelled = change.updated_fields.as_ref().is_some_and(|u| {
+                                    u.get_str(field::STATE).ok()
                                         == Some(JobState::Cancelled.as_str())
                                 });
                                 if cancelled {
@@ -1330,27 +1331,34 @@ async fn listen(
                                     check_now.notify_one();
                                     continue;
                                 }
-                                if let Some(key) = ev.document_key.as_ref().and_then(|k| k.get(field::ID))
-                                    && matches!(ev.operation_type, mongodb::change_stream::event::OperationType::Insert)
+                                if change.inserted
+                                    && let Some(key) = change.id.as_ref()
                                 {
                                     let _ = woke.try_send(key.clone());
                                 }
                                 notify.notify_one();
                             }
-                            Some(Err(e)) => {
-                                tracing::debug!(error = %e, "change stream interrupted");
+                            Received::Lagged => {
+                                // Events were dropped: a cancellation among them, or
+                                // new jobs.
+                                check_now.notify_one();
+                                notify.notify_one();
+                            }
+                            Received::Lost => {
+                                tracing::debug!("change stream interrupted");
                                 break;
                             }
-                            None => break,
                         },
                     }
                 }
             }
-            Err(e) if matches!(*e.kind, ErrorKind::Command(_)) => {
-                tracing::info!(error = %e, "change streams refused; polling only");
+            Subscribed::Refused => {
+                tracing::info!("change streams refused; polling only");
                 return;
             }
-            Err(e) => tracing::debug!(error = %e, "cannot open the change stream yet"),
+            Subscribed::Unavailable(e) => {
+                tracing::debug!(error = %e, "cannot open the change stream yet");
+            }
         }
         tokio::select! {
             () = stop.cancelled() => return,

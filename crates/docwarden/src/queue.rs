@@ -56,6 +56,7 @@ mod options;
 mod rate;
 mod schedule;
 pub(crate) mod transition;
+mod wakes;
 mod worker;
 
 pub use crate::token::JobToken;
@@ -178,6 +179,8 @@ struct Inner {
     span_hint: AtomicU32,
     /// Concurrency and rate limits: semaphores, rate documents, permits held (`queue/limit.rs`).
     limits: limit::Limits,
+    /// The job events this handle's idle workers have taken (`queue/wakes.rs`).
+    wakes: wakes::WakeLedger,
 }
 
 /// A handle on one queue (one collection). Cheap to clone.
@@ -232,6 +235,7 @@ impl JobQueue {
                 last_reap: Mutex::new(None),
                 last_undatable_sweep: Mutex::new(None),
                 schedule_problems: Mutex::new(std::collections::HashMap::new()),
+                wakes: wakes::WakeLedger::default(),
                 next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
                 span: AtomicU32::new(1),
                 span_full: AtomicU32::new(0),
@@ -267,6 +271,12 @@ impl JobQueue {
     /// collection's name for its default queue, `<collection>/<queue>` for a named queue.
     pub fn metrics_label(&self) -> &str {
         &self.inner.label
+    }
+
+    /// Takes the change-stream event of job `id` for an idle worker of this handle:
+    /// `true` for the first worker to ask (`queue/wakes.rs`).
+    pub(crate) fn take_wake(&self, id: &mongodb::bson::Bson) -> bool {
+        self.inner.wakes.take(id)
     }
 
     /// The name of this handle's queue (`"default"` for the default queue).

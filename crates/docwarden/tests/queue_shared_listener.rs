@@ -177,3 +177,88 @@ async fn sixteen_idle_workers_share_two_change_streams_and_leave_the_pool_free()
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_insert_wakes_one_idle_worker_not_all() -> anyhow::Result<()> {
+    const WORKERS: usize = 16;
+    const JOBS: usize = 40;
+    let t = TestDb::new("queue_shared_listener_herd").await?;
+    if !probe_change_streams(&t.client).await?.is_supported() {
+        eprintln!("skipped: the server refuses change streams (workers poll; nothing is woken)");
+        return Ok(());
+    }
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
+    let db = client.database(t.db.name());
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let mut workers = Vec::new();
+    for w in 0..WORKERS {
+        let started_tx = started_tx.clone();
+        workers.push(Worker::spawn(
+            q.clone(),
+            // Rare polls: what the workers send below is what the inserts woke.
+            WorkerOptions::default()
+                .name(format!("w{w}"))
+                .poll(Duration::from_secs(5), Duration::from_secs(10)),
+            move |_job| {
+                let started_tx = started_tx.clone();
+                async move {
+                    let _ = started_tx.send(Instant::now());
+                    Ok(Bson::Null)
+                }
+            },
+        )?);
+    }
+    let since = Instant::now();
+    while !workers.iter().all(Worker::change_stream_open) {
+        anyhow::ensure!(
+            since.elapsed() < Duration::from_secs(20),
+            "the workers did not all start listening"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let producer = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let pq = JobQueue::open(&t.db, "jobs", producer, QueueOptions::default()).await?;
+    log.take();
+    let mut latencies = Vec::new();
+    for n in 0..JOBS {
+        let enqueued = Instant::now();
+        pq.enqueue(doc! { "n": i64::try_from(n)? }, &EnqueueOptions::default())
+            .await?;
+        let started = tokio::time::timeout(Duration::from_secs(10), started_rx.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no job started"))?;
+        latencies.push(started - enqueued);
+        // Let the woken workers settle before the next insert.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let counts = log.take_counts();
+    let writes: u32 = ["findAndModify", "update"]
+        .iter()
+        .filter_map(|c| counts.get(*c))
+        .sum();
+    let finds = counts.get("find").copied().unwrap_or(0);
+    latencies.sort();
+    eprintln!(
+        "{JOBS} jobs, one at a time, {WORKERS} idle workers: {writes} claim and completion writes, {finds} finds ({:.1} writes per job); enqueue to start p50 {:?}; {counts:?}",
+        f64::from(writes) / JOBS as f64,
+        latencies[JOBS / 2]
+    );
+    // A job is one claim by `_id` and one completion (the completion may share a bulk);
+    // before, every idle worker claimed by `_id` and then ran a batch claim: 17 writes
+    // and 16 reads per job.
+    assert!(
+        writes <= 3 * u32::try_from(JOBS)?,
+        "{writes} writes for {JOBS} jobs: the inserts woke more than one worker each"
+    );
+    assert!(
+        finds <= 2 * u32::try_from(JOBS)?,
+        "{finds} finds for {JOBS} jobs: woken workers ran batch claims that found nothing"
+    );
+    for w in workers {
+        w.shutdown().await;
+    }
+    Ok(())
+}

@@ -209,6 +209,9 @@ struct Ctx {
     /// Whether the listener holds an open change stream now (see
     /// [`Worker::change_stream_open`]).
     stream_open: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by the listener when it took a job event for this worker (`queue/wakes.rs`),
+    /// cleared when the claim loop wakes for it: a worker takes one event at a time.
+    wake_pending: Arc<std::sync::atomic::AtomicBool>,
     /// Taken by each claim and each bulk of final transitions: as many write commands of
     /// the worker in flight as it has claim loops ([`claimers`]), so transitions that
     /// finish during a claim go out in one bigger bulk (`docs/queue.md`, "Worker
@@ -406,6 +409,7 @@ impl Worker {
             handler_micros: AtomicU64::new(0),
             slot_freed: Notify::new(),
             check_now: Arc::new(Notify::new()),
+            wake_pending: Arc::default(),
             paused: pause_check.then_some(paused_rx),
             // Opened by the first claim that finds nothing: a worker started on a
             // backlog has no use for it until the backlog is drained.
@@ -521,6 +525,7 @@ async fn supervise(
                 StreamSwitch {
                     wanted: ctx.stream_wanted.subscribe(),
                     is_open: Arc::clone(&ctx.stream_open),
+                    wake_pending: Arc::clone(&ctx.wake_pending),
                 },
             )
             .in_current_span(),
@@ -772,6 +777,7 @@ async fn claim_loop(
                             () = notify.notified() => {
                                 // A single new job: claim it by `_id` (one round trip);
                                 // several at once: a batch claim takes them in order.
+                                ctx.wake_pending.store(false, Ordering::Release);
                                 woken = woke.try_recv().ok();
                                 if woke.try_recv().is_ok() {
                                     woken = None;
@@ -779,6 +785,7 @@ async fn claim_loop(
                                 }
                             }
                             () = tokio::time::sleep(delay) => {
+                                ctx.wake_pending.store(false, Ordering::Release);
                                 while woke.try_recv().is_ok() {}
                             }
                         }
@@ -1254,6 +1261,8 @@ struct StreamSwitch {
     wanted: tokio::sync::watch::Receiver<bool>,
     /// Set while the stream is open.
     is_open: Arc<std::sync::atomic::AtomicBool>,
+    /// [`Ctx::wake_pending`].
+    wake_pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 async fn listen(
@@ -1268,6 +1277,7 @@ async fn listen(
     let StreamSwitch {
         mut wanted,
         is_open,
+        wake_pending,
     } = switch;
     /// Clears `is_open` however the stream ends (closed, failed, task aborted).
     struct Open(Arc<std::sync::atomic::AtomicBool>);
@@ -1331,9 +1341,18 @@ async fn listen(
                                     check_now.notify_one();
                                     continue;
                                 }
-                                if change.inserted
-                                    && let Some(key) = change.id.as_ref()
-                                {
+                                // A job inserted, or put back to ready/retrying: one idle
+                                // worker of the handle takes it (`queue/wakes.rs`), and
+                                // takes one at a time.
+                                let Some(key) = change.id.as_ref() else {
+                                    notify.notify_one();
+                                    continue;
+                                };
+                                if wake_pending.load(Ordering::Acquire) || !queue.take_wake(key) {
+                                    continue;
+                                }
+                                wake_pending.store(true, Ordering::Release);
+                                if change.inserted {
                                     let _ = woke.try_send(key.clone());
                                 }
                                 notify.notify_one();

@@ -79,6 +79,19 @@ impl Drop for Hub {
     }
 }
 
+/// Marks a listener lost when its task ends, however it ends, and tells its subscribers.
+struct Lost {
+    dead: Arc<AtomicBool>,
+    tx: broadcast::Sender<Option<Arc<Change>>>,
+}
+
+impl Drop for Lost {
+    fn drop(&mut self) {
+        self.dead.store(true, Ordering::SeqCst);
+        let _ = self.tx.send(None);
+    }
+}
+
 /// What the registry knows about one (namespace, pipeline).
 enum Entry {
     /// A listener, alive while some subscriber holds it.
@@ -175,6 +188,12 @@ pub(crate) async fn subscribe(coll: &Collection<Document>, pipeline: Vec<Documen
             });
             hubs.insert(key, Entry::Hub(Arc::downgrade(&hub)));
             tokio::spawn(async move {
+                // However the task ends (the stream lost, the last subscriber gone, or
+                // the runtime shutting down), the subscribers learn it.
+                let _lost = Lost {
+                    dead,
+                    tx: tx.clone(),
+                };
                 loop {
                     tokio::select! {
                         () = stop.cancelled() => break,
@@ -189,15 +208,9 @@ pub(crate) async fn subscribe(coll: &Collection<Document>, pipeline: Vec<Documen
                             }
                             Some(Err(e)) => {
                                 tracing::debug!(error = %e, "change-stream listener interrupted");
-                                dead.store(true, Ordering::SeqCst);
-                                let _ = tx.send(None);
                                 break;
                             }
-                            None => {
-                                dead.store(true, Ordering::SeqCst);
-                                let _ = tx.send(None);
-                                break;
-                            }
+                            None => break,
                         },
                     }
                 }

@@ -13,7 +13,8 @@ use std::time::Duration;
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{
-    LockCollection, LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
+    DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
+    Semaphore, SemaphoreOptions,
 };
 use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{Document, doc};
@@ -86,6 +87,37 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
             )),
             other => violations.push(format!("{resource}: {other:?}, stored {stored}")),
         }
+    }
+
+    // A document lock: the lost reply's lock id is this call's own (never handed out),
+    // so the next attempt takes it over instead of waiting until `max_duration`.
+    let docs = DocumentLocks::open(
+        &db,
+        "entities",
+        time.clone(),
+        DocumentLockOptions::default()
+            .max_duration(ttl)
+            .backoff(Duration::from_millis(5), Duration::from_millis(50)),
+    )
+    .await?;
+    let entities = db.collection::<Document>("entities");
+    entities.insert_one(doc! { "_id": "e1", "n": 1 }).await?;
+    lose_replies(&client, "findAndModify", 2).await?;
+    let got = docs.lock("e1", wait).await;
+    fail_commands_off(&client).await?;
+    let stored = entities
+        .find_one(doc! { "_id": "e1" })
+        .await?
+        .context("entity")?;
+    let stored_lock = stored.get_str("lock_id").ok().map(str::to_owned);
+    match got {
+        Ok(Some(guard)) if stored_lock.as_deref() == Some(guard.lock_id.as_str()) => {
+            let released = docs.release(guard).await?;
+            anyhow::ensure!(released.is_applied(), "document lock: release {released:?}");
+        }
+        other => violations.push(format!(
+            "document lock: lock said {other:?}, the document is locked by this call's lost attempt until max_duration: {stored}"
+        )),
     }
 
     // The semaphore (one permit): the lost reply's holder entry counts.

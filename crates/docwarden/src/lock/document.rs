@@ -253,7 +253,8 @@ impl DocumentLocks {
     ) -> Result<Option<DocumentGuard>> {
         let id = id.into();
         check_id(&id)?;
-        self.attempt(id).await
+        let ops = self.lock_ops().await?;
+        self.attempt(id, ops, &[]).await
     }
 
     /// Locks the existing document `id`, waiting until it is locked or `wait` has passed
@@ -264,8 +265,9 @@ impl DocumentLocks {
     /// without a release; where change streams are refused it retries with jittered
     /// exponential backoff. Transient errors ([`Error::is_retryable`]) are retried within
     /// the wait like contention (`lock/deadline.rs`). An attempt whose reply was lost may
-    /// have locked the document all the same; its lock id is not recognised, so the next
-    /// attempts wait behind it like any contender, at most `max_duration`.
+    /// have locked the document all the same: the next attempts take over a lock that
+    /// carries the lock id of one of this call's failed attempts (never handed out to
+    /// anyone), instead of waiting behind it until `max_duration`.
     ///
     /// # Errors
     /// As [`DocumentLocks::try_lock`]; a transient error only if the wait passed with the
@@ -286,8 +288,22 @@ impl DocumentLocks {
             id.clone(),
             Wake::freed_document(&self.options.lock_id_field),
         );
+        // The lock ids of this call's attempts that failed with a transient error: any of
+        // them may have locked the document without the reply saying so.
+        let mut unknown: Vec<String> = Vec::new();
         loop {
-            if let Some(guard) = deadline.attempt(self.attempt(id.clone()).await)? {
+            let tried = match self.lock_ops().await {
+                Ok(ops) => {
+                    let lock_id = ops.lock_id.clone();
+                    let r = self.attempt(id.clone(), ops, &unknown).await;
+                    if matches!(&r, Err(e) if e.is_retryable()) {
+                        unknown.push(lock_id);
+                    }
+                    r
+                }
+                Err(e) => Err(e),
+            };
+            if let Some(guard) = deadline.attempt(tried)? {
                 crate::observe::lock_handoff(self.coll.name(), called, None);
                 return Ok(Some(guard));
             }
@@ -301,9 +317,15 @@ impl DocumentLocks {
         }
     }
 
-    /// One lock attempt on `id` (already checked): [`DocumentLocks::try_lock`].
-    async fn attempt(&self, id: Bson) -> Result<Option<DocumentGuard>> {
-        let ops = self.lock_ops().await?;
+    /// One lock attempt on `id` (already checked) with `ops`: [`DocumentLocks::try_lock`].
+    /// `mine`: lock ids of the blocking call's earlier attempts whose replies were lost; a
+    /// lock carrying one of them is taken over as free.
+    async fn attempt(
+        &self,
+        id: Bson,
+        ops: LockOps,
+        mine: &[String],
+    ) -> Result<Option<DocumentGuard>> {
         let after = if self.options.seed_and_filter {
             let (filter, update) = self.operator_form(&id, &ops);
             self.coll
@@ -318,7 +340,7 @@ impl DocumentLocks {
             self.coll
                 .find_one_and_update(
                     doc! { "_id": id.clone() },
-                    takeover_pipeline(id_f, time_f, ops.cutoff, &ops.lock_id, ops.locked_at),
+                    takeover_pipeline(id_f, time_f, ops.cutoff, &ops.lock_id, ops.locked_at, mine),
                 )
                 .return_document(ReturnDocument::After)
                 .await?
@@ -743,20 +765,30 @@ pub(crate) fn takeover_filter(
 /// condition on the document it writes, atomically, as it evaluates a filter; the
 /// filter `{_id}` alone is MongoDB's `IDHACK` plan and lets the embedded server skip
 /// planning the `$or` (about 45 µs of its CPU per lock, `docs/locks.md`).
+///
+/// `mine`: lock ids of the caller's own earlier attempts whose replies were lost
+/// ([`DocumentLocks::lock`]); a lock carrying one of them is taken over too.
 pub(crate) fn takeover_pipeline(
     lock_id_f: &str,
     lock_time_f: &str,
     cutoff: DateTime,
     lock_id: &str,
     locked_at: DateTime,
+    mine: &[String],
 ) -> Vec<Document> {
     let id_path = format!("${lock_id_f}");
     let time_path = format!("${lock_time_f}");
-    let free = doc! { "$or": [
-        { "$eq": [{ "$ifNull": [&id_path, Bson::Null] }, Bson::Null] },
-        { "$ne": [{ "$type": &time_path }, "date"] },
-        { "$lt": [&time_path, { "$literal": cutoff }] },
-    ] };
+    let mut free = vec![
+        Bson::Document(doc! { "$eq": [{ "$ifNull": [&id_path, Bson::Null] }, Bson::Null] }),
+        Bson::Document(doc! { "$ne": [{ "$type": &time_path }, "date"] }),
+        Bson::Document(doc! { "$lt": [&time_path, { "$literal": cutoff }] }),
+    ];
+    if !mine.is_empty() {
+        free.push(Bson::Document(
+            doc! { "$in": [&id_path, { "$literal": mine }] },
+        ));
+    }
+    let free = doc! { "$or": free };
     vec![doc! { "$set": {
         lock_id_f: { "$cond": [free.clone(), { "$literal": lock_id }, &id_path] },
         lock_time_f: { "$cond": [free, { "$literal": locked_at }, &time_path] },

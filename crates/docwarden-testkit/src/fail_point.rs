@@ -30,13 +30,40 @@ pub async fn fail_commands(
 /// Turns the `failCommand` fail point off. A test calls it first, to find out whether the
 /// server has fail points at all (and to skip if not).
 ///
+/// A fail point that answers with a state-change error (91, ShutdownInProgress, say)
+/// makes the driver clear the client's pool, which fails the operations in flight on the
+/// same client — this command among them, when the code under test is still sending
+/// commands that fail (`tests/lock_lost_reply.rs` failed so under load). Turning the fail
+/// point off is idempotent, so a transient error is retried, up to 5 times.
+///
 /// # Errors
 /// The server's refusal, for example where fail points are not enabled.
 pub async fn fail_commands_off(client: &Client) -> mongodb::error::Result<Document> {
-    client
-        .database("admin")
-        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
-        .await
+    let mut tries = 0;
+    loop {
+        let r = client
+            .database("admin")
+            .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+            .await;
+        match r {
+            Err(e) if tries < 5 && is_transient(&e) => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// A network error, a cleared pool, or a server-selection timeout: not a refusal.
+fn is_transient(e: &mongodb::error::Error) -> bool {
+    use mongodb::error::ErrorKind;
+    matches!(
+        *e.kind,
+        ErrorKind::Io(_)
+            | ErrorKind::ConnectionPoolCleared { .. }
+            | ErrorKind::ServerSelection { .. }
+    )
 }
 
 /// A client of `t`'s server for a test that injects faults with [`fail_commands`], or

@@ -206,7 +206,9 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
         .await?
         .context("seed")?;
     rw.release_write(&seed).await?;
-    let rw_docs = db.collection::<Document>("rw");
+    // Read with the test's own client: the fail-point client's pool is cleared by every
+    // injected state-change error, failing whatever else it has in flight.
+    let rw_docs = t.db.collection::<Document>("rw");
     client
         .database("admin")
         .run_command(doc! {

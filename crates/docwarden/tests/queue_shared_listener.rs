@@ -83,6 +83,43 @@ async fn observed_client(uri: &str) -> anyhow::Result<(Client, Arc<Seen>)> {
     Ok((Client::with_options(options)?, seen))
 }
 
+/// `n` workers on `q` with `options` (named `w0`, `w1`, …) whose handler sends the instant
+/// it starts a job, and the receiving end; then waits until every worker listens, or
+/// `within` has passed. Returns the workers, the receiver and how many listen.
+async fn idle_workers(
+    q: &JobQueue,
+    n: usize,
+    options: &WorkerOptions,
+    within: Duration,
+) -> anyhow::Result<(
+    Vec<Worker>,
+    tokio::sync::mpsc::UnboundedReceiver<Instant>,
+    usize,
+)> {
+    let (started_tx, started_rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let mut workers = Vec::new();
+    for w in 0..n {
+        let started_tx = started_tx.clone();
+        workers.push(Worker::spawn(
+            q.clone(),
+            options.clone().name(format!("w{w}")),
+            move |_job| {
+                let started_tx = started_tx.clone();
+                async move {
+                    let _ = started_tx.send(Instant::now());
+                    Ok(Bson::Null)
+                }
+            },
+        )?);
+    }
+    let since = Instant::now();
+    while !workers.iter().all(Worker::change_stream_open) && since.elapsed() < within {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let listening = workers.iter().filter(|w| w.change_stream_open()).count();
+    Ok((workers, started_rx, listening))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixteen_idle_workers_share_two_change_streams_and_leave_the_pool_free()
 -> anyhow::Result<()> {
@@ -96,33 +133,15 @@ async fn sixteen_idle_workers_share_two_change_streams_and_leave_the_pool_free()
     let db = client.database(t.db.name());
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
-    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
-    let mut workers = Vec::new();
-    for w in 0..WORKERS {
-        let started_tx = started_tx.clone();
-        workers.push(Worker::spawn(
-            q.clone(),
-            WorkerOptions::default()
-                .name(format!("w{w}"))
-                .watch_control(true),
-            move |_job| {
-                let started_tx = started_tx.clone();
-                async move {
-                    let _ = started_tx.send(Instant::now());
-                    Ok(Bson::Null)
-                }
-            },
-        )?);
-    }
     // Every worker idle and listening (a stream per worker cannot all open: the pool
     // has 10 connections; go on after 5 s and let the counts below tell).
-    let since = Instant::now();
-    while !workers.iter().all(Worker::change_stream_open)
-        && since.elapsed() < Duration::from_secs(5)
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let listening = workers.iter().filter(|w| w.change_stream_open()).count();
+    let (workers, mut started_rx, listening) = idle_workers(
+        &q,
+        WORKERS,
+        &WorkerOptions::default().watch_control(true),
+        Duration::from_secs(5),
+    )
+    .await?;
     eprintln!("{listening} of {WORKERS} workers listening");
     // Connections held for 300 ms or more: the change streams' `getMore`s (the server
     // holds each up to 500 ms; a claim or a read takes a millisecond).
@@ -191,33 +210,18 @@ async fn an_insert_wakes_one_idle_worker_not_all() -> anyhow::Result<()> {
     let db = client.database(t.db.name());
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
-    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
-    let mut workers = Vec::new();
-    for w in 0..WORKERS {
-        let started_tx = started_tx.clone();
-        workers.push(Worker::spawn(
-            q.clone(),
-            // Rare polls: what the workers send below is what the inserts woke.
-            WorkerOptions::default()
-                .name(format!("w{w}"))
-                .poll(Duration::from_secs(5), Duration::from_secs(10)),
-            move |_job| {
-                let started_tx = started_tx.clone();
-                async move {
-                    let _ = started_tx.send(Instant::now());
-                    Ok(Bson::Null)
-                }
-            },
-        )?);
-    }
-    let since = Instant::now();
-    while !workers.iter().all(Worker::change_stream_open) {
-        anyhow::ensure!(
-            since.elapsed() < Duration::from_secs(20),
-            "the workers did not all start listening"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Rare polls: what the workers send below is what the inserts woke.
+    let (workers, mut started_rx, listening) = idle_workers(
+        &q,
+        WORKERS,
+        &WorkerOptions::default().poll(Duration::from_secs(5), Duration::from_secs(10)),
+        Duration::from_secs(20),
+    )
+    .await?;
+    anyhow::ensure!(
+        listening == WORKERS,
+        "only {listening} of {WORKERS} workers listen"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let producer = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let pq = JobQueue::open(&t.db, "jobs", producer, QueueOptions::default()).await?;

@@ -83,6 +83,14 @@ async fn observed_client(uri: &str) -> anyhow::Result<(Client, Arc<Seen>)> {
     Ok((Client::with_options(options)?, seen))
 }
 
+/// The test's database through `client`, and the queue `jobs` opened on it.
+async fn queue_on(client: &Client, t: &TestDb) -> anyhow::Result<(mongodb::Database, JobQueue)> {
+    let db = client.database(t.db.name());
+    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
+    let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+    Ok((db, q))
+}
+
 /// `n` workers on `q` with `options` (named `w0`, `w1`, …) whose handler sends the instant
 /// it starts a job, and the receiving end; then waits until every worker listens, or
 /// `within` has passed. Returns the workers, the receiver and how many listen.
@@ -130,9 +138,7 @@ async fn sixteen_idle_workers_share_two_change_streams_and_leave_the_pool_free()
         return Ok(());
     }
     let (client, seen) = observed_client(t.uri()).await?;
-    let db = client.database(t.db.name());
-    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
-    let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+    let (db, q) = queue_on(&client, &t).await?;
     // Every worker idle and listening (a stream per worker cannot all open: the pool
     // has 10 connections; go on after 5 s and let the counts below tell).
     let (workers, mut started_rx, listening) = idle_workers(
@@ -207,9 +213,7 @@ async fn an_insert_wakes_one_idle_worker_not_all() -> anyhow::Result<()> {
         return Ok(());
     }
     let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
-    let db = client.database(t.db.name());
-    let time = TimeSource::server(client.clone(), ClockOptions::default())?;
-    let q = JobQueue::open(&db, "jobs", time, QueueOptions::default()).await?;
+    let (_, q) = queue_on(&client, &t).await?;
     // Rare polls: what the workers send below is what the inserts woke.
     let (workers, mut started_rx, listening) = idle_workers(
         &q,

@@ -23,9 +23,10 @@
 //! attempts may have left in the readers (so they do not hold a writer up until their
 //! ttl), and, when a writer's intent arrived behind such an entry, enters by renewing that
 //! entry under the new attempt's id while it is still certainly valid (the writer waits for
-//! it anyway) instead of waiting behind the writer. Where an acquire does not recognise its
-//! own lost acquisition (a `try_*` call retried by its caller; a blocking document lock,
-//! [`super::DocumentLocks::lock`], whose lock ids are not tracked), the next attempt finds it held and waits like any other contender,
+//! it anyway) instead of waiting behind the writer. A blocking document lock
+//! ([`super::DocumentLocks::lock`]) takes over a lock carrying one of its earlier attempts'
+//! lock ids. Where an acquire does not recognise its own lost acquisition (a `try_*` call
+//! retried by its caller), the next attempt finds it held and waits like any other contender,
 //! until that lease expires or the wait passes. Nobody ever holds two leases at once: the
 //! cost of an unrecognised lost reply is at most one ttl of waiting.
 
@@ -127,8 +128,9 @@ const MAX_UNANSWERED: usize = 16;
 /// The acquisition nonces of a blocking acquire's earlier attempts that failed with a
 /// transient error: their write may have applied all the same (a lost reply), so the next
 /// attempts take that acquisition back as their own instead of waiting behind it until
-/// its ttl (`LockCollection::acquire`, `Semaphore::acquire`, `RwLocks::read`, and the
-/// writer's intent through `LockCollection::acquire`). Only earlier attempts are
+/// its ttl (`LockCollection::acquire`, `Semaphore::acquire`, `RwLocks::read`, the
+/// writer's intent through `LockCollection::acquire`, and `DocumentLocks::lock`, whose
+/// "nonces" are its attempts' lock ids). Only earlier attempts are
 /// listed, never the one in flight; the last [`MAX_UNANSWERED`] are kept.
 #[derive(Debug, Default)]
 pub(crate) struct Unanswered {

@@ -24,7 +24,7 @@ use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
 use super::collection::describe;
-use super::deadline::Deadline;
+use super::deadline::{Deadline, Unanswered};
 use super::fence::FenceOutcome;
 use super::wake::Wake;
 use crate::backoff::Backoff;
@@ -290,15 +290,13 @@ impl DocumentLocks {
         );
         // The lock ids of this call's attempts that failed with a transient error: any of
         // them may have locked the document without the reply saying so.
-        let mut unknown: Vec<String> = Vec::new();
+        let mut unanswered = Unanswered::default();
         loop {
             let tried = match self.lock_ops().await {
                 Ok(ops) => {
                     let lock_id = ops.lock_id.clone();
-                    let r = self.attempt(id.clone(), ops, &unknown).await;
-                    if matches!(&r, Err(e) if e.is_retryable()) {
-                        unknown.push(lock_id);
-                    }
+                    let r = self.attempt(id.clone(), ops, unanswered.nonces()).await;
+                    unanswered.note(lock_id, &r);
                     r
                 }
                 Err(e) => Err(e),

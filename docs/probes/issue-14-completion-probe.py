@@ -3,6 +3,8 @@
 #   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg/cg.out.%p \
 #       secantusd-rs --port 27998 --storage-path /tmp/cg/data &
 #   CGDIR=/tmp/cg python3 docs/probes/issue-14-completion-probe.py [batches per form]
+#   CGDIR=/tmp/cg python3 docs/probes/issue-14-completion-probe.py sweep
+#   (session 21: the library's claim and completion at batch sizes 8 to 256)
 #   (NOCG=1 runs it against a server without valgrind, to check it works)
 # Not part of the suite: the session-19 probe of docs/benchmarks.md. The instructions the
 # embedded server executes per job for a claim's completion (64 jobs): one `updateMany`
@@ -19,13 +21,21 @@ c = MongoClient(f"mongodb://127.0.0.1:{PORT}/?directConnection=true", serverSele
 db = c.cgprobe
 PID = c.admin.command("serverStatus")["pid"]
 B = 64
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+SWEEP = len(sys.argv) > 1 and sys.argv[1] == "sweep"
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 and not SWEEP else 10
 CG = os.environ.get("NOCG") is None
 
 
 def zero():
     if CG:
         subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
+        # The signal may close a connection that was waiting in a read: find a live one.
+        for _ in range(5):
+            try:
+                c.admin.command("ping")
+                break
+            except Exception:
+                time.sleep(0.5)
 
 
 def dump(label, n):
@@ -122,8 +132,25 @@ def complete(form, ids, t):
     assert r["nModified"] == B, (form, r)
 
 
+def sweep():
+    """Per job, the claim (`updateMany` by `_id $in` with the state re-checked) and the
+    completion (`updateMany`, the library's form) at each batch size."""
+    global B
+    for round_ in range(2):
+        for b in [8, 16, 32, 64, 128, 256]:
+            B = b
+            n = max(4, 1024 // b)
+            zero()
+            batches = [claim_batch() for _ in range(n)]
+            dump(f"claim B={b} r{round_}", n * b)
+            zero()
+            for ids, t in batches:
+                complete("many", ids, t)
+            dump(f"complete B={b} r{round_}", n * b)
+
+
 FORMS = ["many", "fenced-each", "point-cond", "point-unfenced"]
-for round_ in range(2):
+for round_ in ([] if SWEEP else range(2)):
     print(f"round {round_ + 1}")
     for form in FORMS:
         batches = [claim_batch() for _ in range(ROUNDS)]
@@ -132,3 +159,6 @@ for round_ in range(2):
         for ids, t in batches:
             complete(form, ids, t)
         dump(f"complete {form} r{round_}", (ROUNDS - 1) * B)
+
+if SWEEP:
+    sweep()

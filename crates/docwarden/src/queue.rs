@@ -55,6 +55,7 @@ mod ops;
 mod options;
 mod rate;
 mod schedule;
+mod schedulers;
 pub(crate) mod transition;
 mod wakes;
 mod worker;

@@ -283,7 +283,7 @@ fn render(b: &Bson) -> String {
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Bad input is refused before anything is started or written.
-    docwarden::validate::collection_name("collection", &args.collection)?;
+    docwarden::validate::queue_collection_name("--collection", &args.collection)?;
     docwarden::validate::database_name("--db", &args.db)?;
     match &args.command {
         QueueCommand::Stats => {}

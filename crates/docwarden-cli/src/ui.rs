@@ -1005,13 +1005,14 @@ async fn action_resume(
 
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     docwarden::validate::database_name("--db", &args.db)?;
-    for q in args
-        .queues
-        .iter()
-        .chain(&args.locks)
-        .chain(&args.documents)
-        .chain([&args.elections, &args.rwlocks, &args.semaphores])
-    {
+    for q in &args.queues {
+        docwarden::validate::queue_collection_name("--queue", q)?;
+    }
+    for q in args.locks.iter().chain(&args.documents).chain([
+        &args.elections,
+        &args.rwlocks,
+        &args.semaphores,
+    ]) {
         docwarden::validate::collection_name("collection", q)?;
     }
     if let Some(dir) = &args.reports {

@@ -260,3 +260,23 @@ async fn retry_of_named_jobs_fails_when_one_was_not_retried() -> anyhow::Result<
     assert_eq!(body["retried"], 1);
     Ok(())
 }
+
+/// Session 21: `--collection jobs.meta` (a queue's options collection) was read as a queue
+/// of its own; it is refused before connecting, naming the reserved suffix, as
+/// `JobQueue::open` refuses it (`docwarden/tests/queue_s21_side_names.rs`).
+#[tokio::test]
+async fn a_collection_ending_in_a_side_collection_suffix_is_refused() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_cli_side_names").await?;
+    let _ = one_waiting_job(&t).await?;
+    let out = Command::new(env!("CARGO_BIN_EXE_docwarden"))
+        .args(["queue", "stats", "--uri", t.uri(), "--db", t.db.name()])
+        .args(["--collection", "jobs.meta"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "accepted: {stderr}");
+    assert!(
+        stderr.contains("--collection") && stderr.contains("`.meta`"),
+        "{stderr}"
+    );
+    Ok(())
+}

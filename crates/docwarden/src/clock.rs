@@ -497,6 +497,12 @@ impl TimeSource {
         })
     }
 
+    /// The address this source and its clones share: equal for two handles only if they
+    /// are clones of one source, and never reused while one of them is alive.
+    pub(crate) fn identity(&self) -> *const () {
+        Arc::as_ptr(&self.inner).cast()
+    }
+
     /// [`TimeSource::now`] without any I/O: the projection of the last sample if it is
     /// still fresh (`None` otherwise; a local source always answers).
     pub(crate) fn now_if_fresh(&self) -> Option<ServerTime> {

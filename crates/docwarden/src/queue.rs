@@ -55,6 +55,7 @@ mod ops;
 mod options;
 mod rate;
 mod schedule;
+mod schedulers;
 pub(crate) mod transition;
 mod wakes;
 mod worker;
@@ -199,13 +200,15 @@ impl JobQueue {
     /// primary's latest data).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] if the options are invalid.
+    /// [`Error::InvalidInput`] if the options are invalid, or the collection's name is not
+    /// a queue's ([`validate::queue_collection_name`]: it ends in the suffix of a queue's
+    /// side collection, such as `.meta`).
     pub fn new(
         collection: Collection<Document>,
         time: TimeSource,
         options: QueueOptions,
     ) -> Result<Self> {
-        validate::collection_name("queue collection", collection.name())?;
+        validate::queue_collection_name("queue collection", collection.name())?;
         options.validate()?;
         let ttl_ms = validate::duration_ms("lease ttl", options.lease_ttl)?;
         let db = collection.client().database(&collection.namespace().db);
@@ -249,17 +252,19 @@ impl JobQueue {
     /// stored for other workers ([`JobQueue::store_options`]).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad name or options; [`Error::Incompatible`] for a
-    /// server older than MongoDB 6.0 or a collection with a non-simple default collation
-    /// (see [`crate::preflight`]); a database error if the indexes cannot be created or
-    /// the options document cannot be written.
+    /// [`Error::InvalidInput`] for a bad name (one ending in the suffix of a queue's side
+    /// collection — `.meta`, `.schedules`, `.rates`, `.limits`, `.limits.tokens` — among
+    /// them, see [`validate::queue_collection_name`]; nothing is created) or options;
+    /// [`Error::Incompatible`] for a server older than MongoDB 6.0 or a collection with a
+    /// non-simple default collation (see [`crate::preflight`]); a database error if the
+    /// indexes cannot be created or the options document cannot be written.
     pub async fn open(
         db: &Database,
         name: &str,
         time: TimeSource,
         options: QueueOptions,
     ) -> Result<Self> {
-        validate::collection_name("queue collection", name)?;
+        validate::queue_collection_name("queue collection", name)?;
         let queue = Self::new(db.collection(name), time, options)?;
         crate::preflight::check(queue.collection()).await?;
         queue.ensure_indexes().await?;

@@ -50,6 +50,35 @@ pub fn collection_name(what: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks the name of a queue's jobs collection: a valid [`collection_name`] that does not
+/// end in the suffix of a queue's side collection
+/// ([`SIDE_COLLECTION_SUFFIXES`](crate::format::job::SIDE_COLLECTION_SUFFIXES): `.meta`,
+/// `.schedules`, `.rates`, `.limits`, `.limits.tokens`). Such a name is another queue's
+/// side collection (`jobs.meta` holds the options of queue `jobs`), or makes one of its
+/// own side collections another queue's jobs collection: two queues would write into one
+/// collection. Every other name is accepted, dots included (`app.jobs`).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what` (and the suffix, for a reserved one).
+pub fn queue_collection_name(what: &'static str, value: &str) -> Result<()> {
+    collection_name(what, value)?;
+    let reserved = crate::format::job::SIDE_COLLECTION_SUFFIXES
+        .iter()
+        .find_map(|suffix| value.strip_suffix(suffix).map(|base| (suffix, base)));
+    if let Some((suffix, base)) = reserved {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "`{}` ends in `{suffix}`, a suffix queues reserve for their side collections (`{}` is queue `{}`'s): choose another name",
+                value.escape_debug(),
+                value.escape_debug(),
+                base.escape_debug(),
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The characters no MongoDB database name may contain on any platform (MongoDB's
 /// "Limits and Thresholds": `/\. "$*<>:|?` on Windows, a superset of the Unix set), and
 /// NUL.
@@ -188,6 +217,33 @@ mod tests {
         assert!(collection_name("collection", "locks").is_ok());
         assert!(collection_name("collection", "a$b").is_err());
         assert!(collection_name("collection", "system.x").is_err());
+    }
+
+    #[test]
+    fn queue_collection_names_refuse_the_side_collection_suffixes() {
+        for ok in [
+            "jobs",
+            "app.jobs",
+            "meta",
+            "jobs.metadata",
+            "jobs.tokens",
+            "limits.x",
+        ] {
+            assert!(
+                queue_collection_name("queue", ok).is_ok(),
+                "{ok} was refused"
+            );
+        }
+        for suffix in crate::format::job::SIDE_COLLECTION_SUFFIXES {
+            match queue_collection_name("queue", &format!("jobs{suffix}")) {
+                Err(Error::InvalidInput { what, reason }) => {
+                    assert_eq!(what, "queue");
+                    assert!(reason.contains(&format!("`{suffix}`")), "{reason}");
+                }
+                other => panic!("jobs{suffix} accepted: {other:?}"),
+            }
+        }
+        assert!(queue_collection_name("queue", "a$b").is_err());
     }
 
     #[test]

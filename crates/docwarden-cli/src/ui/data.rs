@@ -17,9 +17,8 @@ use mongodb::Database;
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 /// Suffix of a lock collection's fencing-token counter collection (`docs/locks.md`,
-/// "The fencing-token counter"). The library names it inside `LockCollection::new` and
-/// does not export the suffix yet.
-const LOCK_TOKENS_SUFFIX: &str = ".tokens";
+/// "The fencing-token counter").
+const LOCK_TOKENS_SUFFIX: &str = docwarden::lock::format::TOKENS_SUFFIX;
 /// A queue's concurrency-limit semaphore collection: `<queue>.limits`.
 const LIMITS_SUFFIX: &str = docwarden::queue::format::limit::COLLECTION_SUFFIX;
 
@@ -51,8 +50,11 @@ pub(crate) async fn discover(
     let mut q: BTreeSet<String> = queues.iter().cloned().collect();
     let mut l: BTreeSet<String> = locks.iter().cloned().collect();
     for name in &names {
+        // A `q.meta` of a name no queue may have (`q` ends in a side collection's
+        // suffix, see `validate::queue_collection_name`) is not a queue's.
         if let Some(base) = name.strip_suffix(meta::COLLECTION_SUFFIX)
             && names.contains(base)
+            && docwarden::validate::queue_collection_name("queue", base).is_ok()
         {
             q.insert(base.to_owned());
         }

@@ -287,6 +287,18 @@ mod tests {
             assert_eq!(inside, claimable, "{s}");
         }
     }
+
+    #[test]
+    fn the_limits_counter_suffix_is_the_semaphore_counter_of_the_limits_collection() {
+        assert_eq!(
+            limit::TOKENS_COLLECTION_SUFFIX,
+            format!(
+                "{}{}",
+                limit::COLLECTION_SUFFIX,
+                crate::lock::format::TOKENS_SUFFIX
+            )
+        );
+    }
 }
 
 /// The rate documents of a queue, in `<queue>.rates` (`queue/rate.rs`).
@@ -319,9 +331,27 @@ pub mod rate {
 pub mod limit {
     /// Suffix of the semaphore collection's name after the queue collection's.
     pub const COLLECTION_SUFFIX: &str = ".limits";
+    /// Suffix of that semaphore's fencing-token counter after the queue collection's
+    /// name: [`COLLECTION_SUFFIX`] and [`crate::lock::format::TOKENS_SUFFIX`].
+    pub const TOKENS_COLLECTION_SUFFIX: &str = ".limits.tokens";
     /// The semaphore resource of a concurrency key is this prefix and the key.
     pub const KEY_PREFIX: &str = "key:";
     /// The semaphore resource of the default queue's own concurrency limit; a named
     /// queue's is this, `:` and its name.
     pub const QUEUE_RESOURCE: &str = "queue";
 }
+
+/// The suffixes of the side collections a queue collection `<name>` keeps next to it:
+/// `<name>.meta` (options and control documents), `<name>.schedules`, `<name>.rates`,
+/// `<name>.limits` (a [`crate::lock::Semaphore`]) and that semaphore's counter
+/// `<name>.limits.tokens`. A queue collection's own name may not end in any of them
+/// ([`crate::validate::queue_collection_name`]): queue `jobs.meta` would keep its jobs in
+/// queue `jobs`'s options collection, and queue `jobs` its options in queue `jobs.meta`'s
+/// jobs collection.
+pub const SIDE_COLLECTION_SUFFIXES: [&str; 5] = [
+    crate::queue::meta::COLLECTION_SUFFIX,
+    crate::format::schedule::SCHEDULES_SUFFIX,
+    rate::COLLECTION_SUFFIX,
+    limit::COLLECTION_SUFFIX,
+    limit::TOKENS_COLLECTION_SUFFIX,
+];

@@ -2,6 +2,10 @@
 //! the fields of a lock-collection document and the default fields of a document lock.
 //! Code outside the library (the CLI, `check`) names stored fields through these constants.
 
+/// Suffix of the fencing-token counter collection of a lock collection or a semaphore
+/// collection `<name>`: `<name>.tokens`.
+pub const TOKENS_SUFFIX: &str = ".tokens";
+
 /// Fields of a lock document in a [`crate::lock::LockCollection`] (`_id` is the resource).
 pub mod collection {
     /// The holder's owner id.

@@ -365,7 +365,10 @@ impl LockCollection {
         let name = collection.name();
         Ok(Self {
             locks: db.collection_with_options(name, coll_options.clone()),
-            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
+            tokens: db.collection_with_options(
+                &format!("{name}{}", crate::format::lock::TOKENS_SUFFIX),
+                coll_options,
+            ),
             time,
             options,
             pause: None,

@@ -256,7 +256,10 @@ impl Semaphore {
         let name = collection.name();
         Ok(Self {
             docs: db.collection_with_options(name, coll_options.clone()),
-            tokens: db.collection_with_options(&format!("{name}.tokens"), coll_options),
+            tokens: db.collection_with_options(
+                &format!("{name}{}", crate::format::lock::TOKENS_SUFFIX),
+                coll_options,
+            ),
             time,
             default_permits: i64::from(options.default_permits),
             options,

@@ -456,8 +456,10 @@ pub struct WorkerOptions {
     pub cancel_grace: Duration,
     /// Whether the worker also runs the queue's scheduler (periodic jobs, see
     /// [`JobQueue::schedule`](super::JobQueue::schedule)): one pass over the queue's
-    /// schedules every [`WorkerOptions::schedule_every`]. Any number of workers may run
-    /// it; each tick is enqueued once. Default false.
+    /// schedules every [`WorkerOptions::schedule_every`]. The workers of one process that
+    /// run it on the same queue (with clones of one handle, or handles alike sharing one
+    /// time source) and period share one pass task; any number of processes may run it;
+    /// each tick is enqueued once. Default false.
     pub run_schedules: bool,
     /// Period of the worker's scheduler passes. Default 200 ms.
     pub schedule_every: Duration,

@@ -622,7 +622,8 @@ impl JobQueue {
 
     /// Logs that schedule `id` cannot tick because of `error`: as a warning the first
     /// time this handle sees that problem, at debug level on every later pass (a pass
-    /// runs every 200 ms by default, in every worker that runs schedules), so a broken
+    /// runs every 200 ms by default, in every process whose workers run schedules and in
+    /// every [`Scheduler`]), so a broken
     /// schedule is reported once per handle, and again once its problem changes or
     /// after it was fixed and broke again.
     fn schedule_problem(&self, id: &str, error: &Error, what: &'static str) {
@@ -803,7 +804,8 @@ pub(crate) async fn run_scheduler(
 
 /// A scheduler running on its own (without a worker): enqueues the due ticks of a
 /// queue's schedules every `every`. Workers run one with
-/// [`WorkerOptions::run_schedules`](super::WorkerOptions::run_schedules). Dropping it
+/// [`WorkerOptions::run_schedules`](super::WorkerOptions::run_schedules), one per queue
+/// per process (`queue/schedulers.rs`); each `Scheduler` runs its own. Dropping it
 /// stops it.
 #[derive(Debug)]
 pub struct Scheduler {

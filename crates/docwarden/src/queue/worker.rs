@@ -548,11 +548,12 @@ async fn supervise(
         );
     }
     if ctx.options.run_schedules {
+        // The process's one pass task for this queue, shared with its other workers
+        // (`queue/schedulers.rs`).
         background.spawn(
-            super::schedule::run_scheduler(
+            super::schedulers::keep_running(
                 ctx.queue.clone(),
                 ctx.options.schedule_every,
-                Arc::default(),
                 stop_listening.clone(),
             )
             .in_current_span(),

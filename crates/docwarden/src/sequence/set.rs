@@ -427,11 +427,17 @@ impl SequencedSet {
     }
 
     /// The filter and the operator update of the operator form (public as
-    /// [`SequencedSet::operator_update_for`] for ports): the key first, then "the
-    /// operation wins" (see [`resolve`]) in plain operators — `floor` missing or `<= seq`,
-    /// and `seq₀ < seq` (a remove: or `seq₀ == seq` on a present entry; an add: on an entry
-    /// whose `present` is `on_present_entry`) —, so `n: 1` means this write applied the
-    /// operation. The update replaces the entry in place (`$set` keeps an existing field's
+    /// [`SequencedSet::operator_update_for`] for ports): the key first, then the members
+    /// field holding an array (`$type: "array"`), then "the operation wins" (see
+    /// [`resolve`]) in plain operators — `floor` missing or `<= seq`, and `seq₀ < seq` (a
+    /// remove: or `seq₀ == seq` on a present entry; an add: on an entry whose `present` is
+    /// `on_present_entry`) —, so `n: 1` means this write applied the operation. A members
+    /// field that is not an array (a hand edit) matches nothing and the apply goes on with
+    /// the pipeline, which decides for every form alike: a null or missing field counts as
+    /// empty, any other value is [`Error::Malformed`]. (Without the condition an add on a
+    /// present entry, which leaves the array alone, applied over a string, and `$push` and
+    /// `$pull` refused a null the pipeline takes for empty: the answer depended on the
+    /// handle's hints.) The update replaces the entry in place (`$set` keeps an existing field's
     /// position) and changes the members array: an add on a tombstone `$push`es the member
     /// with `$sort: 1` (the binary order of the strings, as the pipeline keeps it), an add
     /// on a present entry leaves the array (the member is in it), a remove `$pull`s it. The
@@ -462,6 +468,7 @@ impl SequencedSet {
         };
         let filter = doc! { "$and": [
             { self.key_field.as_str(): key.clone() },
+            { self.field.as_str(): { "$type": "array" } },
             { self.floor_field.as_str(): { "$not": { "$gt": seq } } },
             wins,
         ] };

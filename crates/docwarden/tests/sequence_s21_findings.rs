@@ -1,0 +1,113 @@
+//! Session 21 findings in the sequenced set: hand-edited documents, against the real server.
+
+#![allow(clippy::unwrap_used)] // a test may panic on a missing document
+
+use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOptions};
+use docwarden_testkit::TestDb;
+use mongodb::bson::{Bson, Document, doc};
+
+fn options() -> SetOptions {
+    SetOptions::default()
+        .key_field("student_id")
+        .field("classes")
+}
+
+/// The outcome of an apply, with a `Malformed` error reduced to its kind (its reason names
+/// the server's error, which differs between the operator form and the pipeline).
+fn kind(r: &docwarden::Result<ApplyOutcome>) -> String {
+    match r {
+        Ok(o) => format!("{o:?}"),
+        Err(docwarden::Error::Malformed { .. }) => "Malformed".to_owned(),
+        Err(e) => format!("{e:?}"),
+    }
+}
+
+/// The stored document without `_id` and the key, to compare two keys' documents.
+async fn stored(set: &SequencedSet, key: i64) -> anyhow::Result<Document> {
+    let mut d = set
+        .collection()
+        .find_one(doc! { "student_id": key })
+        .await?
+        .unwrap();
+    d.remove("_id");
+    d.remove("student_id");
+    Ok(d)
+}
+
+/// An add to a member whose entry is present is sent, by a handle that has seen the entry,
+/// as the operator form's `$set` of the entry alone: with the members array hand-edited
+/// into a string, a number or a document it was `Applied` (the entry moved on, the array
+/// stayed broken), where a handle without the hint sends the pipeline, which the server
+/// refuses (`Malformed`). `$push` and `$pull` refused a null members field that the pipeline
+/// takes for an empty one. So one operation on one document had two answers, depending on
+/// what the handle had seen (and a batch, which sends the operator form, said `Applied`).
+/// Now the operator form requires an array, and every form answers as the pipeline does:
+/// `Malformed` with nothing written over a scalar, the pipeline's write over null.
+#[tokio::test]
+async fn an_add_over_a_members_field_that_is_not_an_array_answers_as_without_a_hint()
+-> anyhow::Result<()> {
+    let t = TestDb::new("seq_s21_members").await?;
+    let hinted = SequencedSet::open(&t.db, "students", options()).await?;
+    let students = t.db.collection::<Document>("students");
+    let edits = [
+        Bson::from("CS 101"),
+        Bson::from(5),
+        Bson::Document(doc! { "CS 101": true }),
+        Bson::Null,
+    ];
+    // Two documents per edit: one written by the hinted handle, one by a fresh handle
+    // (no hints: the pipeline) each time.
+    let mut wrong = Vec::new();
+    for (i, edit) in (0_i64..).zip(edits) {
+        let (a, b) = (2 * i, 2 * i + 1);
+        for k in [a, b] {
+            for m in ["CS 101", "PHYS"] {
+                assert_eq!(hinted.add(k, m, 1).await?, ApplyOutcome::Applied);
+            }
+            assert_eq!(hinted.remove(k, "PHYS", 2).await?, ApplyOutcome::Applied);
+            students
+                .update_one(
+                    doc! { "student_id": k },
+                    doc! { "$set": { "classes": edit.clone() } },
+                )
+                .await?;
+        }
+        let before = stored(&hinted, a).await?;
+        let ops: [(&str, &str, i64, bool); 3] = [
+            ("add on a present entry", "CS 101", 3, true),
+            ("add on a tombstone", "PHYS", 4, true),
+            ("remove", "CS 101", 5, false),
+        ];
+        for (what, member, seq, present) in ops {
+            let fresh = SequencedSet::open(&t.db, "students", options()).await?;
+            let (x, y) = if present {
+                (
+                    hinted.add(a, member, seq).await,
+                    fresh.add(b, member, seq).await,
+                )
+            } else {
+                (
+                    hinted.remove(a, member, seq).await,
+                    fresh.remove(b, member, seq).await,
+                )
+            };
+            if kind(&x) != kind(&y) || stored(&hinted, a).await? != stored(&hinted, b).await? {
+                wrong.push(format!(
+                    "{edit}: {what}: with the hint {}, without {}",
+                    kind(&x),
+                    kind(&y)
+                ));
+            }
+            if edit != Bson::Null
+                && !matches!(&x, Err(docwarden::Error::Malformed { reason, .. }) if reason.contains("`classes`"))
+            {
+                wrong.push(format!("{edit}: {what}: {x:?}"));
+            }
+        }
+        if edit != Bson::Null && stored(&hinted, a).await? != before {
+            wrong.push(format!("{edit}: written"));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    Ok(())
+}

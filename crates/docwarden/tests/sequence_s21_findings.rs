@@ -111,3 +111,71 @@ async fn an_add_over_a_members_field_that_is_not_an_array_answers_as_without_a_h
     assert!(wrong.is_empty(), "{wrong:#?}");
     Ok(())
 }
+
+/// The pipeline reads the set's bookkeeping through `$ifNull`, and `$set` of a dotted path
+/// replaces a scalar on the way: with `_seq_sets` or `_seq_sets.<field>` hand-edited into
+/// a scalar (or null, or an array), or the `state` into null or an array, or a member's
+/// entry into a scalar, the next apply was `Applied` and wrote fresh bookkeeping over it:
+/// every member's history gone, so a stale message below a remove brought the member back.
+/// Now the pipeline's filter requires each of them to be missing or a document; such a
+/// document matches nothing and the apply is `Malformed` naming the field, nothing written,
+/// for a handle with or without hints.
+#[tokio::test]
+async fn a_sets_bookkeeping_edited_into_a_scalar_is_malformed_not_overwritten() -> anyhow::Result<()>
+{
+    let t = TestDb::new("seq_s21_bookkeeping").await?;
+    let hinted = SequencedSet::open(&t.db, "students", options()).await?;
+    let students = t.db.collection::<Document>("students");
+    let edits = [
+        ("_seq_sets", Bson::from(5)),
+        ("_seq_sets", Bson::from("x")),
+        ("_seq_sets", Bson::Null),
+        (
+            "_seq_sets",
+            Bson::Array(vec![Bson::Document(doc! { "classes": { "state": {} } })]),
+        ),
+        ("_seq_sets.classes", Bson::from(5)),
+        ("_seq_sets.classes", Bson::Null),
+        ("_seq_sets.classes.state", Bson::Null),
+        ("_seq_sets.classes.state", Bson::Array(vec![])),
+        ("_seq_sets.classes.state.CS 101", Bson::from(5)),
+    ];
+    let mut wrong = Vec::new();
+    for (k, (field, value)) in (1_i64..).zip(edits) {
+        assert_eq!(hinted.add(k, "CS 101", 1).await?, ApplyOutcome::Applied);
+        assert_eq!(hinted.remove(k, "CS 101", 2).await?, ApplyOutcome::Applied);
+        assert_eq!(hinted.add(k, "CS 101", 3).await?, ApplyOutcome::Applied);
+        students
+            .update_one(
+                doc! { "student_id": k },
+                doc! { "$set": { field: value.clone() } },
+            )
+            .await?;
+        let before = students.find_one(doc! { "student_id": k }).await?;
+        let fresh = SequencedSet::open(&t.db, "students", options()).await?;
+        let mut outcomes = vec![
+            ("add", hinted.add(k, "CS 101", 4).await),
+            ("add without hints", fresh.add(k, "CS 101", 5).await),
+            ("remove", hinted.remove(k, "CS 101", 6).await),
+            ("stale add", fresh.add(k, "CS 101", 1).await),
+        ];
+        if field != "_seq_sets.classes.state.CS 101" {
+            outcomes.push(("add of a new member", fresh.add(k, "PHYS", 7).await));
+        }
+        for (what, outcome) in outcomes {
+            if !matches!(&outcome, Err(docwarden::Error::Malformed { reason, .. }) if reason.contains(&format!("`{field}`")))
+            {
+                wrong.push(format!("{field}: {value}: {what}: {outcome:?}"));
+            }
+        }
+        if students.find_one(doc! { "student_id": k }).await? != before {
+            wrong.push(format!("{field}: {value}: written"));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    // A well-formed set is untouched by the added conditions.
+    assert_eq!(hinted.add(100, "CS 101", 1).await?, ApplyOutcome::Applied);
+    assert_eq!(hinted.add(100, "CS 101", 1).await?, ApplyOutcome::Duplicate);
+    assert_eq!(hinted.remove(100, "CS 101", 0).await?, ApplyOutcome::Stale);
+    Ok(())
+}

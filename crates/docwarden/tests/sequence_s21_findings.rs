@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used)] // a test may panic on a missing document
 
-use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOptions};
+use docwarden::sequence::{ApplyOutcome, SequencedSet, SetOp, SetOptions};
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, Document, doc};
 
@@ -177,5 +177,89 @@ async fn a_sets_bookkeeping_edited_into_a_scalar_is_malformed_not_overwritten() 
     assert_eq!(hinted.add(100, "CS 101", 1).await?, ApplyOutcome::Applied);
     assert_eq!(hinted.add(100, "CS 101", 1).await?, ApplyOutcome::Duplicate);
     assert_eq!(hinted.remove(100, "CS 101", 0).await?, ApplyOutcome::Stale);
+    Ok(())
+}
+
+/// `apply_many` sends the operations its handle can predict in one `bulkWrite` and applies
+/// the others (and any the bulk did not write) one by one through the single apply. The
+/// session 19 docs said its bulk part reported a hand-edited document as a bare `Database`
+/// error; it does not: a write the bulk refuses (`$pull` on a string) has no result and is
+/// applied alone, which answers `Malformed` as `apply` does. What the batch did get wrong
+/// were the two findings above: it answered `Applied` for an add on a present entry over a
+/// broken members array (the operator form, now refused), and wrote fresh bookkeeping over
+/// a scalar `_seq_sets` (the pipeline, now refused). The batch answers as `apply` does for
+/// each of these documents, with the bulk sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_many_reports_a_hand_edited_document_as_apply_does() -> anyhow::Result<()> {
+    let t = TestDb::new("seq_s21_batch").await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
+    let db = client.database(t.db.name());
+    let batch = SequencedSet::open(&db, "students", options()).await?;
+    let students = t.db.collection::<Document>("students");
+    let edits = [
+        ("classes", doc! { "$set": { "classes": "CS 101" } }),
+        ("_seq_sets", doc! { "$set": { "_seq_sets": 5 } }),
+        (
+            "_seq_sets.classes",
+            doc! { "$set": { "_seq_sets.classes": Bson::Null } },
+        ),
+    ];
+    let ops: [fn(i64) -> SetOp; 3] = [
+        |k| SetOp::add(k, "CS 101", 3),
+        |k| SetOp::add(k, "PHYS", 4),
+        |k| SetOp::remove(k, "CS 101", 5),
+    ];
+    let mut wrong = Vec::new();
+    let mut k = 0_i64;
+    for (field, edit) in edits {
+        for op in ops {
+            // One document for the batch, one for the single apply; a healthy key next to
+            // it, so that the batch has two predicted operations and sends the bulk.
+            let (bad, single, healthy) = (k, k + 1, k + 2);
+            k += 3;
+            for key in [bad, single, healthy] {
+                for m in ["CS 101", "PHYS"] {
+                    batch.add(key, m, 1).await?;
+                }
+                batch.remove(key, "PHYS", 2).await?;
+            }
+            for key in [bad, single] {
+                students
+                    .update_one(doc! { "student_id": key }, edit.clone())
+                    .await?;
+            }
+            let before = students.find_one(doc! { "student_id": bad }).await?;
+            log.take();
+            let many = batch
+                .apply_many(&[SetOp::add(healthy, "CS 101", 9), op(bad)])
+                .await;
+            let sent = log.take_counts();
+            let op = op(single);
+            let fresh = SequencedSet::open(&t.db, "students", options()).await?;
+            let one = if op.present {
+                fresh.add(single, &op.member, op.seq).await
+            } else {
+                fresh.remove(single, &op.member, op.seq).await
+            };
+            let many_kind = match &many {
+                Ok(outcomes) => format!("{outcomes:?}"),
+                Err(docwarden::Error::Malformed { .. }) => "Malformed".to_owned(),
+                Err(e) => format!("{e:?}"),
+            };
+            if many_kind != kind(&one) || many_kind != "Malformed" {
+                wrong.push(format!(
+                    "{field}: {op:?}: apply_many {many_kind}, apply {}",
+                    kind(&one)
+                ));
+            }
+            if sent.get("bulkWrite") != Some(&1) {
+                wrong.push(format!("{field}: {op:?}: no bulk sent: {sent:?}"));
+            }
+            if students.find_one(doc! { "student_id": bad }).await? != before {
+                wrong.push(format!("{field}: {op:?}: written"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
     Ok(())
 }

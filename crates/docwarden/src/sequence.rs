@@ -233,18 +233,21 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 /// document already holds this very operation, and reads the caller's outcome back without
 /// storing anything per call.
 ///
-/// `not_yet` is the condition "the document does not hold this operation yet" (a list of
-/// clauses for `$or`), and `holds` tests the same on a returned document. The filter is
-/// `{$and: [{<key_field>: key}, {$or: not_yet}]}`, so when the write runs, the operation was not in
-/// effect before it (the server checks the filter atomically with the write); the
-/// post-image (`ReturnDocument::After`, projected to `projection`) then holds it exactly
-/// when this write applied it: [`ApplyOutcome::Applied`], else [`ApplyOutcome::Stale`].
+/// `conditions` are the clauses, after the key, of the filter `{$and: [{<key_field>: key},
+/// …conditions]}`: the condition "the document does not hold this operation yet" (an
+/// `$or`), and for a set the shape of its bookkeeping ([`set::SequencedSet`] writes only
+/// over bookkeeping in the shape it writes); `holds` tests the first on a returned
+/// document. So when the write runs, the operation was not in effect before it (the server
+/// checks the filter atomically with the write); the post-image (`ReturnDocument::After`,
+/// projected to `projection`) then holds it exactly when this write applied it:
+/// [`ApplyOutcome::Applied`], else [`ApplyOutcome::Stale`].
 ///
 /// When nothing matched, a read of the document tells the rest: it holds the operation
 /// ([`ApplyOutcome::Duplicate`], a second round trip, only for re-deliveries), it changed in
-/// between (try again), or there is no document yet: it is created empty (`insert_one` of
-/// `{<key_field>: key}`); the unique key index makes that idempotent, so a duplicate-key
-/// error from a racing creator is absorbed and the update runs again.
+/// between (try again) unless `malformed` finds it outside the shape the filter requires
+/// (that error, nothing written), or there is no document yet: it is created empty
+/// (`insert_one` of `{<key_field>: key}`); the unique key index makes that idempotent, so a
+/// duplicate-key error from a racing creator is absorbed and the update runs again.
 ///
 /// Why not an upserting `findOneAndUpdate`: MongoDB would do the same in one round trip,
 /// but the embedded secantusd-rs answers some *racing* upserts with `value: null` although
@@ -256,18 +259,24 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 /// round trip: secantusd-rs returns a pre-image read *before* it takes the document for the
 /// write, so a concurrent write in between makes it stale (MongoDB's is atomic). The
 /// filter-and-post-image shape is atomic on both.
-async fn apply(
+async fn apply<M>(
     collection: &mongodb::Collection<Document>,
     key_filter: Document,
-    not_yet: Vec<Document>,
+    conditions: Vec<Document>,
     pipeline: impl Fn() -> Vec<Document>,
     projection: Document,
     holds: impl Fn(&Document) -> Result<bool>,
-    key: &Bson,
-) -> Result<ApplyOutcome> {
+    malformed: impl Fn() -> M,
+) -> Result<ApplyOutcome>
+where
+    M: std::future::Future<Output = Option<Error>>,
+{
     // `$and` with the key first: the shape both servers route as a point lookup by the key
     // (secantusd-rs scans the collection for a top-level `$or` next to the key).
-    let filter = mongodb::bson::doc! { "$and": [key_filter.clone(), { "$or": not_yet }] };
+    let mut clauses = vec![key_filter.clone()];
+    clauses.extend(conditions);
+    let filter = mongodb::bson::doc! { "$and": clauses };
+    let key = &key_filter;
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -294,7 +303,10 @@ async fn apply(
             .await?;
         match current {
             Some(doc) if holds(&doc)? => return Ok(ApplyOutcome::Duplicate),
-            Some(_) => tracing::debug!(%key, "the document changed between two reads"),
+            Some(_) => match malformed().await {
+                Some(e) => return Err(e),
+                None => tracing::debug!(%key, "the document changed between two reads"),
+            },
             None => match collection.insert_one(key_filter.clone()).await {
                 Ok(_) => tracing::debug!(%key, "created the sequenced document"),
                 Err(e) if crate::error::is_duplicate_key(&e) => {

@@ -9,7 +9,9 @@
 //! concurrency control: it checks the one document written, so it cannot express rules
 //! across documents. A collection holds one validator: a different one already there (a
 //! user's `$jsonSchema`, other invariants) is reported and kept unless the caller asks to
-//! replace it; one an earlier docwarden installed for the same invariants is upgraded.
+//! replace it; one an earlier docwarden installed for the same invariants is upgraded; the
+//! invariants combined by hand with other rules in a top-level `$and` are recognised, and
+//! the other rules kept.
 
 use futures::TryStreamExt;
 use mongodb::Collection;
@@ -89,7 +91,8 @@ pub enum ValidatorInstall {
     },
     /// Nothing was installed because the collection already has a different validator
     /// (a user's `$jsonSchema`, or other invariants), which `collMod` would have replaced.
-    /// Combine the rules into one validator, or set
+    /// Combine the rules into one validator (`{$and: [<the other rules>,
+    /// validator_document(invariants)]}`, which an install then recognises), or set
     /// [`ValidatorOptions::replace_other_validator`].
     OtherValidator {
         /// The validator the collection has.
@@ -135,6 +138,15 @@ enum Existing<'a> {
     NoneOrSame,
     /// One an earlier docwarden installed for these invariants.
     Earlier(&'a Document),
+    /// `{$and: [...]}` of which exactly one clause is this version's validator or an
+    /// earlier docwarden's for these invariants, next to other rules (a user's
+    /// `$jsonSchema`): the combination `docs/guard.md` recommends.
+    Combined {
+        /// The collection's validator.
+        current: &'a Document,
+        /// The same with that clause replaced by this version's validator.
+        with_ours: Document,
+    },
     /// Anyone else's.
     Other(&'a Document),
 }
@@ -142,7 +154,9 @@ enum Existing<'a> {
 /// Classifies `existing` (the collection's validator, if any) against `validator`, the one
 /// this version installs for `invariants`: marked with the same [`marker`], or unmarked
 /// (before session 19) and `{$expr: {$and: [...]}}` with each invariant rendered as this or
-/// an earlier version renders it, is ours from an earlier version.
+/// an earlier version renders it, is ours from an earlier version; a top-level `$and` with
+/// exactly one clause that is ours (this version's or an earlier one's) is ours combined
+/// with other rules.
 fn classify<'a>(
     existing: Option<&'a Document>,
     validator: &Document,
@@ -151,8 +165,54 @@ fn classify<'a>(
     let Some(existing) = existing.filter(|v| !v.is_empty() && *v != validator) else {
         return Existing::NoneOrSame;
     };
-    if existing.get_str("$comment") == Ok(marker(invariants).as_str()) {
+    if is_ours(existing, validator, invariants) {
         return Existing::Earlier(existing);
+    }
+    combined(existing, validator, invariants).map_or(Existing::Other(existing), |with_ours| {
+        Existing::Combined {
+            current: existing,
+            with_ours,
+        }
+    })
+}
+
+/// `existing` with its one clause that is ours replaced by `validator`, when `existing` is
+/// `{$and: [...]}` alone (an `$and` holds only when every clause holds, so the invariants
+/// are enforced next to the other rules; an `$or` or anything else would not enforce them)
+/// and exactly one of its clauses is `validator` or an earlier docwarden's validator for
+/// these invariants ([`is_ours`]); `None` otherwise.
+fn combined(
+    existing: &Document,
+    validator: &Document,
+    invariants: &[Invariant],
+) -> Option<Document> {
+    if existing.len() != 1 {
+        return None;
+    }
+    let clauses = existing.get_array("$and").ok()?;
+    let mut ours = clauses.iter().enumerate().filter(|(_, clause)| {
+        clause
+            .as_document()
+            .is_some_and(|c| c == validator || is_ours(c, validator, invariants))
+    });
+    let (at, _) = ours.next()?;
+    if ours.next().is_some() {
+        return None;
+    }
+    let mut clauses = clauses.clone();
+    clauses[at] = validator.clone().into();
+    Some(doc! { "$and": clauses })
+}
+
+/// Whether `existing` (not `validator` itself) is a validator an earlier docwarden
+/// installed for `invariants`: marked with the same [`marker`], or unmarked and exactly
+/// `{$expr: {$and: [...]}}` of the invariants as this or an earlier version renders them.
+fn is_ours(existing: &Document, validator: &Document, invariants: &[Invariant]) -> bool {
+    if existing == validator {
+        return false;
+    }
+    if existing.get_str("$comment") == Ok(marker(invariants).as_str()) {
+        return true;
     }
     let unmarked = || {
         let mut keys = existing.keys();
@@ -170,11 +230,7 @@ fn classify<'a>(
                 }),
         )
     };
-    if unmarked() == Some(true) {
-        Existing::Earlier(existing)
-    } else {
-        Existing::Other(existing)
-    }
+    unmarked() == Some(true)
 }
 
 /// The validator document for `invariants`: `{$expr: {$and: [...]}, $comment: "docwarden
@@ -186,8 +242,13 @@ fn classify<'a>(
 /// earlier docwarden installed for the same invariants, and replaces it
 /// ([`ValidatorInstall::Upgraded`]), when it carries this marker, or, unmarked, when it is
 /// `{$expr: {$and: [...]}}` with each invariant rendered as this version or an earlier one
-/// rendered it (until session 16 an ordering comparison had no type bracket); any other
-/// validator is someone else's ([`ValidatorInstall::OtherValidator`]).
+/// rendered it (until session 16 an ordering comparison had no type bracket). Combined
+/// with other rules as `{$and: [...]}` (nothing else at the top level), exactly one clause
+/// of which is this document or such an earlier one, it is recognised too: the install
+/// keeps the other clauses and puts this document in that clause's place
+/// ([`ValidatorInstall::Installed`] when it is already there, else
+/// [`ValidatorInstall::Upgraded`]). Any other validator is someone else's
+/// ([`ValidatorInstall::OtherValidator`]).
 pub fn validator_document(invariants: &[Invariant]) -> Document {
     doc! { "$expr": all_of(invariants), "$comment": marker(invariants) }
 }
@@ -200,7 +261,10 @@ pub fn validator_document(invariants: &[Invariant]) -> Document {
 /// ([`ValidatorInstall::Refused`]). Installing the same invariants again is allowed (it
 /// resets the level and action). A validator an earlier docwarden installed for the same
 /// invariants is not "different": it is replaced, after the same violator checks, and the
-/// answer is [`ValidatorInstall::Upgraded`].
+/// answer is [`ValidatorInstall::Upgraded`]. Neither is a validator that combines the
+/// invariants with other rules in a top-level `$and` (see [`validator_document`]): it is
+/// installed as it is, the other rules kept, with the invariants' clause brought up to
+/// this version.
 ///
 /// The violators are listed before `collMod` and again after it. Once the validator is in
 /// place (strict, error) no write can add a violator, except with
@@ -273,7 +337,7 @@ async fn install(
         .await?
         .try_collect()
         .await?;
-    let validator = validator_document(invariants);
+    let mut validator = validator_document(invariants);
     let current = specs
         .first()
         .and_then(|spec| spec.options.validator.as_ref());
@@ -282,6 +346,11 @@ async fn install(
         Existing::Earlier(previous) => {
             info!(validator = %previous, "upgrading the validator an earlier docwarden installed");
             Some(previous.clone())
+        }
+        Existing::Combined { current, with_ours } => {
+            info!(validator = %current, "the invariants are combined with other rules; keeping them");
+            validator = with_ours;
+            (validator != *current).then(|| current.clone())
         }
         Existing::Other(other) if !opts.replace_other_validator => {
             warn!(validator = %other, "the collection has another validator; not replaced");
@@ -399,6 +468,11 @@ mod tests {
             doc! { "$expr": { "$and": [on.expr().clone()] } },
             doc! { "$expr": all_of(&invs), "owner": { "$exists": true } },
             doc! { "$jsonSchema": { "required": ["owner"] } },
+            // Combined, but not so that the invariants must hold, or ours twice.
+            doc! { "$or": [{ "$jsonSchema": {} }, now.clone()] },
+            doc! { "$and": [{ "$jsonSchema": {} }], "$or": [now.clone()] },
+            doc! { "$and": [now.clone(), { "$jsonSchema": {} }, unmarked.clone()] },
+            doc! { "$and": [{ "$jsonSchema": {} }, { "$expr": true, "$comment": marker(&invs[1..]) }] },
         ];
         for other in &others {
             assert_eq!(
@@ -407,6 +481,25 @@ mod tests {
                 "{other}"
             );
         }
+        // Session 21: combined with a user's rules in a top-level `$and`, as docs/guard.md
+        // recommends: ours (this version's clause kept, an earlier one's replaced in place).
+        let schema = doc! { "$jsonSchema": { "required": ["owner"] } };
+        let current = doc! { "$and": [schema.clone(), now.clone()] };
+        assert_eq!(
+            classify(Some(&current), &now, &invs),
+            Existing::Combined {
+                current: &current,
+                with_ours: current.clone()
+            }
+        );
+        let earlier = doc! { "$and": [old.clone(), schema.clone()] };
+        assert_eq!(
+            classify(Some(&earlier), &now, &invs),
+            Existing::Combined {
+                current: &earlier,
+                with_ours: doc! { "$and": [now.clone(), schema] }
+            }
+        );
     }
 
     #[test]

@@ -218,10 +218,10 @@ impl SequencedFields {
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            vec![
-                doc! { seq_path.as_str(): { "$ne": seq } },
-                doc! { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
-            ],
+            vec![doc! { "$or": [
+                { seq_path.as_str(): { "$ne": seq } },
+                { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
+            ] }],
             || {
                 Self::pipeline_with_tie(
                     field,
@@ -233,7 +233,7 @@ impl SequencedFields {
             },
             doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
             |d| holds(d, &seq_path, &tie_path, seq, &tie, &key),
-            &key,
+            || std::future::ready(None),
         )
         .await?;
         tracing::debug!(%key, field, seq, ?outcome, "sequenced field write");

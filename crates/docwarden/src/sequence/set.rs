@@ -32,6 +32,7 @@
 //! The same operation again is [`ApplyOutcome::Duplicate`]; a losing one is [`ApplyOutcome::Stale`];
 //! one with `seq` below the document's compaction watermark is [`ApplyOutcome::Stale`] too.
 
+use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::WriteConcern;
 use mongodb::{Collection, Database, IndexModel};
@@ -168,6 +169,32 @@ pub struct SequencedSet {
 /// The last state seen per `(key, member)` (see [`SequencedSet`]'s `hints`).
 type Hints =
     std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), (i64, bool)>>>;
+
+/// The `$type` aliases of every BSON type but a document (`object`): the values a hand edit
+/// may leave where the set keeps a sub-document (an array included, whose elements a dotted
+/// path would otherwise reach).
+const NOT_A_DOCUMENT: [&str; 20] = [
+    "double",
+    "string",
+    "array",
+    "binData",
+    "undefined",
+    "objectId",
+    "bool",
+    "date",
+    "null",
+    "regex",
+    "dbPointer",
+    "javascript",
+    "symbol",
+    "javascriptWithScope",
+    "int",
+    "timestamp",
+    "long",
+    "decimal",
+    "minKey",
+    "maxKey",
+];
 
 /// The most `(key, member)` hints a [`SequencedSet`] keeps before starting over.
 const HINTS_MAX: usize = 100_000;
@@ -343,13 +370,15 @@ impl SequencedSet {
         let present_path = format!("{entry}.present");
         // The entry as the pipeline's post-image (or the diagnosing read) showed it.
         let seen = std::sync::Mutex::new(None);
+        let mut conditions = vec![doc! { "$or": [
+            { seq_path.as_str(): { "$ne": seq } },
+            { present_path.as_str(): { "$ne": present } },
+        ] }];
+        conditions.extend(self.bookkeeping_in_shape(member));
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            vec![
-                doc! { seq_path.as_str(): { "$ne": seq } },
-                doc! { present_path.as_str(): { "$ne": present } },
-            ],
+            conditions,
             || self.pipeline(member, seq, present),
             doc! { entry.as_str(): 1, self.floor_field.as_str(): 1 },
             |d| {
@@ -359,7 +388,7 @@ impl SequencedSet {
                 super::check_stored_number(d, &self.floor_field, &key)?;
                 holds(d, &entry, seq, present, &key)
             },
-            &key,
+            || self.bookkeeping_error(&key),
         )
         .await?;
         if let Some(state) = seen.into_inner().ok().flatten() {
@@ -380,25 +409,7 @@ impl SequencedSet {
         if crate::error::error_code(&source).is_none() {
             return source.into();
         }
-        let read = self
-            .collection
-            .find_one(doc! { self.key_field.as_str(): key.clone() })
-            .projection(doc! { self.field.as_str(): 1, SETS_FIELD: 1 })
-            .await;
-        let Ok(Some(doc)) = read else {
-            return source.into();
-        };
-        let set = format!("{SETS_FIELD}.{}", self.field);
-        let not_an_array = super::get_path(&doc, &self.field)
-            .is_some_and(|v| v.as_array().is_none())
-            .then(|| (self.field.clone(), "an array"));
-        let wrong = not_an_array.or_else(|| {
-            [SETS_FIELD, set.as_str(), self.state_field.as_str()]
-                .into_iter()
-                .find(|path| super::get_path(&doc, path).is_some_and(|v| v.as_document().is_none()))
-                .map(|path| (path.to_owned(), "a document"))
-        });
-        match wrong {
+        match self.broken_field(key, true).await {
             Some((path, shape)) => Error::Malformed {
                 id: key.to_string(),
                 reason: format!(
@@ -407,6 +418,82 @@ impl SequencedSet {
             },
             None => source.into(),
         }
+    }
+
+    /// The filter clauses an apply's pipeline update adds for `member`: `_seq_sets`,
+    /// `_seq_sets.<field>`, its `state` and the member's entry are each missing or a
+    /// document (`$not` of a `$type` of every other type, null and arrays included). The
+    /// pipeline reads these paths through `$ifNull`, so over a hand edit (`_seq_sets: 5`, a
+    /// null `state`) it wrote fresh bookkeeping in place of the stored one, and the set's
+    /// history was lost with an `Applied`; now such a document matches nothing, and the read
+    /// that explains the miss answers [`Error::Malformed`].
+    fn bookkeeping_in_shape(&self, member: &str) -> [Document; 4] {
+        let not_a_document = || doc! { "$not": { "$type": NOT_A_DOCUMENT.to_vec() } };
+        [
+            SETS_FIELD.to_owned(),
+            format!("{SETS_FIELD}.{}", self.field),
+            self.state_field.clone(),
+            self.entry_path(member),
+        ]
+        .map(|path| doc! { path: not_a_document() })
+    }
+
+    /// [`Error::Malformed`] naming the first part of the set's bookkeeping in `key`'s
+    /// document that is not a document (see [`SequencedSet::broken_field`]): why an apply's
+    /// pipeline update, whose filter requires the bookkeeping in shape, matched nothing.
+    async fn bookkeeping_error(&self, key: &Bson) -> Option<Error> {
+        let (path, shape) = self.broken_field(key, false).await?;
+        Some(Error::Malformed {
+            id: key.to_string(),
+            reason: format!(
+                "`{path}` is not {shape}: nothing written (an apply writes only over the set's bookkeeping in the shape docwarden writes)"
+            ),
+        })
+    }
+
+    /// The first field of `key`'s document that is not in the shape docwarden writes, with
+    /// the shape it should have: with `members`, the members field when it is there and not
+    /// an array; then `_seq_sets`, `_seq_sets.<field>` and its `state` when there and not
+    /// documents (null included). One aggregation of the fields' `$type`s (a few bytes,
+    /// whatever the size of the set); `None` when the document is in shape or gone, or the
+    /// read fails.
+    async fn broken_field(&self, key: &Bson, members: bool) -> Option<(String, &'static str)> {
+        let set = format!("{SETS_FIELD}.{}", self.field);
+        let mut paths = Vec::with_capacity(4);
+        if members {
+            paths.push((self.field.clone(), "array", "an array"));
+        }
+        for path in [SETS_FIELD, set.as_str(), self.state_field.as_str()] {
+            paths.push((path.to_owned(), "object", "a document"));
+        }
+        let types: Document = paths
+            .iter()
+            .enumerate()
+            .map(|(i, (path, _, _))| {
+                (
+                    format!("t{i}"),
+                    Bson::from(doc! { "$type": format!("${path}") }),
+                )
+            })
+            .collect();
+        let mut project = doc! { "_id": 0 };
+        project.extend(types);
+        let mut cursor = self
+            .collection
+            .aggregate(vec![
+                doc! { "$match": { self.key_field.as_str(): key.clone() } },
+                doc! { "$project": project },
+            ])
+            .await
+            .ok()?;
+        let found = cursor.try_next().await.ok()??;
+        paths
+            .into_iter()
+            .enumerate()
+            .find(|(i, (_, wanted, _))| {
+                !matches!(found.get_str(format!("t{i}")), Ok(t) if t == *wanted || t == "missing")
+            })
+            .map(|(_, (path, _, shape))| (path, shape))
     }
 
     /// The last state of `(key, member)`'s entry this handle saw, if any.
@@ -427,11 +514,17 @@ impl SequencedSet {
     }
 
     /// The filter and the operator update of the operator form (public as
-    /// [`SequencedSet::operator_update_for`] for ports): the key first, then "the
-    /// operation wins" (see [`resolve`]) in plain operators — `floor` missing or `<= seq`,
-    /// and `seq₀ < seq` (a remove: or `seq₀ == seq` on a present entry; an add: on an entry
-    /// whose `present` is `on_present_entry`) —, so `n: 1` means this write applied the
-    /// operation. The update replaces the entry in place (`$set` keeps an existing field's
+    /// [`SequencedSet::operator_update_for`] for ports): the key first, then the members
+    /// field holding an array (`$type: "array"`), then "the operation wins" (see
+    /// [`resolve`]) in plain operators — `floor` missing or `<= seq`, and `seq₀ < seq` (a
+    /// remove: or `seq₀ == seq` on a present entry; an add: on an entry whose `present` is
+    /// `on_present_entry`) —, so `n: 1` means this write applied the operation. A members
+    /// field that is not an array (a hand edit) matches nothing and the apply goes on with
+    /// the pipeline, which decides for every form alike: a null or missing field counts as
+    /// empty, any other value is [`Error::Malformed`]. (Without the condition an add on a
+    /// present entry, which leaves the array alone, applied over a string, and `$push` and
+    /// `$pull` refused a null the pipeline takes for empty: the answer depended on the
+    /// handle's hints.) The update replaces the entry in place (`$set` keeps an existing field's
     /// position) and changes the members array: an add on a tombstone `$push`es the member
     /// with `$sort: 1` (the binary order of the strings, as the pipeline keeps it), an add
     /// on a present entry leaves the array (the member is in it), a remove `$pull`s it. The
@@ -462,6 +555,7 @@ impl SequencedSet {
         };
         let filter = doc! { "$and": [
             { self.key_field.as_str(): key.clone() },
+            { self.field.as_str(): { "$type": "array" } },
             { self.floor_field.as_str(): { "$not": { "$gt": seq } } },
             wins,
         ] };
@@ -524,7 +618,9 @@ impl SequencedSet {
     ///
     /// The update's filter is the key plus "not in effect yet"
     /// (`$or: [{<entry>.seq: {$ne: seq}}, {<entry>.present: {$ne: present}}]`), which is how
-    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`).
+    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`), plus
+    /// the bookkeeping in shape: `_seq_sets`, `_seq_sets.<field>`, its `state` and the
+    /// entry each missing or a document (`{<path>: {$not: {$type: [every other type]}}}`).
     pub fn pipeline(&self, member: &str, seq: i64, present: bool) -> Vec<Document> {
         let m = encode::literal(member);
         let entry = self.entry_path(member);

@@ -26,9 +26,12 @@
 #              256 partitions, with and without the single-claim index.
 # Rounds alternate the variants; read the last round. (A label must not contain parentheses:
 # callgrind_control then dumps nothing.)
-import datetime, glob, itertools, os, random, subprocess, sys, time, uuid
+import datetime, itertools, os, random, sys, time, uuid
 from bson import Int64, ObjectId
 from pymongo import MongoClient, ReturnDocument
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import callgrind  # noqa: E402
 
 PORT = int(os.environ.get("PORT", "27998"))
 OUT = os.environ.get("CGDIR", "/tmp/cg")
@@ -43,21 +46,10 @@ def measure(label, n, op):
     """Instructions per `op()` on the server (after 50 untimed calls)."""
     for _ in range(50):
         op()
-    subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
+    callgrind.zero(c, PID)
     for _ in range(n):
         op()
-    started = time.time()
-    subprocess.run(["callgrind_control", "-d", label, str(PID)], check=True, capture_output=True)
-    total = None
-    while total is None:  # the dump file of this label, once written in full
-        time.sleep(0.2)
-        for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
-            if os.path.getmtime(f) < started - 1:
-                continue
-            text = open(f, "rb").read().decode("utf-8", "replace")
-            if f"Trigger: dump {label}\n" in text:
-                total = next((int(l.split()[1]) for l in text.splitlines()
-                              if l.startswith(("summary:", "totals:"))), None)
+    total = callgrind.dump(OUT, PID, label)
     print(f"{label:28} {total / n / 1000:9.1f} kIr/op", flush=True)
 
 

@@ -11,9 +11,12 @@
 # by `{_id: {$in}, state, lease.token}` (the library's), 64 statements of one `update`
 # command with the fence in the filter, 64 by `{_id}` with the fence in the pipeline, and
 # 64 by `{_id}` unfenced. Jobs are claimed outside the measured window.
-import datetime, glob, os, random, subprocess, sys, time, uuid
+import datetime, os, random, sys, time, uuid
 from bson import Int64, ObjectId
 from pymongo import MongoClient
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import callgrind  # noqa: E402
 
 PORT = int(os.environ.get("PORT", "27998"))
 OUT = os.environ.get("CGDIR", "/tmp/cg")
@@ -28,32 +31,13 @@ CG = os.environ.get("NOCG") is None
 
 def zero():
     if CG:
-        subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
-        # The signal may close a connection that was waiting in a read: find a live one.
-        for _ in range(5):
-            try:
-                c.admin.command("ping")
-                break
-            except Exception:
-                time.sleep(0.5)
+        callgrind.zero(c, PID)
 
 
 def dump(label, n):
-    if not CG:
-        return
-    started = time.time()
-    subprocess.run(["callgrind_control", "-d", label, str(PID)], check=True, capture_output=True)
-    total = None
-    while total is None:
-        time.sleep(0.2)
-        for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
-            if os.path.getmtime(f) < started - 1:
-                continue
-            text = open(f, "rb").read().decode("utf-8", "replace")
-            if f"Trigger: dump {label}\n" in text:
-                total = next((int(l.split()[1]) for l in text.splitlines()
-                              if l.startswith(("summary:", "totals:"))), None)
-    print(f"{label:34} {total / n / 1000:9.1f} kIr/job", flush=True)
+    if CG:
+        total = callgrind.dump(OUT, PID, label)
+        print(f"{label:34} {total / n / 1000:9.1f} kIr/job", flush=True)
 
 
 q = db.jobs

@@ -9,8 +9,11 @@
 # a document: checked by four filter clauses {path: {$not: {$type: [every other alias]}}}
 # (the library since session 21), by one $nor of the four, by four clauses with a shorter
 # alias list, or inside the pipeline ($cond on the four $types) instead of the filter.
-import glob, os, random, subprocess, time
+import os, random, sys, time
 from pymongo import MongoClient, ReturnDocument
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import callgrind  # noqa: E402
 OUT = os.environ.get("CGDIR", "/tmp/sq")
 c = MongoClient("mongodb://127.0.0.1:27995/?directConnection=true")
 db = c.sq; co = db.s; co.drop()
@@ -43,25 +46,13 @@ def run(name, n=1500):
 
 PID = c.admin.command("serverStatus")["pid"]
 def zero():
-    subprocess.run(["callgrind_control", "-z", str(PID)], check=True, capture_output=True)
-    for _ in range(5):
-        try:
-            c.admin.command("ping"); break
-        except Exception:
-            time.sleep(0.5)
+    callgrind.zero(c, PID)
+
+
 def dump(label, n):
-    started = time.time()
-    subprocess.run(["callgrind_control", "-d", label, str(PID)], check=True, capture_output=True)
-    total = None
-    while total is None:
-        time.sleep(0.2)
-        for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
-            if os.path.getmtime(f) < started - 1:
-                continue
-            text = open(f, "rb").read().decode("utf-8", "replace")
-            if f"Trigger: dump {label}\n" in text:
-                total = next((int(l.split()[1]) for l in text.splitlines() if l.startswith(("summary:", "totals:"))), None)
-    return total / n / 1000
+    return callgrind.dump(OUT, PID, label) / n / 1000
+
+
 for r in range(2):
     out = []
     for k in V:

@@ -112,6 +112,30 @@ impl TestDb {
         connect(&self.uri, Duration::from_secs(20)).await
     }
 
+    /// The validator of `collection` in this database (`None` when it has none, or an
+    /// empty one), as `listCollections` reports it.
+    ///
+    /// # Errors
+    /// The command failed.
+    pub async fn validator_of(
+        &self,
+        collection: &str,
+    ) -> mongodb::error::Result<Option<mongodb::bson::Document>> {
+        let mut cursor = self
+            .db
+            .list_collections()
+            .filter(mongodb::bson::doc! { "name": collection })
+            .await?;
+        let spec = if cursor.advance().await? {
+            Some(cursor.deserialize_current()?)
+        } else {
+            None
+        };
+        Ok(spec
+            .and_then(|s| s.options.validator)
+            .filter(|v| !v.is_empty()))
+    }
+
     /// The embedded server owned by this test, if any.
     pub fn server_mut(&mut self) -> Option<&mut EmbeddedServer> {
         self.server.as_mut()

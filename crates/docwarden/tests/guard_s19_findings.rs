@@ -167,14 +167,9 @@ async fn a_validator_is_not_installed_on_a_collection_with_a_non_simple_collatio
     );
     let options = docwarden::preflight::default_collation(&t.db, "shifts").await?;
     assert!(options.is_some());
-    let specs: Vec<mongodb::results::CollectionSpecification> = futures::TryStreamExt::try_collect(
-        t.db.list_collections()
-            .filter(doc! { "name": "shifts" })
-            .await?,
-    )
-    .await?;
     assert_eq!(
-        specs[0].options.validator, None,
+        t.validator_of("shifts").await?,
+        None,
         "a validator was installed"
     );
     // A collection with the simple collation stated is accepted.
@@ -192,19 +187,6 @@ async fn a_validator_is_not_installed_on_a_collection_with_a_non_simple_collatio
         "{ok:?}"
     );
     Ok(())
-}
-
-async fn validator_of(t: &TestDb, name: &str) -> anyhow::Result<Option<Document>> {
-    let specs: Vec<mongodb::results::CollectionSpecification> = futures::TryStreamExt::try_collect(
-        t.db.list_collections()
-            .filter(doc! { "name": name })
-            .await?,
-    )
-    .await?;
-    Ok(specs
-        .first()
-        .and_then(|s| s.options.validator.clone())
-        .filter(|v| !v.is_empty()))
 }
 
 /// A validator is docwarden's only if it is byte for byte what this version would install,
@@ -243,7 +225,7 @@ async fn a_validator_installed_by_an_earlier_docwarden_is_upgraded() -> anyhow::
         panic!("{refused:?}");
     };
     assert_eq!(violations.len(), 1, "{violations:?}");
-    assert_eq!(validator_of(&t, "accounts").await?, Some(before_17.clone()));
+    assert_eq!(t.validator_of("accounts").await?, Some(before_17.clone()));
     accounts.delete_one(doc! { "_id": 1 }).await?;
     let upgraded = guard::install_validator(&accounts, &rule, &Default::default()).await?;
     assert_eq!(
@@ -254,7 +236,7 @@ async fn a_validator_installed_by_an_earlier_docwarden_is_upgraded() -> anyhow::
         }
     );
     assert_eq!(
-        validator_of(&t, "accounts").await?,
+        t.validator_of("accounts").await?,
         Some(guard::validator_document(&rule))
     );
     let string = accounts
@@ -304,7 +286,7 @@ async fn a_validator_installed_by_an_earlier_docwarden_is_upgraded() -> anyhow::
                 validator: other.clone()
             }
         );
-        assert_eq!(validator_of(&t, &name).await?, Some(other));
+        assert_eq!(t.validator_of(&name).await?, Some(other));
     }
     Ok(())
 }

@@ -12,16 +12,6 @@ fn refused_by_validator<T: std::fmt::Debug>(r: &mongodb::error::Result<T>) -> bo
         .is_err_and(|e| docwarden::error::error_code(e) == Some(121))
 }
 
-async fn validator_of(t: &TestDb, name: &str) -> anyhow::Result<Option<Document>> {
-    let specs: Vec<mongodb::results::CollectionSpecification> = futures::TryStreamExt::try_collect(
-        t.db.list_collections()
-            .filter(doc! { "name": name })
-            .await?,
-    )
-    .await?;
-    Ok(specs.first().and_then(|s| s.options.validator.clone()))
-}
-
 /// Whether the collection refuses an account without an owner (the user's `$jsonSchema`)
 /// and one with a string balance (the invariant), and accepts a good one; each written
 /// document is removed again.
@@ -71,7 +61,7 @@ async fn a_validator_combining_the_invariants_with_a_json_schema_is_recognised()
             existing_violations: vec![]
         }
     );
-    assert_eq!(validator_of(&t, "accounts").await?, Some(combined.clone()));
+    assert_eq!(t.validator_of("accounts").await?, Some(combined.clone()));
     assert!(both_rules_hold(&accounts).await?);
 
     // As session 16 rendered `balance >= 0` (no type bracket: a string balance passed),
@@ -92,7 +82,7 @@ async fn a_validator_combining_the_invariants_with_a_json_schema_is_recognised()
         }
     );
     assert_eq!(
-        validator_of(&t, "old").await?,
+        t.validator_of("old").await?,
         Some(doc! { "$and": [guard::validator_document(&rule), schema.clone()] })
     );
     assert!(both_rules_hold(&old_coll).await?);
@@ -115,7 +105,7 @@ async fn a_validator_combining_the_invariants_with_a_json_schema_is_recognised()
                 validator: other.clone()
             }
         );
-        assert_eq!(validator_of(&t, &name).await?, Some(other));
+        assert_eq!(t.validator_of(&name).await?, Some(other));
     }
     Ok(())
 }

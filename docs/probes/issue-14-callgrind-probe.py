@@ -74,13 +74,16 @@ def keep_gc(exp):
 
 
 def lock_coll(name, indexes):
+    """`indexes`: True (both), False (none), or a set of "owner" and "gc"."""
+    indexes = {"owner", "gc"} if indexes is True else (indexes or set())
     coll = db[name]
     coll.drop()
     now = datetime.datetime.now()
     coll.insert_many([{"_id": f"r-{i}", "owner": None, "token": Int64(1), "ceiling": Int64(2**62), "acquisition": "n",
                        "acquired_at": now, "expires_at": now, "gc_at": now} for i in range(1000)])
-    if indexes:
+    if "owner" in indexes:
         coll.create_index([("owner", 1), ("_id", 1)], name="owner_id")
+    if "gc" in indexes:
         coll.create_index([("gc_at", 1)], name="gc_at_gc", expireAfterSeconds=3600)
     return coll
 
@@ -90,7 +93,10 @@ def lock_fields(nonce, now, exp, gc):
          "expires_at": {"$literal": exp},
          "token": {"$cond": [FAST, {"$add": ["$token", Int64(1)]}, "$token"]},
          "pending": {"$cond": [FAST, "$$REMOVE", {"$literal": nonce}]}}
-    if gc:
+    if gc == "bucket":  # rounded up to the next hour: unchanged by most acquires
+        bucket = exp.replace(minute=0, second=0, microsecond=0) + datetime.timedelta(hours=1)
+        s["gc_at"] = keep_gc(bucket)
+    elif gc:
         s["gc_at"] = keep_gc(exp)
     return s
 
@@ -101,7 +107,12 @@ def lock_pair(coll, gc=True, by_id=False):
     exp = now + datetime.timedelta(seconds=30)
     nonce = uuid.uuid4().hex
     s = lock_fields(nonce, now, exp, gc)
-    if by_id:
+    if by_id == "one-stage":
+        free = {"$or": [{"$eq": [{"$ifNull": ["$owner", None]}, None]}, {"$ne": [{"$type": "$expires_at"}, "date"]},
+                        {"$lt": ["$expires_at", {"$literal": now}]}]}
+        pipeline = [{"$set": {k: {"$cond": [free, v, "$" + k]} for k, v in s.items()}}]
+        d = coll.find_one_and_update({"_id": r}, pipeline, upsert=True, return_document=ReturnDocument.AFTER)
+    elif by_id:
         free = {"$or": [{"$eq": [{"$ifNull": ["$owner", None]}, None]}, {"$ne": [{"$type": "$expires_at"}, "date"]},
                         {"$lt": ["$expires_at", {"$literal": now}]}]}
         pipeline = [{"$set": {"_dw_take": free}},
@@ -244,6 +255,23 @@ if "locks" in GROUPS:
         "lock pair, no indexes": lambda: lock_pair(L0),
         "lock pair, no gc_at": lambda: lock_pair(L, gc=False),
         "lock pair, acquire by _id": lambda: lock_pair(L, by_id=True),
+    }
+if "locks2" in GROUPS:  # session 22: which index and which filter the pair pays for
+    L = lock_coll("locks", True)
+    L0 = lock_coll("locks_no_index", False)
+    LG = lock_coll("locks_gc_index", {"gc"})
+    LO = lock_coll("locks_owner_index", {"owner"})
+    variants |= {
+        "lock2 library": lambda: lock_pair(L),
+        "lock2 gc-bucket": lambda: lock_pair(L, gc="bucket"),
+        "lock2 by-id-3": lambda: lock_pair(L, by_id=True),
+        "lock2 by-id-1": lambda: lock_pair(L, by_id="one-stage"),
+        "lock2 by-id-1 gc-bucket": lambda: lock_pair(L, gc="bucket", by_id="one-stage"),
+        "lock2 no-index": lambda: lock_pair(L0),
+        "lock2 by-id-1 no-index": lambda: lock_pair(L0, by_id="one-stage"),
+        "lock2 gc-index-only": lambda: lock_pair(LG),
+        "lock2 owner-index-only": lambda: lock_pair(LO),
+        "lock2 by-id-1 gc-index-only gc-bucket": lambda: lock_pair(LG, gc="bucket", by_id="one-stage"),
     }
 if "doclock" in GROUPS:
     D = db.docs

@@ -15,23 +15,24 @@ from pymongo import MongoClient, ReturnDocument
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
 OUT = os.environ.get("CGDIR", "/tmp/sq")
-c = MongoClient("mongodb://127.0.0.1:27995/?directConnection=true")
+c = MongoClient(f"mongodb://127.0.0.1:{os.environ.get('PORT', '27995')}/?directConnection=true")
 db = c.sq; co = db.s; co.drop()
 co.insert_many([{"_id": i, "classes": ["a","b"], "_seq_sets": {"classes": {"state": {"a": {"seq": 1, "present": True}, "b": {"seq": 1, "present": True}}}}} for i in range(1000)])
 NOT = ["double","string","array","binData","undefined","objectId","bool","date","null","regex","dbPointer","javascript","symbol","javascriptWithScope","int","timestamp","long","decimal","minKey","maxKey"]
 paths = ["_seq_sets", "_seq_sets.classes", "_seq_sets.classes.state", "_seq_sets.classes.state.m"]
 def base(k, s):
     return [{"_id": k}, {"$or": [{"_seq_sets.classes.state.m.seq": {"$ne": s}}, {"_seq_sets.classes.state.m.present": {"$ne": True}}]}]
+def tchk(p):
+    return {"$in": [{"$type": "$" + p}, ["missing", "object"]]}
+okx = {"$and": [tchk(p) for p in paths]}
 V = {
  "A base": lambda k, s: {"$and": base(k, s)},
  "B 4x $not $type": lambda k, s: {"$and": base(k, s) + [{p: {"$not": {"$type": NOT}}} for p in paths]},
  "C one $nor": lambda k, s: {"$and": base(k, s) + [{"$nor": [{p: {"$type": NOT}} for p in paths]}]},
  "F base, check in pipeline": lambda k, s: {"$and": base(k, s)},
+ "E one $expr of the four $types": lambda k, s: {"$and": base(k, s) + [{"$expr": okx}]},
  "D 4x $not $type, no-array-list": lambda k, s: {"$and": base(k, s) + [{p: {"$not": {"$type": ["double","string","array","bool","null","int","long","date","objectId"]}}} for p in paths]},
 }
-def tchk(p):
-    return {"$in": [{"$type": "$" + p}, ["missing", "object"]]}
-okx = {"$and": [tchk(p) for p in paths]}
 updF = [{"$set": {"_seq_sets.classes.state.m": {"$cond": [okx, {"$literal": {"seq": 5, "present": True}}, "$_seq_sets.classes.state.m"]}, "x": "$$NOW"}}]
 upd = [{"$set": {"_seq_sets.classes.state.m": {"$literal": {"seq": 5, "present": True}}, "x": "$$NOW"}}]
 seq = [0]

@@ -235,17 +235,17 @@ pub fn validate_seq(seq: i64) -> Result<i64> {
 ///
 /// `conditions` are the clauses, after the key, of the filter `{$and: [{<key_field>: key},
 /// …conditions]}`: the condition "the document does not hold this operation yet" (an
-/// `$or`), and for a set the shape of its bookkeeping ([`set::SequencedSet`] writes only
-/// over bookkeeping in the shape it writes); `holds` tests the first on a returned
-/// document. So when the write runs, the operation was not in effect before it (the server
+/// `$or`); `holds` tests it on a returned document (and may answer an error instead: a
+/// set's pipeline leaves bookkeeping out of shape as it is, and `holds` reads that from the
+/// types its projection carries). So when the write runs, the operation was not in effect before it (the server
 /// checks the filter atomically with the write); the post-image (`ReturnDocument::After`,
 /// projected to `projection`) then holds it exactly when this write applied it:
 /// [`ApplyOutcome::Applied`], else [`ApplyOutcome::Stale`].
 ///
 /// When nothing matched, a read of the document tells the rest: it holds the operation
 /// ([`ApplyOutcome::Duplicate`], a second round trip, only for re-deliveries), it changed in
-/// between (try again) unless `malformed` finds it outside the shape the filter requires
-/// (that error, nothing written), or there is no document yet: it is created empty
+/// between (try again) unless `malformed` finds it out of shape (that error, nothing
+/// written), or there is no document yet: it is created empty
 /// (`insert_one` of `{<key_field>: key}`); the unique key index makes that idempotent, so a
 /// duplicate-key error from a racing creator is absorbed and the update runs again.
 ///

@@ -170,31 +170,15 @@ pub struct SequencedSet {
 type Hints =
     std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), (i64, bool)>>>;
 
-/// The `$type` aliases of every BSON type but a document (`object`): the values a hand edit
-/// may leave where the set keeps a sub-document (an array included, whose elements a dotted
-/// path would otherwise reach).
-const NOT_A_DOCUMENT: [&str; 20] = [
-    "double",
-    "string",
-    "array",
-    "binData",
-    "undefined",
-    "objectId",
-    "bool",
-    "date",
-    "null",
-    "regex",
-    "dbPointer",
-    "javascript",
-    "symbol",
-    "javascriptWithScope",
-    "int",
-    "timestamp",
-    "long",
-    "decimal",
-    "minKey",
-    "maxKey",
-];
+/// The field of an apply's post-image (a projection, never stored) holding the `$type`s of
+/// the set's bookkeeping paths ([`SequencedSet`]'s `bookkeeping_paths`), by which the reply
+/// tells a document the pipeline left alone because its bookkeeping was hand-edited out of
+/// shape from one where the operation was stale.
+const SHAPE_FIELD: &str = "_dw_shape";
+
+/// The pipeline's decision for a document whose bookkeeping is out of shape (bound as
+/// `$$dw_d` next to [`ApplyOutcome`]'s names and [`CREATED`]): nothing is changed.
+const MALFORMED: &str = "malformed";
 
 /// The most `(key, member)` hints a [`SequencedSet`] keeps before starting over.
 const HINTS_MAX: usize = 100_000;
@@ -370,18 +354,23 @@ impl SequencedSet {
         let present_path = format!("{entry}.present");
         // The entry as the pipeline's post-image (or the diagnosing read) showed it.
         let seen = std::sync::Mutex::new(None);
-        let mut conditions = vec![doc! { "$or": [
+        let conditions = vec![doc! { "$or": [
             { seq_path.as_str(): { "$ne": seq } },
             { present_path.as_str(): { "$ne": present } },
         ] }];
-        conditions.extend(self.bookkeeping_in_shape(member));
+        let paths = self.bookkeeping_paths(member);
+        let shape: Vec<Bson> = paths
+            .iter()
+            .map(|path| Bson::from(doc! { "$type": format!("${path}") }))
+            .collect();
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
             conditions,
             || self.pipeline(member, seq, present),
-            doc! { entry.as_str(): 1, self.floor_field.as_str(): 1 },
+            doc! { entry.as_str(): 1, self.floor_field.as_str(): 1, SHAPE_FIELD: shape },
             |d| {
+                check_shape(d, &paths, &key)?;
                 if hinted && let Ok(mut seen) = seen.lock() {
                     *seen = entry_state(d, &entry);
                 }
@@ -420,35 +409,26 @@ impl SequencedSet {
         }
     }
 
-    /// The filter clauses an apply's pipeline update adds for `member`: `_seq_sets`,
-    /// `_seq_sets.<field>`, its `state` and the member's entry are each missing or a
-    /// document (`$not` of a `$type` of every other type, null and arrays included). The
-    /// pipeline reads these paths through `$ifNull`, so over a hand edit (`_seq_sets: 5`, a
-    /// null `state`) it wrote fresh bookkeeping in place of the stored one, and the set's
-    /// history was lost with an `Applied`; now such a document matches nothing, and the read
-    /// that explains the miss answers [`Error::Malformed`].
-    fn bookkeeping_in_shape(&self, member: &str) -> [Document; 4] {
-        let not_a_document = || doc! { "$not": { "$type": NOT_A_DOCUMENT.to_vec() } };
+    /// The paths of the set's bookkeeping an apply of `member` reads and writes:
+    /// `_seq_sets`, `_seq_sets.<field>`, its `state` and the member's entry. Each must be
+    /// missing or a document; the pipeline ([`SequencedSet::pipeline`]) writes nothing
+    /// otherwise, and the reply answers [`Error::Malformed`] naming the first that is not.
+    fn bookkeeping_paths(&self, member: &str) -> [String; 4] {
         [
             SETS_FIELD.to_owned(),
             format!("{SETS_FIELD}.{}", self.field),
             self.state_field.clone(),
             self.entry_path(member),
         ]
-        .map(|path| doc! { path: not_a_document() })
     }
 
     /// [`Error::Malformed`] naming the first part of the set's bookkeeping in `key`'s
     /// document that is not a document (see [`SequencedSet::broken_field`]): why an apply's
-    /// pipeline update, whose filter requires the bookkeeping in shape, matched nothing.
+    /// update matched nothing although the document is there and does not hold the
+    /// operation (a race with a hand edit; the reply's shape check answers the usual case).
     async fn bookkeeping_error(&self, key: &Bson) -> Option<Error> {
         let (path, shape) = self.broken_field(key, false).await?;
-        Some(Error::Malformed {
-            id: key.to_string(),
-            reason: format!(
-                "`{path}` is not {shape}: nothing written (an apply writes only over the set's bookkeeping in the shape docwarden writes)"
-            ),
-        })
+        Some(bookkeeping_malformed(key, &path, shape))
     }
 
     /// The first field of `key`'s document that is not in the shape docwarden writes, with
@@ -618,9 +598,18 @@ impl SequencedSet {
     ///
     /// The update's filter is the key plus "not in effect yet"
     /// (`$or: [{<entry>.seq: {$ne: seq}}, {<entry>.present: {$ne: present}}]`), which is how
-    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`), plus
-    /// the bookkeeping in shape: `_seq_sets`, `_seq_sets.<field>`, its `state` and the
-    /// entry each missing or a document (`{<path>: {$not: {$type: [every other type]}}}`).
+    /// the caller's outcome is read back from the post-image (see `docs/sequence.md`).
+    ///
+    /// The bookkeeping must be in shape: `_seq_sets`, `_seq_sets.<field>`, its `state` and
+    /// the entry each missing or a document. The decision checks it first (`$type` of each
+    /// path in `["object", "missing"]`); out of shape it is `malformed`, and every field is
+    /// written back as stored (the state goes into `_seq_sets` as a whole through
+    /// `$mergeObjects`, never through a dotted path, which would replace a scalar on its
+    /// way). The apply projects the same four `$type`s into its post-image and answers
+    /// [`Error::Malformed`] naming the first path out of shape. (Session 21 checked this in
+    /// the filter with four `{<path>: {$not: {$type: [every other type]}}}` clauses; on the
+    /// embedded server those cost +70 % instructions per apply, the check here +5–9 %:
+    /// `docs/benchmarks.md`.)
     pub fn pipeline(&self, member: &str, seq: i64, present: bool) -> Vec<Document> {
         let m = encode::literal(member);
         let entry = self.entry_path(member);
@@ -686,9 +675,18 @@ impl SequencedSet {
                 "cond": { "$ne": ["$$x", m] },
             } }
         };
-        let decision = doc! {
-            "$switch": { "branches": branches, "default": ApplyOutcome::Stale.as_str() },
-        };
+        // Bookkeeping out of shape (a hand edit) decides `malformed`: every field is
+        // written back as stored, and the reply's shape check names the field.
+        let in_shape = doc! { "$and": self
+        .bookkeeping_paths(member)
+        .iter()
+        .map(|path| Bson::from(doc! { "$in": [{ "$type": format!("${path}") }, ["object", "missing"]] }))
+        .collect::<Vec<_>>() };
+        let decision = doc! { "$cond": [
+            in_shape.clone(),
+            { "$switch": { "branches": branches, "default": ApplyOutcome::Stale.as_str() } },
+            MALFORMED,
+        ] };
         let state = format!("${}", self.state_field);
         let state_or_empty = doc! { "$ifNull": [state.as_str(), {}] };
         let new_entry = doc! { "$literal": { "seq": seq, "present": present } };
@@ -714,23 +712,43 @@ impl SequencedSet {
             // Control: appended after the existing entries.
             replaced.clone()
         };
+        // The new state written into `_seq_sets` as a whole, never through a dotted path:
+        // `$set` of `_seq_sets.<field>.state` would replace a scalar `_seq_sets` on its
+        // way. `$mergeObjects` keeps the position of every existing field, as a dotted
+        // `$set` does, and the bookkeeping is in shape whenever this is evaluated.
+        let sets = format!("${SETS_FIELD}");
+        let with_state = |new_state: Document| {
+            doc! { "$mergeObjects": [sets.as_str(), {
+                self.field.as_str(): { "$mergeObjects": [
+                    format!("${SETS_FIELD}.{}", self.field),
+                    { "state": new_state },
+                ] },
+            }] }
+        };
+        let members_stored = format!("${}", self.field);
         vec![doc! { "$set": {
-            self.state_field.as_str(): { "$let": {
+            SETS_FIELD: { "$let": {
                 "vars": { "dw_d": decision.clone() },
                 "in": { "$switch": {
                     "branches": [
-                        { "case": { "$eq": [decided, CREATED] }, "then": created },
-                        { "case": { "$eq": [decided, ApplyOutcome::Applied.as_str()] }, "then": replaced },
+                        { "case": { "$eq": [decided, CREATED] }, "then": with_state(created) },
+                        { "case": { "$eq": [decided, ApplyOutcome::Applied.as_str()] }, "then": with_state(replaced) },
                     ],
-                    "default": state.as_str(),
+                    "default": sets.as_str(),
                 } },
             } },
             self.field.as_str(): { "$let": {
-                "vars": { "dw_d": decision },
-                "in": { "$cond": [applied, new_members, members_or_empty] },
+                "vars": { "dw_d": decision.clone() },
+                "in": { "$switch": {
+                    "branches": [
+                        { "case": applied, "then": new_members },
+                        { "case": { "$eq": [decided, MALFORMED] }, "then": members_stored.as_str() },
+                    ],
+                    "default": members_or_empty,
+                } },
             } },
-            // Written by earlier versions; removed by any write.
-            OUTCOME_FIELD: "$$REMOVE",
+            // Written by earlier versions; removed by any write over bookkeeping in shape.
+            OUTCOME_FIELD: { "$cond": [in_shape, "$$REMOVE", format!("${OUTCOME_FIELD}")] },
         } }]
     }
 
@@ -819,6 +837,33 @@ impl SequencedSet {
 }
 
 /// Whether `doc` holds the operation `(seq, present)` in the state entry at `entry`.
+/// The error for `key`'s document whose bookkeeping `path` is not `shape`.
+fn bookkeeping_malformed(key: &Bson, path: &str, shape: &str) -> Error {
+    Error::Malformed {
+        id: key.to_string(),
+        reason: format!(
+            "`{path}` is not {shape}: nothing written (an apply writes only over the set's bookkeeping in the shape docwarden writes)"
+        ),
+    }
+}
+
+/// [`Error::Malformed`] naming the first of `paths` whose `$type` in the reply's
+/// [`SHAPE_FIELD`] is neither `object` nor `missing`: the pipeline left such a document as
+/// it was. Nothing to check when the reply carries no types.
+fn check_shape(doc: &Document, paths: &[String], key: &Bson) -> Result<()> {
+    let Ok(types) = doc.get_array(SHAPE_FIELD) else {
+        return Ok(());
+    };
+    match paths
+        .iter()
+        .zip(types)
+        .find(|(_, t)| !matches!(t.as_str(), Some("object" | "missing")))
+    {
+        Some((path, _)) => Err(bookkeeping_malformed(key, path, "a document")),
+        None => Ok(()),
+    }
+}
+
 fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Result<bool> {
     let Some(e) = super::get_path(doc, entry) else {
         return Ok(false);

@@ -414,12 +414,32 @@ impl SequencedSet {
     /// missing or a document; the pipeline ([`SequencedSet::pipeline`]) writes nothing
     /// otherwise, and the reply answers [`Error::Malformed`] naming the first that is not.
     fn bookkeeping_paths(&self, member: &str) -> [String; 4] {
+        let [sets, set, state] = self.set_paths();
+        [sets, set, state, self.entry_path(member)]
+    }
+
+    /// `_seq_sets`, `_seq_sets.<field>` and its `state`: the paths every write of this set
+    /// reads as documents (an apply also reads the member's entry).
+    pub(super) fn set_paths(&self) -> [String; 3] {
         [
             SETS_FIELD.to_owned(),
             format!("{SETS_FIELD}.{}", self.field),
             self.state_field.clone(),
-            self.entry_path(member),
         ]
+    }
+
+    /// `_seq_sets` with this set's part merged with `part` (fields of `_seq_sets.<field>`,
+    /// such as `state`), as a pipeline expression over bookkeeping in shape: written as a
+    /// whole, never through a dotted path, whose `$set` would replace a scalar parent on its
+    /// way. `$mergeObjects` keeps the position of every existing field, as a dotted `$set`
+    /// does, and appends new ones in `part`'s order.
+    pub(super) fn sets_with(&self, part: Document) -> Document {
+        doc! { "$mergeObjects": [format!("${SETS_FIELD}"), {
+            self.field.as_str(): { "$mergeObjects": [
+                format!("${SETS_FIELD}.{}", self.field),
+                part,
+            ] },
+        }] }
     }
 
     /// [`Error::Malformed`] naming the first part of the set's bookkeeping in `key`'s
@@ -437,7 +457,11 @@ impl SequencedSet {
     /// documents (null included). One aggregation of the fields' `$type`s (a few bytes,
     /// whatever the size of the set); `None` when the document is in shape or gone, or the
     /// read fails.
-    async fn broken_field(&self, key: &Bson, members: bool) -> Option<(String, &'static str)> {
+    pub(super) async fn broken_field(
+        &self,
+        key: &Bson,
+        members: bool,
+    ) -> Option<(String, &'static str)> {
         let set = format!("{SETS_FIELD}.{}", self.field);
         let mut paths = Vec::with_capacity(4);
         if members {
@@ -677,11 +701,7 @@ impl SequencedSet {
         };
         // Bookkeeping out of shape (a hand edit) decides `malformed`: every field is
         // written back as stored, and the reply's shape check names the field.
-        let in_shape = doc! { "$and": self
-        .bookkeeping_paths(member)
-        .iter()
-        .map(|path| Bson::from(doc! { "$in": [{ "$type": format!("${path}") }, ["object", "missing"]] }))
-        .collect::<Vec<_>>() };
+        let in_shape = in_shape(&self.bookkeeping_paths(member));
         let decision = doc! { "$cond": [
             in_shape.clone(),
             { "$switch": { "branches": branches, "default": ApplyOutcome::Stale.as_str() } },
@@ -712,19 +732,9 @@ impl SequencedSet {
             // Control: appended after the existing entries.
             replaced.clone()
         };
-        // The new state written into `_seq_sets` as a whole, never through a dotted path:
-        // `$set` of `_seq_sets.<field>.state` would replace a scalar `_seq_sets` on its
-        // way. `$mergeObjects` keeps the position of every existing field, as a dotted
-        // `$set` does, and the bookkeeping is in shape whenever this is evaluated.
+        // The new state goes into `_seq_sets` as a whole (see `sets_with`).
         let sets = format!("${SETS_FIELD}");
-        let with_state = |new_state: Document| {
-            doc! { "$mergeObjects": [sets.as_str(), {
-                self.field.as_str(): { "$mergeObjects": [
-                    format!("${SETS_FIELD}.{}", self.field),
-                    { "state": new_state },
-                ] },
-            }] }
-        };
+        let with_state = |new_state: Document| self.sets_with(doc! { "state": new_state });
         let members_stored = format!("${}", self.field);
         vec![doc! { "$set": {
             SETS_FIELD: { "$let": {
@@ -837,8 +847,16 @@ impl SequencedSet {
 }
 
 /// Whether `doc` holds the operation `(seq, present)` in the state entry at `entry`.
+/// True (a pipeline expression) when each of `paths` is missing or a document.
+pub(super) fn in_shape(paths: &[String]) -> Document {
+    doc! { "$and": paths
+    .iter()
+    .map(|path| Bson::from(doc! { "$in": [{ "$type": format!("${path}") }, ["object", "missing"]] }))
+    .collect::<Vec<_>>() }
+}
+
 /// The error for `key`'s document whose bookkeeping `path` is not `shape`.
-fn bookkeeping_malformed(key: &Bson, path: &str, shape: &str) -> Error {
+pub(super) fn bookkeeping_malformed(key: &Bson, path: &str, shape: &str) -> Error {
     Error::Malformed {
         id: key.to_string(),
         reason: format!(

@@ -22,6 +22,9 @@
 #   sequence - a sequenced set's in-order apply of a seen member: the operator form with
 #              its `$and` filter, the same as `updateMany`, and `{_id}` with the condition
 #              in a pipeline;
+#   locks2   - (session 22) the lock pair with each secondary index alone and none, `gc_at`
+#              rounded up to the hour, and the acquire by `{_id}` alone in one stage or
+#              three;
 #   claim    - a batch claim's candidate read (sorted, limit 64) on 10,000 ready jobs in
 #              256 partitions, with and without the single-claim index.
 # Rounds alternate the variants; read the last round. (A label must not contain parentheses:
@@ -39,7 +42,7 @@ c = MongoClient(f"mongodb://127.0.0.1:{PORT}/?directConnection=true", serverSele
 db = c.cgprobe
 PID = c.admin.command("serverStatus")["pid"]
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 300
-GROUPS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["locks", "doclock", "guard", "sequence", "claim"]
+GROUPS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["locks", "doclock", "guard", "sequence", "claim", "locks2"]
 
 
 def measure(label, n, op):

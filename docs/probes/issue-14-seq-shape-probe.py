@@ -7,8 +7,10 @@
 # embedded server executes per sequenced-set pipeline apply (a findOneAndUpdate upsert by
 # key with "the operation wins", simplified) when the set's bookkeeping must be missing or
 # a document: checked by four filter clauses {path: {$not: {$type: [every other alias]}}}
-# (the library since session 21), by one $nor of the four, by four clauses with a shorter
-# alias list, or inside the pipeline ($cond on the four $types) instead of the filter.
+# (the library in session 21), by one $nor of the four, by one $expr of the four $types
+# (session 22), by four clauses with a shorter alias list, or inside the pipeline ($cond on
+# the four $types) instead of the filter (the library since session 22). PORT picks the
+# server's port (27995).
 import os, random, sys, time
 from pymongo import MongoClient, ReturnDocument
 

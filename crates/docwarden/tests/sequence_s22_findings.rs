@@ -137,3 +137,118 @@ async fn compact_all_compacts_the_documents_in_shape_and_counts_the_others() -> 
     assert_eq!((again.modified, again.malformed), (0, expected_malformed));
     Ok(())
 }
+
+/// An operation the handle's hint says loses is decided by one read of the entry (read
+/// concern `majority`) when the stored state confirms it: a stale message is one `find`
+/// instead of a pipeline `findAndModify`, and a re-delivery one `find` instead of a
+/// `findAndModify` that matches nothing plus a `find`. Nothing is written. (Without the
+/// read: `findAndModify` for the stale one, `findAndModify` + `find` for the duplicate.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_the_hint_says_loses_is_decided_by_one_read() -> anyhow::Result<()> {
+    let t = TestDb::new("seq_s22_losing_read").await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
+    let db = client.database(t.db.name());
+    let set = SequencedSet::open(&db, "students", options()).await?;
+    let students = t.db.collection::<Document>("students");
+    assert_eq!(set.add(1, "CS 101", 5).await?, ApplyOutcome::Applied);
+    assert_eq!(set.remove(1, "PHYS", 7).await?, ApplyOutcome::Applied);
+    let before = students.find_one(doc! { "student_id": 1 }).await?;
+    let cases = [
+        ("stale add", "CS 101", 3, true, ApplyOutcome::Stale),
+        ("stale remove", "CS 101", 4, false, ApplyOutcome::Stale),
+        (
+            "re-delivered add",
+            "CS 101",
+            5,
+            true,
+            ApplyOutcome::Duplicate,
+        ),
+        (
+            "re-delivered remove",
+            "PHYS",
+            7,
+            false,
+            ApplyOutcome::Duplicate,
+        ),
+        (
+            "add losing to a remove at its seq",
+            "PHYS",
+            7,
+            true,
+            ApplyOutcome::Stale,
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (what, member, seq, present, expected) in cases {
+        log.take();
+        let outcome = if present {
+            set.add(1, member, seq).await?
+        } else {
+            set.remove(1, member, seq).await?
+        };
+        let sent = log.take();
+        if outcome != expected || sent != ["find"] {
+            wrong.push(format!("{what}: {outcome:?}, sent {sent:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert_eq!(students.find_one(doc! { "student_id": 1 }).await?, before);
+    Ok(())
+}
+
+/// The read decides only what the stored state confirms; otherwise the pipeline decides
+/// as before. With the bookkeeping removed by hand (the documented way to start a set
+/// afresh), an operation the hint says is stale applies; below a compaction floor the
+/// read answers `Stale`; with the entry edited out of shape the pipeline answers
+/// `Malformed`; with the document gone it is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_losing_read_falls_back_to_the_pipeline_unless_the_stored_state_decides()
+-> anyhow::Result<()> {
+    let t = TestDb::new("seq_s22_losing_fallback").await?;
+    let set = SequencedSet::open(&t.db, "students", options()).await?;
+    let students = t.db.collection::<Document>("students");
+
+    // Reset by hand: the hint says (5, present) but the bookkeeping is gone.
+    assert_eq!(set.add(1, "CS 101", 5).await?, ApplyOutcome::Applied);
+    students
+        .update_one(
+            doc! { "student_id": 1 },
+            doc! { "$unset": { "_seq_sets": "", "classes": "" } },
+        )
+        .await?;
+    assert_eq!(set.remove(1, "CS 101", 3).await?, ApplyOutcome::Applied);
+    assert_eq!(set.members(1).await?, Some(vec![]));
+    assert_eq!(set.add(1, "CS 101", 4).await?, ApplyOutcome::Applied);
+    assert_eq!(set.members(1).await?, Some(vec!["CS 101".to_owned()]));
+
+    // Below the floor: the tombstone is compacted away, the hint still says (6, absent).
+    assert_eq!(set.add(2, "CS 101", 1).await?, ApplyOutcome::Applied);
+    assert_eq!(set.remove(2, "CS 101", 6).await?, ApplyOutcome::Applied);
+    set.compact(2, 10).await?;
+    assert_eq!(set.add(2, "CS 101", 5).await?, ApplyOutcome::Stale);
+    assert_eq!(set.add(2, "CS 101", 9).await?, ApplyOutcome::Stale);
+    assert_eq!(set.add(2, "CS 101", 10).await?, ApplyOutcome::Applied);
+
+    // The entry edited into a scalar: not decided by the read; the pipeline refuses it.
+    assert_eq!(set.add(3, "CS 101", 5).await?, ApplyOutcome::Applied);
+    students
+        .update_one(
+            doc! { "student_id": 3 },
+            doc! { "$set": { "_seq_sets.classes.state.CS 101": 5 } },
+        )
+        .await?;
+    let before = students.find_one(doc! { "student_id": 3 }).await?;
+    let outcome = set.add(3, "CS 101", 2).await;
+    assert!(
+        matches!(&outcome, Err(docwarden::Error::Malformed { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(students.find_one(doc! { "student_id": 3 }).await?, before);
+
+    // The document deleted: created again, the operation applied.
+    assert_eq!(set.add(4, "CS 101", 5).await?, ApplyOutcome::Applied);
+    students.delete_one(doc! { "student_id": 4 }).await?;
+    assert_eq!(set.add(4, "CS 101", 2).await?, ApplyOutcome::Applied);
+    assert_eq!(set.members(4).await?, Some(vec!["CS 101".to_owned()]));
+    Ok(())
+}

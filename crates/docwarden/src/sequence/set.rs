@@ -34,7 +34,7 @@
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
-use mongodb::options::WriteConcern;
+use mongodb::options::{ReadConcern, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
@@ -65,10 +65,13 @@ pub struct SetOptions {
     /// that this handle expects to apply to a member that already has a state entry (it
     /// keeps the last state it saw of each entry as a hint) is sent as plain query and
     /// update operators (`update_one`) instead of the pipeline update, which costs the
-    /// embedded server about a quarter less time per applied operation. Any other
-    /// operation — a member's first, one the hint says loses, a key never seen — is the
-    /// pipeline update, as is an operator update that did not match (a second round trip,
-    /// only when another consumer changed the entry since this handle saw it). The stored
+    /// embedded server about a quarter less time per applied operation. An operation the
+    /// hint says loses (stale or a duplicate) is first decided by one read of the stored
+    /// entry (read concern `majority`), nothing written, when the stored state confirms it.
+    /// Any other operation — a member's first, a key never seen, a losing one the read
+    /// does not confirm — is the pipeline update, as is an operator update that did not
+    /// match (a second round trip, only when another consumer changed the entry since this
+    /// handle saw it). The stored
     /// document and the outcomes are the same either way (see `docs/sequence.md`, "The
     /// operator form"). `false`: always the pipeline.
     pub operator_form: bool,
@@ -333,21 +336,26 @@ impl SequencedSet {
         // sorted `$push` would re-sort the array).
         let hinted = self.canonical_order && self.operator_form;
         let hint_key = (key.to_string(), member.to_owned());
-        if hinted
-            && let Some(state) = self.hint(&hint_key)
-            && resolve(Some(state), seq, present) == ApplyOutcome::Applied
-        {
-            let (filter, update) = self.operator_update(&key, member, seq, present, state.1);
-            if self
-                .collection
-                .update_one(filter, update)
+        if hinted && let Some(state) = self.hint(&hint_key) {
+            if resolve(Some(state), seq, present) == ApplyOutcome::Applied {
+                let (filter, update) = self.operator_update(&key, member, seq, present, state.1);
+                if self
+                    .collection
+                    .update_one(filter, update)
+                    .await?
+                    .matched_count
+                    == 1
+                {
+                    self.remember(hint_key, (seq, present));
+                    tracing::debug!(%key, member, seq, present, "sequenced set operation applied by operators");
+                    return Ok(ApplyOutcome::Applied);
+                }
+            } else if let Some(outcome) = self
+                .decided_by_read(&key, &entry, seq, present, &hint_key)
                 .await?
-                .matched_count
-                == 1
             {
-                self.remember(hint_key, (seq, present));
-                tracing::debug!(%key, member, seq, present, "sequenced set operation applied by operators");
-                return Ok(ApplyOutcome::Applied);
+                tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation decided by a read");
+                return Ok(outcome);
             }
         }
         let seq_path = format!("{entry}.seq");
@@ -385,6 +393,54 @@ impl SequencedSet {
         }
         tracing::debug!(%key, member, seq, present, ?outcome, "sequenced set operation");
         Ok(outcome)
+    }
+
+    /// The outcome of an operation this handle's hint says loses (stale or a duplicate),
+    /// decided by one read of the stored entry and floor with read concern `majority`:
+    /// when the stored state already equals the operation ([`ApplyOutcome::Duplicate`])
+    /// or beats it, or the floor is above it ([`ApplyOutcome::Stale`]), that is the
+    /// outcome and nothing is written — the operation is a no-op at the time of the read,
+    /// against a state a majority holds, so no rollback can take it back. `None` when the
+    /// read does not decide it (the operation would apply there — the bookkeeping was
+    /// reset, or the majority has not caught up —, the document or the entry is missing or
+    /// not in shape): the pipeline update decides then, as for any operation. The state
+    /// read becomes the hint.
+    async fn decided_by_read(
+        &self,
+        key: &Bson,
+        entry: &str,
+        seq: i64,
+        present: bool,
+        hint_key: &(String, String),
+    ) -> Result<Option<ApplyOutcome>> {
+        let Some(stored) = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { entry: 1, self.floor_field.as_str(): 1 })
+            .read_concern(ReadConcern::majority())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let Some(state) = entry_state(&stored, entry) else {
+            return Ok(None);
+        };
+        let floor = match super::get_path(&stored, &self.floor_field) {
+            None => 0,
+            Some(value) => match super::stored_seq(value) {
+                Some(floor) => floor,
+                None => return Ok(None),
+            },
+        };
+        self.remember(hint_key.clone(), state);
+        let outcome = if state == (seq, present) {
+            ApplyOutcome::Duplicate
+        } else if seq < floor {
+            ApplyOutcome::Stale
+        } else {
+            resolve(Some(state), seq, present)
+        };
+        Ok((outcome != ApplyOutcome::Applied).then_some(outcome))
     }
 
     /// The error to report for `source`, a database error of an apply on `key`:

@@ -38,24 +38,32 @@ fn sigstop_and_sigkill_break_nothing_in_any_workload() -> anyhow::Result<()> {
 
 #[test]
 fn the_sigstop_control_double_commits_and_writes_stale() -> anyhow::Result<()> {
-    for (module, kind) in [("queue", "stale-effect"), ("locks", "stale-write-accepted")] {
-        let (code, json) = verify(&[
-            module,
-            "--control",
-            "--duration",
-            "6",
-            "--faults",
-            "sigstop",
-            "--seed",
-            "21",
-        ])?;
-        assert_eq!(code, 1, "{json:#}");
-        let w = &workloads(&json)?[0];
-        assert!(injected(w, "sigstop") > 0, "{w:#}");
-        assert!(
-            w["violations_by_kind"][kind].as_u64().unwrap_or(0) > 0,
-            "{module}: no {kind}: {w:#}"
-        );
+    // Whether a stop outlasts a lease the stopped worker holds is timing: up to three seeds
+    // per module (a fresh-clone suite run in session 22 found no stale effect in the
+    // queue's 6 s with the first, 1,583 operations and 6 stops).
+    'modules: for (module, kind) in [("queue", "stale-effect"), ("locks", "stale-write-accepted")] {
+        for seed in ["21", "22", "23"] {
+            let (code, json) = verify(&[
+                module,
+                "--control",
+                "--duration",
+                "6",
+                "--faults",
+                "sigstop",
+                "--seed",
+                seed,
+            ])?;
+            let w = &workloads(&json)?[0];
+            assert!(injected(w, "sigstop") > 0, "{w:#}");
+            if w["violations_by_kind"][kind].as_u64().unwrap_or(0) > 0 {
+                assert_eq!(code, 1, "{json:#}");
+                continue 'modules;
+            }
+            eprintln!(
+                "note: the {module} sigstop control found no {kind} with seed {seed}:\n{json:#}"
+            );
+        }
+        anyhow::bail!("{module}: the sigstop control found no {kind} with seeds 21, 22 and 23");
     }
     Ok(())
 }

@@ -167,7 +167,13 @@ pub struct SequencedSet {
     /// Set when the server refused the `bulkWrite` command ([`SequencedSet::apply_many`]
     /// then applies one operation at a time).
     pub(super) no_bulk: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set when the server refused read concern `majority` (the losing-operation read of
+    /// [`SequencedSet`]'s hinted applies is then left to the pipeline update).
+    no_majority_read: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// `ReadConcernMajorityNotEnabled`: the server answers majority reads with this error.
+const READ_CONCERN_MAJORITY_NOT_ENABLED: i32 = 148;
 
 /// The last state seen per `(key, member)` (see [`SequencedSet`]'s `hints`).
 type Hints =
@@ -221,6 +227,7 @@ impl SequencedSet {
             operator_form: options.operator_form,
             hints: std::sync::Arc::default(),
             no_bulk: std::sync::Arc::default(),
+            no_majority_read: std::sync::Arc::default(),
             index_members: options.index_members,
         })
     }
@@ -413,14 +420,32 @@ impl SequencedSet {
         present: bool,
         hint_key: &(String, String),
     ) -> Result<Option<ApplyOutcome>> {
-        let Some(stored) = self
+        if self
+            .no_majority_read
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(None);
+        }
+        let read = self
             .collection
             .find_one(doc! { self.key_field.as_str(): key.clone() })
             .projection(doc! { entry: 1, self.floor_field.as_str(): 1 })
             .read_concern(ReadConcern::majority())
-            .await?
-        else {
-            return Ok(None);
+            .await;
+        let stored = match read {
+            Ok(Some(stored)) => stored,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                // A deployment without majority reads (error 148) never gets this read
+                // again from this handle; any other error leaves the decision to the
+                // pipeline update, which reports what is wrong.
+                if crate::error::error_code(&e) == Some(READ_CONCERN_MAJORITY_NOT_ENABLED) {
+                    self.no_majority_read
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                tracing::debug!(error = %e, %key, "the losing operation's read failed; the pipeline decides");
+                return Ok(None);
+            }
         };
         let Some(state) = entry_state(&stored, entry) else {
             return Ok(None);

@@ -374,10 +374,7 @@ impl SequencedSet {
             { present_path.as_str(): { "$ne": present } },
         ] }];
         let paths = self.bookkeeping_paths(member);
-        let shape: Vec<Bson> = paths
-            .iter()
-            .map(|path| Bson::from(doc! { "$type": format!("${path}") }))
-            .collect();
+        let shape = types_of(&paths);
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
@@ -927,12 +924,20 @@ impl SequencedSet {
     }
 }
 
-/// Whether `doc` holds the operation `(seq, present)` in the state entry at `entry`.
+/// The `$type` of each of `paths` (pipeline expressions), in order: what [`in_shape`]
+/// tests and what an apply projects into [`SHAPE_FIELD`].
+fn types_of(paths: &[String]) -> Vec<Bson> {
+    paths
+        .iter()
+        .map(|path| Bson::from(doc! { "$type": format!("${path}") }))
+        .collect()
+}
+
 /// True (a pipeline expression) when each of `paths` is missing or a document.
 pub(super) fn in_shape(paths: &[String]) -> Document {
-    doc! { "$and": paths
-    .iter()
-    .map(|path| Bson::from(doc! { "$in": [{ "$type": format!("${path}") }, ["object", "missing"]] }))
+    doc! { "$and": types_of(paths)
+    .into_iter()
+    .map(|t| Bson::from(doc! { "$in": [t, ["object", "missing"]] }))
     .collect::<Vec<_>>() }
 }
 
@@ -963,6 +968,7 @@ fn check_shape(doc: &Document, paths: &[String], key: &Bson) -> Result<()> {
     }
 }
 
+/// Whether `doc` holds the operation `(seq, present)` in the state entry at `entry`.
 fn holds(doc: &Document, entry: &str, seq: i64, present: bool, key: &Bson) -> Result<bool> {
     let Some(e) = super::get_path(doc, entry) else {
         return Ok(false);

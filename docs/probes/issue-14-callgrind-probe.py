@@ -25,6 +25,9 @@
 #   locks2   - (session 22) the lock pair with each secondary index alone and none, `gc_at`
 #              rounded up to the hour, and the acquire by `{_id}` alone in one stage or
 #              three;
+#   locks3   - (session 23) the acquire as an `update_one` whose token the client proposes
+#              (`token < P <= ceiling` in the filter, `token: P` written), operator form and
+#              pipeline form, with the library's release and an operator-form release;
 #   claim    - a batch claim's candidate read (sorted, limit 64) on 10,000 ready jobs in
 #              256 partitions, with and without the single-claim index.
 # Rounds alternate the variants; read the last round. (A label must not contain parentheses:
@@ -42,7 +45,7 @@ c = MongoClient(f"mongodb://127.0.0.1:{PORT}/?directConnection=true", serverSele
 db = c.cgprobe
 PID = c.admin.command("serverStatus")["pid"]
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 300
-GROUPS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["locks", "doclock", "guard", "sequence", "claim", "locks2"]
+GROUPS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["locks", "doclock", "guard", "sequence", "claim", "locks2", "locks3"]
 
 
 def measure(label, n, op):
@@ -130,6 +133,39 @@ def lock_pair(coll, gc=True, by_id=False):
                      {"$eq": [{"$type": "$pending"}, "missing"]}]}
     res = coll.update_one({"_id": r}, [{"$set": {"owner": {"$cond": [held, None, "$owner"]},
                                                  "expires_at": {"$cond": [held, "$$NOW", "$expires_at"]}}}])
+    assert res.modified_count == 1
+
+
+PROPOSED = itertools.count(int(time.time() * 1e6))
+
+
+def lock_pair_proposed(coll, form="operator", release="library"):
+    """Session 23: the acquire as `update_one`, its token proposed by the client."""
+    r = f"r-{random.randrange(1000)}"
+    now = datetime.datetime.now()
+    exp = now + datetime.timedelta(seconds=30)
+    nonce = uuid.uuid4().hex
+    p = Int64(next(PROPOSED))
+    free = {"$or": [{"owner": None}, {"expires_at": {"$lt": now}}, {"expires_at": {"$not": {"$type": "date"}}}]}
+    f = {"$and": [{"_id": r}, free, {"token": {"$type": "long", "$lt": p}}, {"ceiling": {"$type": "long", "$gte": p}},
+                  {"gc_at": {"$type": "date"}}]}
+    if form == "operator":
+        u = {"$set": {"owner": "me", "acquisition": nonce, "acquired_at": now, "expires_at": exp, "token": p},
+             "$unset": {"pending": ""}, "$max": {"gc_at": exp}}
+    else:
+        u = [{"$set": {"owner": {"$literal": "me"}, "acquisition": {"$literal": nonce}, "acquired_at": {"$literal": now},
+                       "expires_at": {"$literal": exp}, "token": {"$literal": p}, "gc_at": {"$max": ["$gc_at", {"$literal": exp}]},
+                       "pending": "$$REMOVE"}}]
+    a = coll.update_one(f, u)
+    assert a.matched_count == 1, (r, p)
+    if release == "library":
+        held = {"$and": [{"$eq": ["$owner", {"$literal": "me"}]}, {"$eq": ["$token", p]},
+                         {"$eq": [{"$type": "$pending"}, "missing"]}]}
+        res = coll.update_one({"_id": r}, [{"$set": {"owner": {"$cond": [held, None, "$owner"]},
+                                                     "expires_at": {"$cond": [held, "$$NOW", "$expires_at"]}}}])
+    else:
+        res = coll.update_one({"_id": r, "owner": "me", "token": p, "pending": {"$exists": False}},
+                              {"$set": {"owner": None}, "$currentDate": {"expires_at": True}})
     assert res.modified_count == 1
 
 
@@ -275,6 +311,14 @@ if "locks2" in GROUPS:  # session 22: which index and which filter the pair pays
         "lock2 gc-index-only": lambda: lock_pair(LG),
         "lock2 owner-index-only": lambda: lock_pair(LO),
         "lock2 by-id-1 gc-index-only gc-bucket": lambda: lock_pair(LG, gc="bucket", by_id="one-stage"),
+    }
+if "locks3" in GROUPS:  # session 23: the acquire as an update_one with a proposed token
+    L3 = lock_coll("locks3", True)
+    variants |= {
+        "lock3 library": lambda: lock_pair(L3),
+        "lock3 proposed operator": lambda: lock_pair_proposed(L3),
+        "lock3 proposed pipeline": lambda: lock_pair_proposed(L3, form="pipeline"),
+        "lock3 proposed operator release-op": lambda: lock_pair_proposed(L3, release="operator"),
     }
 if "doclock" in GROUPS:
     D = db.docs

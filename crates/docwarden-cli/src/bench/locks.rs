@@ -131,10 +131,11 @@ async fn document_stage(db: &Database, load: &Load) -> anyhow::Result<BenchRow> 
 }
 
 /// The two writes of a fast-path acquire + release as raw commands on lock-shaped
-/// documents (`docs/locks.md`): the acquire's `findOneAndUpdate` (filter `{$and: [{_id},
-/// {$or}]}`, the one-stage pipeline, upsert, post-image) on locks left free, and the
-/// release's `updateOne` (filter `{_id, owner, token, pending absent}`). Their costs
-/// against `update_one` say where the time of the acquire+release row goes.
+/// documents (`docs/locks.md`): the acquire's `findOneAndUpdate` (the library's own filter
+/// `{_id}` and one-stage pipeline, [`LockCollection::acquire_update`], upsert, post-image)
+/// on locks whose expiry has passed, and the release's `updateOne` (filter `{_id, owner,
+/// token, pending absent}`). Their costs against `update_one` say where the time of the
+/// acquire+release row goes.
 async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
     let coll = db.collection::<Document>("bench_lock_stages");
     coll.insert_many((0..RESOURCES).map(|i| {
@@ -145,43 +146,22 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
         }
     }))
     .await?;
-    let fast = doc! { "$and": [
-        { "$eq": [{ "$type": format!("${TOKEN}") }, "long"] },
-        { "$eq": [{ "$type": format!("${CEILING}") }, "long"] },
-        { "$lt": [format!("${TOKEN}"), format!("${CEILING}")] },
-    ] };
     let c = coll.clone();
-    let acquire = measure(
-        ACQUIRE_STAGE,
-        load,
-        move |_| {
-            let (c, fast) = (c.clone(), fast.clone());
-            async move {
-                let id = format!("r-{}", rand::random_range(0..RESOURCES));
-                let now = DateTime::now();
-                // `owner` stays "o" and the expiry in the past: every call matches.
-                c.find_one_and_update(
-                    doc! { "$and": [{ "_id": id }, { "$or": [
-                        { OWNER: Bson::Null },
-                        { EXPIRES_AT: { "$lt": now } },
-                        { EXPIRES_AT: { "$not": { "$type": "date" } } },
-                    ] }] },
-                    vec![doc! { "$set": {
-                        OWNER: { "$literal": "o" },
-                        ACQUISITION: { "$literal": "n" },
-                        ACQUIRED_AT: { "$literal": now },
-                        EXPIRES_AT: { "$literal": DateTime::from_millis(0) },
-                        TOKEN: { "$cond": [fast.clone(), { "$add": [format!("${TOKEN}"), 1_i64] }, format!("${TOKEN}")] },
-                        PENDING: { "$cond": [fast, "$$REMOVE", "n"] },
-                    } }],
-                )
+    let acquire = measure(ACQUIRE_STAGE, load, move |_| {
+        let c = c.clone();
+        async move {
+            let id = format!("r-{}", rand::random_range(0..RESOURCES));
+            let now = DateTime::now();
+            // `owner` stays "o" and the expiry in the past: every call takes the lock.
+            let (filter, update) =
+                LockCollection::acquire_update(&id, "o", "n", now, now, DateTime::from_millis(0));
+            c.find_one_and_update(filter, update)
                 .upsert(true)
                 .return_document(ReturnDocument::After)
                 .await?;
-                Ok(1)
-            }
-        },
-    )
+            Ok(1)
+        }
+    })
     .await?;
     let c = db.collection::<Document>("bench_lock_stages_release");
     c.insert_many((0..RESOURCES).map(|i| {

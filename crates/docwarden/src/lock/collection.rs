@@ -3,15 +3,16 @@
 //!
 //! **One write per acquire, one per release.** The lock document carries the current
 //! `token` and a `ceiling`: the top of a block of tokens reserved for this resource in the
-//! counter collection. An acquire is one atomic `findOneAndUpdate` upsert on
-//! `{$and: [{_id: resource}, {$or: [owner == null, expires_at < cutoff, expires_at not a
-//! date]}]}` whose pipeline takes the lock and, while `token < ceiling`, sets `token + 1`
-//! in the same write (the fast path). A held lock makes the upsert hit the `_id` index:
-//! duplicate key → `Ok(None)`. Release is one `updateOne`.
+//! counter collection. An acquire is one atomic `findOneAndUpdate` upsert by `{_id:
+//! resource}` whose one-stage pipeline, when the lock is free (`owner` null, `expires_at <
+//! cutoff`, or `expires_at` not a date: `acquire_condition`), takes it and, while `token
+//! < ceiling`, sets `token + 1` in the same write (the fast path); a held lock is left as
+//! it is, and its post-image (another acquisition's nonce) answers `Ok(None)`. Release is
+//! one `updateOne`.
 //!
-//! **The slow path** (a new or deleted lock document, an exhausted block, a hand-edited
-//! token) is the three steps of issue 11: the same write stores a random `pending` nonce
-//! instead of a token; then one `$inc` on the counter reserves the next block
+//! **The slow path** (a new or deleted lock document, an exhausted block, a `pending` nonce
+//! an acquire left uncommitted, a hand-edited token) is the three steps of issue 11: the
+//! same write stores a random `pending` nonce instead of a token; then one `$inc` on the counter reserves the next block
 //! (`counter = max(counter, previous token) + block`), raised above the lock document's
 //! previous token; then the block's first token and its ceiling are committed into the lock
 //! document, compare-and-set on `(owner, pending nonce)`. If the lease was taken over in
@@ -503,6 +504,28 @@ impl LockCollection {
         &self.time
     }
 
+    /// The filter and the update pipeline of an acquire's first write (a
+    /// `findOneAndUpdate` with upsert, answering the post-image), for inspection and
+    /// other-language ports (`docs/locks.md`, "How an acquire works"): it takes `resource`
+    /// for `owner` when the lock is free or its expiry is before `cutoff` (the server time
+    /// before which an expiry is certainly past), writing the acquisition `nonce`,
+    /// `acquired_at` and `expires_at`, and the next token of the document's block (or the
+    /// `pending` nonce of the slow path).
+    pub fn acquire_update(
+        resource: &str,
+        owner: &str,
+        nonce: &str,
+        cutoff: DateTime,
+        acquired_at: DateTime,
+        expires_at: DateTime,
+    ) -> (Document, Vec<Document>) {
+        let take = Bson::Document(acquire_condition(cutoff, &[]));
+        (
+            doc! { "_id": resource },
+            acquire_pipeline(take, owner, nonce, acquired_at, expires_at),
+        )
+    }
+
     /// Tries once to acquire `resource` for `ttl`. `Ok(None)` when it is held by someone
     /// else and not certainly expired (contention is not an error).
     ///
@@ -521,7 +544,7 @@ impl LockCollection {
 
     /// One acquire attempt with acquisition nonce `nonce`. `unknown`: the nonces of this
     /// blocking acquire's earlier attempts that failed with a transient error, so may have
-    /// taken the lock without the reply saying so (see [`acquire_filter`]); empty for
+    /// taken the lock without the reply saying so (see [`acquire_condition`]); empty for
     /// [`LockCollection::try_acquire`]. Its span is `try_acquire`, for a
     /// [`LockCollection::try_acquire`] and for each try of a blocking acquire alike
     /// (`docs/observability.md`).
@@ -543,16 +566,18 @@ impl LockCollection {
         let acquired_at = now.estimate();
         let expires_at = now.plus_ms(ttl_ms);
 
-        // The acquire, one atomic upsert: with a token left in the document's block it is
-        // the whole acquire (the fast path); otherwise it writes a `pending` nonce.
-        let filter = match self.options.unsafe_control {
-            UnsafeControl::IgnoreExpiry => doc! { "_id": resource },
-            _ => acquire_filter_or_mine(resource, cutoff, unknown),
+        // The acquire, one atomic upsert by `{_id}` alone: when the lock is free (or this
+        // acquire's own, `unknown`) its pipeline takes it, with a token left in the
+        // document's block as the whole acquire (the fast path), otherwise writing a
+        // `pending` nonce; when it is held, the document stays as it is and comes back.
+        let take = match self.options.unsafe_control {
+            UnsafeControl::IgnoreExpiry => Bson::Boolean(true),
+            _ => Bson::Document(acquire_condition(cutoff, unknown)),
         };
-        let update = acquire_pipeline(owner.id(), &nonce, acquired_at, expires_at);
+        let update = acquire_pipeline(take, owner.id(), &nonce, acquired_at, expires_at);
         let after = match self
             .locks
-            .find_one_and_update(filter, update)
+            .find_one_and_update(doc! { "_id": resource }, update)
             .upsert(true)
             .return_document(ReturnDocument::After)
             .await
@@ -560,28 +585,33 @@ impl LockCollection {
             Ok(Some(after)) => after,
             // An upsert that raced another one may be answered without a document although
             // it applied (the embedded server does so when the document appeared between its
-            // match and its write): read it back, and recognise this acquisition by its
-            // nonce, which every acquire writes.
+            // match and its write): read it back; this acquisition is recognised below by
+            // its nonce, which every acquire writes.
             Ok(None) => match self.locks.find_one(doc! { "_id": resource }).await? {
-                Some(d)
-                    if d.get_str("acquisition").ok() == Some(nonce.as_str())
-                        && d.get_str("owner").ok() == Some(owner.id()) =>
-                {
-                    d
-                }
-                _ => {
+                Some(d) => d,
+                None => {
                     crate::observe::lock_busy(self.locks.name());
                     tracing::debug!(resource, "acquire answered no document and lost the race");
                     return Ok(None);
                 }
             },
+            // Two first acquires of a resource racing to insert its document: MongoDB
+            // retries the loser's upsert as an update (its filter is `_id` equality), the
+            // embedded server may answer a duplicate key. The winner holds the lock.
             Err(e) if error::is_duplicate_key(&e) => {
                 crate::observe::lock_busy(self.locks.name());
-                tracing::trace!(resource, "held");
+                tracing::trace!(resource, "held (lost the insert race)");
                 return Ok(None);
             }
             Err(e) => return Err(e.into()),
         };
+        if after.get_str("acquisition").ok() != Some(nonce.as_str())
+            || after.get_str("owner").ok() != Some(owner.id())
+        {
+            crate::observe::lock_busy(self.locks.name());
+            tracing::trace!(resource, "held");
+            return Ok(None);
+        }
         let lease = |token: i64| Lease {
             resource: resource.to_owned(),
             owner: owner.id().to_owned(),
@@ -910,9 +940,12 @@ fn lost(lease: &Lease) -> Error {
 }
 
 /// `{$and: [{_id: resource}, {$or: [owner == null, expires_at < cutoff, expires_at is not
-/// a date]}]}`: routed by `_id` (a top-level `$or` next to `_id` costs this server a
-/// scan of the alternatives, about three times a point write; inside `$and` it is a point
-/// write on both servers, and the upsert still inserts `{_id: resource}`).
+/// a date]}]}`: the lock is free or certainly expired, as a query filter (the read/write
+/// locks' readers enter with it; the acquire evaluates the same condition in its pipeline,
+/// [`acquire_condition`]). Routed by `_id` (a top-level `$or` next to `_id` costs the
+/// embedded server a scan of the alternatives, about three times a point write; inside
+/// `$and` it is a point write on both servers, and an upsert still inserts `{_id:
+/// resource}`).
 ///
 /// docwarden always writes `expires_at` as a date; a lock whose `expires_at` is anything
 /// else (a string, null, a number, missing) was edited by hand, and `$lt` against a date
@@ -920,39 +953,58 @@ fn lost(lease: &Lease) -> Error {
 /// it would be locked forever. It is treated as expired. Tokens still increase: the token
 /// is drawn from the counter collection, raised above the document's previous token.
 pub(crate) fn acquire_filter(resource: &str, cutoff: DateTime) -> Document {
-    acquire_filter_or_mine(resource, cutoff, &[])
+    doc! { "$and": [{ "_id": resource }, { "$or": [
+        { "owner": Bson::Null },
+        { "expires_at": { "$lt": cutoff } },
+        { "expires_at": { "$not": { "$type": "date" } } },
+    ] }] }
 }
 
-/// [`acquire_filter`], and also the lock as left by one of `unknown`: acquisitions of the
-/// same blocking acquire whose attempt failed with a transient error (a lost reply: the
-/// write may have applied). Taking such a lock again is taking it from oneself: nobody
-/// else was told they hold it, and the pipeline hands out a fresh token (or a new block).
-/// Only *earlier* attempts' nonces are listed, never the current one's, so a delayed
-/// execution of an earlier attempt cannot take the lock back from the attempt that
-/// reported it. With `unknown` empty (every first attempt, every `try_acquire`) this is
-/// [`acquire_filter`] itself: the hot path is unchanged.
-pub(crate) fn acquire_filter_or_mine(
-    resource: &str,
-    cutoff: DateTime,
-    unknown: &[String],
-) -> Document {
+/// When the acquire takes the lock, as an aggregation expression over the stored document
+/// (or over `{_id}` for a document the upsert inserts): [`acquire_filter`]'s condition —
+/// `owner` null or missing, `expires_at` not a date, or a date before `cutoff` — or the
+/// lock as left by one of `unknown`: acquisitions of the same blocking acquire whose
+/// attempt failed with a transient error (a lost reply: the write may have applied).
+/// Taking such a lock again is taking it from oneself: nobody else was told they hold it,
+/// and the pipeline hands out a fresh token (or a new block). Only *earlier* attempts'
+/// nonces are listed, never the current one's, so a delayed execution of an earlier
+/// attempt cannot take the lock back from the attempt that reported it. With `unknown`
+/// empty (every first attempt, every `try_acquire`) the condition has three branches.
+///
+/// In the pipeline, not in the filter: on the embedded server a filter of anything but
+/// `{_id: value}` first reads the matching document in the order mongod's plan would, and
+/// evaluating the `$or` as a query costs more than as an expression; the acquire by
+/// `{_id}` alone costs it 6–9 % fewer instructions per acquire + release
+/// (`docs/benchmarks.md`, session 23). On MongoDB both are a point write by `_id`.
+/// `tests/lock_s23_acquire_by_id.rs` checks that the expression takes exactly the
+/// documents the filter matches, over stored documents of every shape.
+pub(crate) fn acquire_condition(cutoff: DateTime, unknown: &[String]) -> Document {
     let mut free = vec![
-        Bson::Document(doc! { "owner": Bson::Null }),
-        Bson::Document(doc! { "expires_at": { "$lt": cutoff } }),
-        Bson::Document(doc! { "expires_at": { "$not": { "$type": "date" } } }),
+        Bson::Document(doc! { "$eq": [{ "$ifNull": ["$owner", Bson::Null] }, Bson::Null] }),
+        Bson::Document(doc! { "$ne": [{ "$type": "$expires_at" }, "date"] }),
+        Bson::Document(doc! { "$lt": ["$expires_at", { "$literal": cutoff }] }),
     ];
     if !unknown.is_empty() {
-        free.push(Bson::Document(doc! { "acquisition": { "$in": unknown } }));
+        free.push(Bson::Document(
+            doc! { "$in": ["$acquisition", { "$literal": unknown }] },
+        ));
     }
-    doc! { "$and": [{ "_id": resource }, { "$or": free }] }
+    doc! { "$or": free }
 }
 
-/// The acquire's update: take the lock (writing the acquisition's random nonce in
-/// `acquisition`, by which a lost answer is recognised), and while the document's block has a token left
-/// (`token` and `ceiling` are int64 and `token < ceiling`) set `token + 1` in the same
-/// write; otherwise keep the token and store the `pending` nonce (the slow path commits a
-/// token from a new block). One stage: every expression reads the document before it.
+/// The acquire's update, for the filter `{_id: resource}` and an upsert: when `take` (the
+/// [`acquire_condition`]) holds, the lock is taken — `owner`, the acquisition's random
+/// nonce in `acquisition` (by which a lost answer, and whether this acquire took the lock,
+/// are recognised), `acquired_at`, `expires_at`, `gc_at` ([`keep_gc_at`]) — and, while the
+/// document's block has a token left (`token` and `ceiling` are int64, `token < ceiling`)
+/// and no `pending` nonce is stored, `token + 1` is set in the same write (the fast path);
+/// otherwise the token is kept and the `pending` nonce stored (the slow path commits a
+/// token from a new block; a `pending` left by an acquire that never committed is
+/// overwritten). When `take` does not hold, the document is left as it is. One stage,
+/// `$replaceWith` of a `$cond`: the condition is evaluated once, and every expression
+/// reads the document as it was.
 pub(crate) fn acquire_pipeline(
+    take: Bson,
     owner: &str,
     nonce: &str,
     acquired_at: DateTime,
@@ -962,16 +1014,25 @@ pub(crate) fn acquire_pipeline(
         { "$eq": [{ "$type": "$token" }, "long"] },
         { "$eq": [{ "$type": "$ceiling" }, "long"] },
         { "$lt": ["$token", "$ceiling"] },
+        { "$eq": [{ "$type": "$pending" }, "missing"] },
     ] };
-    vec![doc! { "$set": {
+    let taken = doc! {
         "owner": { "$literal": owner },
         "acquisition": { "$literal": nonce },
         "acquired_at": { "$literal": acquired_at },
         "expires_at": { "$literal": expires_at },
         f::GC_AT: keep_gc_at(expires_at),
-        "token": { "$cond": [fast.clone(), { "$add": ["$token", 1_i64] }, "$token"] },
-        "pending": { "$cond": [fast, "$$REMOVE", { "$literal": nonce }] },
-    } }]
+    };
+    let token = doc! { "$cond": [
+        fast,
+        { "token": { "$add": ["$token", 1_i64] } },
+        { "pending": { "$literal": nonce } },
+    ] };
+    vec![doc! { "$replaceWith": { "$cond": [
+        take,
+        { "$mergeObjects": ["$$ROOT", taken, token] },
+        "$$ROOT",
+    ] } }]
 }
 
 /// The `gc_at` a write that gives a lease the expiry `expires_at` leaves (a pipeline
@@ -1244,21 +1305,21 @@ mod tests {
     }
 
     #[test]
-    fn a_retrying_acquire_also_matches_its_earlier_attempts_acquisitions() {
+    fn a_retrying_acquire_also_takes_its_earlier_attempts_acquisitions() {
         let cutoff = DateTime::from_millis(1_000);
+        let free = vec![
+            Bson::Document(doc! { "$eq": [{ "$ifNull": ["$owner", Bson::Null] }, Bson::Null] }),
+            Bson::Document(doc! { "$ne": [{ "$type": "$expires_at" }, "date"] }),
+            Bson::Document(doc! { "$lt": ["$expires_at", { "$literal": cutoff }] }),
+        ];
+        assert_eq!(acquire_condition(cutoff, &[]), doc! { "$or": free.clone() });
+        let mut mine = free;
+        mine.push(Bson::Document(
+            doc! { "$in": ["$acquisition", { "$literal": ["n1", "n2"] }] },
+        ));
         assert_eq!(
-            acquire_filter_or_mine("r", cutoff, &[]),
-            acquire_filter("r", cutoff)
-        );
-        let f = acquire_filter_or_mine("r", cutoff, &["n1".to_owned(), "n2".to_owned()]);
-        assert_eq!(
-            f,
-            doc! { "$and": [{ "_id": "r" }, { "$or": [
-                { "owner": null },
-                { "expires_at": { "$lt": cutoff } },
-                { "expires_at": { "$not": { "$type": "date" } } },
-                { "acquisition": { "$in": ["n1", "n2"] } },
-            ] }] }
+            acquire_condition(cutoff, &["n1".to_owned(), "n2".to_owned()]),
+            doc! { "$or": mine }
         );
     }
 
@@ -1297,23 +1358,49 @@ mod tests {
 
     #[test]
     fn the_acquire_takes_a_token_from_the_block_or_writes_a_nonce() {
-        let p = acquire_pipeline("o", "n", DateTime::from_millis(1), DateTime::from_millis(2));
+        let take = Bson::Document(acquire_condition(DateTime::from_millis(1), &[]));
+        let p = acquire_pipeline(
+            take.clone(),
+            "o",
+            "n",
+            DateTime::from_millis(1),
+            DateTime::from_millis(2),
+        );
         assert_eq!(
             p.len(),
             1,
             "one stage: every expression reads the old document"
         );
-        let set = p[0].get_document("$set").ok();
-        let cond = |field: &str| {
-            set.and_then(|s| s.get_document(field).ok())
-                .and_then(|c| c.get_array("$cond").ok())
-                .cloned()
-        };
-        let token = cond("token").unwrap_or_default();
-        let pending = cond("pending").unwrap_or_default();
-        assert_eq!(token.first(), pending.first(), "one condition for both");
-        assert_eq!(token.get(2), Some(&Bson::from("$token")));
-        assert_eq!(pending.get(1), Some(&Bson::from("$$REMOVE")));
+        let cond = p[0]
+            .get_document("$replaceWith")
+            .and_then(|r| r.get_array("$cond"))
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(cond.first(), Some(&take), "taken when the condition holds");
+        assert_eq!(cond.get(2), Some(&Bson::from("$$ROOT")), "else left as is");
+        let merged = cond
+            .get(1)
+            .and_then(Bson::as_document)
+            .and_then(|m| m.get_array("$mergeObjects").ok())
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(merged.first(), Some(&Bson::from("$$ROOT")));
+        let token = merged
+            .get(2)
+            .and_then(Bson::as_document)
+            .and_then(|c| c.get_array("$cond").ok())
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(
+            token.get(1),
+            Some(&Bson::Document(
+                doc! { "token": { "$add": ["$token", 1_i64] } }
+            ))
+        );
+        assert_eq!(
+            token.get(2),
+            Some(&Bson::Document(doc! { "pending": { "$literal": "n" } }))
+        );
     }
 
     #[test]
@@ -1379,7 +1466,7 @@ mod tests {
     /// Session 16: any step's reply may be lost (the write applies, the attempt fails):
     /// the step-2 failure frees the half-acquired lock as `try_acquire` does, and the
     /// actor's next attempt in the same blocking acquire also matches the acquisitions of
-    /// its failed attempts ([`acquire_filter_or_mine`]). A third property: an attempt that
+    /// its failed attempts ([`acquire_condition`]). A third property: an attempt that
     /// takes a lock only by that match takes it from an acquisition no lease was ever
     /// handed out for.
     mod acquire_model {
@@ -1530,10 +1617,11 @@ mod tests {
                                     );
                                 }
                                 nonces += 1;
-                                let (token, ceiling) = doc.as_ref().map_or((None, None), |d| (d.token, d.ceiling));
-                                // acquire_pipeline: a token left in the block → token + 1.
-                                let next = match (token, ceiling) {
-                                    (Some(t), Some(c)) if t < c => Some(t + 1),
+                                let (token, ceiling, pending) = doc.as_ref().map_or((None, None, None), |d| (d.token, d.ceiling, d.pending.clone()));
+                                // acquire_pipeline: a token left in the block and no
+                                // pending nonce → token + 1.
+                                let next = match (token, ceiling, pending) {
+                                    (Some(t), Some(c), None) if t < c => Some(t + 1),
                                     _ => None,
                                 };
                                 doc = Some(LockDoc {

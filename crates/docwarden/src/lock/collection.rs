@@ -1114,13 +1114,15 @@ fn renew_pipeline(expires_at: DateTime) -> Vec<Document> {
 
 /// The release as a pipeline for the filter `{_id}` alone: `owner: null` and `expires_at:
 /// $$NOW` when the document still shows `lease` ([`holds`]), the document unchanged
-/// otherwise (`modifiedCount` 0: the lease was lost).
+/// otherwise (`modifiedCount` 0: the lease was lost). One `$replaceWith` of a `$cond`, as
+/// the acquire: the condition is evaluated once (a `$cond` per field cost the embedded
+/// server about 25,000 more instructions per release, session 23).
 fn release_pipeline(lease: &Lease) -> Vec<Document> {
-    let held = holds(lease);
-    vec![doc! { "$set": {
-        "owner": { "$cond": [held.clone(), Bson::Null, "$owner"] },
-        "expires_at": { "$cond": [held, "$$NOW", "$expires_at"] },
-    } }]
+    vec![doc! { "$replaceWith": { "$cond": [
+        holds(lease),
+        { "$mergeObjects": ["$$ROOT", { "owner": Bson::Null, "expires_at": "$$NOW" }] },
+        "$$ROOT",
+    ] } }]
 }
 
 /// [`cas_filter`] as an aggregation expression over the stored document.

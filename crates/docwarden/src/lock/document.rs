@@ -651,9 +651,11 @@ pub(crate) fn release_update(id_f: &str, time_f: &str, mut update: Document) -> 
 /// it is a plain `$set` and `$unset` of top-level fields; `None` for anything else, which
 /// is sent as the operator update with the fence in the filter.
 ///
-/// Each field becomes `{$cond: [held, new value, its stored value]}`, with `held` "the
-/// document carries `lock_id`": the server decides on the document it writes, atomically,
-/// as it decides a filter. Held, the document is the one the operator form leaves: a
+/// With only values set it is `{$replaceWith: {$cond: [held, {$mergeObjects: ["$$ROOT",
+/// the fields]}, "$$ROOT"]}}`; with a field to remove, each field becomes `{$cond: [held,
+/// new value, its stored value]}` in a `$set` stage. `held` is "the document carries
+/// `lock_id`": the server decides on the document it writes, atomically, as it decides a
+/// filter. Held, the document is the one the operator form leaves: a
 /// value is set as given (`$literal`), an unset field is removed (`$$REMOVE`), the lock
 /// fields become null, and fields are processed in the lexicographic order of their names,
 /// as MongoDB 5.0+ processes an operator update's fields (so new fields are appended in
@@ -708,6 +710,22 @@ pub(crate) fn release_pipeline(
     }
     fields.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let held = doc! { "$eq": [format!("${id_f}"), { "$literal": lock_id }] };
+    if fields.iter().all(|(_, new)| new != &Bson::from("$$REMOVE")) {
+        // Only values set: one `$replaceWith` of a `$cond`, the condition evaluated once
+        // (about 4 % of a lock + `release_with` on the embedded server, session 23).
+        // `$mergeObjects` keeps a stored field where it is and appends a new one in the
+        // order given, as the `$set` below does.
+        let set: Document = fields
+            .into_iter()
+            .map(|(name, new)| (name.to_owned(), new))
+            .collect();
+        return Some(vec![doc! { "$replaceWith": { "$cond": [
+            held,
+            { "$mergeObjects": ["$$ROOT", set] },
+            "$$ROOT",
+        ] } }]);
+    }
+    // A field to remove: `$$REMOVE` works in a `$set` stage, not inside `$mergeObjects`.
     let mut set = Document::new();
     for (name, new) in fields {
         set.insert(
@@ -786,11 +804,16 @@ pub(crate) fn takeover_pipeline(
             doc! { "$in": [&id_path, { "$literal": mine }] },
         ));
     }
-    let free = doc! { "$or": free };
-    vec![doc! { "$set": {
-        lock_id_f: { "$cond": [free.clone(), { "$literal": lock_id }, &id_path] },
-        lock_time_f: { "$cond": [free, { "$literal": locked_at }, &time_path] },
-    } }]
+    // One `$replaceWith` of a `$cond`: the condition is evaluated once (a `$cond` per
+    // field cost the embedded server about 2 % more per lock + release, session 23).
+    vec![doc! { "$replaceWith": { "$cond": [
+        { "$or": free },
+        { "$mergeObjects": ["$$ROOT", {
+            lock_id_f: { "$literal": lock_id },
+            lock_time_f: { "$literal": locked_at },
+        }] },
+        "$$ROOT",
+    ] } }]
 }
 
 fn check_id(id: &Bson) -> Result<()> {
@@ -850,6 +873,20 @@ mod tests {
                 "l": { "$cond": [held.clone(), Bson::Null, "$l"] },
                 "t": { "$cond": [held, Bson::Null, "$t"] },
             } }])
+        );
+        // Only values set: one `$replaceWith`, the fields in the same order.
+        assert_eq!(
+            plan(doc! { "$set": { "b": 1_i32, "B": [1_i32] } })?,
+            Some(vec![doc! { "$replaceWith": { "$cond": [
+                { "$eq": ["$l", { "$literal": "me" }] },
+                { "$mergeObjects": ["$$ROOT", {
+                    "B": { "$literal": [1_i32] },
+                    "b": { "$literal": 1_i32 },
+                    "l": Bson::Null,
+                    "t": Bson::Null,
+                }] },
+                "$$ROOT",
+            ] } }])
         );
         for u in [
             doc! { "$inc": { "n": 1_i32 } },

@@ -10,7 +10,8 @@
 # embedded server executes per job for a claim's completion (64 jobs): one `updateMany`
 # by `{_id: {$in}, state, lease.token}` (the library's), 64 statements of one `update`
 # command with the fence in the filter, 64 by `{_id}` with the fence in the pipeline, and
-# 64 by `{_id}` unfenced. Jobs are claimed outside the measured window.
+# 64 by `{_id}` unfenced. Jobs are claimed outside the measured window. Session 23 added
+# `many-replace` (the `updateMany` with one `$replaceWith`; FORMS=many,many-replace picks).
 import datetime, os, random, sys, time, uuid
 from bson import Int64, ObjectId
 from pymongo import MongoClient
@@ -98,8 +99,24 @@ def completion_fields(t, held):
     return out
 
 
+def completion_replace(t):
+    """Session 23: the same completion as one `$replaceWith`, the follow-up test once."""
+    at = datetime.datetime.now()
+    has = {"$eq": [{"$type": "$follow_up"}, "object"]}
+    fu = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
+    follow = {"state": "ready", "payload": "$follow_up.payload", "attempts": Int64(0), "run_at": at,
+              "finished_at": None, "follow_ups": {"$add": [fu, Int64(1)]}}
+    done = {"state": "succeeded", "finished_at": at, "follow_ups": {"$ifNull": ["$follow_ups", Int64(0)]}}
+    common = {"result": {"$literal": {"ok": True}}, "follow_up": None, "updated_at": at,
+              "settled": {"$literal": {"token": t, "by": "complete"}}}
+    return [{"$replaceWith": {"$mergeObjects": ["$$ROOT", {"$cond": [has, follow, done]}, common]}}]
+
+
 def complete(form, ids, t):
-    if form == "many":
+    if form == "many-replace":
+        cmd = {"update": "jobs", "ordered": False, "updates": [
+            {"q": {"_id": {"$in": ids}, "state": "running", "lease.token": t}, "u": completion_replace(t), "multi": True}]}
+    elif form == "many":
         cmd = {"update": "jobs", "ordered": False, "updates": [
             {"q": {"_id": {"$in": ids}, "state": "running", "lease.token": t}, "u": [{"$set": completion_fields(t, None)}], "multi": True}]}
     elif form == "fenced-each":
@@ -133,7 +150,7 @@ def sweep():
             dump(f"complete B={b} r{round_}", n * b)
 
 
-FORMS = ["many", "fenced-each", "point-cond", "point-unfenced"]
+FORMS = os.environ.get("FORMS", "many,many-replace,fenced-each,point-cond,point-unfenced").split(",")
 for round_ in ([] if SWEEP else range(2)):
     print(f"round {round_ + 1}")
     for form in FORMS:

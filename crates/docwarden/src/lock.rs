@@ -2,16 +2,16 @@
 //! stored in the entity itself (seed 003).
 //!
 //! **Guarantee:** at most one [`Lease`] on a resource is valid at any instant *by the
-//! server's clock* (expiry is decided in the acquire filter against the estimated server
-//! time, with its error bound and a skew margin), renew and release are compare-and-set on
-//! `(resource, owner, token)` of a committed acquisition (a stale lease of the same owner
-//! id cannot touch a newer acquisition, even before its token is committed), and fencing
-//! tokens strictly increase per resource across
-//! release, expiry, garbage collection of the lock document and crashes (each lock document
-//! hands out tokens from a block reserved in a counter collection no TTL index touches, so
-//! an uncontended acquire is one write and a release one write; see
-//! `lock/collection.rs` and `docs/locks.md` for the argument and its one assumption: the
-//! counter collection is never deleted or rolled back). [`DocumentLocks`] hands out a random lock id
+//! server's clock* (expiry is decided in the acquire's atomic write against the estimated
+//! server time, with its error bound and a skew margin), renew and release are
+//! compare-and-set on `(resource, owner, token)` of a committed acquisition (a stale lease
+//! of the same owner id cannot touch a newer acquisition, even before its token is
+//! committed), and fencing tokens strictly increase per resource across release, expiry,
+//! garbage collection of the lock document and crashes (each lock document hands out
+//! tokens from a block reserved in a counter collection no TTL index touches, so an
+//! uncontended acquire is one write and a release one write; see `lock/collection.rs` and
+//! `docs/locks.md` for the argument and its one assumption: the counter collection is
+//! never deleted or rolled back). [`DocumentLocks`] hands out a random lock id
 //! per acquisition and fences the releasing write by it. A [`Semaphore`] admits N
 //! holders per resource, each [`Permit`] with its own fencing token (`lock/semaphore.rs`).
 //!

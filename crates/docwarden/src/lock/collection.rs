@@ -72,7 +72,7 @@ pub const MAX_GC_AFTER: Duration = Duration::from_secs(i32::MAX as u64);
 pub struct LockOptions {
     /// How long after `gc_at` (the latest lease expiry the document has carried) the TTL
     /// index may delete a lock document (garbage collection only; expiry itself is decided
-    /// in the acquire filter). Default 1 hour;
+    /// in the acquire's atomic write). Default 1 hour;
     /// at least one second and at most [`MAX_GC_AFTER`] (a TTL index's
     /// `expireAfterSeconds` is a 32-bit integer).
     pub gc_after: Duration,
@@ -97,7 +97,7 @@ pub struct LockOptions {
 enum UnsafeControl {
     #[default]
     None,
-    /// Every lock counts as expired: the acquire filter takes over held leases.
+    /// Every lock counts as expired: the acquire takes over held leases.
     IgnoreExpiry,
     /// The slow path takes the lock document's previous token + 1 (and reserves a block
     /// above it) without the counter collection.
@@ -1229,7 +1229,7 @@ fn record(d: &Document, cutoff: DateTime) -> LockRecord {
         token,
         acquired_at,
         expires_at,
-        // Not a date: treated as expired, the acquire filter takes it over.
+        // Not a date: treated as expired, the acquire takes it over.
         expired: expires_at.is_none_or(|e| e < cutoff),
         malformed: (!problems.is_empty()).then(|| problems.join(", ")),
     }

@@ -12,11 +12,12 @@
 //!
 //! **The slow path** (a new or deleted lock document, an exhausted block, a `pending` nonce
 //! an acquire left uncommitted, a hand-edited token) is the three steps of issue 11: the
-//! same write stores a random `pending` nonce instead of a token; then one `$inc` on the counter reserves the next block
-//! (`counter = max(counter, previous token) + block`), raised above the lock document's
-//! previous token; then the block's first token and its ceiling are committed into the lock
-//! document, compare-and-set on `(owner, pending nonce)`. If the lease was taken over in
-//! between, the acquire reports `Ok(None)` and its block is never used.
+//! same write stores a random `pending` nonce instead of a token; then one `$inc` on the
+//! counter reserves the next block (`counter = max(counter, previous token) + block`),
+//! raised above the lock document's previous token; then the block's first token and its
+//! ceiling are committed into the lock document, compare-and-set on `(owner, pending
+//! nonce)`. If the lease was taken over in between, the acquire reports `Ok(None)` and its
+//! block is never used.
 //!
 //! **Why tokens still strictly increase** (across release, expiry, crashes and deletion of
 //! the lock document): every token handed out is at most its document's `ceiling`, and a

@@ -33,6 +33,8 @@
 #              expression; the release with a `$cond` per field; and the acquire as an
 #              `update_one` whose token the client proposes (`token < P <= ceiling` in the
 #              filter), operator and pipeline form;
+#   landing  - (session 24) the lock pair by `{_id}` with and without the acquire's landing
+#              deadline (`{$lt: ["$$NOW", sent + 2 s]}` in its condition);
 #   claim    - a batch claim's candidate read (sorted, limit 64) on 10,000 ready jobs in
 #              256 partitions, with and without the single-claim index.
 # Rounds alternate the variants; read the last round. (A label must not contain parentheses:
@@ -174,7 +176,7 @@ def lock_pair_proposed(coll, form="operator", release="library"):
     assert res.modified_count == 1
 
 
-def lock_pair_by_id(coll, acquire="fam", release="replace", gc="keep"):
+def lock_pair_by_id(coll, acquire="fam", release="replace", gc="keep", landing=False):
     """Session 23: the acquire by `{_id}` alone, one `$replaceWith` of a `$cond` (the
     library's since a742e34); `acquire`: "fam" (the library's), "fam-projected" (the reply
     projected to four fields), "update" (an `update_one`: the token not returned);
@@ -187,6 +189,8 @@ def lock_pair_by_id(coll, acquire="fam", release="replace", gc="keep"):
     nonce = uuid.uuid4().hex
     free = {"$or": [{"$eq": [{"$ifNull": ["$owner", None]}, None]}, {"$ne": [{"$type": "$expires_at"}, "date"]},
                     {"$lt": ["$expires_at", {"$literal": now}]}]}
+    if landing:  # session 24: the attempt's landing deadline, `$$NOW` before sent + 2 s
+        free = {"$and": [{"$lt": ["$$NOW", {"$literal": now + datetime.timedelta(seconds=2)}]}, free]}
     gc_at = keep_gc(exp) if gc == "keep" else {"$max": [{"$literal": exp}, "$gc_at", "$expires_at",
                                                          {"$max": "$readers.expires_at"}]}
     taken = {"owner": {"$literal": "me"}, "acquisition": {"$literal": nonce}, "acquired_at": {"$literal": now},
@@ -382,6 +386,12 @@ if "locks3" in GROUPS:  # session 23: the acquire as an update_one with a propos
         "lock3 by-id small-gc_at": lambda: lock_pair_by_id(L3, gc="small"),
         "lock3 proposed operator": lambda: lock_pair_proposed(L3),
         "lock3 proposed pipeline": lambda: lock_pair_proposed(L3, form="pipeline"),
+    }
+if "landing" in GROUPS:  # session 24: the acquire with and without its landing deadline
+    L4 = lock_coll("locks4", True)
+    variants |= {
+        "lock4 by-id library": lambda: lock_pair_by_id(L4),
+        "lock4 by-id landing": lambda: lock_pair_by_id(L4, landing=True),
     }
 if "doclock" in GROUPS:
     D = db.docs

@@ -39,6 +39,7 @@ mod deadline;
 mod document;
 mod election;
 mod fence;
+mod landing;
 mod lease;
 mod rwlock;
 mod semaphore;

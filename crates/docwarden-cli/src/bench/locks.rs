@@ -152,9 +152,17 @@ async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
         async move {
             let id = format!("r-{}", rand::random_range(0..RESOURCES));
             let now = DateTime::now();
+            let land_by = DateTime::from_millis(now.timestamp_millis() + 2_000);
             // `owner` stays "o" and the expiry in the past: every call takes the lock.
-            let (filter, update) =
-                LockCollection::acquire_update(&id, "o", "n", now, now, DateTime::from_millis(0));
+            let (filter, update) = LockCollection::acquire_update(
+                &id,
+                "o",
+                "n",
+                now,
+                land_by,
+                now,
+                DateTime::from_millis(0),
+            );
             c.find_one_and_update(filter, update)
                 .upsert(true)
                 .return_document(ReturnDocument::After)

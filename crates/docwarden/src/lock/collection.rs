@@ -42,6 +42,7 @@ use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
 use super::deadline::{Deadline, Unanswered};
+use super::landing;
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::backoff::Backoff;
@@ -511,16 +512,19 @@ impl LockCollection {
     /// for `owner` when the lock is free or its expiry is before `cutoff` (the server time
     /// before which an expiry is certainly past), writing the acquisition `nonce`,
     /// `acquired_at` and `expires_at`, and the next token of the document's block (or the
-    /// `pending` nonce of the slow path).
+    /// `pending` nonce of the slow path). It takes nothing once the server's clock has
+    /// reached `land_by`, the attempt's landing deadline (sent + 2 s: see
+    /// [`LockCollection::try_acquire`]).
     pub fn acquire_update(
         resource: &str,
         owner: &str,
         nonce: &str,
         cutoff: DateTime,
+        land_by: DateTime,
         acquired_at: DateTime,
         expires_at: DateTime,
     ) -> (Document, Vec<Document>) {
-        let take = Bson::Document(acquire_condition(cutoff, &[]));
+        let take = Bson::Document(take_condition(cutoff, &[], land_by));
         (
             doc! { "_id": resource },
             acquire_pipeline(take, owner, nonce, acquired_at, expires_at),
@@ -533,6 +537,14 @@ impl LockCollection {
     /// # Errors
     /// [`Error::InvalidInput`] for an empty or too long resource or a ttl not longer than the time source's skew margin (nothing is
     /// written); a database error.
+    ///
+    /// **An attempt without an answer.** The write takes the lock only while the server's
+    /// clock is before its landing deadline, 2 s after it was sent. If the call returns an
+    /// error after sending it (a lost reply, a network error) or its future is dropped
+    /// before it returns (a timeout around it), whatever that write took is freed in the
+    /// background once the deadline has certainly passed (`lock/landing.rs`): other
+    /// contenders wait about 2 s for it, not its ttl. A write that takes longer than 2 s
+    /// to reach the server takes nothing (`Ok(None)`, as contention).
     pub async fn try_acquire(
         &self,
         owner: &Owner,
@@ -571,11 +583,44 @@ impl LockCollection {
         // acquire's own, `unknown`) its pipeline takes it, with a token left in the
         // document's block as the whole acquire (the fast path), otherwise writing a
         // `pending` nonce; when it is held, the document stays as it is and comes back.
+        // It takes the lock only before its landing deadline (`lock/landing.rs`): until
+        // the attempt ends with an answer, what a late or unanswered write took is freed
+        // once that deadline has passed (the clean-up is armed before the write is sent,
+        // so a caller that drops this future is covered too).
+        let land_by = landing::deadline(&now);
         let take = match self.options.unsafe_control {
             UnsafeControl::IgnoreExpiry => Bson::Boolean(true),
-            _ => Bson::Document(acquire_condition(cutoff, unknown)),
+            _ => Bson::Document(take_condition(cutoff, unknown, land_by)),
         };
         let update = acquire_pipeline(take, owner.id(), &nonce, acquired_at, expires_at);
+        let cleanup = landing::CleanUp::new(
+            &self.locks,
+            &self.time,
+            doc! { "_id": resource, "owner": owner.id(), "acquisition": &nonce },
+            release_update(),
+            land_by,
+            "lock acquire",
+        );
+        let outcome = self
+            .attempt_write(owner, resource, &nonce, update, acquired_at, expires_at)
+            .await;
+        if outcome.is_ok() {
+            cleanup.settled();
+        }
+        outcome
+    }
+
+    /// The write of one acquire attempt and, on the slow path, its token commit.
+    async fn attempt_write(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        nonce: &str,
+        update: Vec<Document>,
+        acquired_at: DateTime,
+        expires_at: DateTime,
+    ) -> Result<Option<Lease>> {
+        let nonce = nonce.to_owned();
         let after = match self
             .locks
             .find_one_and_update(doc! { "_id": resource }, update)
@@ -991,6 +1036,12 @@ pub(crate) fn acquire_condition(cutoff: DateTime, unknown: &[String]) -> Documen
         ));
     }
     doc! { "$or": free }
+}
+
+/// The acquire's whole condition: [`acquire_condition`], and the server's clock before the
+/// attempt's landing deadline `land_by` (`lock/landing.rs`).
+pub(crate) fn take_condition(cutoff: DateTime, unknown: &[String], land_by: DateTime) -> Document {
+    doc! { "$and": [landing::before(land_by), acquire_condition(cutoff, unknown)] }
 }
 
 /// The acquire's update, for the filter `{_id: resource}` and an upsert: when `take` (the

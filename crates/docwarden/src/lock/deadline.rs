@@ -28,7 +28,11 @@
 //! lock ids. Where an acquire does not recognise its own lost acquisition (a `try_*` call
 //! retried by its caller), the next attempt finds it held and waits like any other contender,
 //! until that lease expires or the wait passes. Nobody ever holds two leases at once: the
-//! cost of an unrecognised lost reply is at most one ttl of waiting.
+//! cost of an unrecognised lost reply is at most one ttl of waiting — except for the lock
+//! collection's acquire (and the election and the write lock built on it) since session
+//! 24: each of its attempts carries a landing deadline, and what an attempt that ended
+//! without an answer took is freed once that deadline has passed (`lock/landing.rs`), so
+//! the wait is about 2 s.
 
 use std::time::{Duration, Instant};
 

@@ -37,6 +37,7 @@ use tracing::instrument;
 
 use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339, keep_gc_at};
 use super::deadline::{Deadline, Unanswered};
+use super::landing;
 use super::lease::{Lease, Owner};
 use super::wake::Wake;
 use crate::clock::{ServerTime, TimeSource};
@@ -314,7 +315,7 @@ impl RwLocks {
         // adds nothing (and what landed before is removed after `land_by`, `read`). Its
         // outcome then comes from the post-image: a slow attempt may match and not enter.
         let land_by = land_by.map(|land_by| {
-            *land_by = now.plus_ms(millis(LANDING_WINDOW));
+            *land_by = landing::deadline(&now);
             *land_by
         });
         let writer = if ignore_writer {
@@ -460,22 +461,9 @@ impl RwLocks {
             resource.to_owned(),
         );
         tokio::spawn(async move {
-            loop {
-                let now = match time.now().await {
-                    Ok(now) => now,
-                    Err(e) => {
-                        tracing::warn!(error = %e, resource, "cannot read the server time to remove late read entries");
-                        return;
-                    }
-                };
-                let left = land_by
-                    .timestamp_millis()
-                    .saturating_sub(now.earliest().timestamp_millis());
-                if left < 0 {
-                    break;
-                }
-                let ms = u64::try_from(left).unwrap_or(0).saturating_add(1);
-                tokio::time::sleep(Duration::from_millis(ms)).await;
+            if let Err(e) = landing::passed(&time, land_by).await {
+                tracing::warn!(error = %e, resource, "cannot read the server time to remove late read entries");
+                return;
             }
             let pull = doc! { "$pull": { rf::READERS: { rf::READER_ID: { "$in": &ids } } } };
             match coll.update_one(doc! { "_id": &resource }, pull).await {
@@ -828,14 +816,6 @@ enum Writer {
     Keep,
 }
 
-/// How long after it was sent (by the server's clock) a blocking read's attempt may still
-/// apply; see [`RwLocks::read`].
-const LANDING_WINDOW: Duration = Duration::from_secs(2);
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
 /// Server time after which a lease that expires later is still certainly valid now (the
 /// clock's bound and `margin_ms` included): what a renewal requires.
 fn certainly_valid_after(now: &ServerTime, margin_ms: i64) -> DateTime {
@@ -875,7 +855,7 @@ fn read_pipeline(
     let entry = match land_by {
         None => Bson::Array(entry),
         Some(land_by) => Bson::Document(doc! { "$cond": [
-            { "$lt": ["$$NOW", { "$literal": land_by }] },
+            landing::before(land_by),
             entry,
             [],
         ] }),

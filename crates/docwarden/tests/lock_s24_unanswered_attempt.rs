@@ -1,0 +1,148 @@
+//! Session 24: a lock collection's acquire attempt that ends without an answer — its reply
+//! lost, or its future dropped by a timeout around the call — must not leave the lock held
+//! by an acquisition nobody was told about until its ttl (`lock/landing.rs`). Before, every
+//! other contender waited out the ttl (here 60 s); now the attempt's write takes the lock
+//! only before its landing deadline (sent + 2 s), and what an unanswered attempt took is
+//! freed once that deadline has passed.
+//!
+//! Three cases:
+//! 1. `try_acquire` whose write applies and whose reply is lost (a retryable write concern
+//!    error on the write and on the driver's retry, MongoDB's `failCommand`): the caller
+//!    gets an error; another owner must get the lock within [`BOUND`];
+//! 2. `try_acquire` of a new resource (the slow path) whose future is dropped between its
+//!    first write (the lock taken, `pending` stored) and its token commit: another owner
+//!    must get the lock within [`BOUND`];
+//! 3. the acquire's write (`LockCollection::acquire_update`) sent after its landing
+//!    deadline takes nothing, and before it takes the free lock.
+//!
+//! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (2
+//! violations); without the landing deadline in the write, case 3 takes the lock (1).
+//! Fail points are server-wide, so this file is its own test binary with one test.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{AcquirePause, LockCollection, LockOptions, Owner};
+use docwarden_testkit::{TestDb, fail_commands_off};
+use mongodb::bson::{DateTime, Document, doc};
+use mongodb::options::ReturnDocument;
+
+/// How soon another owner must get the lock after the unanswered attempt: the 2 s landing
+/// window, the clock's bound and a wake-up, with room for a slow machine; far below the
+/// 60 s ttl the acquisition would otherwise hold it for.
+const BOUND: Duration = Duration::from_secs(8);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_deadline()
+-> anyhow::Result<()> {
+    let test = "an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_deadline";
+    let t = TestDb::new(test).await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(100));
+    let locks = LockCollection::open(&t.db, "locks", time.clone(), fast.clone()).await?;
+    let ttl = Duration::from_secs(60);
+    let mut violations = Vec::new();
+
+    // Another owner's blocking acquire of `resource`, started at `since`: a violation
+    // unless it gets the lock within BOUND.
+    let contend = |case: &'static str, resource: &'static str, since: Instant| {
+        let locks = locks.clone();
+        let coll = t.db.collection::<Document>("locks");
+        async move {
+            let other = Owner::random();
+            let got = locks
+                .acquire(&other, resource, ttl, BOUND + Duration::from_secs(4))
+                .await?;
+            let waited = since.elapsed();
+            let stored = coll.find_one(doc! { "_id": resource }).await?;
+            let verdict = match got {
+                Some(lease) => {
+                    locks.release(&lease).await?;
+                    (waited > BOUND).then(|| {
+                        format!("{case}: the other owner got the lock only after {waited:?}")
+                    })
+                }
+                None => Some(format!(
+                    "{case}: the other owner did not get the lock within {waited:?}: {stored:?}"
+                )),
+            };
+            anyhow::Ok(verdict)
+        }
+    };
+
+    // 1. A lost reply (needs the fail point).
+    if let Some(client) = docwarden_testkit::fail_point_client(&t, test).await? {
+        let db = client.database(t.db.name());
+        let lossy = LockCollection::open(&db, "locks", time.clone(), fast.clone()).await?;
+        client
+            .database("admin")
+            .run_command(doc! {
+                "configureFailPoint": "failCommand",
+                "mode": { "times": 2 },
+                "data": {
+                    "failCommands": ["findAndModify"],
+                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+                },
+            })
+            .await?;
+        let started = Instant::now();
+        let answered = lossy.try_acquire(&Owner::random(), "lost", ttl).await;
+        fail_commands_off(&client).await?;
+        match &answered {
+            Err(e) if e.is_retryable() => {
+                violations.extend(contend("lost reply", "lost", started).await?);
+            }
+            other => violations.push(format!("lost reply: the attempt answered {other:?}")),
+        }
+    }
+
+    // 2. The future dropped between the slow path's two writes.
+    let pause = Arc::new(AcquirePause::default());
+    let paused = locks.with_acquire_pause(pause.clone());
+    let owner = Owner::random();
+    let started = Instant::now();
+    let task = tokio::spawn(async move { paused.try_acquire(&owner, "dropped", ttl).await });
+    tokio::time::timeout(Duration::from_secs(10), pause.reached()).await?;
+    task.abort();
+    let _ = task.await;
+    violations.extend(contend("dropped mid-acquire", "dropped", started).await?);
+
+    // 3. The landing deadline in the write itself, on a free lock.
+    let coll = t.db.collection::<Document>("locks");
+    coll.insert_one(doc! { "_id": "late", "owner": null, "token": 1_i64, "ceiling": 100_i64 })
+        .await?;
+    let now = DateTime::now().timestamp_millis();
+    for (land_by, should_take) in [(now - 1_000, false), (now + 60_000, true)] {
+        let (filter, update) = LockCollection::acquire_update(
+            "late",
+            "late-owner",
+            "late-nonce",
+            DateTime::from_millis(now),
+            DateTime::from_millis(land_by),
+            DateTime::from_millis(now),
+            DateTime::from_millis(now + 60_000),
+        );
+        let after = coll
+            .find_one_and_update(filter, update)
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await?
+            .unwrap_or_default();
+        let took = after.get_str("owner").ok() == Some("late-owner");
+        if took != should_take {
+            violations.push(format!(
+                "landing deadline: a write {} its deadline {} the lock: {after}",
+                if should_take { "before" } else { "after" },
+                if took { "took" } else { "did not take" },
+            ));
+        }
+    }
+
+    assert!(
+        violations.is_empty(),
+        "{} violations: {violations:#?}",
+        violations.len()
+    );
+    Ok(())
+}

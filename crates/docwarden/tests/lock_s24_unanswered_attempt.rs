@@ -8,22 +8,27 @@
 //! Three cases:
 //! 1. `try_acquire` whose write applies and whose reply is lost (a retryable write concern
 //!    error on the write and on the driver's retry, MongoDB's `failCommand`): the caller
-//!    gets an error; another owner must get the lock within [`BOUND`];
+//!    gets an error; another owner must get the lock within [`BOUND`]; the same for a
+//!    document lock's `try_lock` (its `max_duration` 60 s);
 //! 2. `try_acquire` of a new resource (the slow path) whose future is dropped between its
 //!    first write (the lock taken, `pending` stored) and its token commit: another owner
 //!    must get the lock within [`BOUND`];
 //! 3. the acquire's write (`LockCollection::acquire_update`) sent after its landing
 //!    deadline takes nothing, and before it takes the free lock.
 //!
-//! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (2
-//! violations); without the landing deadline in the write, case 3 takes the lock (1).
+//! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (3
+//! violations with the document lock's); without the landing deadline in the write, case 3
+//! takes the lock (1; the document lock's takeover has the same check as a unit test,
+//! `a_takeover_after_its_landing_deadline_takes_nothing`).
 //! Fail points are server-wide, so this file is its own test binary with one test.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::{AcquirePause, LockCollection, LockOptions, Owner};
+use docwarden::lock::{
+    AcquirePause, DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner,
+};
 use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
@@ -94,6 +99,55 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
                 violations.extend(contend("lost reply", "lost", started).await?);
             }
             other => violations.push(format!("lost reply: the attempt answered {other:?}")),
+        }
+
+        // 1b. The same for a document lock (`DocumentLocks::try_lock`): without the
+        // clean-up the entity stays locked until `max_duration`.
+        let doc_options = DocumentLockOptions::default()
+            .max_duration(ttl)
+            .backoff(Duration::from_millis(5), Duration::from_millis(100));
+        let lossy_docs =
+            DocumentLocks::open(&db, "entities", time.clone(), doc_options.clone()).await?;
+        let docs = DocumentLocks::open(&t.db, "entities", time.clone(), doc_options).await?;
+        t.db.collection::<Document>("entities")
+            .insert_one(doc! { "_id": "e1", "n": 1 })
+            .await?;
+        client
+            .database("admin")
+            .run_command(doc! {
+                "configureFailPoint": "failCommand",
+                "mode": { "times": 2 },
+                "data": {
+                    "failCommands": ["findAndModify"],
+                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+                },
+            })
+            .await?;
+        let started = Instant::now();
+        let answered = lossy_docs.try_lock("e1").await;
+        fail_commands_off(&client).await?;
+        match &answered {
+            Err(e) if e.is_retryable() => {
+                match docs.lock("e1", BOUND + Duration::from_secs(4)).await? {
+                    Some(guard) if started.elapsed() <= BOUND => {
+                        let released = docs.release(guard).await?;
+                        if !released.is_applied() {
+                            violations.push(format!(
+                                "document lock, lost reply: the other locker's release {released:?}"
+                            ));
+                        }
+                    }
+                    other => violations.push(format!(
+                        "document lock, lost reply: after {:?} the other locker got {:?}",
+                        started.elapsed(),
+                        other.map(|g| g.lock_id)
+                    )),
+                }
+            }
+            other => violations.push(format!(
+                "document lock, lost reply: the attempt answered {:?}",
+                other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
+            )),
         }
     }
 

@@ -26,6 +26,7 @@ use tracing::instrument;
 use super::collection::describe;
 use super::deadline::{Deadline, Unanswered};
 use super::fence::FenceOutcome;
+use super::landing;
 use super::wake::Wake;
 use crate::backoff::Backoff;
 use crate::clock::TimeSource;
@@ -246,6 +247,11 @@ impl DocumentLocks {
     /// [`Error::InvalidInput`] for an id that is not a plain value
     /// ([`crate::validate::document_id`]: null, empty, an array, a regex, a document with a
     /// `$` key); a database error.
+    ///
+    /// An attempt that ends without an answer (an error after its write was sent, or its
+    /// future dropped) unlocks what it locked once its landing deadline (2 s after it was
+    /// sent) has passed; a write reaching the server later locks nothing
+    /// (`lock/landing.rs`).
     #[instrument(skip(self, id), fields(collection = %self.coll.name(), id = %id))]
     pub async fn try_lock(
         &self,
@@ -333,16 +339,29 @@ impl DocumentLocks {
         } else {
             // The condition in the pipeline, the filter `{_id}` alone: a point write on
             // both servers (see `takeover_pipeline`). The post-image shows our lock id only
-            // if this write took the lock.
+            // if this write took the lock. It takes the lock only before its landing
+            // deadline, and until the attempt answers, what an unanswered write took is
+            // unlocked once that deadline has passed (`lock/landing.rs`).
             let (id_f, time_f) = (&self.options.lock_id_field, &self.options.lock_time_field);
-            self.coll
+            let cleanup = landing::CleanUp::new(
+                &self.coll,
+                &self.time,
+                doc! { "_id": id.clone(), id_f.as_str(): &ops.lock_id },
+                doc! { "$set": { id_f.as_str(): Bson::Null, time_f.as_str(): Bson::Null } },
+                ops.land_by,
+                "document lock",
+            );
+            let after = self
+                .coll
                 .find_one_and_update(
                     doc! { "_id": id.clone() },
-                    takeover_pipeline(id_f, time_f, ops.cutoff, &ops.lock_id, ops.locked_at, mine),
+                    takeover_pipeline(id_f, time_f, &ops, mine),
                 )
                 .return_document(ReturnDocument::After)
                 .await?
-                .filter(|d| d.get_str(id_f).ok() == Some(ops.lock_id.as_str()))
+                .filter(|d| d.get_str(id_f).ok() == Some(ops.lock_id.as_str()));
+            cleanup.settled();
+            after
         };
         let LockOps {
             lock_id, locked_at, ..
@@ -571,6 +590,7 @@ impl DocumentLocks {
             cutoff,
             lock_id: validate::random_id(),
             locked_at: now.estimate(),
+            land_by: landing::deadline(&now),
         })
     }
 
@@ -597,11 +617,13 @@ impl DocumentLocks {
     }
 }
 
-/// What [`DocumentLocks::lock_ops`] returns.
-struct LockOps {
-    cutoff: DateTime,
-    lock_id: String,
-    locked_at: DateTime,
+/// What [`DocumentLocks::lock_ops`] returns: the expiry cutoff, a fresh lock id, the lock
+/// time, and the attempt's landing deadline (`lock/landing.rs`).
+pub(crate) struct LockOps {
+    pub(crate) cutoff: DateTime,
+    pub(crate) lock_id: String,
+    pub(crate) locked_at: DateTime,
+    pub(crate) land_by: DateTime,
 }
 
 /// The caller's operator update with the lock fields cleared.
@@ -783,15 +805,21 @@ pub(crate) fn takeover_filter(
 /// planning the `$or` (about 45 µs of its CPU per lock, `docs/locks.md`).
 ///
 /// `mine`: lock ids of the caller's own earlier attempts whose replies were lost
-/// ([`DocumentLocks::lock`]); a lock carrying one of them is taken over too.
+/// ([`DocumentLocks::lock`]); a lock carrying one of them is taken over too. Nothing is
+/// taken once the server's clock has reached the attempt's landing deadline
+/// (`ops.land_by`, `lock/landing.rs`).
 pub(crate) fn takeover_pipeline(
     lock_id_f: &str,
     lock_time_f: &str,
-    cutoff: DateTime,
-    lock_id: &str,
-    locked_at: DateTime,
+    ops: &LockOps,
     mine: &[String],
 ) -> Vec<Document> {
+    let LockOps {
+        cutoff,
+        lock_id,
+        locked_at,
+        land_by,
+    } = ops;
     let id_path = format!("${lock_id_f}");
     let time_path = format!("${lock_time_f}");
     let mut free = vec![
@@ -807,7 +835,7 @@ pub(crate) fn takeover_pipeline(
     // One `$replaceWith` of a `$cond`: the condition is evaluated once (a `$cond` per
     // field cost the embedded server about 2 % more per lock + release, session 23).
     vec![doc! { "$replaceWith": { "$cond": [
-        { "$or": free },
+        { "$and": [landing::before(*land_by), { "$or": free }] },
         { "$mergeObjects": ["$$ROOT", {
             lock_id_f: { "$literal": lock_id },
             lock_time_f: { "$literal": locked_at },
@@ -824,6 +852,40 @@ fn check_id(id: &Bson) -> Result<()> {
 mod tests {
     use super::*;
     use crate::clock::{ClockOptions, LocalClock};
+
+    /// Session 24: the takeover sent after its landing deadline takes nothing, before it
+    /// takes the free lock (fails without `landing::before` in the condition: the late
+    /// write locks the document).
+    #[tokio::test]
+    async fn a_takeover_after_its_landing_deadline_takes_nothing() -> anyhow::Result<()> {
+        let t = docwarden_testkit::TestDb::new("doclock_landing_deadline").await?;
+        let coll = t.db.collection::<Document>("entities");
+        coll.insert_one(doc! { "_id": 1, "lock_id": null, "lock_time": null })
+            .await?;
+        let now = DateTime::now().timestamp_millis();
+        for (land_by, should_take) in [(now - 1_000, false), (now + 60_000, true)] {
+            let ops = LockOps {
+                cutoff: DateTime::from_millis(now),
+                lock_id: format!("late-{land_by}"),
+                locked_at: DateTime::from_millis(now),
+                land_by: DateTime::from_millis(land_by),
+            };
+            let after = coll
+                .find_one_and_update(
+                    doc! { "_id": 1 },
+                    takeover_pipeline("lock_id", "lock_time", &ops, &[]),
+                )
+                .return_document(ReturnDocument::After)
+                .await?
+                .unwrap_or_default();
+            let took = after.get_str("lock_id").ok() == Some(ops.lock_id.as_str());
+            anyhow::ensure!(
+                took == should_take,
+                "land_by {land_by} (now {now}): took {took}: {after}"
+            );
+        }
+        Ok(())
+    }
 
     #[test]
     fn release_clears_the_lock_and_refuses_to_touch_it() -> Result<()> {

@@ -33,8 +33,9 @@
 #              expression; the release with a `$cond` per field; and the acquire as an
 #              `update_one` whose token the client proposes (`token < P <= ceiling` in the
 #              filter), operator and pipeline form;
-#   landing  - (session 24) the lock pair by `{_id}` with and without the acquire's landing
-#              deadline (`{$lt: ["$$NOW", sent + 2 s]}` in its condition);
+#   landing  - (session 24) the lock pair by `{_id}` and the document lock + release, with
+#              and without the lock's landing deadline (`{$lt: ["$$NOW", sent + 2 s]}` in
+#              its condition);
 #   claim    - a batch claim's candidate read (sorted, limit 64) on 10,000 ready jobs in
 #              256 partitions, with and without the single-claim index.
 # Rounds alternate the variants; read the last round. (A label must not contain parentheses:
@@ -224,6 +225,9 @@ def doclock_pair(docs, release):
     lid = uuid.uuid4().hex
     free = {"$or": [{"$eq": [{"$ifNull": ["$lock_id", None]}, None]}, {"$ne": [{"$type": "$lock_time"}, "date"]},
                     {"$lt": ["$lock_time", {"$literal": cutoff}]}]}
+    if release == "replace-landing":  # session 24: the lock's condition with its landing deadline
+        free = {"$and": [{"$lt": ["$$NOW", {"$literal": now + datetime.timedelta(seconds=2)}]}, free]}
+        release = "replace"
     if release == "replace":  # session 23: the lock and the release each one `$replaceWith`
         take = [{"$replaceWith": {"$cond": [free, {"$mergeObjects": ["$$ROOT", {
             "lock_id": {"$literal": lid}, "lock_time": {"$literal": now}}]}, "$$ROOT"]}}]
@@ -389,9 +393,14 @@ if "locks3" in GROUPS:  # session 23: the acquire as an update_one with a propos
     }
 if "landing" in GROUPS:  # session 24: the acquire with and without its landing deadline
     L4 = lock_coll("locks4", True)
+    D4 = db.docs4
+    D4.drop()
+    D4.insert_many([{"_id": i, "n": Int64(0)} for i in range(1000)])
     variants |= {
         "lock4 by-id library": lambda: lock_pair_by_id(L4),
         "lock4 by-id landing": lambda: lock_pair_by_id(L4, landing=True),
+        "doclock4 replace": lambda: doclock_pair(D4, "replace"),
+        "doclock4 replace-landing": lambda: doclock_pair(D4, "replace-landing"),
     }
 if "doclock" in GROUPS:
     D = db.docs

@@ -336,6 +336,11 @@ async fn reader_outlives_a_crashed_writer(
         assert!(Instant::now() < deadline, "the writer never registered");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Its acquire has answered by now (the intent lapses, and is taken again, only after
+    // 300 ms). Aborted inside the acquire, the task would free the intent it had just
+    // written once its landing deadline passed (`lock/landing.rs`): a process that dies
+    // runs no such clean-up.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     crashed.abort();
 
     // The reader keeps renewing, 2.4 s: past the intent's expiry (0.3 s) + gc_after (1 s).

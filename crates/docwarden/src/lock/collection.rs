@@ -899,13 +899,8 @@ impl LockCollection {
     /// (with `owner: null` and its token) until the TTL index collects it. Releasing a
     /// lease that expired but was not taken over still frees the resource.
     ///
-    /// Idempotent: when the write changes nothing, one read tells a lease that is already
-    /// released and was not acquired since (the document free, with this lease's token and
-    /// no acquisition pending: this release sent again after a lost reply, a retry the
-    /// server ran twice, or [`LockCollection::release_all`]) — `Ok(())` — from a lost one.
-    ///
     /// # Errors
-    /// [`Error::LeaseLost`] if the lease was taken over or its document deleted (so a
+    /// [`Error::LeaseLost`] if the lease was taken over, released or deleted already (so a
     /// non-holder can never release); a database error.
     #[instrument(skip(self, lease), fields(collection = %self.locks.name(), resource = %lease.resource, owner = %lease.owner, token = lease.token.get()))]
     pub async fn release(&self, lease: &Lease) -> Result<()> {
@@ -913,22 +908,10 @@ impl LockCollection {
             .locks
             .update_one(doc! { "_id": &lease.resource }, release_pipeline(lease))
             .await?;
-        if result.modified_count == 0 && !self.released(lease).await? {
+        if result.modified_count == 0 {
             return Err(lost(lease));
         }
         Ok(())
-    }
-
-    /// Whether `lease`'s document shows it released and not acquired since: no owner,
-    /// this lease's token, no acquisition pending (every acquire writes an owner, and a
-    /// committed one a larger token).
-    async fn released(&self, lease: &Lease) -> Result<bool> {
-        let stored = self.locks.find_one(doc! { "_id": &lease.resource }).await?;
-        Ok(stored.is_some_and(|d| {
-            matches!(d.get("owner"), None | Some(Bson::Null))
-                && d.get("token") == Some(&Bson::Int64(lease.token.get()))
-                && d.get("pending").is_none()
-        }))
     }
 
     /// Releases every lease held by `owner` (for example when a process shuts down or an

@@ -6,8 +6,10 @@
 //! [`crate::format::lock::semaphore`]). An acquire is one atomic `findOneAndUpdate` by
 //! `_id` whose pipeline first drops the holders whose `until` is before the cut-off (server
 //! time minus the clock bound and the skew margin, from the [`TimeSource`]), then appends
-//! the new holder with `token + 1` only while fewer than `permits` holders remain and the
-//! document's token block has a token left (`token < ceiling`). A renewal is one
+//! the new holder with `token + 1` only while fewer than `permits` holders remain, the
+//! document's token block has a token left (`token < ceiling`) and the server's clock is
+//! before the attempt's landing deadline (sent + 2 s; what an attempt that ended without
+//! an answer appended is pulled after it, `lock/landing.rs`). A renewal is one
 //! `findOneAndUpdate` by `_id` per resource document, whatever the number of permits of
 //! that resource renewed at once ([`Semaphore::renew_many`]): it extends the holder
 //! elements that match a permit's owner and token with a still certainly valid `until`;
@@ -40,6 +42,7 @@ use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
 use super::deadline::{Deadline, Unanswered};
+use super::landing;
 use super::lease::{Lease, Owner};
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
@@ -323,6 +326,15 @@ impl Semaphore {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad resource or owner or a ttl not longer than the skew margin; a database error.
+    ///
+    /// **An attempt without an answer.** The write appends the new holder only while the
+    /// server's clock is before its landing deadline, 2 s after it was sent. If the call
+    /// returns an error after sending it (a lost reply, a network error) or its future
+    /// is dropped before it returns (a timeout around it), the holder entry that write
+    /// may have appended is pulled in the background once the deadline has
+    /// certainly passed (`lock/landing.rs`): other contenders wait about 2 s for it, not
+    /// its ttl. A write that takes longer than 2 s to reach the server admits nothing
+    /// (`Ok(None)`, as contention).
     #[instrument(skip(self, owner), fields(collection = %self.docs.name(), owner = owner.id()))]
     pub async fn try_acquire(
         &self,
@@ -340,6 +352,9 @@ impl Semaphore {
     /// replies) the attempt gives back in the same write before it is admitted afresh, so
     /// the acquire never holds two permits and never hands out an old entry with part of
     /// its ttl gone; empty for [`Semaphore::try_acquire`].
+    ///
+    /// Each round's write carries its own landing deadline and is covered by a
+    /// [`landing::CleanUp`] armed before it is sent (see [`Semaphore::try_acquire`]).
     async fn attempt(
         &self,
         owner: &Owner,
@@ -351,11 +366,43 @@ impl Semaphore {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
         let ttl_ms = super::lease::ttl_ms("ttl", ttl, self.time.skew_margin_ms())?;
+        // The clean-up of the round in flight (`lock/landing.rs`): armed before each
+        // round's write, so an error or a dropped future after it was sent frees the entry
+        // it may have appended once its landing deadline has passed. A round's clean-up is
+        // replaced (settled) when the next round arms its own: that round's write was
+        // answered as not admitted, so it left no entry, and every round writes the same
+        // nonce. Settled when the attempt returns `Ok`; on an error (a refill's included)
+        // the last one fires, and finds nothing if that round was answered.
+        let mut cleanup: Option<landing::CleanUp> = None;
+        let outcome = self
+            .rounds(owner, resource, ttl_ms, nonce, unknown, &mut cleanup)
+            .await;
+        if outcome.is_ok()
+            && let Some(cleanup) = cleanup.take()
+        {
+            cleanup.settled();
+        }
+        outcome
+    }
+
+    /// The rounds of one acquire attempt (see [`Semaphore::attempt`]): a write, and a
+    /// refill when the block is used up, up to [`MAX_ROUNDS`] times. `cleanup` holds the
+    /// clean-up of the last round's write.
+    async fn rounds(
+        &self,
+        owner: &Owner,
+        resource: &str,
+        ttl_ms: i64,
+        nonce: &str,
+        unknown: &[String],
+        cleanup: &mut Option<landing::CleanUp>,
+    ) -> Result<Option<Permit>> {
         for _ in 0..MAX_ROUNDS {
             let now = self.time.now().await?;
             let cutoff = now.expired_before(self.time.skew_margin_ms());
             let acquired_at = now.estimate();
             let expires_at = now.plus_ms(ttl_ms);
+            let land_by = landing::deadline(&now);
             let update = acquire_pipeline(
                 &AcquireArgs {
                     owner: owner.id(),
@@ -364,10 +411,25 @@ impl Semaphore {
                     acquired_at,
                     expires_at,
                     cutoff,
+                    land_by,
                     default_permits: self.default_permits,
                 },
                 self.options.unsafe_ignore_expiry,
             );
+            let armed = landing::CleanUp::new(
+                &self.docs,
+                &self.time,
+                doc! {
+                    field::ID: resource,
+                    field::HOLDERS: { "$elemMatch": { field::holder::ACQUISITION: nonce } },
+                },
+                doc! { "$pull": { field::HOLDERS: { field::holder::ACQUISITION: nonce } } },
+                land_by,
+                "semaphore acquire",
+            );
+            if let Some(answered) = cleanup.replace(armed) {
+                answered.settled();
+            }
             let after = self
                 .docs
                 .find_one_and_update(doc! { field::ID: resource }, update)
@@ -392,6 +454,14 @@ impl Semaphore {
                 }
                 Admission::Full => {
                     crate::observe::lock_busy(self.docs.name());
+                    return Ok(None);
+                }
+                Admission::Late => {
+                    crate::observe::lock_busy(self.docs.name());
+                    tracing::debug!(
+                        resource,
+                        "the acquire reached the server after its landing deadline"
+                    );
                     return Ok(None);
                 }
                 Admission::Exhausted => self.refill(resource).await?,
@@ -838,13 +908,25 @@ struct AcquireArgs<'a> {
     acquired_at: DateTime,
     expires_at: DateTime,
     cutoff: DateTime,
+    /// The attempt's landing deadline (`lock/landing.rs`): the new holder is appended
+    /// only while the server's clock is before it.
+    land_by: DateTime,
     default_permits: i64,
 }
 
 /// The acquire: stage 1 drops the holders whose `until` is before `cutoff` (or not a
-/// date) and those of `unknown` (this acquire's lost attempts); stage 2 appends the new holder with `token + 1` (and stores that token) only
-/// while fewer than `permits` holders remain and `token < ceiling`. Both stages are one
-/// atomic update of one document.
+/// date) and those of `unknown` (this acquire's lost attempts); stage 2 appends the new
+/// holder with `token + 1` (and stores that token) only while fewer than `permits` holders
+/// remain, `token < ceiling` and the server's clock is before `land_by` (the landing
+/// deadline, [`landing::before`]). Both stages are one atomic update of one document.
+///
+/// Only stage 2 depends on the deadline: a write that lands after it still drops what
+/// stage 1 drops, and appends nothing. That is the simplest correct option — stage 1 is
+/// safe whenever it lands (a holder whose `until` is before the fixed `cutoff` stays
+/// certainly expired; an `unknown` entry is this acquire's own, never announced to
+/// anyone), and it is what an acquire that found the semaphore full leaves too. The
+/// returned document then has room and a token left without the nonce:
+/// [`Admission::Late`]. The `ignore_expiry` control changes stage 1 only.
 fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
     let holders = format!("${}", field::HOLDERS);
     let token = format!("${}", field::TOKEN);
@@ -875,6 +957,7 @@ fn acquire_pipeline(a: &AcquireArgs<'_>, ignore_expiry: bool) -> Vec<Document> {
         } })
     };
     let admit = doc! { "$and": [
+        landing::before(a.land_by),
         { "$eq": [{ "$type": &token }, "long"] },
         { "$eq": [{ "$type": &ceiling }, "long"] },
         { "$lt": [&token, &ceiling] },
@@ -916,11 +999,17 @@ enum Admission {
     Granted(i64),
     Full,
     Exhausted,
+    /// Room and a token left, yet not admitted: the write reached the server after its
+    /// landing deadline.
+    Late,
 }
 
 /// What an acquire's returned document says: our holder (by nonce) is in it, or the
-/// semaphore is full, or the block is used up (or the document has none yet). Permits are
-/// read as the acquire pipeline reads them: a stored number, else `default_permits`.
+/// semaphore is full, or the block is used up (or the document has none yet), or neither
+/// (the write landed after its deadline, [`acquire_pipeline`]). The returned document is
+/// what the admission was decided on: it is left as stage 1 left it unless admitted.
+/// Permits are read as the acquire pipeline reads them: a stored number, else
+/// `default_permits`.
 fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
     let holders = after
         .get_array(field::HOLDERS)
@@ -944,10 +1033,14 @@ fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
         // Missing, or not a number (a hand edit): the pipeline used the default.
         _ => i64::try_from(holders.len()).unwrap_or(i64::MAX) < default_permits,
     };
-    if room {
-        Admission::Exhausted
-    } else {
-        Admission::Full
+    let token_left = matches!(
+        (after.get(field::TOKEN), after.get(field::CEILING)),
+        (Some(Bson::Int64(token)), Some(Bson::Int64(ceiling))) if token < ceiling
+    );
+    match (room, token_left) {
+        (false, _) => Admission::Full,
+        (true, false) => Admission::Exhausted,
+        (true, true) => Admission::Late,
     }
 }
 
@@ -1036,7 +1129,69 @@ mod tests {
         let s = doc! { "_id": "r", "permits": "1", "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
         assert!(matches!(admitted(&s, "m", 1), Admission::Full));
-        assert!(matches!(admitted(&s, "m", 2), Admission::Exhausted));
+        // Room and a token left without the nonce: the pipeline would have admitted but
+        // for its landing deadline (session 24): contention, not a refill.
+        assert!(matches!(admitted(&s, "m", 2), Admission::Late));
+        let used_up = doc! { "_id": "r", "permits": 2_i64, "token": 9_i64, "ceiling": 9_i64,
+        "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
+        assert!(matches!(admitted(&used_up, "m", 3), Admission::Exhausted));
+    }
+
+    /// Session 24: the acquire's write appends the new holder only before its landing
+    /// deadline; later, it still drops what stage 1 drops (an expired holder) and leaves
+    /// the token as it was. Run against the database: the condition is `$$NOW`'s.
+    #[tokio::test]
+    async fn a_write_after_its_landing_deadline_admits_nothing() -> anyhow::Result<()> {
+        let t = docwarden_testkit::TestDb::new("semaphore_write_after_landing_deadline").await?;
+        let coll = t.db.collection::<Document>("sem");
+        let now = DateTime::now().timestamp_millis();
+        let mut violations = Vec::new();
+        for (land_by, should_admit) in [(now - 1_000, false), (now + 60_000, true)] {
+            let resource = format!("r{should_admit}");
+            coll.insert_one(doc! { "_id": &resource, "permits": 1_i64, "token": 5_i64,
+            "ceiling": 9_i64, "holders": [{ "owner": "gone", "token": 5_i64,
+            "acquisition": "old", "until": DateTime::from_millis(now - 600_000) }] })
+                .await?;
+            let update = acquire_pipeline(
+                &AcquireArgs {
+                    owner: "o",
+                    nonce: "n",
+                    unknown: &[],
+                    acquired_at: DateTime::from_millis(now),
+                    expires_at: DateTime::from_millis(now + 60_000),
+                    cutoff: DateTime::from_millis(now - 1_000),
+                    land_by: DateTime::from_millis(land_by),
+                    default_permits: 1,
+                },
+                false,
+            );
+            let after = coll
+                .find_one_and_update(doc! { "_id": &resource }, update)
+                .return_document(ReturnDocument::After)
+                .await?
+                .unwrap_or_default();
+            let holders = after.get_array(field::HOLDERS).map(Vec::len).ok();
+            let expected = if should_admit {
+                (Some(1), Ok(6))
+            } else {
+                (Some(0), Ok(5))
+            };
+            if (holders, after.get_i64(field::TOKEN)) != expected {
+                violations.push(format!("land_by {land_by} (now {now}): {after}"));
+            }
+            let admission = admitted(&after, "n", 1);
+            let right = if should_admit {
+                matches!(admission, Admission::Granted(6))
+            } else {
+                matches!(admission, Admission::Late)
+            };
+            if !right {
+                let expected = if should_admit { "granted" } else { "late" };
+                violations.push(format!("land_by {land_by}: not read as {expected}"));
+            }
+        }
+        assert!(violations.is_empty(), "{violations:#?}");
+        Ok(())
     }
 
     #[test]
@@ -1049,6 +1204,7 @@ mod tests {
                 acquired_at: DateTime::from_millis(1),
                 expires_at: DateTime::from_millis(2),
                 cutoff: DateTime::from_millis(0),
+                land_by: DateTime::from_millis(3),
                 default_permits: 3,
             },
             false,
@@ -1077,6 +1233,7 @@ mod tests {
                 acquired_at: DateTime::from_millis(1),
                 expires_at: DateTime::from_millis(2),
                 cutoff: DateTime::from_millis(0),
+                land_by: DateTime::from_millis(3),
                 default_permits: 3,
             },
             false,
@@ -1090,6 +1247,7 @@ mod tests {
                 acquired_at: DateTime::from_millis(1),
                 expires_at: DateTime::from_millis(2),
                 cutoff: DateTime::from_millis(0),
+                land_by: DateTime::from_millis(3),
                 default_permits: 3,
             },
             true,

@@ -9,15 +9,16 @@
 //! 1. `try_acquire` whose write applies and whose reply is lost (a retryable write concern
 //!    error on the write and on the driver's retry, MongoDB's `failCommand`): the caller
 //!    gets an error; another owner must get the lock within [`BOUND`]; the same for a
-//!    document lock's `try_lock` (its `max_duration` 60 s);
+//!    document lock's `try_lock` (its `max_duration` 60 s) and a read lock's `try_read`
+//!    (a writer must get in);
 //! 2. `try_acquire` of a new resource (the slow path) whose future is dropped between its
 //!    first write (the lock taken, `pending` stored) and its token commit: another owner
 //!    must get the lock within [`BOUND`];
 //! 3. the acquire's write (`LockCollection::acquire_update`) sent after its landing
 //!    deadline takes nothing, and before it takes the free lock.
 //!
-//! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (3
-//! violations with the document lock's); without the landing deadline in the write, case 3
+//! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (4
+//! violations with the document lock's and the read lock's); without the landing deadline in the write, case 3
 //! takes the lock (1; the document lock's takeover has the same check as a unit test,
 //! `a_takeover_after_its_landing_deadline_takes_nothing`).
 //! Fail points are server-wide, so this file is its own test binary with one test.
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{
     AcquirePause, DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner,
+    RwLockOptions, RwLocks,
 };
 use docwarden_testkit::{TestDb, fail_commands_off};
 use mongodb::bson::{DateTime, Document, doc};
@@ -147,6 +149,51 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
             other => violations.push(format!(
                 "document lock, lost reply: the attempt answered {:?}",
                 other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
+            )),
+        }
+
+        // 1c. The same for a read lock (`RwLocks::try_read`): without the clean-up its
+        // entry holds writers out until its ttl.
+        let rw_options = RwLockOptions::default().poll_interval(Duration::from_millis(50));
+        let lossy_rw = RwLocks::new(
+            LockCollection::open(&db, "rw", time.clone(), fast.clone()).await?,
+            rw_options.clone(),
+        )?;
+        let rw = RwLocks::new(
+            LockCollection::open(&t.db, "rw", time.clone(), fast.clone()).await?,
+            rw_options,
+        )?;
+        client
+            .database("admin")
+            .run_command(doc! {
+                "configureFailPoint": "failCommand",
+                "mode": { "times": 2 },
+                "data": {
+                    "failCommands": ["update"],
+                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+                },
+            })
+            .await?;
+        let started = Instant::now();
+        let answered = lossy_rw.try_read(&Owner::random(), "rw1", ttl).await;
+        fail_commands_off(&client).await?;
+        match &answered {
+            Err(e) if e.is_retryable() => {
+                let writer = rw
+                    .write(&Owner::random(), "rw1", ttl, BOUND + Duration::from_secs(4))
+                    .await?;
+                match writer {
+                    Some(lease) if started.elapsed() <= BOUND => rw.release_write(&lease).await?,
+                    other => violations.push(format!(
+                        "read lock, lost reply: after {:?} the writer got {:?}",
+                        started.elapsed(),
+                        other.map(|l| l.token)
+                    )),
+                }
+            }
+            other => violations.push(format!(
+                "read lock, lost reply: the attempt answered {:?}",
+                other.as_ref().map(|r| r.as_ref().map(|l| &l.id))
             )),
         }
     }

@@ -30,7 +30,8 @@
 //! until that lease expires or the wait passes. Nobody ever holds two leases at once: the
 //! cost of an unrecognised lost reply is at most one ttl of waiting — except for the lock
 //! collection's acquire (and the election and the write lock built on it) and the
-//! document lock's `try_lock`/`lock` and the semaphore's acquire since session 24: each of
+//! document lock's `try_lock`/`lock`, the semaphore's acquire and `RwLocks::try_read`
+//! since session 24: each of
 //! their attempts carries a landing deadline, and what an attempt that ended without an
 //! answer took (the lock, or the semaphore's holder entry) is freed once that deadline has
 //! passed (`lock/landing.rs`), so the wait is about 2 s.

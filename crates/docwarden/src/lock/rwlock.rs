@@ -246,6 +246,11 @@ impl RwLocks {
     /// Tries once to take a read lease on `resource` for `ttl`. `Ok(None)` while a writer
     /// holds or waits (writer preference) and its lease has not certainly expired.
     ///
+    /// An attempt that ends without an answer (an error after its write was sent, or its
+    /// future dropped) has its entry pulled once its landing deadline (2 s after it was
+    /// sent) has passed, instead of holding writers up for its ttl; a write reaching the
+    /// server later enters nothing (`lock/landing.rs`).
+    ///
     /// # Errors
     /// [`Error::InvalidInput`] for an invalid resource or owner or a ttl not longer than the skew margin; a database
     /// error.
@@ -255,7 +260,7 @@ impl RwLocks {
         resource: &str,
         ttl: Duration,
     ) -> Result<Option<ReadLease>> {
-        self.read_attempt(owner, resource, ttl, &validate::random_id(), &[], None)
+        self.read_attempt(owner, resource, ttl, &validate::random_id(), &[])
             .await
     }
 
@@ -267,8 +272,8 @@ impl RwLocks {
     /// valid (the lost reply's read lease, which that writer is waiting for anyway): the
     /// attempt then renews it under its own id, as [`RwLocks::renew_read`] would. Either
     /// way the attempt removes those entries, so they do not hold writers up until their
-    /// ttl. `land_by`: server time after which this attempt's write must not apply (a
-    /// blocking read's attempts; see [`RwLocks::read`]); `None` for [`RwLocks::try_read`].
+    /// ttl. Every attempt carries a landing deadline and a clean-up
+    /// (`lock/landing.rs`, see [`RwLocks::read`]).
     #[instrument(name = "try_read", skip(self, owner, id, unknown), fields(collection = %self.coll().name()))]
     async fn read_attempt(
         &self,
@@ -277,7 +282,6 @@ impl RwLocks {
         ttl: Duration,
         id: &str,
         unknown: &[String],
-        land_by: Option<&mut DateTime>,
     ) -> Result<Option<ReadLease>> {
         validate::name("resource", resource)?;
         validate::name("owner", owner.id())?;
@@ -310,14 +314,12 @@ impl RwLocks {
             }
             filter
         };
-        // A blocking read's attempt appends its entry only while the server's clock is
-        // before `land_by`: a write the client gave up on that reaches the server later
-        // adds nothing (and what landed before is removed after `land_by`, `read`). Its
-        // outcome then comes from the post-image: a slow attempt may match and not enter.
-        let land_by = land_by.map(|land_by| {
-            *land_by = landing::deadline(&now);
-            *land_by
-        });
+        // The attempt appends its entry only while the server's clock is before
+        // `land_by`: a write the client gave up on that reaches the server later adds
+        // nothing, and until the attempt answers, the entry an unanswered write added is
+        // pulled once `land_by` has passed (`lock/landing.rs`; armed below, before the
+        // write is sent). A slow attempt may match and not enter (`entered`).
+        let land_by = landing::deadline(&now);
         let writer = if ignore_writer {
             Writer::Keep
         } else if unknown.is_empty() {
@@ -325,9 +327,33 @@ impl RwLocks {
         } else {
             Writer::ClearIfFree
         };
-        let update = read_pipeline(&lease, cutoff, writer, unknown, land_by);
-        // A held lock makes the upsert collide with the document on `_id`; so does a
-        // racing first insert of the document: one more try tells them apart.
+        let update = read_pipeline(&lease, cutoff, writer, unknown, Some(land_by));
+        let cleanup = landing::CleanUp::new(
+            self.coll(),
+            self.locks.time(),
+            doc! { "_id": resource, format!("{}.{}", rf::READERS, rf::READER_ID): &lease.id },
+            doc! { "$pull": { rf::READERS: { rf::READER_ID: &lease.id } } },
+            land_by,
+            "read lock",
+        );
+        let outcome = self.enter(resource, filter, update, lease, land_by).await;
+        if outcome.is_ok() {
+            cleanup.settled();
+        }
+        outcome
+    }
+
+    /// The write of one read attempt: `update` on `filter`, upserted. A held lock makes
+    /// the upsert collide with the document on `_id`; so does a racing first insert of the
+    /// document: one more try tells them apart.
+    async fn enter(
+        &self,
+        resource: &str,
+        filter: Document,
+        update: Vec<Document>,
+        lease: ReadLease,
+        land_by: DateTime,
+    ) -> Result<Option<ReadLease>> {
         for attempt in 0..2 {
             match self
                 .coll()
@@ -336,9 +362,7 @@ impl RwLocks {
                 .await
             {
                 Ok(r) if r.matched_count == 1 || r.upserted_id.is_some() => {
-                    if let Some(land_by) = land_by
-                        && !self.entered(resource, &lease.id, land_by).await?
-                    {
+                    if !self.entered(resource, &lease.id, land_by).await? {
                         tracing::debug!(
                             resource,
                             "read attempt applied after its landing deadline"
@@ -383,8 +407,9 @@ impl RwLocks {
     /// (`lock/deadline.rs`). An attempt that failed may still reach the server later (its
     /// reply was lost, or the request was held): each attempt appends its entry only while
     /// the server's clock is before its landing deadline (sent + 2 s, `$$NOW` in the
-    /// pipeline), and after the last failed attempt's deadline has certainly passed one
-    /// `$pull` removes their entries, in the background, whether the read entered or not.
+    /// pipeline), and once an unanswered attempt's deadline has certainly passed one
+    /// `$pull` removes its entry, in the background, whether the read entered or not
+    /// (`lock/landing.rs`; the same for a [`RwLocks::try_read`] since session 24).
     ///
     /// # Errors
     /// As [`RwLocks::try_read`]; a transient error only if the wait passed with the last
@@ -403,35 +428,22 @@ impl RwLocks {
         // Attempts that failed with a transient error may have entered all the same (a
         // lost reply): the next attempts take their entries back (`read_attempt`).
         let mut unanswered = Unanswered::default();
-        // The latest landing deadline of the attempts that failed transiently.
-        let mut failed_land_by: Option<DateTime> = None;
-        let result = loop {
+        loop {
             let id = validate::random_id();
-            let mut land_by = DateTime::MIN;
             let result = self
-                .read_attempt(
-                    owner,
-                    resource,
-                    ttl,
-                    &id,
-                    unanswered.nonces(),
-                    Some(&mut land_by),
-                )
+                .read_attempt(owner, resource, ttl, &id, unanswered.nonces())
                 .await;
-            if matches!(&result, Err(e) if e.is_retryable()) {
-                failed_land_by = failed_land_by.max(Some(land_by));
-            }
             unanswered.note(id, &result);
             match deadline.attempt(result) {
                 Ok(Some(lease)) => {
                     crate::observe::lock_handoff(self.coll().name(), called, None);
-                    break Ok(Some(lease));
+                    return Ok(Some(lease));
                 }
                 Ok(None) => {}
-                Err(e) => break Err(e),
+                Err(e) => return Err(e),
             }
             let Some(left) = deadline.left() else {
-                break deadline.passed();
+                return deadline.passed();
             };
             if deadline.failing() {
                 tokio::time::sleep(backoff.next_delay().min(left)).await;
@@ -441,44 +453,7 @@ impl RwLocks {
                 continue;
             }
             wake.wait(self.options.poll_interval.min(left)).await;
-        };
-        if let Some(land_by) = failed_land_by {
-            self.remove_late_entries(resource, unanswered.nonces().to_vec(), land_by);
         }
-        result
-    }
-
-    /// Removes, once `land_by` has certainly passed by the server's clock, the entries
-    /// that the attempts `ids` of a blocking read (which failed transiently) may have left:
-    /// their writes can apply until `land_by` and not after, so one `$pull` then removes
-    /// every one of them (the later attempts removed those that had landed before them).
-    /// In the background: the read returns at once. Best effort; an entry it fails to
-    /// remove expires with its ttl.
-    fn remove_late_entries(&self, resource: &str, ids: Vec<String>, land_by: DateTime) {
-        let (coll, time, resource) = (
-            self.coll().clone(),
-            self.locks.time().clone(),
-            resource.to_owned(),
-        );
-        tokio::spawn(async move {
-            if let Err(e) = landing::passed(&time, land_by).await {
-                tracing::warn!(error = %e, resource, "cannot read the server time to remove late read entries");
-                return;
-            }
-            let pull = doc! { "$pull": { rf::READERS: { rf::READER_ID: { "$in": &ids } } } };
-            match coll.update_one(doc! { "_id": &resource }, pull).await {
-                Ok(r) if r.modified_count > 0 => {
-                    tracing::info!(
-                        resource,
-                        "removed a read entry a failed attempt left behind"
-                    );
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, resource, "cannot remove late read entries; they expire with their ttl");
-                }
-            }
-        });
     }
 
     /// Extends a read lease to `ttl` from now, only while it is certainly valid.

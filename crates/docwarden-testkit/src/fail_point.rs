@@ -27,6 +27,31 @@ pub async fn fail_commands(
         .await
 }
 
+/// Makes `commands` apply and then answer with a retryable write concern error (91,
+/// ShutdownInProgress) in `mode` (`{times: n}` or `"alwaysOn"`): the write happened, its
+/// reply is lost — what a failover between a write and its acknowledgement looks like to
+/// the client, the driver's own retry included.
+///
+/// # Errors
+/// The server's refusal, for example where fail points are not enabled.
+pub async fn lose_replies(
+    client: &Client,
+    commands: &[&str],
+    mode: Bson,
+) -> mongodb::error::Result<Document> {
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": mode,
+            "data": {
+                "failCommands": commands,
+                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+            },
+        })
+        .await
+}
+
 /// Turns the `failCommand` fail point off. A test calls it first, to find out whether the
 /// server has fail points at all (and to skip if not).
 ///

@@ -16,25 +16,8 @@ use docwarden::lock::{
     DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner, RwLockOptions, RwLocks,
     Semaphore, SemaphoreOptions,
 };
-use docwarden_testkit::{TestDb, fail_commands_off};
-use mongodb::bson::{Document, doc};
-
-/// The next `times` runs of `command` apply, then answer with a retryable write concern
-/// error.
-async fn lose_replies(client: &mongodb::Client, command: &str, times: i32) -> anyhow::Result<()> {
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": times },
-            "data": {
-                "failCommands": [command],
-                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-            },
-        })
-        .await?;
-    Ok(())
-}
+use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
+use mongodb::bson::{Bson, Document, doc};
 
 #[tokio::test]
 async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> anyhow::Result<()> {
@@ -66,7 +49,12 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
         .context("seed")?;
     locks.release(&first).await?;
     for resource in ["fast", "slow"] {
-        lose_replies(&client, "findAndModify", 2).await?;
+        lose_replies(
+            &client,
+            &["findAndModify"],
+            Bson::Document(doc! { "times": 2 }),
+        )
+        .await?;
         let got = locks.acquire(&owner, resource, ttl, wait).await;
         fail_commands_off(&client).await?;
         let stored = db
@@ -102,7 +90,12 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     .await?;
     let entities = db.collection::<Document>("entities");
     entities.insert_one(doc! { "_id": "e1", "n": 1 }).await?;
-    lose_replies(&client, "findAndModify", 2).await?;
+    lose_replies(
+        &client,
+        &["findAndModify"],
+        Bson::Document(doc! { "times": 2 }),
+    )
+    .await?;
     let got = docs.lock("e1", wait).await;
     fail_commands_off(&client).await?;
     let stored = entities
@@ -127,7 +120,12 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
         .await?
         .context("seed")?;
     semaphore.release(&seed).await?;
-    lose_replies(&client, "findAndModify", 2).await?;
+    lose_replies(
+        &client,
+        &["findAndModify"],
+        Bson::Document(doc! { "times": 2 }),
+    )
+    .await?;
     let got = semaphore.acquire(&sem_owner, "s", ttl, wait).await;
     fail_commands_off(&client).await?;
     let status = semaphore.status("s").await?.context("semaphore document")?;
@@ -156,17 +154,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
         .await?
         .context("reader")?;
     let writer = Owner::random();
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": {
-                "failCommands": ["update"],
-                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-            },
-        })
-        .await?;
+    lose_replies(&client, &["update"], Bson::from("alwaysOn")).await?;
     let got = rw
         .write(
             &writer,
@@ -209,17 +197,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     // Read with the test's own client: the fail-point client's pool is cleared by every
     // injected state-change error, failing whatever else it has in flight.
     let rw_docs = t.db.collection::<Document>("rw");
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": {
-                "failCommands": ["update"],
-                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-            },
-        })
-        .await?;
+    lose_replies(&client, &["update"], Bson::from("alwaysOn")).await?;
     let read_ttl = Duration::from_secs(10);
     let reading = {
         let (rw, owner) = (rw.clone(), owner.clone());

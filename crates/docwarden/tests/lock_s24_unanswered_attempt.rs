@@ -31,8 +31,8 @@ use docwarden::lock::{
     AcquirePause, DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner,
     RwLockOptions, RwLocks,
 };
-use docwarden_testkit::{TestDb, fail_commands_off};
-use mongodb::bson::{DateTime, Document, doc};
+use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
+use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
 
 /// How soon another owner must get the lock after the unanswered attempt: the 2 s landing
@@ -82,17 +82,12 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
     if let Some(client) = docwarden_testkit::fail_point_client(&t, test).await? {
         let db = client.database(t.db.name());
         let lossy = LockCollection::open(&db, "locks", time.clone(), fast.clone()).await?;
-        client
-            .database("admin")
-            .run_command(doc! {
-                "configureFailPoint": "failCommand",
-                "mode": { "times": 2 },
-                "data": {
-                    "failCommands": ["findAndModify"],
-                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-                },
-            })
-            .await?;
+        lose_replies(
+            &client,
+            &["findAndModify"],
+            Bson::Document(doc! { "times": 2 }),
+        )
+        .await?;
         let started = Instant::now();
         let answered = lossy.try_acquire(&Owner::random(), "lost", ttl).await;
         fail_commands_off(&client).await?;
@@ -114,17 +109,12 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
         t.db.collection::<Document>("entities")
             .insert_one(doc! { "_id": "e1", "n": 1 })
             .await?;
-        client
-            .database("admin")
-            .run_command(doc! {
-                "configureFailPoint": "failCommand",
-                "mode": { "times": 2 },
-                "data": {
-                    "failCommands": ["findAndModify"],
-                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-                },
-            })
-            .await?;
+        lose_replies(
+            &client,
+            &["findAndModify"],
+            Bson::Document(doc! { "times": 2 }),
+        )
+        .await?;
         let started = Instant::now();
         let answered = lossy_docs.try_lock("e1").await;
         fail_commands_off(&client).await?;
@@ -163,17 +153,7 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
             LockCollection::open(&t.db, "rw", time.clone(), fast.clone()).await?,
             rw_options,
         )?;
-        client
-            .database("admin")
-            .run_command(doc! {
-                "configureFailPoint": "failCommand",
-                "mode": { "times": 2 },
-                "data": {
-                    "failCommands": ["update"],
-                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-                },
-            })
-            .await?;
+        lose_replies(&client, &["update"], Bson::Document(doc! { "times": 2 })).await?;
         let started = Instant::now();
         let answered = lossy_rw.try_read(&Owner::random(), "rw1", ttl).await;
         fail_commands_off(&client).await?;

@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{Owner, Semaphore, SemaphoreOptions};
-use docwarden_testkit::{TestDb, fail_commands_off};
+use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
 use mongodb::Client;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ClientOptions;
 
 /// How soon another owner must get the permit after the unanswered attempt: the 2 s
@@ -142,17 +142,12 @@ async fn an_unanswered_semaphore_attempt_frees_its_permit_soon_after_its_landing
             time.clone(),
             options.clone(),
         )?;
-        admin
-            .database("admin")
-            .run_command(doc! {
-                "configureFailPoint": "failCommand",
-                "mode": { "times": 2 },
-                "data": {
-                    "failCommands": ["findAndModify"],
-                    "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-                },
-            })
-            .await?;
+        lose_replies(
+            &admin,
+            &["findAndModify"],
+            Bson::Document(doc! { "times": 2 }),
+        )
+        .await?;
         let owner = Owner::random();
         let started = Instant::now();
         let answered = lossy.try_acquire(&owner, "lost", ttl).await;

@@ -52,6 +52,34 @@ pub async fn lose_replies(
         .await
 }
 
+/// Holds the connection of the next `command` sent by clients named `app_name` (the
+/// client option `appName`) for `hold`, then runs it: a write that reaches the server late,
+/// after its caller may have given up. Other clients are not affected.
+///
+/// # Errors
+/// The server's refusal, for example where fail points are not enabled.
+pub async fn hold_next(
+    client: &Client,
+    app_name: &str,
+    command: &str,
+    hold: std::time::Duration,
+) -> mongodb::error::Result<Document> {
+    let ms = i32::try_from(hold.as_millis()).unwrap_or(i32::MAX);
+    client
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": [command],
+                "blockConnection": true,
+                "blockTimeMS": ms,
+                "appName": app_name,
+            },
+        })
+        .await
+}
+
 /// Turns the `failCommand` fail point off. A test calls it first, to find out whether the
 /// server has fail points at all (and to skip if not).
 ///

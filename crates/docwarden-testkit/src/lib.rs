@@ -17,6 +17,8 @@ pub use docwarden_server::{
     EmbeddedServer, Error, INSTALL_HINT, Result, SECANTUS_VERSION, ServerOptions, Target, connect,
     mask_uri, uri_from_env,
 };
-pub use fail_point::{fail_commands, fail_commands_off, fail_point_client, lose_replies};
+pub use fail_point::{
+    fail_commands, fail_commands_off, fail_point_client, hold_next, lose_replies,
+};
 pub use skip::{SKIP_LOG_ENV, skip, skip_log};
 pub use testdb::{TestDb, shared_uri};

@@ -26,7 +26,7 @@ use docwarden::lock::{
     LockCollection, LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
 };
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
-use docwarden_testkit::{TestDb, fail_commands_off};
+use docwarden_testkit::{TestDb, fail_commands_off, hold_next};
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::options::ClientOptions;
 use mongodb::{Client, Database};
@@ -37,24 +37,6 @@ const LATE_APP: &str = "late-renewal";
 const HOLD: Duration = Duration::from_millis(900);
 /// How long after the first renewal the second is sent.
 const GAP: Duration = Duration::from_millis(150);
-
-/// Holds the connection of the next `command` of [`LATE_APP`] for [`HOLD`], then runs it.
-async fn hold_next(admin: &Client, command: &str) -> anyhow::Result<()> {
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": [command],
-                "blockConnection": true,
-                "blockTimeMS": i32::try_from(HOLD.as_millis())?,
-                "appName": LATE_APP,
-            },
-        })
-        .await?;
-    Ok(())
-}
 
 /// Runs `late` (its first command held) and, [`GAP`] later, `prompt`; returns their
 /// outputs and whether the late one answered after the prompt one (the fail point held it).
@@ -140,7 +122,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
             .await?
             .context("acquire")?;
         let (mut first, mut second) = (lease.clone(), lease);
-        hold_next(&admin, "update").await?;
+        hold_next(&admin, LATE_APP, "update", HOLD).await?;
         let (a, b, held) = race(late.renew(&mut first, ttl), locks.renew(&mut second, ttl)).await;
         fail_commands_off(&admin).await?;
         a?;
@@ -169,7 +151,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
             .await?
             .context("permit")?;
         let (mut first, mut second) = (permit.clone(), permit);
-        hold_next(&admin, "update").await?;
+        hold_next(&admin, LATE_APP, "update", HOLD).await?;
         let (a, b, held) = race(late.renew(&mut first, ttl), sem.renew(&mut second, ttl)).await;
         fail_commands_off(&admin).await?;
         a?;
@@ -195,7 +177,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
             .context("permit 2")?;
         let mut first = vec![p1.clone(), p2.clone()];
         let mut second = vec![p1, p2];
-        hold_next(&admin, "findAndModify").await?;
+        hold_next(&admin, LATE_APP, "findAndModify", HOLD).await?;
         let (a, b, held) = race(
             late.renew_many(&mut first, ttl),
             sem.renew_many(&mut second, ttl),
@@ -250,7 +232,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
             .await?
             .context("read")?;
         let (mut first, mut second) = (lease.clone(), lease);
-        hold_next(&admin, "update").await?;
+        hold_next(&admin, LATE_APP, "update", HOLD).await?;
         let (a, b, held) = race(
             late.renew_read(&mut first, ttl),
             rw.renew_read(&mut second, ttl),
@@ -283,7 +265,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
         q.enqueue(doc! { "n": 1 }, &EnqueueOptions::default())
             .await?;
         let job = q.claim("w").await?.context("claim")?;
-        hold_next(&admin, "update").await?;
+        hold_next(&admin, LATE_APP, "update", HOLD).await?;
         let (a, b, held) = if many {
             let (a, b, held) = race(
                 late.heartbeat_many(std::slice::from_ref(&job)),

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{Owner, Semaphore, SemaphoreOptions};
-use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
+use docwarden_testkit::{TestDb, fail_commands_off, hold_next, lose_replies};
 use mongodb::Client;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ClientOptions;
@@ -42,24 +42,6 @@ const BOUND: Duration = Duration::from_secs(8);
 
 /// The application name of the client whose acquire writes are held.
 const LATE_APP: &str = "late-acquire";
-
-/// Holds the connection of [`LATE_APP`]'s next `findAndModify` for `hold`, then runs it.
-async fn hold_next(admin: &Client, hold: Duration) -> anyhow::Result<()> {
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["findAndModify"],
-                "blockConnection": true,
-                "blockTimeMS": i32::try_from(hold.as_millis())?,
-                "appName": LATE_APP,
-            },
-        })
-        .await?;
-    Ok(())
-}
 
 /// Whether `owner` has an entry in the stored holders of `resource`.
 async fn holds(
@@ -169,7 +151,13 @@ async fn an_unanswered_semaphore_attempt_frees_its_permit_soon_after_its_landing
     //    (before the landing deadline).
     {
         let owner = Owner::random();
-        hold_next(&admin, Duration::from_millis(1_000)).await?;
+        hold_next(
+            &admin,
+            LATE_APP,
+            "findAndModify",
+            Duration::from_millis(1_000),
+        )
+        .await?;
         let started = Instant::now();
         let answered = tokio::time::timeout(
             Duration::from_millis(300),
@@ -196,7 +184,7 @@ async fn an_unanswered_semaphore_attempt_frees_its_permit_soon_after_its_landing
     {
         let owner = Owner::random();
         let hold = Duration::from_millis(3_500);
-        hold_next(&admin, hold).await?;
+        hold_next(&admin, LATE_APP, "findAndModify", hold).await?;
         let started = Instant::now();
         let answered = late.try_acquire(&owner, "late", ttl).await;
         let took = started.elapsed();

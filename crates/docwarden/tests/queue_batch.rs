@@ -77,6 +77,44 @@ async fn a_bulk_of_completions_reports_each_jobs_own_outcome() -> anyhow::Result
     Ok(())
 }
 
+/// Session 25: the jobs of one claim that get the same update share one statement, and
+/// "the same" is byte for byte. Results that compare equal in Rust or as text but differ
+/// in type or field order (`1` and `1.0`, `{a, b}` and `{b, a}`) are each stored as given,
+/// and equal results share their statement.
+#[tokio::test]
+async fn a_bulk_stores_each_result_byte_for_byte() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_bulk_results_exact").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    q.enqueue_many((0..6).map(|i| (doc! { "i": i }, EnqueueOptions::default())))
+        .await?;
+    let batch = q.claim_batch("w", 6).await?;
+    assert_eq!(batch.len(), 6);
+    let results = [
+        Bson::Int32(1),
+        Bson::Double(1.0),
+        Bson::Document(doc! { "a": 1, "b": 2 }),
+        Bson::Document(doc! { "b": 2, "a": 1 }),
+        Bson::Int32(1),
+        Bson::Null,
+    ];
+    let items: Vec<_> = batch.iter().cloned().zip(results.iter().cloned()).collect();
+    let outcomes = q.complete_many(&items).await?;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    let coll = t.db.collection::<Document>("jobs");
+    for (job, want) in batch.iter().zip(&results) {
+        let d = coll
+            .find_one(doc! { "_id": job.id() })
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gone"))?;
+        let got = d.get("result").cloned().unwrap_or(Bson::Null);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        doc! { "v": got.clone() }.to_writer(&mut a)?;
+        doc! { "v": want.clone() }.to_writer(&mut b)?;
+        assert_eq!(a, b, "stored {got:?}, completed with {want:?}");
+    }
+    Ok(())
+}
+
 /// A job stored before partitions existed (format 1, no `partition` field) is still
 /// claimed by batch claims and by the worker's claims.
 /// Session 15: `complete` refuses a result over `MAX_RESULT_BYTES`, but `complete_many`

@@ -227,6 +227,31 @@ fn settled_by(d: &Document, job: &ClaimedJob, t: &Transition) -> bool {
 /// for a completion or a release, [`Error::LeaseLost`] if the claim no longer held it.
 pub(crate) type Settled = Result<Option<FailOutcome>>;
 
+/// What, beside the claim token, decides a transition's update: a completion's result
+/// (its update is built from the token and the result alone), or the whole update of any
+/// other transition, as BSON bytes (exact: `1` and `1.0`, or fields in another order, are
+/// different values and get different statements).
+#[derive(PartialEq, Eq, Hash)]
+enum GroupKey {
+    Complete(Vec<u8>),
+    Update(Vec<u8>),
+}
+
+/// `value` as BSON bytes (the document `{v: value}`): a key that tells values apart
+/// byte for byte, cheaper to make than their text.
+fn value_bytes(value: &Bson) -> Vec<u8> {
+    let mut d = Document::new();
+    d.insert("v", value.clone());
+    let mut bytes = Vec::new();
+    // Writing into a `Vec` fails only for a key the value itself holds that BSON cannot
+    // encode (a NUL byte); the statement would fail on the server then. Its debug text,
+    // which also tells types and field order apart, keys it meanwhile.
+    if d.to_writer(&mut bytes).is_err() {
+        bytes = format!("{value:?}").into_bytes();
+    }
+    bytes
+}
+
 /// Jobs of one claim token that get the same update: one `multi` statement.
 struct Group {
     token: String,
@@ -645,22 +670,38 @@ impl JobQueue {
         let now = self.inner.time.now().await?;
         let mut planned = Vec::with_capacity(items.len());
         let mut groups: Vec<Group> = Vec::new();
-        let mut by_key: HashMap<(String, String), usize> = HashMap::new();
+        let mut by_key: HashMap<(&str, GroupKey), usize> = HashMap::new();
         let mut group_of = Vec::with_capacity(items.len());
         for (job, t) in items {
-            let (update, outcome) = self.transition_update(job, t, &now);
-            let update = update.into_bson();
-            planned.push(outcome);
-            let key = (job.lease.token.as_str().to_owned(), update.to_string());
-            let g = *by_key.entry(key).or_insert_with(|| {
-                groups.push(Group {
-                    token: job.lease.token.as_str().to_owned(),
-                    update,
-                    guard: guard(t),
-                    ids: Vec::new(),
+            // A completion's update depends only on its claim token and its result: its
+            // pipeline is built once per group, not once per job (building it and
+            // comparing its text per job was a quarter of a `Worker`'s client CPU).
+            let (key, built) = match t {
+                Transition::Complete(result) => (GroupKey::Complete(value_bytes(result)), None),
+                _ => {
+                    let (update, outcome) = self.transition_update(job, t, &now);
+                    let update = update.into_bson();
+                    (
+                        GroupKey::Update(value_bytes(&update)),
+                        Some((update, outcome)),
+                    )
+                }
+            };
+            let (update, outcome) = built.unzip();
+            planned.push(outcome.flatten());
+            let g = *by_key
+                .entry((job.lease.token.as_str(), key))
+                .or_insert_with(|| {
+                    let update = update
+                        .unwrap_or_else(|| self.transition_update(job, t, &now).0.into_bson());
+                    groups.push(Group {
+                        token: job.lease.token.as_str().to_owned(),
+                        update,
+                        guard: guard(t),
+                        ids: Vec::new(),
+                    });
+                    groups.len() - 1
                 });
-                groups.len() - 1
-            });
             groups[g].ids.push(Bson::ObjectId(job.id()));
             group_of.push(g);
         }

@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc};
 use mongodb::options::{Hint, ReturnDocument};
 
 use super::job::{ClaimedJob, Job, JobState, claimable_states, fence_filter, field};
@@ -370,15 +370,17 @@ impl JobQueue {
             let ids: Vec<Bson> = self
                 .inner
                 .coll
+                .clone_with_type::<RawDocumentBuf>()
                 .find(self.partition_filter(&partitions, &now))
                 .sort(Self::claim_sort())
                 .projection(doc! { field::ID: 1 })
                 .limit(limit)
                 .await?
-                .try_collect::<Vec<Document>>()
+                .try_collect::<Vec<RawDocumentBuf>>()
                 .await?
-                .into_iter()
-                .filter_map(|d| d.get(field::ID).cloned())
+                .iter()
+                .filter_map(|d| d.get(field::ID).ok().flatten())
+                .filter_map(|id| Bson::try_from(id).ok())
                 .collect();
             self.adapt_span(ids.len(), k);
             if ids.is_empty() {
@@ -444,9 +446,12 @@ impl JobQueue {
     /// index on the token is needed (format 3).
     async fn fetch_claimed(&self, ids: &[Bson], token: &str) -> Result<Vec<ClaimedJob>> {
         let (primary, local) = super::latest();
-        let docs: Vec<Document> = self
+        // Read raw and converted directly: the driver's own conversion of each document
+        // (through serde) was a sixth of a `Worker`'s client CPU.
+        let docs: Vec<RawDocumentBuf> = self
             .inner
             .coll
+            .clone_with_type::<RawDocumentBuf>()
             .find(doc! { field::ID: { "$in": ids }, field::LEASE_TOKEN: token })
             .selection_criteria(primary)
             .read_concern(local)
@@ -454,7 +459,11 @@ impl JobQueue {
             .try_collect()
             .await?;
         let mut claimed = Vec::with_capacity(docs.len());
-        for d in docs {
+        for raw in docs {
+            let d = Document::try_from(raw.as_ref()).map_err(|e| Error::Malformed {
+                id: "a claimed job".into(),
+                reason: format!("the server's reply is not valid BSON: {e}"),
+            })?;
             if let Some(c) = self.accept(d, token).await? {
                 claimed.push(c);
             }

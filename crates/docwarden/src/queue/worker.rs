@@ -1009,6 +1009,24 @@ async fn lease_expiry(ctx: &Ctx, job: &ClaimedJob) {
 
 /// Why a handler's result cannot be stored (over [`MAX_RESULT_BYTES`]), if it cannot.
 fn too_large(result: &Bson) -> Option<String> {
+    // A value of fixed size (at most 16 bytes) always fits: not encoded to find out.
+    if matches!(
+        result,
+        Bson::Null
+            | Bson::Boolean(_)
+            | Bson::Int32(_)
+            | Bson::Int64(_)
+            | Bson::Double(_)
+            | Bson::DateTime(_)
+            | Bson::ObjectId(_)
+            | Bson::Timestamp(_)
+            | Bson::Decimal128(_)
+            | Bson::MinKey
+            | Bson::MaxKey
+            | Bson::Undefined
+    ) {
+        return None;
+    }
     let mut bytes = Vec::new();
     match doc! { "v": result.clone() }.to_writer(&mut bytes) {
         Err(e) => Some(format!(

@@ -100,8 +100,10 @@ pub mod format {
 pub mod index {
     /// Due jobs of one queue in claim order: `{queue: 1, priority: -1, run_at: 1}`
     /// (format 3: the queue name, an equality, first), partial on
-    /// `state ∈ {ready, retrying}`. Format 2 named it `docwarden_claim` without `queue`
-    /// (see [`LEGACY`]).
+    /// `state ∈ {ready, retrying}`, read by single claims only. Created by a handle's
+    /// first single claim, not when the queue is opened (since session 25, see
+    /// [`JobQueue::ensure_single_claim_index`](super::JobQueue::ensure_single_claim_index)).
+    /// Format 2 named it `docwarden_claim` without `queue` (see [`LEGACY`]).
     pub const CLAIM: &str = "docwarden_claim_q";
     /// Due jobs by queue and partition in claim order: `{state: 1, queue: 1, partition:
     /// 1, priority: -1, run_at: 1}` (equality fields, then the sort, then the range),
@@ -182,6 +184,9 @@ struct Inner {
     limits: limit::Limits,
     /// The job events this handle's idle workers have taken (`queue/wakes.rs`).
     wakes: wakes::WakeLedger,
+    /// Set once this handle has created the single claim's index
+    /// ([`JobQueue::ensure_single_claim_index`]).
+    single_claim_index: tokio::sync::OnceCell<()>,
 }
 
 /// A handle on one queue (one collection). Cheap to clone.
@@ -239,6 +244,7 @@ impl JobQueue {
                 last_undatable_sweep: Mutex::new(None),
                 schedule_problems: Mutex::new(std::collections::HashMap::new()),
                 wakes: wakes::WakeLedger::default(),
+                single_claim_index: tokio::sync::OnceCell::new(),
                 next_partition: AtomicU32::new(rand::random_range(0..options.partitions)),
                 span: AtomicU32::new(1),
                 span_full: AtomicU32::new(0),
@@ -397,24 +403,15 @@ impl JobQueue {
             .await?)
     }
 
-    /// Creates the queue's indexes (idempotent).
+    /// Creates the queue's indexes (idempotent), except the single claim's
+    /// ([`index::CLAIM`]), which the first single claim of a handle creates
+    /// ([`JobQueue::ensure_single_claim_index`]).
     ///
     /// # Errors
     /// A database error.
     pub async fn ensure_indexes(&self) -> Result<()> {
         let running = doc! { field::STATE: job::JobState::Running.as_str() };
         let models = vec![
-            IndexModel::builder()
-                .keys(doc! { field::QUEUE: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
-                .options(
-                    IndexOptions::builder()
-                        .name(index::CLAIM.to_owned())
-                        .partial_filter_expression(
-                            doc! { field::STATE: { "$in": claimable_states() } },
-                        )
-                        .build(),
-                )
-                .build(),
             IndexModel::builder()
                 .keys(doc! {
                     field::STATE: 1,
@@ -469,6 +466,40 @@ impl JobQueue {
             enqueue::unique_slot_index(),
         ];
         self.inner.coll.create_indexes(models).await?;
+        Ok(())
+    }
+
+    /// Creates the single claim's index ([`index::CLAIM`]) if this handle has not yet
+    /// (idempotent; one `createIndexes` per handle). [`JobQueue::claim`] (and a `Worker`
+    /// with a batch size of 1) calls it before its first claim; call it at startup to
+    /// build the index before the first single claim waits for it on a large backlog.
+    ///
+    /// Only single claims read that index: batch claims, and so the default `Worker`,
+    /// read the partition index. Every index costs every write of a job that enters or
+    /// leaves it, so a queue that never claims one job at a time does not keep it (on the
+    /// embedded server it was 8 % of a job's two writes, `docs/benchmarks.md`, session
+    /// 24). A queue created before session 25 keeps the index it has.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn ensure_single_claim_index(&self) -> Result<()> {
+        self.inner
+            .single_claim_index
+            .get_or_try_init(|| async {
+                let model = IndexModel::builder()
+                    .keys(doc! { field::QUEUE: 1, field::PRIORITY: -1, field::RUN_AT: 1 })
+                    .options(
+                        IndexOptions::builder()
+                            .name(index::CLAIM.to_owned())
+                            .partial_filter_expression(
+                                doc! { field::STATE: { "$in": claimable_states() } },
+                            )
+                            .build(),
+                    )
+                    .build();
+                self.inner.coll.create_index(model).await.map(|_| ())
+            })
+            .await?;
         Ok(())
     }
 

@@ -115,6 +115,40 @@ async fn a_bulk_stores_each_result_byte_for_byte() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Session 25: a queue served by batch claims has no single-claim index (each index costs
+/// every write of a job), and the first single claim of a handle creates it, so the
+/// single claim still reads the head of the queue in claim order from its own index.
+#[tokio::test]
+async fn the_single_claim_index_is_created_by_the_first_single_claim() -> anyhow::Result<()> {
+    use docwarden::queue::index;
+    let t = TestDb::new("queue_single_claim_index").await?;
+    let q = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    q.enqueue_many((0..6).map(|i| (doc! { "i": i }, EnqueueOptions::default().priority(i))))
+        .await?;
+    let names = || async { t.db.collection::<Document>("jobs").list_index_names().await };
+    let batch = q.claim_batch("w", 2).await?;
+    assert_eq!(batch.len(), 2);
+    assert!(
+        !names().await?.iter().any(|n| n == index::CLAIM),
+        "opened and batch-claimed: no single-claim index"
+    );
+    assert!(names().await?.iter().any(|n| n == index::CLAIM_PARTITION));
+    // Another handle on the same collection: its first single claim creates the index and
+    // takes the highest priority job left.
+    let other = open(&t, "jobs", QueueOptions::default().partitions(1)).await?;
+    let head = other
+        .claim("w")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("nothing claimed"))?;
+    let taken: Vec<i64> = batch.iter().map(|j| j.job.priority).collect();
+    let best_left = (0..6).rev().find(|p| !taken.contains(p));
+    assert_eq!(Some(head.job.priority), best_left);
+    assert!(names().await?.iter().any(|n| n == index::CLAIM));
+    // The first handle's single claim finds it in place (creating it again is a no-op).
+    assert!(q.claim("w").await?.is_some());
+    Ok(())
+}
+
 /// A job stored before partitions existed (format 1, no `partition` field) is still
 /// claimed by batch claims and by the worker's claims.
 /// Session 15: `complete` refuses a result over `MAX_RESULT_BYTES`, but `complete_many`

@@ -110,6 +110,7 @@ impl JobQueue {
     #[tracing::instrument(skip(self), fields(queue = %self.collection().name()), level = "debug")]
     pub async fn claim(&self, owner: &str) -> Result<Option<ClaimedJob>> {
         validate::name("owner", owner)?;
+        self.ensure_single_claim_index().await?;
         for _ in 0..MAX_ROUNDS {
             self.maybe_reap().await;
             let token = validate::random_id();

@@ -594,6 +594,7 @@ impl JobQueue {
     }
 
     async fn explain_claim_with(&self, hinted: bool) -> Result<(Document, Document)> {
+        self.ensure_single_claim_index().await?;
         let now = self.inner.time.now().await?;
         let db = self
             .inner

@@ -9,8 +9,9 @@
 //! 1. `try_acquire` whose write applies and whose reply is lost (a retryable write concern
 //!    error on the write and on the driver's retry, MongoDB's `failCommand`): the caller
 //!    gets an error; another owner must get the lock within [`BOUND`]; the same for a
-//!    document lock's `try_lock` (its `max_duration` 60 s) and a read lock's `try_read`
-//!    (a writer must get in);
+//!    document lock's `try_lock` (its `max_duration` 60 s), its `lock_or_create` (of a
+//!    new document and of an existing one; session 25) and a read lock's `try_read` (a
+//!    writer must get in);
 //! 2. `try_acquire` of a new resource (the slow path) whose future is dropped between its
 //!    first write (the lock taken, `pending` stored) and its token commit: another owner
 //!    must get the lock within [`BOUND`];
@@ -18,7 +19,9 @@
 //!    deadline takes nothing, and before it takes the free lock.
 //!
 //! Each counts violations. Without the clean-up, cases 1 and 2 wait out the ttl (4
-//! violations with the document lock's and the read lock's); without the landing deadline in the write, case 3
+//! violations with the document lock's and the read lock's; `lock_or_create` before
+//! session 25, one upsert without deadline or clean-up: 1, the existing document's; with
+//! its insert's clean-up left out: 1, the new one's); without the landing deadline in the write, case 3
 //! takes the lock (1; the document lock's takeover has the same check as a unit test,
 //! `a_takeover_after_its_landing_deadline_takes_nothing`).
 //! Fail points are server-wide, so this file is its own test binary with one test.
@@ -140,6 +143,53 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
                 "document lock, lost reply: the attempt answered {:?}",
                 other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
             )),
+        }
+
+        // 1d. (session 25) The same for `DocumentLocks::lock_or_create`, the upsert: of a
+        // document that does not exist yet (its lost reply created it locked) and of one
+        // that exists, free.
+        t.db.collection::<Document>("entities")
+            .insert_one(doc! { "_id": "e3", "n": 3 })
+            .await?;
+        // The write whose reply is lost: the insert that creates `e2`, the takeover of `e3`.
+        for (entity, write) in [("e2", "insert"), ("e3", "findAndModify")] {
+            lose_replies(&client, &[write], Bson::Document(doc! { "times": 2 })).await?;
+            let started = Instant::now();
+            let answered = lossy_docs.lock_or_create(entity, doc! { "n": 0 }).await;
+            fail_commands_off(&client).await?;
+            match &answered {
+                Err(e) if e.is_retryable() => {
+                    match docs.lock(entity, BOUND + Duration::from_secs(4)).await? {
+                        Some(guard) if started.elapsed() <= BOUND => {
+                            let released = docs.release(guard).await?;
+                            if !released.is_applied() {
+                                violations.push(format!(
+                                    "lock_or_create {entity}, lost reply: the other locker's release {released:?}"
+                                ));
+                            }
+                        }
+                        other => violations.push(format!(
+                            "lock_or_create {entity}, lost reply: after {:?} the other locker got {:?}",
+                            started.elapsed(),
+                            other.map(|g| g.lock_id)
+                        )),
+                    }
+                }
+                // The lost write answered after all (a server that recognised the driver's
+                // retry): nothing is held unknowingly.
+                Ok(Some(guard)) => {
+                    let released = lossy_docs.release(guard.clone()).await?;
+                    if !released.is_applied() {
+                        violations.push(format!(
+                            "lock_or_create {entity}: its own release {released:?}"
+                        ));
+                    }
+                }
+                other => violations.push(format!(
+                    "lock_or_create {entity}, lost reply: the attempt answered {:?}",
+                    other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
+                )),
+            }
         }
 
         // 1c. The same for a read lock (`RwLocks::try_read`): without the clean-up its

@@ -337,49 +337,83 @@ impl DocumentLocks {
                 .return_document(ReturnDocument::After)
                 .await?
         } else {
-            // The condition in the pipeline, the filter `{_id}` alone: a point write on
-            // both servers (see `takeover_pipeline`). The post-image shows our lock id only
-            // if this write took the lock. It takes the lock only before its landing
-            // deadline, and until the attempt answers, what an unanswered write took is
-            // unlocked once that deadline has passed (`lock/landing.rs`).
-            let (id_f, time_f) = (&self.options.lock_id_field, &self.options.lock_time_field);
-            let cleanup = landing::CleanUp::new(
-                &self.coll,
-                &self.time,
-                doc! { "_id": id.clone(), id_f.as_str(): &ops.lock_id },
-                doc! { "$set": { id_f.as_str(): Bson::Null, time_f.as_str(): Bson::Null } },
-                ops.land_by,
-                "document lock",
-            );
-            let after = self
-                .coll
-                .find_one_and_update(
-                    doc! { "_id": id.clone() },
-                    takeover_pipeline(id_f, time_f, &ops, mine),
-                )
-                .return_document(ReturnDocument::After)
+            self.take_over(&id, &ops, mine)
                 .await?
-                .filter(|d| d.get_str(id_f).ok() == Some(ops.lock_id.as_str()));
-            cleanup.settled();
-            after
+                .filter(|d| self.locked_by(d, &ops))
         };
-        let LockOps {
-            lock_id, locked_at, ..
-        } = ops;
         self.observe(after.is_some());
-        Ok(after.map(|document| DocumentGuard {
-            id,
-            lock_id,
-            locked_at,
-            document,
-            lock_id_field: self.options.lock_id_field.clone(),
-        }))
+        Ok(after.map(|document| self.guard(id, ops, document)))
     }
 
-    /// Locks document `id`, creating it from `initial` if it does not exist (one atomic
-    /// upsert). Contention is not an error: `Ok(None)` if the document is locked by another
-    /// holder, including the duplicate-key race of concurrent creators of the same new
-    /// document (exactly one wins, the others get `Ok(None)`).
+    /// The write of one lock attempt: the condition in the pipeline, the filter `{_id}`
+    /// alone, a point write on both servers (see [`takeover_pipeline`]). Returns the
+    /// post-image (`None`: no such document), which shows `ops`' lock id only if this
+    /// write took the lock. It takes the lock only before its landing deadline, and until
+    /// the attempt answers, what an unanswered write took is unlocked once that deadline
+    /// has passed (`lock/landing.rs`).
+    async fn take_over(
+        &self,
+        id: &Bson,
+        ops: &LockOps,
+        mine: &[String],
+    ) -> Result<Option<Document>> {
+        let (id_f, time_f) = (&self.options.lock_id_field, &self.options.lock_time_field);
+        let cleanup = self.cleanup(id, ops);
+        let after = self
+            .coll
+            .find_one_and_update(
+                doc! { "_id": id.clone() },
+                takeover_pipeline(id_f, time_f, ops, mine),
+            )
+            .return_document(ReturnDocument::After)
+            .await?;
+        cleanup.settled();
+        Ok(after)
+    }
+
+    /// The clean-up of attempt `ops` on `id` (`lock/landing.rs`): unlocks the document if
+    /// it still carries this attempt's lock id once the landing deadline has passed,
+    /// unless [`landing::CleanUp::settled`] first.
+    fn cleanup(&self, id: &Bson, ops: &LockOps) -> landing::CleanUp {
+        let (id_f, time_f) = (&self.options.lock_id_field, &self.options.lock_time_field);
+        landing::CleanUp::new(
+            &self.coll,
+            &self.time,
+            doc! { "_id": id.clone(), id_f.as_str(): &ops.lock_id },
+            doc! { "$set": { id_f.as_str(): Bson::Null, time_f.as_str(): Bson::Null } },
+            ops.land_by,
+            "document lock",
+        )
+    }
+
+    /// Whether stored document `d` is locked by attempt `ops`.
+    fn locked_by(&self, d: &Document, ops: &LockOps) -> bool {
+        d.get_str(&self.options.lock_id_field).ok() == Some(ops.lock_id.as_str())
+    }
+
+    /// The guard of attempt `ops`, which locked `document`.
+    fn guard(&self, id: Bson, ops: LockOps, document: Document) -> DocumentGuard {
+        DocumentGuard {
+            id,
+            lock_id: ops.lock_id,
+            locked_at: ops.locked_at,
+            document,
+            lock_id_field: self.options.lock_id_field.clone(),
+        }
+    }
+
+    /// Locks document `id`, creating it from `initial` if it does not exist. Contention is
+    /// not an error: `Ok(None)` if the document is locked by another holder, including the
+    /// race of concurrent creators of the same new document (exactly one wins, the others
+    /// get `Ok(None)`).
+    ///
+    /// An existing document is locked by the one write of [`DocumentLocks::try_lock`]
+    /// (with its landing deadline and clean-up); a missing one by an insert of `initial`
+    /// with the lock fields (two round trips, once per document). A lost reply or a
+    /// dropped call is unlocked once the attempt's landing deadline has passed; an insert
+    /// that reaches the server more than that deadline late (after its clean-up) leaves
+    /// the new document locked until `max_duration` (`docs/locks.md`). (Before session 25
+    /// this was one upsert, which neither deadline nor clean-up covered.)
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for an id that is not a plain value (as
@@ -412,11 +446,56 @@ impl DocumentLocks {
                 ));
             }
         }
+        if self.options.seed_and_filter {
+            return self.lock_or_create_by_upsert(id, initial).await;
+        }
+        // The lock ids of this call's inserts that met an existing document: our own
+        // insert run twice (a retry some servers run again, `docs/surrogate.md`) may have
+        // created it locked, and the next attempt takes such a lock over.
+        let mut mine: Vec<String> = Vec::new();
+        for _ in 0..CREATE_ROUNDS {
+            let ops = self.lock_ops().await?;
+            // An existing document: the takeover, with its landing deadline and clean-up.
+            if let Some(stored) = self.take_over(&id, &ops, &mine).await? {
+                let taken = self.locked_by(&stored, &ops);
+                self.observe(taken);
+                return Ok(taken.then(|| self.guard(id, ops, stored)));
+            }
+            // None yet: create it locked. An insert cannot carry a landing deadline, so an
+            // insert that reaches the server after its clean-up ran leaves the new document
+            // locked until `max_duration` (`docs/locks.md`); a lost reply or a dropped call
+            // is unlocked by the clean-up.
+            let (id_f, time_f) = (&self.options.lock_id_field, &self.options.lock_time_field);
+            let mut created = doc! { "_id": id.clone() };
+            created.extend(initial.clone());
+            created.insert(id_f.as_str(), ops.lock_id.as_str());
+            created.insert(time_f.as_str(), ops.locked_at);
+            let cleanup = self.cleanup(&id, &ops);
+            match self.coll.insert_one(created.clone()).await {
+                Ok(_) => {
+                    cleanup.settled();
+                    self.observe(true);
+                    return Ok(Some(self.guard(id, ops, created)));
+                }
+                // Created meanwhile (another creator, or our own insert run twice): take
+                // it over as an existing document.
+                Err(e) if error::is_duplicate_key(&e) => mine.push(ops.lock_id),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.observe(false);
+        Ok(None)
+    }
+
+    /// `lock_or_create` under the seed's-filter control: one upsert of the operator form
+    /// (the filter is the seed's `AND`), without landing deadline or clean-up.
+    async fn lock_or_create_by_upsert(
+        &self,
+        id: Bson,
+        initial: Document,
+    ) -> Result<Option<DocumentGuard>> {
         let ops = self.lock_ops().await?;
         let (filter, mut update) = self.operator_form(&id, &ops);
-        let LockOps {
-            lock_id, locked_at, ..
-        } = ops;
         if !initial.is_empty() {
             update.insert("$setOnInsert", initial);
         }
@@ -429,13 +508,7 @@ impl DocumentLocks {
         {
             Ok(Some(document)) => {
                 self.observe(true);
-                Ok(Some(DocumentGuard {
-                    id,
-                    lock_id,
-                    locked_at,
-                    document,
-                    lock_id_field: self.options.lock_id_field.clone(),
-                }))
+                Ok(Some(self.guard(id, ops, document)))
             }
             Ok(None) => Err(Error::Malformed {
                 id: id.to_string(),
@@ -843,6 +916,10 @@ pub(crate) fn takeover_pipeline(
         "$$ROOT",
     ] } }]
 }
+
+/// Most takeover + insert rounds of one `lock_or_create`: an insert that meets a
+/// document created meanwhile goes back to the takeover, which then answers.
+const CREATE_ROUNDS: usize = 3;
 
 fn check_id(id: &Bson) -> Result<()> {
     validate::document_id("document id", id)

@@ -15,6 +15,7 @@
 import datetime, os, random, sys, uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
+import jobindex  # noqa: E402
 from bson import Int64, ObjectId
 from pymongo import MongoClient
 from pymongo import ReturnDocument  # noqa: F401
@@ -37,16 +38,7 @@ def index():
         q.insert_many([{"_id": ObjectId(), "state": "ready", "partition": Int64(random.randrange(256)), "priority": Int64(0),
                         "run_at": past, "attempts": Int64(0), "max_attempts": Int64(25), "payload": {"n": i},
                         "limits": None, "created_at": past, "updated_at": past} for i in range(B * (N + 2))])
-        if "claim" in which:
-            q.create_index([("queue", 1), ("priority", -1), ("run_at", 1)], name="claim", partialFilterExpression={"state": {"$in": ["ready", "retrying"]}})
-        q.create_index([("state", 1), ("queue", 1), ("partition", 1), ("priority", -1), ("run_at", 1)], name="claim_partition", partialFilterExpression={"state": {"$gte": "ready", "$lte": "retrying"}})
-        q.create_index([("lease.until", 1)], name="lease", partialFilterExpression={"state": "running"})
-        if "dedupe" in which:
-            q.create_index([("dedupe_key", 1)], name="dedupe", unique=True, partialFilterExpression={"dedupe_key": {"$exists": True}, "state": {"$in": ["ready", "retrying", "running"]}})
-        if "state" in which:
-            q.create_index([("state", 1), ("finished_at", 1)], name="state", partialFilterExpression={"state": {"$in": ["succeeded", "dead", "cancelled"]}})
-        if "slot" in which:
-            q.create_index([("unique_slot", 1)], name="unique_slot", unique=True, partialFilterExpression={"unique_slot": {"$exists": True}})
+        jobindex.create(q, which)
         return q, [d["_id"] for d in q.find({"state": "ready"}, {"_id": 1})]
 
     def job(q, ready):
@@ -80,12 +72,7 @@ def completion():
         q.insert_many([{"_id": ObjectId(), "state": "ready", "partition": Int64(random.randrange(256)), "priority": Int64(0),
                         "run_at": past, "attempts": Int64(0), "max_attempts": Int64(25), "payload": {"n": i, "user": "someone@example.com", "items": [1,2,3]},
                         "limits": None, "follow_ups": Int64(0), "created_at": past, "updated_at": past} for i in range(B * (N + 2))])
-        q.create_index([("queue", 1), ("priority", -1), ("run_at", 1)], name="claim", partialFilterExpression={"state": {"$in": ["ready", "retrying"]}})
-        q.create_index([("state", 1), ("queue", 1), ("partition", 1), ("priority", -1), ("run_at", 1)], name="claim_partition", partialFilterExpression={"state": {"$gte": "ready", "$lte": "retrying"}})
-        q.create_index([("lease.until", 1)], name="lease", partialFilterExpression={"state": "running"})
-        q.create_index([("dedupe_key", 1)], name="dedupe", unique=True, partialFilterExpression={"dedupe_key": {"$exists": True}, "state": {"$in": ["ready", "retrying", "running"]}})
-        q.create_index([("state", 1), ("finished_at", 1)], name="state", partialFilterExpression={"state": {"$in": ["succeeded", "dead", "cancelled"]}})
-        q.create_index([("unique_slot", 1)], name="unique_slot", unique=True, partialFilterExpression={"unique_slot": {"$exists": True}})
+        jobindex.create(q)
         return q, [d["_id"] for d in q.find({"state": "ready"}, {"_id": 1})]
 
     def claim(q, ready):

@@ -16,6 +16,7 @@
 import datetime, os, random, sys, uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
+import jobindex  # noqa: E402
 from bson import Int64, ObjectId
 from pymongo import MongoClient
 
@@ -31,12 +32,7 @@ q.insert_many([{"_id": ObjectId(), "queue": None, "state": "ready", "partition":
                 "priority": Int64(0), "run_at": past, "attempts": Int64(0), "max_attempts": Int64(25),
                 "payload": {"n": i, "to": f"user{i}@example.com"}, "limits": None, "created_at": past,
                 "updated_at": past} for i in range(20000)])
-q.create_index([("queue", 1), ("priority", -1), ("run_at", 1)], name="claim", partialFilterExpression={"state": {"$in": ["ready", "retrying"]}})
-q.create_index([("state", 1), ("queue", 1), ("partition", 1), ("priority", -1), ("run_at", 1)], name="claim_partition", partialFilterExpression={"state": {"$gte": "ready", "$lte": "retrying"}})
-q.create_index([("lease.until", 1)], name="lease", partialFilterExpression={"state": "running"})
-q.create_index([("dedupe_key", 1)], name="dedupe", unique=True, partialFilterExpression={"dedupe_key": {"$exists": True}, "state": {"$in": ["ready", "retrying", "running"]}})
-q.create_index([("state", 1), ("finished_at", 1)], name="state", partialFilterExpression={"state": {"$in": ["succeeded", "dead", "cancelled"]}})
-q.create_index([("unique_slot", 1)], name="unique_slot", unique=True, partialFilterExpression={"unique_slot": {"$exists": True}})
+jobindex.create(q)
 first = [0]
 
 

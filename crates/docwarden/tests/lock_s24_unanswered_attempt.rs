@@ -101,7 +101,9 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
             other => violations.push(format!("lost reply: the attempt answered {other:?}")),
         }
 
-        // 1b. The same for a document lock (`DocumentLocks::try_lock`): without the
+        // 1b. The same for a document lock: `DocumentLocks::try_lock` of `e1`, and (session
+        // 25) `lock_or_create` of `e2`, which does not exist yet (the lost write is the
+        // insert that creates it locked), and of `e3`, which exists, free. Without the
         // clean-up the entity stays locked until `max_duration`.
         let doc_options = DocumentLockOptions::default()
             .max_duration(ttl)
@@ -110,52 +112,20 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
             DocumentLocks::open(&db, "entities", time.clone(), doc_options.clone()).await?;
         let docs = DocumentLocks::open(&t.db, "entities", time.clone(), doc_options).await?;
         t.db.collection::<Document>("entities")
-            .insert_one(doc! { "_id": "e1", "n": 1 })
+            .insert_many([doc! { "_id": "e1", "n": 1 }, doc! { "_id": "e3", "n": 3 }])
             .await?;
-        lose_replies(
-            &client,
-            &["findAndModify"],
-            Bson::Document(doc! { "times": 2 }),
-        )
-        .await?;
-        let started = Instant::now();
-        let answered = lossy_docs.try_lock("e1").await;
-        fail_commands_off(&client).await?;
-        match &answered {
-            Err(e) if e.is_retryable() => {
-                match docs.lock("e1", BOUND + Duration::from_secs(4)).await? {
-                    Some(guard) if started.elapsed() <= BOUND => {
-                        let released = docs.release(guard).await?;
-                        if !released.is_applied() {
-                            violations.push(format!(
-                                "document lock, lost reply: the other locker's release {released:?}"
-                            ));
-                        }
-                    }
-                    other => violations.push(format!(
-                        "document lock, lost reply: after {:?} the other locker got {:?}",
-                        started.elapsed(),
-                        other.map(|g| g.lock_id)
-                    )),
-                }
-            }
-            other => violations.push(format!(
-                "document lock, lost reply: the attempt answered {:?}",
-                other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
-            )),
-        }
-
-        // 1d. (session 25) The same for `DocumentLocks::lock_or_create`, the upsert: of a
-        // document that does not exist yet (its lost reply created it locked) and of one
-        // that exists, free.
-        t.db.collection::<Document>("entities")
-            .insert_one(doc! { "_id": "e3", "n": 3 })
-            .await?;
-        // The write whose reply is lost: the insert that creates `e2`, the takeover of `e3`.
-        for (entity, write) in [("e2", "insert"), ("e3", "findAndModify")] {
+        for (case, entity, write) in [
+            ("document lock", "e1", "findAndModify"),
+            ("lock_or_create, new document", "e2", "insert"),
+            ("lock_or_create, existing document", "e3", "findAndModify"),
+        ] {
             lose_replies(&client, &[write], Bson::Document(doc! { "times": 2 })).await?;
             let started = Instant::now();
-            let answered = lossy_docs.lock_or_create(entity, doc! { "n": 0 }).await;
+            let answered = if entity == "e1" {
+                lossy_docs.try_lock(entity).await
+            } else {
+                lossy_docs.lock_or_create(entity, doc! { "n": 0 }).await
+            };
             fail_commands_off(&client).await?;
             match &answered {
                 Err(e) if e.is_retryable() => {
@@ -164,29 +134,27 @@ async fn an_unanswered_acquire_attempt_frees_the_lock_soon_after_its_landing_dea
                             let released = docs.release(guard).await?;
                             if !released.is_applied() {
                                 violations.push(format!(
-                                    "lock_or_create {entity}, lost reply: the other locker's release {released:?}"
+                                    "{case}, lost reply: the other locker's release {released:?}"
                                 ));
                             }
                         }
                         other => violations.push(format!(
-                            "lock_or_create {entity}, lost reply: after {:?} the other locker got {:?}",
+                            "{case}, lost reply: after {:?} the other locker got {:?}",
                             started.elapsed(),
                             other.map(|g| g.lock_id)
                         )),
                     }
                 }
-                // The lost write answered after all (a server that recognised the driver's
-                // retry): nothing is held unknowingly.
-                Ok(Some(guard)) => {
+                // The creating insert answered after all (a server that recognised the
+                // driver's retry): nothing is held unknowingly.
+                Ok(Some(guard)) if entity == "e2" => {
                     let released = lossy_docs.release(guard.clone()).await?;
                     if !released.is_applied() {
-                        violations.push(format!(
-                            "lock_or_create {entity}: its own release {released:?}"
-                        ));
+                        violations.push(format!("{case}: its own release {released:?}"));
                     }
                 }
                 other => violations.push(format!(
-                    "lock_or_create {entity}, lost reply: the attempt answered {:?}",
+                    "{case}, lost reply: the attempt answered {:?}",
                     other.as_ref().map(|g| g.as_ref().map(|g| &g.lock_id))
                 )),
             }

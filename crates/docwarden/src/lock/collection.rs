@@ -589,9 +589,12 @@ impl LockCollection {
         // so a caller that drops this future is covered too).
         let land_by = landing::deadline(&now);
         let take = match self.options.unsafe_control {
-            UnsafeControl::IgnoreExpiry => Bson::Boolean(true),
-            _ => Bson::Document(take_condition(cutoff, unknown, land_by)),
+            // The control switches off the held-lock check only: the landing deadline
+            // stays, so its violations are the check's alone.
+            UnsafeControl::IgnoreExpiry => landing::before(land_by),
+            _ => take_condition(cutoff, unknown, land_by),
         };
+        let take = Bson::Document(take);
         let update = acquire_pipeline(take, owner.id(), &nonce, acquired_at, expires_at);
         let cleanup = landing::CleanUp::new(
             &self.locks,

@@ -1030,6 +1030,13 @@ fn admitted(after: &Document, nonce: &str, default_permits: i64) -> Admission {
         // (`$isNumber`), so this must too, or a full semaphore reads as "block used up"
         // and every contended acquire refills token blocks until its rounds run out.
         Some(Bson::Double(n)) => u32::try_from(holders.len()).map_or(f64::MAX, f64::from) < *n,
+        // A decimal (`NumberDecimal("3")`) is a number to the pipeline too. Its text
+        // ("3", "2.5", "3E+2", "NaN", "Infinity") read as a double decides as the
+        // pipeline's comparison does for any value a permit count can take.
+        Some(Bson::Decimal128(d)) => d
+            .to_string()
+            .parse::<f64>()
+            .is_ok_and(|n| u32::try_from(holders.len()).map_or(f64::MAX, f64::from) < n),
         // Missing, or not a number (a hand edit): the pipeline used the default.
         _ => i64::try_from(holders.len()).unwrap_or(i64::MAX) < default_permits,
     };
@@ -1110,7 +1117,7 @@ mod tests {
     }
 
     #[test]
-    fn admission_is_read_from_the_document() {
+    fn admission_is_read_from_the_document() -> anyhow::Result<()> {
         let d = doc! { "_id": "r", "permits": 1_i64, "token": 5_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
         assert!(matches!(admitted(&d, "n", 3), Admission::Granted(5)));
@@ -1135,6 +1142,32 @@ mod tests {
         let used_up = doc! { "_id": "r", "permits": 2_i64, "token": 9_i64, "ceiling": 9_i64,
         "holders": [{ "owner": "o", "token": 5_i64, "acquisition": "n", "until": DateTime::from_millis(1) }] };
         assert!(matches!(admitted(&used_up, "m", 3), Admission::Exhausted));
+        // Session 25: `permits` as a decimal is a number to the pipeline (`$isNumber`); it
+        // was read as missing here, so the handle's default decided instead (3 below).
+        let holder = |i: i64| doc! { "owner": "o", "token": i, "acquisition": format!("n{i}"), "until": DateTime::from_millis(1) };
+        let decimal = |text: &str, holders: i64| -> anyhow::Result<Document> {
+            Ok(
+                doc! { "_id": "r", "permits": text.parse::<mongodb::bson::Decimal128>()?,
+                "token": 5_i64, "ceiling": 9_i64, "holders": (0..holders).map(holder).collect::<Vec<_>>() },
+            )
+        };
+        assert!(matches!(
+            admitted(&decimal("1", 1)?, "m", 3),
+            Admission::Full
+        ));
+        assert!(matches!(
+            admitted(&decimal("5", 3)?, "m", 3),
+            Admission::Late
+        ));
+        assert!(matches!(
+            admitted(&decimal("2.5", 2)?, "m", 1),
+            Admission::Late
+        ));
+        assert!(matches!(
+            admitted(&decimal("NaN", 0)?, "m", 3),
+            Admission::Full
+        ));
+        Ok(())
     }
 
     /// Session 24: the acquire's write appends the new holder only before its landing

@@ -149,6 +149,38 @@ async fn the_single_claim_index_is_created_by_the_first_single_claim() -> anyhow
     Ok(())
 }
 
+/// Session 25: a batch claim answers "nothing due" only after reading every partition. Its
+/// reads that found nothing used to count as rounds: eight of them read 255 of the
+/// partitions from a cold handle, so a due job in the others was not claimed (1 in 256 runs
+/// of `queue_s19_default_field` at the default 256 partitions). Here, at 1,024
+/// partitions, each fresh handle missed its job with probability 3/4 without the fix (2
+/// of the 5 in the run that checked it).
+#[tokio::test]
+async fn a_batch_claim_reads_every_partition_before_it_answers_nothing() -> anyhow::Result<()> {
+    let t = TestDb::new("queue_batch_every_partition").await?;
+    let opts = QueueOptions::default().partitions(1024);
+    let mut missed = 0;
+    for round in 0..5 {
+        let q = open(&t, "jobs", opts.clone()).await?;
+        q.enqueue(doc! { "round": round }, &EnqueueOptions::default())
+            .await?;
+        // A fresh handle: its span starts at one partition.
+        let fresh = open(&t, "jobs", opts.clone()).await?;
+        let got = fresh.claim_batch("w", 10).await?;
+        if got.len() != 1 {
+            missed += 1;
+        }
+        fresh
+            .complete_many(&got.into_iter().map(|j| (j, Bson::Null)).collect::<Vec<_>>())
+            .await?;
+    }
+    assert_eq!(
+        missed, 0,
+        "fresh handles that did not claim the one due job"
+    );
+    Ok(())
+}
+
 /// A job stored before partitions existed (format 1, no `partition` field) is still
 /// claimed by batch claims and by the worker's claims.
 /// Session 15: `complete` refuses a result over `MAX_RESULT_BYTES`, but `complete_many`

@@ -58,6 +58,11 @@ pub(crate) const UNDATABLE_SWEEP_EVERY: u32 = 60;
 /// How many times one claim call retries after burying a malformed job.
 const MAX_ROUNDS: usize = 8;
 
+/// Most reads of one batch claim that found nothing and widened the span: the span
+/// doubles on each, so 11 reach every one of [`MAX_PARTITIONS`](super::options::MAX_PARTITIONS)
+/// partitions; the rest is room for another claim of the handle narrowing it meanwhile.
+const MAX_WIDENINGS: usize = 32;
+
 impl JobQueue {
     /// The claim filter for server time `now`: claimable state and due. A job is due
     /// when `run_at` may have passed by the server's clock (`now.latest()`): a job can
@@ -364,7 +369,14 @@ impl JobQueue {
         validate::name("owner", owner)?;
         validate::positive("batch size", k)?;
         let limit = i64::try_from(k).unwrap_or(i64::MAX);
-        for _ in 0..MAX_ROUNDS {
+        // Reads that found nothing in partitions short of all of them widen the span (it
+        // doubles) and do not count as rounds: a claim answers "nothing due" only after
+        // a read of every partition. (Counted as rounds, eight of them read 255 of 256
+        // partitions from a cold handle, and due jobs all in the one left out were not
+        // claimed.) `MAX_WIDENINGS` bounds them should another claim of the handle
+        // narrow the span meanwhile.
+        let (mut rounds, mut widenings) = (0, 0);
+        while rounds < MAX_ROUNDS {
             self.maybe_reap().await;
             let now = self.inner.time.now().await?;
             let (partitions, everything) = self.next_partitions();
@@ -385,11 +397,13 @@ impl JobQueue {
                 .collect();
             self.adapt_span(ids.len(), k);
             if ids.is_empty() {
-                if everything {
+                widenings += 1;
+                if everything || widenings > MAX_WIDENINGS {
                     return Ok(Vec::new());
                 }
                 continue;
             }
+            rounds += 1;
             let token = validate::random_id();
             let mut filter = doc! { field::ID: { "$in": ids.clone() } };
             filter.extend(self.plain_due_filter(&now));

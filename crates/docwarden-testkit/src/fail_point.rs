@@ -17,13 +17,23 @@ pub async fn fail_commands(
     code: i32,
     mode: Bson,
 ) -> mongodb::error::Result<Document> {
+    fail_command(
+        client,
+        mode,
+        doc! { "failCommands": commands, "errorCode": code },
+    )
+    .await
+}
+
+/// Configures the `failCommand` fail point with `mode` and `data`.
+async fn fail_command(
+    client: &Client,
+    mode: Bson,
+    data: Document,
+) -> mongodb::error::Result<Document> {
     client
         .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": mode,
-            "data": { "failCommands": commands, "errorCode": code },
-        })
+        .run_command(doc! { "configureFailPoint": "failCommand", "mode": mode, "data": data })
         .await
 }
 
@@ -39,17 +49,15 @@ pub async fn lose_replies(
     commands: &[&str],
     mode: Bson,
 ) -> mongodb::error::Result<Document> {
-    client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": mode,
-            "data": {
-                "failCommands": commands,
-                "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
-            },
-        })
-        .await
+    fail_command(
+        client,
+        mode,
+        doc! {
+            "failCommands": commands,
+            "writeConcernError": { "code": 91, "errmsg": "injected: reply lost" },
+        },
+    )
+    .await
 }
 
 /// Holds the connection of the next `command` sent by clients named `app_name` (the

@@ -366,6 +366,18 @@ impl JobQueue {
     /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
     #[tracing::instrument(skip(self), fields(queue = %self.collection().name()), level = "debug")]
     pub async fn claim_batch(&self, owner: &str, k: usize) -> Result<Vec<ClaimedJob>> {
+        self.claim_batch_taking(owner, k, None).await
+    }
+
+    /// [`JobQueue::claim_batch`], holding a permit of `turns` (a `Worker`'s write turns,
+    /// `queue/worker.rs`) for its write alone: its two reads take no turn, so another
+    /// claim's or the completions' writes go on meanwhile.
+    pub(crate) async fn claim_batch_taking(
+        &self,
+        owner: &str,
+        k: usize,
+        turns: Option<&tokio::sync::Semaphore>,
+    ) -> Result<Vec<ClaimedJob>> {
         validate::name("owner", owner)?;
         validate::positive("batch size", k)?;
         let limit = i64::try_from(k).unwrap_or(i64::MAX);
@@ -426,7 +438,15 @@ impl JobQueue {
                 now.plus_ms(self.inner.ttl_ms),
                 now.estimate(),
             );
-            let failed = match self.inner.coll.update_many(filter, update).await {
+            let written = {
+                // A closed semaphore (never, in a `Worker`) only means no turn to wait for.
+                let _turn = match turns {
+                    Some(t) => t.acquire().await.ok(),
+                    None => None,
+                };
+                self.inner.coll.update_many(filter, update).await
+            };
+            let failed = match written {
                 Ok(r) if r.matched_count == 0 => continue,
                 Ok(_) => None,
                 Err(e) => Some(Error::from(e)),

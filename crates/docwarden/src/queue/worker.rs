@@ -217,7 +217,7 @@ struct Ctx {
     /// transitions that finish during a claim go out in one bigger bulk (`docs/queue.md`,
     /// "Worker runtime"). A batch claim's two reads take no turn: holding one through
     /// them kept a one-handler worker's completions waiting on its reads (session 26:
-    /// 10–50 % more jobs per second with them outside, the same at eight handlers).
+    /// 3–61 % more jobs per second with them outside, the same at eight handlers).
     io: tokio::sync::Semaphore,
 }
 

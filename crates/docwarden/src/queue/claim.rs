@@ -364,7 +364,6 @@ impl JobQueue {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad owner or `k = 0`; a database error.
-    #[tracing::instrument(skip(self), fields(queue = %self.collection().name()), level = "debug")]
     pub async fn claim_batch(&self, owner: &str, k: usize) -> Result<Vec<ClaimedJob>> {
         self.claim_batch_taking(owner, k, None).await
     }
@@ -372,6 +371,7 @@ impl JobQueue {
     /// [`JobQueue::claim_batch`], holding a permit of `turns` (a `Worker`'s write turns,
     /// `queue/worker.rs`) for its write alone: its two reads take no turn, so another
     /// claim's or the completions' writes go on meanwhile.
+    #[tracing::instrument(skip(self, turns), fields(queue = %self.collection().name()), level = "debug")]
     pub(crate) async fn claim_batch_taking(
         &self,
         owner: &str,

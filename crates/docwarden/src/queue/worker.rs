@@ -819,6 +819,7 @@ async fn claim_loop(
 
 /// One claim of up to `want` jobs: a batch claim, or the strict single claim when the
 /// worker's batch size is 1.
+///
 /// A batch claim takes a write turn for its `updateMany` alone (its reads need none);
 /// the limited and the single claims hold one throughout.
 async fn claim(ctx: &Ctx, want: usize) -> Result<Vec<ClaimedJob>> {

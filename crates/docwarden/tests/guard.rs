@@ -540,9 +540,46 @@ async fn an_embedded_array_index_is_used_by_the_seed_query() -> anyhow::Result<(
     Ok(())
 }
 
+// A guarded update of a document that does not exist answers `NotFound` from the update's
+// own reply (its filter is `{_id}` alone): one round trip, no explaining read (driver
+// command monitoring). Before session 26 it took a diagnosing `aggregate` as well.
+#[tokio::test]
+async fn a_missing_document_is_answered_by_the_update_alone() -> anyhow::Result<()> {
+    let t = TestDb::new("guard_missing_one_round_trip").await?;
+    let (client, sent) = docwarden_testkit::counting_client(t.uri()).await?;
+    let coll = client
+        .database(t.db.name())
+        .collection::<Document>("shifts");
+    coll.insert_one(shift(1, 2)).await?;
+    let g = Guarded::new(coll, GuardOptions::default())?;
+    let off = Change::set_member("doctors", "name", "doctor0", doc! { "on_call": false })?;
+    sent.take();
+    assert_eq!(
+        g.update(99, &off, &[on_call()]).await?,
+        GuardOutcome::NotFound
+    );
+    assert_eq!(sent.take(), vec!["update".to_owned()]);
+    // A refused change still reads why (the one remaining on call).
+    assert_eq!(
+        g.update(1, &off, &[on_call()]).await?,
+        GuardOutcome::Applied
+    );
+    sent.take();
+    let last = Change::set_member("doctors", "name", "doctor1", doc! { "on_call": false })?;
+    assert!(matches!(
+        g.update(1, &last, &[on_call()]).await?,
+        GuardOutcome::Rejected { .. }
+    ));
+    assert_eq!(
+        sent.take(),
+        vec!["update".to_owned(), "aggregate".to_owned()]
+    );
+    Ok(())
+}
+
 // `update_many` gives every outcome `update` gives, in batch order, with one `bulkWrite`
-// for the batch (driver command monitoring) and one explaining read per change it did not
-// write; the documents end as one-by-one updates leave them.
+// for the batch (driver command monitoring) and one explaining read per change it kept
+// in a document that exists; the documents end as one-by-one updates leave them.
 #[tokio::test]
 async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Result<()> {
     let t = TestDb::new("guard_batch_outcomes").await?;
@@ -601,8 +638,8 @@ async fn a_batch_gives_each_change_the_outcome_of_its_own_update() -> anyhow::Re
             assert!(!commands.iter().any(|c| c == "update"), "{commands:?}");
             assert_eq!(
                 commands.iter().filter(|c| *c == "aggregate").count(),
-                5,
-                "one explaining read per change not written: {commands:?}"
+                4,
+                "one explaining read per change not written, none for a missing document: {commands:?}"
             );
         }
         let docs: Vec<Document> = coll

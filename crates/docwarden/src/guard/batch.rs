@@ -80,9 +80,8 @@ impl Guarded {
         for (target, _) in changes {
             crate::validate::document_id("target", target)?;
         }
-        // Per change: `None` not run by a bulk; `Some(true)` written; `Some(false)` run
-        // and not written.
-        let mut ran: Vec<Option<bool>> = vec![None; changes.len()];
+        // Per change: `None` not run by a bulk, else what its update did.
+        let mut ran: Vec<Option<Ran>> = vec![None; changes.len()];
         if changes.len() > 1 && !self.no_bulk.load(std::sync::atomic::Ordering::Relaxed) {
             let updates: Vec<(Document, UpdateModifications)> = changes
                 .iter()
@@ -97,17 +96,25 @@ impl Guarded {
                 crate::bulk::updates(self.collection(), updates, &self.no_bulk).await?
             {
                 if let Some(slot) = ran.get_mut(i) {
-                    *slot = Some(result.modified_count > 0);
+                    *slot = Some(if result.modified_count > 0 {
+                        Ran::Written
+                    } else if result.matched_count == 0 {
+                        Ran::NoDocument
+                    } else {
+                        Ran::Kept
+                    });
                 }
             }
         }
         let mut out = Vec::with_capacity(changes.len());
         for ((target, change), ran) in changes.iter().zip(ran) {
             let outcome = match ran {
-                Some(true) => Ok(GuardOutcome::Applied),
+                Some(Ran::Written) => Ok(GuardOutcome::Applied),
+                // The filter is `{_id}` alone.
+                Some(Ran::NoDocument) => Ok(GuardOutcome::NotFound),
                 // Not written: why, by the read the single update uses; if the document
                 // would match now (it changed in between), the single update.
-                Some(false) => match self.diagnose(target, change, invariants).await {
+                Some(Ran::Kept) => match self.diagnose(target, change, invariants).await {
                     Ok(Some(o)) => Ok(o),
                     Ok(None) => self.update(target.clone(), change, invariants).await,
                     Err(e) => Err(e),
@@ -122,4 +129,15 @@ impl Guarded {
         }
         Ok(out)
     }
+}
+
+/// What one update of a bulk did.
+#[derive(Clone, Copy)]
+enum Ran {
+    /// It changed the document.
+    Written,
+    /// Nothing matched its `{_id}` filter: no such document.
+    NoDocument,
+    /// It matched and kept the stored value (already so, no such member, or refused).
+    Kept,
 }

@@ -576,9 +576,10 @@ impl Guarded {
     }
 
     /// Applies `change` to the document with `_id == target` only if the document after
-    /// the change satisfies every invariant, in one atomic update. A miss is explained by
-    /// one read ([`GuardOutcome`]); nothing is written unless the outcome is
-    /// [`GuardOutcome::Applied`].
+    /// the change satisfies every invariant, in one atomic update. A missing document is
+    /// answered by the update's reply ([`GuardOutcome::NotFound`]); a change the document
+    /// kept is explained by one read ([`GuardOutcome`]). Nothing is written unless the
+    /// outcome is [`GuardOutcome::Applied`].
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `target` is not a plain document id
@@ -615,8 +616,13 @@ impl Guarded {
             if res.modified_count > 0 {
                 return Ok(GuardOutcome::Applied);
             }
-            // Not written: no document (nothing matched), no such member, or the value was
-            // kept because it was already so or an invariant failed. One read tells which.
+            // The filter is `{_id}` alone: nothing matched, no such document. (Before
+            // session 26 a diagnosing read, a second round trip, said so.)
+            if res.matched_count == 0 {
+                return Ok(GuardOutcome::NotFound);
+            }
+            // Not written: no such member, or the value was kept because it was already so
+            // or an invariant failed. One read tells which.
             if let Some(outcome) = self.diagnose(&target, change, invariants).await? {
                 return Ok(outcome);
             }

@@ -371,7 +371,7 @@ impl JobQueue {
     /// [`JobQueue::claim_batch`], holding a permit of `turns` (a `Worker`'s write turns,
     /// `queue/worker.rs`) for its write alone: its two reads take no turn, so another
     /// claim's or the completions' writes go on meanwhile.
-    #[tracing::instrument(skip(self, turns), fields(queue = %self.collection().name()), level = "debug")]
+    #[tracing::instrument(name = "claim_batch", skip(self, turns), fields(queue = %self.collection().name()), level = "debug")]
     pub(crate) async fn claim_batch_taking(
         &self,
         owner: &str,

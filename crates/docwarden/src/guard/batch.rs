@@ -23,6 +23,7 @@
 use mongodb::bson::{Bson, Document};
 use mongodb::options::UpdateModifications;
 
+use super::update::Ran;
 use super::{Change, GuardOutcome, Guarded, Invariant};
 use crate::error::Result;
 
@@ -96,13 +97,7 @@ impl Guarded {
                 crate::bulk::updates(self.collection(), updates, &self.no_bulk).await?
             {
                 if let Some(slot) = ran.get_mut(i) {
-                    *slot = Some(if result.modified_count > 0 {
-                        Ran::Written
-                    } else if result.matched_count == 0 {
-                        Ran::NoDocument
-                    } else {
-                        Ran::Kept
-                    });
+                    *slot = Some(Ran::of(&result));
                 }
             }
         }
@@ -110,7 +105,6 @@ impl Guarded {
         for ((target, change), ran) in changes.iter().zip(ran) {
             let outcome = match ran {
                 Some(Ran::Written) => Ok(GuardOutcome::Applied),
-                // The filter is `{_id}` alone.
                 Some(Ran::NoDocument) => Ok(GuardOutcome::NotFound),
                 // Not written: why, by the read the single update uses; if the document
                 // would match now (it changed in between), the single update.
@@ -129,15 +123,4 @@ impl Guarded {
         }
         Ok(out)
     }
-}
-
-/// What one update of a bulk did.
-#[derive(Clone, Copy)]
-enum Ran {
-    /// It changed the document.
-    Written,
-    /// Nothing matched its `{_id}` filter: no such document.
-    NoDocument,
-    /// It matched and kept the stored value (already so, no such member, or refused).
-    Kept,
 }

@@ -29,6 +29,32 @@ const WRAP_NEW: &str = "new";
 const WRAP_OLD: &str = "old";
 use crate::error::{Error, Result};
 
+/// What one guarded update did, read from its reply alone (the single update and each
+/// update of a bulk).
+#[derive(Clone, Copy)]
+pub(super) enum Ran {
+    /// It changed the document: [`GuardOutcome::Applied`].
+    Written,
+    /// Nothing matched its filter, which is `{_id}` alone: [`GuardOutcome::NotFound`],
+    /// with no read (before session 26 a diagnosing read, a second round trip, said so).
+    NoDocument,
+    /// It matched and kept the stored value (already so, no such member, or refused):
+    /// one read tells which.
+    Kept,
+}
+
+impl Ran {
+    pub(super) fn of(reply: &mongodb::results::UpdateResult) -> Self {
+        if reply.modified_count > 0 {
+            Self::Written
+        } else if reply.matched_count == 0 {
+            Self::NoDocument
+        } else {
+            Self::Kept
+        }
+    }
+}
+
 /// What a guarded update did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -613,13 +639,10 @@ impl Guarded {
                 .update_one(filter, pipeline)
                 .await
                 .map_err(|e| refused_operator(e, invariants))?;
-            if res.modified_count > 0 {
-                return Ok(GuardOutcome::Applied);
-            }
-            // The filter is `{_id}` alone: nothing matched, no such document. (Before
-            // session 26 a diagnosing read, a second round trip, said so.)
-            if res.matched_count == 0 {
-                return Ok(GuardOutcome::NotFound);
+            match Ran::of(&res) {
+                Ran::Written => return Ok(GuardOutcome::Applied),
+                Ran::NoDocument => return Ok(GuardOutcome::NotFound),
+                Ran::Kept => {}
             }
             // Not written: no such member, or the value was kept because it was already so
             // or an invariant failed. One read tells which.

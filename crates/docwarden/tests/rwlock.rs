@@ -336,15 +336,17 @@ async fn reader_outlives_a_crashed_writer(
         assert!(Instant::now() < deadline, "the writer never registered");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Its acquire has answered by now (the intent lapses, and is taken again, only after
-    // 300 ms). Aborted inside the acquire, the task would free the intent it had just
-    // written once its landing deadline passed (`lock/landing.rs`): a process that dies
-    // runs no such clean-up.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The process dies as soon as its intent is visible. Its acquire may not have answered
+    // yet (its reply, or a first acquire's token commit, may be in flight): then the aborted
+    // attempt's clean-up frees the intent once its landing deadline has passed
+    // (`lock/landing.rs`, about 2 s), and stamps the holder's `expires_at` with that time.
+    // Session 27's CI run met that case with a 50 ms pause here and 2.4 s of renewals: the
+    // control's TTL had not yet reached the stamped expiry, and the control showed nothing.
     crashed.abort();
 
-    // The reader keeps renewing, 2.4 s: past the intent's expiry (0.3 s) + gc_after (1 s).
-    for _ in 0..6 {
+    // The reader keeps renewing for 4 s: past the intent's expiry (0.3 s) + gc_after (1 s),
+    // and past a clean-up's stamp (landing WINDOW, 2 s) + gc_after, whichever case this is.
+    for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(400)).await;
         rw.renew_read(&mut reader, Duration::from_secs(3)).await?;
     }

@@ -35,7 +35,7 @@ PID = c.admin.command("serverStatus")["pid"]
 PARTS = 256
 ROUNDS = int(os.environ.get("ROUNDS", "12"))  # rounds per form (forms shuffled in each)
 SORT = [("priority", -1), ("run_at", 1)]
-WHAT = sys.argv[1] if len(sys.argv) > 1 else "rev"
+WHAT = sys.argv[1] if len(sys.argv) > 1 and __name__ == "__main__" else "rev"
 totals, jobs = {}, {}
 STARTED = __import__("time").time()
 
@@ -168,7 +168,8 @@ def inlock():
               f"({100 * inside / totals[label]:.0f} %)")
 
 
-{"rev": rev, "claim-form": claim_form, "inlock": inlock}[WHAT]()
-if WHAT != "inlock":
-    for k, v in totals.items():
-        print(f"{k:11} {v / max(jobs[k], 1) / 1000:8.1f} kIr/job ({jobs[k]} jobs)")
+if __name__ == "__main__":
+    {"rev": rev, "claim-form": claim_form, "inlock": inlock}[WHAT]()
+    if WHAT != "inlock":
+        for k, v in totals.items():
+            print(f"{k:11} {v / max(jobs[k], 1) / 1000:8.1f} kIr/job ({jobs[k]} jobs)")

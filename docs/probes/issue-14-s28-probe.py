@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+# Usage (pip install pymongo; valgrind from Debian):
+#   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg/cg.out.%p \
+#       secantusd-rs --port 27998 --storage-path /tmp/cg/data &
+#   python3 docs/probes/issue-14-s28-probe.py
+# Not part of the suite: session 28's probe of docs/benchmarks.md. The completion of a
+# claim's 64 jobs in one `updateMany`, in the library's pipeline form and in operator forms
+# that leave a job with a follow-up to a second statement: instructions per job the
+# embedded server executes (callgrind's Ir), in all and under the collection's write mutex
+# (`update_matching_core`). Jobs, partitions and indexes as in the session 27 probe
+# (INDEXES= as there; ROUNDS rounds per form, forms shuffled in each round).
+import datetime, random, uuid
+import importlib.util, os, sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location("s27", os.path.join(HERE, "issue-14-s27-probe.py"))
+s27 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(s27)
+from bson import Int64  # noqa: E402
+
+FORMS = sys.argv[1:] or ["pipeline", "operator", "operator-null", "operator-lean"]
+
+
+def pipeline(result, at, settled):
+    """`complete_update` of `queue/transition.rs`, as the library sends it."""
+    has = {"$eq": [{"$type": "$follow_up"}, "object"]}
+    pick = lambda then, otherwise: {"$cond": [has, then, otherwise]}
+    follow_ups = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
+    return [{"$set": {
+        "state": pick("ready", "succeeded"),
+        "result": {"$literal": result},
+        "payload": pick("$follow_up.payload", "$payload"),
+        "attempts": pick(Int64(0), "$attempts"),
+        "run_at": pick(at, "$run_at"),
+        "finished_at": pick(None, at),
+        "follow_ups": pick({"$add": [follow_ups, Int64(1)]}, {"$ifNull": ["$follow_ups", Int64(0)]}),
+        "follow_up": None,
+        "updated_at": at,
+        "settled": {"$literal": settled},
+    }}]
+
+
+def main():
+    q = s27.c.cgs28.jobs
+    s27.fill(q, 30000)
+    order = [f for _ in range(s27.ROUNDS) for f in random.sample(FORMS, len(FORMS))]
+    for r, form in enumerate(order):
+        ids = [d["_id"] for d in s27.candidates(q, r, 1, 64, {"_id": 1})]
+        now, token = datetime.datetime.now(), uuid.uuid4().hex
+        lease = {"owner": "w", "token": token, "until": now + datetime.timedelta(seconds=30)}
+        s27.callgrind.zero(s27.c, s27.PID)
+        claimed = q.update_many(s27.claim_filter(ids, now), {
+            "$set": {"state": "running", "lease": lease, "updated_at": now}, "$inc": {"attempts": Int64(1)}})
+        assert claimed.modified_count == len(ids)
+        fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
+        settled = {"token": token, "by": "complete"}
+        set_ = {"state": "succeeded", "result": None, "finished_at": now, "updated_at": now, "settled": settled}
+        if form == "pipeline":
+            f, u = fence, pipeline(None, now, settled)
+        elif form == "operator":  # no follow-up of any type but an object; follow_up set null
+            f, u = {**fence, "follow_up": {"$not": {"$type": "object"}}}, {"$set": {**set_, "follow_up": None}}
+        elif form == "operator-null":  # follow_up null or absent, left as it is
+            f, u = {**fence, "follow_up": None}, {"$set": set_}
+        elif form == "operator-lean":  # no follow-up of any type but an object, left as it is
+            f, u = {**fence, "follow_up": {"$not": {"$type": "object"}}}, {"$set": set_}
+        res = s27.measured(form, len(ids), lambda: q.update_many(f, u))
+        assert res.modified_count == len(ids), (form, res.modified_count)
+    for form in FORMS:
+        inside = s27.core_share(form)
+        print(f"{form:14} {s27.totals[form] / s27.jobs[form] / 1000:7.1f} kIr per job, "
+              f"{inside / s27.jobs[form] / 1000:7.1f} under the collection's write mutex")
+
+
+main()

@@ -40,6 +40,26 @@ def pipeline(result, at, settled):
     }}]
 
 
+def pipeline_lean(result, at, settled):
+    """`pipeline` that adds no field a job did not have: `follow_ups` kept (absent stays
+    absent) unless a follow-up is consumed, `follow_up` removed (`$$REMOVE`)."""
+    has = {"$eq": [{"$type": "$follow_up"}, "object"]}
+    pick = lambda then, otherwise: {"$cond": [has, then, otherwise]}
+    follow_ups = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
+    return [{"$set": {
+        "state": pick("ready", "succeeded"),
+        "result": {"$literal": result},
+        "payload": pick("$follow_up.payload", "$payload"),
+        "attempts": pick(Int64(0), "$attempts"),
+        "run_at": pick(at, "$run_at"),
+        "finished_at": pick(None, at),
+        "follow_ups": pick({"$add": [follow_ups, Int64(1)]}, "$follow_ups"),
+        "follow_up": "$$REMOVE",
+        "updated_at": at,
+        "settled": {"$literal": settled},
+    }}]
+
+
 def main():
     q = s27.c.cgs28.jobs
     s27.fill(q, 30000)
@@ -57,6 +77,8 @@ def main():
         set_ = {"state": "succeeded", "result": None, "finished_at": now, "updated_at": now, "settled": settled}
         if form == "pipeline":
             f, u = fence, pipeline(None, now, settled)
+        elif form == "pipeline-lean":
+            f, u = fence, pipeline_lean(None, now, settled)
         elif form == "operator":  # no follow-up of any type but an object; follow_up set null
             f, u = {**fence, "follow_up": {"$not": {"$type": "object"}}}, {"$set": {**set_, "follow_up": None}}
         elif form == "operator-null":  # follow_up null or absent, left as it is
@@ -65,6 +87,9 @@ def main():
             f, u = {**fence, "follow_up": {"$not": {"$type": "object"}}}, {"$set": set_}
         res = s27.measured(form, len(ids), lambda: q.update_many(f, u))
         assert res.modified_count == len(ids), (form, res.modified_count)
+        if form == "pipeline-lean":
+            d = q.find_one({"_id": ids[0]})
+            assert "follow_ups" not in d and "follow_up" not in d and d["state"] == "succeeded", d
     for form in FORMS:
         inside = s27.core_share(form)
         print(f"{form:14} {s27.totals[form] / s27.jobs[form] / 1000:7.1f} kIr per job, "

@@ -2,7 +2,8 @@
 # Usage (pip install pymongo; valgrind from Debian):
 #   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg/cg.out.%p \
 #       secantusd-rs --port 27998 --storage-path /tmp/cg/data &
-#   python3 docs/probes/issue-14-s28-probe.py
+#   python3 docs/probes/issue-14-s28-probe.py [FORM ...]   (default: pipeline and three operator forms;
+#   pipeline-lean: the pipeline adding no field a job did not have)
 # Not part of the suite: session 28's probe of docs/benchmarks.md. The completion of a
 # claim's 64 jobs in one `updateMany`, in the library's pipeline form and in operator forms
 # that leave a job with a follow-up to a second statement: instructions per job the
@@ -21,8 +22,10 @@ from bson import Int64  # noqa: E402
 FORMS = sys.argv[1:] or ["pipeline", "operator", "operator-null", "operator-lean"]
 
 
-def pipeline(result, at, settled):
-    """`complete_update` of `queue/transition.rs`, as the library sends it."""
+def pipeline(result, at, settled, lean=False):
+    """`complete_update` of `queue/transition.rs`, as the library sends it. `lean`: the
+    same but adding no field a job did not have (`follow_ups` kept, so absent stays
+    absent, unless a follow-up is consumed; `follow_up` removed with `$$REMOVE`)."""
     has = {"$eq": [{"$type": "$follow_up"}, "object"]}
     pick = lambda then, otherwise: {"$cond": [has, then, otherwise]}
     follow_ups = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
@@ -33,28 +36,9 @@ def pipeline(result, at, settled):
         "attempts": pick(Int64(0), "$attempts"),
         "run_at": pick(at, "$run_at"),
         "finished_at": pick(None, at),
-        "follow_ups": pick({"$add": [follow_ups, Int64(1)]}, {"$ifNull": ["$follow_ups", Int64(0)]}),
-        "follow_up": None,
-        "updated_at": at,
-        "settled": {"$literal": settled},
-    }}]
-
-
-def pipeline_lean(result, at, settled):
-    """`pipeline` that adds no field a job did not have: `follow_ups` kept (absent stays
-    absent) unless a follow-up is consumed, `follow_up` removed (`$$REMOVE`)."""
-    has = {"$eq": [{"$type": "$follow_up"}, "object"]}
-    pick = lambda then, otherwise: {"$cond": [has, then, otherwise]}
-    follow_ups = {"$cond": [{"$isNumber": "$follow_ups"}, "$follow_ups", Int64(0)]}
-    return [{"$set": {
-        "state": pick("ready", "succeeded"),
-        "result": {"$literal": result},
-        "payload": pick("$follow_up.payload", "$payload"),
-        "attempts": pick(Int64(0), "$attempts"),
-        "run_at": pick(at, "$run_at"),
-        "finished_at": pick(None, at),
-        "follow_ups": pick({"$add": [follow_ups, Int64(1)]}, "$follow_ups"),
-        "follow_up": "$$REMOVE",
+        "follow_ups": pick({"$add": [follow_ups, Int64(1)]},
+                           "$follow_ups" if lean else {"$ifNull": ["$follow_ups", Int64(0)]}),
+        "follow_up": "$$REMOVE" if lean else None,
         "updated_at": at,
         "settled": {"$literal": settled},
     }}]
@@ -78,7 +62,7 @@ def main():
         if form == "pipeline":
             f, u = fence, pipeline(None, now, settled)
         elif form == "pipeline-lean":
-            f, u = fence, pipeline_lean(None, now, settled)
+            f, u = fence, pipeline(None, now, settled, lean=True)
         elif form == "operator":  # no follow-up of any type but an object; follow_up set null
             f, u = {**fence, "follow_up": {"$not": {"$type": "object"}}}, {"$set": {**set_, "follow_up": None}}
         elif form == "operator-null":  # follow_up null or absent, left as it is

@@ -19,7 +19,18 @@
 //! driver turn every command and reply into a `Document` for its event: ~10 µs of client
 //! CPU per `update_one` and ~45 µs per guarded update, in proportion to their size
 //! ([`Commands`]).
+//!
+//! Rounds (`--rounds N`): the reference around each row corrects the drift within a run,
+//! not the noise between runs. On this shared 2-core VM one row's ratio moves by ±15 %
+//! from one run to the next (the same build read 0.51× and 1.08× in two runs), so one run
+//! cannot say whether a target is met. With `N` rounds the whole sweep runs `N` times
+//! (each round: every worker count on a fresh database, the reference row, the
+//! workloads), and each row reports the median of its rounds ([`aggregate`]), with every
+//! round's ratio (`ratios`) and their range (`ratio_min`, `ratio_max`, the table's `ratio
+//! range` column). Each number is its own median, so with rounds a row's ratio is no
+//! longer exactly its ops/s over its reference's.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -239,6 +250,16 @@ pub(crate) struct BenchRow {
     /// The bench process's own CPU time per item (client side: driver, workers,
     /// handlers), microseconds, while measured.
     pub(crate) client_cpu_us_per_op: Option<f64>,
+    /// Rounds this row's numbers are the median of (1 for a single run). The last four
+    /// fields are [`aggregate`]'s, which every run's rows go through: a row as measured
+    /// has 1 round, no `ratios` and a NaN range.
+    pub(crate) rounds: usize,
+    /// Each round's ratio, in round order (one entry for a single run).
+    pub(crate) ratios: Vec<f64>,
+    /// The lowest of `ratios` (the ratio itself for a single run).
+    pub(crate) ratio_min: f64,
+    /// The highest of `ratios` (the ratio itself for a single run).
+    pub(crate) ratio_max: f64,
 }
 
 /// Runs `op(worker)` on `load.workers` tasks until `load.duration` has passed. Each call
@@ -273,6 +294,10 @@ where
         round_trips_per_op: per_op(commands, ops),
         server_cpu_us_per_op,
         client_cpu_us_per_op,
+        rounds: 1,
+        ratios: Vec::new(),
+        ratio_min: f64::NAN,
+        ratio_max: f64::NAN,
     })
 }
 
@@ -385,10 +410,25 @@ pub(crate) struct Args {
     /// Backlogs of the queue rows, comma separated [default: 100,10000,100000].
     #[arg(long, value_delimiter = ',')]
     backlogs: Vec<usize>,
+    /// Run the whole sweep this many times (1 to 50) and report each row's median, with
+    /// every round's ratio and their range: one run's ratios move by ±15 % between runs
+    /// on a shared machine.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
 }
 
+/// Most rounds `--rounds` accepts.
+const MAX_ROUNDS: usize = 50;
+
+/// `docwarden bench`: the sweep `--rounds` times, then one table (or JSON array) of the
+/// rows' medians.
 pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.duration > 0, "--duration must be at least 1 second");
+    anyhow::ensure!(
+        (1..=MAX_ROUNDS).contains(&args.rounds),
+        "--rounds must be between 1 and {MAX_ROUNDS} (got {})",
+        args.rounds
+    );
     anyhow::ensure!(
         !args.workers.is_empty() && args.workers.iter().all(|w| *w > 0),
         "--workers must list counts of at least 1"
@@ -417,23 +457,58 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         let bar = indicatif::ProgressBar::new_spinner();
         bar.set_style(indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed}] {msg}",
+            "{spinner} [{elapsed}] {prefix}{msg}",
         )?);
         bar.enable_steady_tick(Duration::from_millis(200));
         bar
     };
+    // Every worker count's load; `sweep` sets the worker count and the reference.
+    let load = Load {
+        workers: 0,
+        duration: Duration::from_secs(args.duration),
+        progress: progress.clone(),
+        commands,
+        stages: args.stages,
+        batch_size: args.batch_size,
+        backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
+        server_pid,
+        reference: None,
+    };
+    let mut rounds = Vec::with_capacity(args.rounds);
+    for round in 1..=args.rounds {
+        if args.rounds > 1 {
+            progress.set_prefix(format!("round {round}/{} · ", args.rounds));
+        }
+        rounds.push(sweep(&client, &load, &args.workers, &args.only).await?);
+    }
+    progress.finish_and_clear();
+    let rows = aggregate(rounds);
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, markdown(&rows) + &targets::markdown(&rows))?;
+    }
+    if args.json {
+        crate::output::print_json(&rows)?;
+    } else {
+        print!("{}{}", markdown(&rows), targets::markdown(&rows));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One round: for every worker count, a fresh database, the reference row and the
+/// workloads. `load` is every worker count's load; the worker count and the reference
+/// are set here.
+async fn sweep(
+    client: &Client,
+    load: &Load,
+    worker_counts: &[usize],
+    only: &[String],
+) -> anyhow::Result<Vec<BenchRow>> {
     let mut rows = Vec::new();
-    for &workers in &args.workers {
+    for &workers in worker_counts {
         let load = Load {
             workers,
-            duration: Duration::from_secs(args.duration),
-            progress: progress.clone(),
-            commands: commands.clone(),
-            stages: args.stages,
-            batch_size: args.batch_size,
-            backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
-            server_pid,
             reference: None,
+            ..load.clone()
         };
         let db = client.database(&format!("docwarden_bench_{:08x}", rand::random::<u32>()));
         let (row, reference) = reference(&db, &load).await?;
@@ -443,7 +518,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
             ..load
         };
         let mut measured = vec![row];
-        for row in workloads(&db, &load, &args.only).await? {
+        for row in workloads(&db, &load, only).await? {
             // Rows without a reference of their own (the wake-up latencies) divide by the
             // column's first reference.
             measured.push(if row.ratio.is_nan() {
@@ -459,16 +534,92 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         db.drop().await?;
         rows.extend(measured);
     }
-    progress.finish_and_clear();
-    if let Some(path) = &args.markdown {
-        std::fs::write(path, markdown(&rows) + &targets::markdown(&rows))?;
+    Ok(rows)
+}
+
+/// The rows of every round (each in the order it was measured) as one row per workload:
+/// each number the median of its rounds, with each round's ratio and their range.
+///
+/// A row is matched across rounds by its name, its worker count and which occurrence of
+/// that pair in its round it is (the wake-up rows run with one worker in every worker
+/// count's sweep, so `--workers 1,8` has them twice per round, each with its own
+/// reference). Rows keep the first round's order; a row missing from some round (not
+/// expected) is the median of the rounds it has, and its `rounds` says how many.
+pub(crate) fn aggregate(rounds: Vec<Vec<BenchRow>>) -> Vec<BenchRow> {
+    let mut groups: Vec<Vec<BenchRow>> = Vec::new();
+    let mut group_of: HashMap<(String, usize, usize), usize> = HashMap::new();
+    for round in rounds {
+        let mut seen: HashMap<(String, usize), usize> = HashMap::new();
+        for row in round {
+            let occurrence = seen.entry((row.name.clone(), row.workers)).or_default();
+            let key = (row.name.clone(), row.workers, *occurrence);
+            *occurrence += 1;
+            let group = *group_of.entry(key).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            if let Some(group) = groups.get_mut(group) {
+                group.push(row);
+            }
+        }
     }
-    if args.json {
-        crate::output::print_json(&rows)?;
+    groups.into_iter().filter_map(combine).collect()
+}
+
+/// One row's rounds as one row (`None` for no rounds): see [`aggregate`].
+fn combine(rows: Vec<BenchRow>) -> Option<BenchRow> {
+    let f = |field: fn(&BenchRow) -> f64| median(rows.iter().map(field)).unwrap_or(f64::NAN);
+    let opt = |field: fn(&BenchRow) -> Option<f64>| median(rows.iter().filter_map(field));
+    let int = |field: fn(&BenchRow) -> u64| median_u64(rows.iter().map(field).collect());
+    let ratios: Vec<f64> = rows.iter().map(|r| r.ratio).collect();
+    let first = rows.first()?;
+    Some(BenchRow {
+        name: first.name.clone(),
+        workers: first.workers,
+        ops: int(|r| r.ops),
+        ops_per_sec: f(|r| r.ops_per_sec),
+        p50_us: int(|r| r.p50_us),
+        p99_us: int(|r| r.p99_us),
+        ratio: f(|r| r.ratio),
+        reference_ops_per_sec: f(|r| r.reference_ops_per_sec),
+        round_trips_per_op: f(|r| r.round_trips_per_op),
+        server_cpu_us_per_op: opt(|r| r.server_cpu_us_per_op),
+        client_cpu_us_per_op: opt(|r| r.client_cpu_us_per_op),
+        rounds: rows.len(),
+        // `f64::min`/`max` skip a NaN operand, so NaN stays only when every ratio is NaN.
+        ratio_min: ratios.iter().copied().fold(f64::NAN, f64::min),
+        ratio_max: ratios.iter().copied().fold(f64::NAN, f64::max),
+        ratios,
+    })
+}
+
+/// The median of `values`, NaNs left out (a round without items has a NaN round trips
+/// per item): the middle value, or the mean of the two middle values of an even count;
+/// `None` when no value is left.
+fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.filter(|x| !x.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if !v.len().is_multiple_of(2) {
+        v.get(mid).copied()
     } else {
-        print!("{}{}", markdown(&rows), targets::markdown(&rows));
+        Some((v.get(mid.checked_sub(1)?)? + v.get(mid)?) / 2.0)
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// The median of `values` rounded to an integer (half up); 0 for no values.
+fn median_u64(mut values: Vec<u64>) -> u64 {
+    values.sort_unstable();
+    let mid = values.len() / 2;
+    match (
+        mid.checked_sub(1).and_then(|m| values.get(m)),
+        values.get(mid),
+    ) {
+        // `midpoint` rounds down; an odd sum is a half, rounded up.
+        (Some(&a), Some(&b)) if values.len().is_multiple_of(2) => a.midpoint(b) + ((a ^ b) & 1),
+        (_, Some(&m)) => m,
+        _ => 0,
+    }
 }
 
 /// The server's process id from `serverStatus` (MongoDB and secantusd-rs both report
@@ -541,14 +692,31 @@ fn micros(us: Option<f64>) -> String {
     us.map_or_else(|| "—".to_owned(), |us| format!("{us:.0}"))
 }
 
-/// The rows as a markdown table.
+/// The rows as a markdown table. With rounds (a row of more than one), a `ratio range`
+/// column follows the ratio (the median): each row's lowest and highest ratio.
 pub(crate) fn markdown(rows: &[BenchRow]) -> String {
-    let mut out = String::from(
-        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one | rt/op | server CPU µs/op | client CPU µs/op | ref ops/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    let rounds = rows.iter().map(|r| r.rounds).max().unwrap_or(1);
+    let (range_head, range_align) = if rounds > 1 {
+        (format!(" ratio range ({rounds} rounds) |"), "---:|")
+    } else {
+        (String::new(), "")
+    };
+    let mut out = format!(
+        "| workload | workers | ops | ops/s | p50 (µs) | p99 (µs) | ratio to update_one |{range_head} rt/op | server CPU µs/op | client CPU µs/op | ref ops/s |\n|---|---:|---:|---:|---:|---:|---:|{range_align}---:|---:|---:|---:|\n",
     );
     for r in rows {
+        let range = if rounds == 1 {
+            String::new()
+        } else if r.rounds == rounds {
+            format!(" {:.2}–{:.2}× |", r.ratio_min, r.ratio_max)
+        } else {
+            format!(
+                " {:.2}–{:.2}× ({} of {rounds} rounds) |",
+                r.ratio_min, r.ratio_max, r.rounds
+            )
+        };
         out.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× | {:.2} | {} | {} | {:.0} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {:.2}× |{range} {:.2} | {} | {} | {:.0} |\n",
             r.name,
             r.workers,
             r.ops,
@@ -563,4 +731,139 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row as measured: `ratio` and `ops`, server CPU when given, no client CPU.
+    fn row(name: &str, workers: usize, ratio: f64, ops: u64, cpu: Option<f64>) -> BenchRow {
+        BenchRow {
+            name: name.to_owned(),
+            workers,
+            ops,
+            ops_per_sec: ratio * 1000.0,
+            p50_us: ops,
+            p99_us: ops,
+            ratio,
+            reference_ops_per_sec: 1000.0,
+            round_trips_per_op: 1.0,
+            server_cpu_us_per_op: cpu,
+            client_cpu_us_per_op: None,
+            rounds: 1,
+            ratios: Vec::new(),
+            ratio_min: f64::NAN,
+            ratio_max: f64::NAN,
+        }
+    }
+
+    #[test]
+    fn an_odd_count_of_rounds_takes_the_middle_value_and_keeps_the_first_rounds_order() {
+        let rows = aggregate(vec![
+            vec![
+                row(REFERENCE, 1, 1.0, 10, Some(5.0)),
+                row("a", 1, 0.9, 7, None),
+            ],
+            // Another order in this round: the first round's stands.
+            vec![
+                row("a", 1, 0.5, 3, Some(2.0)),
+                row(REFERENCE, 1, 1.0, 30, Some(1.0)),
+            ],
+            vec![
+                row(REFERENCE, 1, 1.0, 20, Some(3.0)),
+                row("a", 1, 0.6, 5, Some(4.0)),
+            ],
+        ]);
+        let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, [REFERENCE, "a"]);
+        let [reference, a] = rows.as_slice() else {
+            panic!("two rows: {rows:?}");
+        };
+        assert_eq!((reference.ops, reference.p50_us), (20, 20));
+        assert_eq!(reference.server_cpu_us_per_op, Some(3.0));
+        assert_eq!(a.rounds, 3);
+        assert_eq!(a.ratios, [0.9, 0.5, 0.6], "in round order");
+        assert!((a.ratio - 0.6).abs() < 1e-12, "{a:?}");
+        assert!((a.ops_per_sec - 600.0).abs() < 1e-9, "{a:?}");
+        assert_eq!((a.ratio_min, a.ratio_max), (0.5, 0.9));
+        assert_eq!(a.ops, 5);
+        // The median of the two rounds that measured it.
+        assert_eq!(a.server_cpu_us_per_op, Some(3.0));
+        assert_eq!(a.client_cpu_us_per_op, None, "no round measured it");
+    }
+
+    #[test]
+    fn an_even_count_of_rounds_takes_the_mean_of_the_two_middle_values() {
+        let rows = aggregate(vec![
+            vec![row("a", 8, 0.4, 3, Some(4.0))],
+            vec![row("a", 8, 1.0, 10, None)],
+            vec![row("a", 8, 0.6, 4, Some(8.0))],
+            vec![row("a", 8, 0.5, 6, None)],
+        ]);
+        let [a] = rows.as_slice() else {
+            panic!("one row: {rows:?}");
+        };
+        assert_eq!(a.rounds, 4);
+        assert!((a.ratio - 0.55).abs() < 1e-12, "{a:?}");
+        assert_eq!((a.ratio_min, a.ratio_max), (0.4, 1.0));
+        // (4 + 6) / 2 = 5; two values of an odd sum round up: (4 + 8) / 2 = 6 below.
+        assert_eq!(a.ops, 5);
+        // Two rounds have a server CPU reading: their mean.
+        assert_eq!(a.server_cpu_us_per_op, Some(6.0));
+        let rows = aggregate(vec![
+            vec![row("b", 1, 0.5, 3, None)],
+            vec![row("b", 1, 0.5, 4, None)],
+        ]);
+        assert_eq!(rows.first().map(|r| r.ops), Some(4), "3.5 rounds up");
+    }
+
+    #[test]
+    fn a_single_round_is_the_row_as_measured_with_one_ratio() {
+        let measured = row("a", 4, 0.7, 9, Some(2.5));
+        let rows = aggregate(vec![vec![measured.clone()]]);
+        let [a] = rows.as_slice() else {
+            panic!("one row: {rows:?}");
+        };
+        assert_eq!((a.rounds, a.ratios.as_slice()), (1, [0.7].as_slice()));
+        assert_eq!((a.ratio, a.ratio_min, a.ratio_max), (0.7, 0.7, 0.7));
+        assert_eq!((a.ops, a.ops_per_sec), (measured.ops, measured.ops_per_sec));
+        assert_eq!(a.server_cpu_us_per_op, Some(2.5));
+        assert_eq!(
+            markdown(&rows),
+            markdown(std::slice::from_ref(&measured)),
+            "the table of one round has no range column"
+        );
+        assert!(!markdown(&rows).contains("range"));
+    }
+
+    #[test]
+    fn rows_repeated_within_a_round_stay_apart_and_a_missing_row_counts_its_rounds() {
+        // The wake-up rows run with one worker in every worker count's sweep.
+        let rows = aggregate(vec![
+            vec![
+                row("wake", 1, 0.2, 1, None),
+                row("x", 8, 0.9, 1, None),
+                row("wake", 1, 0.4, 1, None),
+            ],
+            vec![row("wake", 1, 0.3, 1, None), row("wake", 1, 0.5, 1, None)],
+        ]);
+        let got: Vec<(&str, usize, f64)> = rows
+            .iter()
+            .map(|r| (r.name.as_str(), r.rounds, r.ratio))
+            .collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert_eq!(got.get(1), Some(&("x", 1, 0.9)));
+        for ((_, rounds, ratio), want) in [got[0], got[2]].into_iter().zip([0.25, 0.45]) {
+            assert_eq!(rounds, 2);
+            assert!((ratio - want).abs() < 1e-12, "{got:?}");
+        }
+        let table = markdown(&rows);
+        assert!(table.contains("| ratio range (2 rounds) |"), "{table}");
+        assert!(
+            table.contains("| 0.90× | 0.90–0.90× (1 of 2 rounds) |"),
+            "{table}"
+        );
+        assert!(table.contains("| 0.25× | 0.20–0.30× |"), "{table}");
+    }
 }

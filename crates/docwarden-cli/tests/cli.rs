@@ -417,6 +417,62 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
     Ok(())
 }
 
+/// With `--rounds` the bench runs the sweep that many times and each row is the median of
+/// its rounds, with every round's ratio and their range; `--rounds 0` is refused.
+#[test]
+fn bench_with_rounds_reports_each_rows_median_and_range() -> anyhow::Result<()> {
+    let out = docwarden()
+        .args([
+            "bench",
+            "--only",
+            "guard",
+            "--workers",
+            "1",
+            "--duration",
+            "1",
+        ])
+        .args(["--rounds", "2", "--json"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(
+        rows.len(),
+        3,
+        "reference, guard and batched guard: {rows:?}"
+    );
+    for row in &rows {
+        assert_eq!(row["rounds"], 2, "{row}");
+        let ratios: Vec<f64> = row["ratios"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("no ratios in {row}"))?
+            .iter()
+            .filter_map(serde_json::Value::as_f64)
+            .collect();
+        assert_eq!(ratios.len(), 2, "{row}");
+        let number = |field: &str| {
+            row[field]
+                .as_f64()
+                .ok_or_else(|| anyhow::anyhow!("{field} missing in {row}"))
+        };
+        let (ratio, min, max) = (number("ratio")?, number("ratio_min")?, number("ratio_max")?);
+        assert!(min <= ratio && ratio <= max, "{row}");
+        // The median of two rounds is their mean.
+        assert!(
+            (ratio - (ratios[0] + ratios[1]) / 2.0).abs() < 1e-9,
+            "{row}"
+        );
+    }
+
+    let (code, stderr) = code_and_stderr(docwarden().args(["bench", "--rounds", "0"]))?;
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("--rounds"), "{stderr}");
+    Ok(())
+}
+
 /// With `--stages` the bench ends with issue 14's targets, each beside its floor (the same
 /// writes sent raw) and its CPU bound, read off the same run.
 #[test]

@@ -150,6 +150,10 @@ async fn worker_row(
         round_trips_per_op: per_op(timed.commands, timed.ops),
         server_cpu_us_per_op: timed.server_cpu.and_then(|cpu| per_item(cpu, timed.ops)),
         client_cpu_us_per_op: timed.client_cpu.and_then(|cpu| per_item(cpu, timed.ops)),
+        rounds: 1,
+        ratios: Vec::new(),
+        ratio_min: f64::NAN,
+        ratio_max: f64::NAN,
     })
 }
 

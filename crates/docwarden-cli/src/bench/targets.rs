@@ -18,6 +18,10 @@
 //! operation moves it; well below it, the row leaves CPU idle (it waits on round trips,
 //! and more work in flight would help). `—` where a CPU reading is missing (a server
 //! given with `--uri`).
+//!
+//! With `--rounds` the table reads the aggregated rows: every ratio, floor and CPU reading
+//! in it is the median of the rounds (the main table's `ratio range` gives each row's
+//! spread).
 
 use std::fmt::Write as _;
 
@@ -135,9 +139,15 @@ pub(crate) fn markdown(rows: &[BenchRow]) -> String {
     if lines.is_empty() {
         return lines;
     }
+    let rounds = rows.iter().map(|r| r.rounds).max().unwrap_or(1);
+    let medians = if rounds > 1 {
+        format!("; ratios, floors and CPU bounds from the medians of {rounds} rounds")
+    } else {
+        String::new()
+    };
     format!(
         "\nTargets (issue 14) and their floors (the same writes sent raw; `--stages`); CPU \
-         bound: the reference's server + client CPU per operation over the row's:\n\n\
+         bound: the reference's server + client CPU per operation over the row's{medians}:\n\n\
          | target row | workers | ratio | target | met | floor | share of floor | floor reaches target | CPU bound |\n\
          |---|---:|---:|---:|---|---:|---:|---|---:|\n{lines}"
     )
@@ -165,6 +175,10 @@ mod tests {
             round_trips_per_op: 1.0,
             server_cpu_us_per_op: cpu,
             client_cpu_us_per_op: cpu,
+            rounds: 1,
+            ratios: vec![ratio],
+            ratio_min: ratio,
+            ratio_max: ratio,
         }
     }
 
@@ -217,6 +231,18 @@ mod tests {
             )),
             "{table}"
         );
+    }
+
+    #[test]
+    fn with_rounds_the_heading_says_the_ratios_are_medians() {
+        let one = vec![row(guard::ONE_PER_CALL, 8, 0.7)];
+        assert!(!markdown(&one).contains("median"), "{}", markdown(&one));
+        let rounds = vec![BenchRow {
+            rounds: 3,
+            ..row(guard::ONE_PER_CALL, 8, 0.7)
+        }];
+        let table = markdown(&rounds);
+        assert!(table.contains("the medians of 3 rounds:"), "{table}");
     }
 
     #[test]

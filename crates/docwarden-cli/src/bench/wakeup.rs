@@ -131,6 +131,10 @@ async fn one(
         round_trips_per_op: super::per_op(commands, samples),
         server_cpu_us_per_op: None,
         client_cpu_us_per_op: None,
+        rounds: 1,
+        ratios: Vec::new(),
+        ratio_min: f64::NAN,
+        ratio_max: f64::NAN,
     };
     Ok([
         row(name.to_owned(), &hist),

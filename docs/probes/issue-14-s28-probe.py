@@ -80,4 +80,5 @@ def main():
               f"{inside / s27.jobs[form] / 1000:7.1f} under the collection's write mutex")
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -70,8 +70,9 @@ def measured(label, n, fn):
     return out
 
 
-def core_share(label):
-    """Instructions of the dumps of `label` inside `update_matching_core` (callgrind_annotate)."""
+def core_share(label, functions=("Storage::update_matching_core ",)):
+    """Instructions of the dumps of `label` inside `functions`, by default
+    `update_matching_core` (callgrind_annotate, inclusive)."""
     inside = 0
     for f in glob.glob(f"{OUT}/cg.out.{PID}.*"):
         if os.path.getmtime(f) < STARTED:
@@ -80,7 +81,7 @@ def core_share(label):
             continue
         out = subprocess.run(["callgrind_annotate", "--inclusive=yes", f], capture_output=True, text=True).stdout
         for line in out.splitlines():
-            if "Storage::update_matching_core " in line:
+            if any(fn in line for fn in functions):
                 inside += int(line.split()[0].replace(",", ""))
     return inside
 

@@ -36,22 +36,6 @@ FORMS = sys.argv[1:] or ["pipeline", "delete", "purge"]
 MUTEX = ("Storage::update_matching_core ", "Storage::delete_matching_hinted ")
 
 
-def under_mutex(label):
-    """Instructions of `label`'s dumps inside the write paths that hold `coll_lock`."""
-    inside = 0
-    for f in s27.glob.glob(f"{s27.OUT}/cg.out.{s27.PID}.*"):
-        if os.path.getmtime(f) < s27.STARTED:
-            continue
-        if f"Trigger: dump {label}\n" not in open(f, "rb").read().decode("utf-8", "replace"):
-            continue
-        out = s27.subprocess.run(["callgrind_annotate", "--inclusive=yes", f],
-                                 capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if any(m in line for m in MUTEX):
-                inside += int(line.split()[0].replace(",", ""))
-    return inside
-
-
 def main():
     q = s27.c.cgs29.jobs
     s27.fill(q, 30000)
@@ -79,7 +63,7 @@ def main():
                 return done.modified_count, gone.deleted_count
             assert s27.measured(form, len(ids), both) == (len(ids), len(ids))
     for form in FORMS:
-        inside = under_mutex(form)
+        inside = s27.core_share(form, MUTEX)
         print(f"{form:9} {s27.totals[form] / s27.jobs[form] / 1000:7.1f} kIr per job, "
               f"{inside / s27.jobs[form] / 1000:7.1f} under the collection's write mutex")
 

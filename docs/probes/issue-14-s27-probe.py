@@ -62,6 +62,18 @@ def claim_filter(ids, now):
             "run_at": {"$lte": now}, "limits": None}
 
 
+def claim_batch(q, r):
+    """Claims the 64 jobs round `r` reads first, as a batch claim does (`updateMany` by
+    `_id`, outside any measured window): their ids, the claim's time and its token."""
+    ids = [d["_id"] for d in candidates(q, r, 1, 64, {"_id": 1})]
+    now, token = datetime.datetime.now(), uuid.uuid4().hex
+    lease = {"owner": "w", "token": token, "until": now + datetime.timedelta(seconds=30)}
+    claimed = q.update_many(claim_filter(ids, now), {
+        "$set": {"state": "running", "lease": lease, "updated_at": now}, "$inc": {"attempts": Int64(1)}})
+    assert claimed.modified_count == len(ids)
+    return ids, now, token
+
+
 def measured(label, n, fn):
     callgrind.zero(c, PID)
     out = fn()

@@ -10,7 +10,7 @@
 # embedded server executes (callgrind's Ir), in all and under the collection's write mutex
 # (`update_matching_core`). Jobs, partitions and indexes as in the session 27 probe
 # (INDEXES= as there; ROUNDS rounds per form, forms shuffled in each round).
-import datetime, random, uuid
+import random
 import importlib.util, os, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,13 +49,7 @@ def main():
     s27.fill(q, 30000)
     order = [f for _ in range(s27.ROUNDS) for f in random.sample(FORMS, len(FORMS))]
     for r, form in enumerate(order):
-        ids = [d["_id"] for d in s27.candidates(q, r, 1, 64, {"_id": 1})]
-        now, token = datetime.datetime.now(), uuid.uuid4().hex
-        lease = {"owner": "w", "token": token, "until": now + datetime.timedelta(seconds=30)}
-        s27.callgrind.zero(s27.c, s27.PID)
-        claimed = q.update_many(s27.claim_filter(ids, now), {
-            "$set": {"state": "running", "lease": lease, "updated_at": now}, "$inc": {"attempts": Int64(1)}})
-        assert claimed.modified_count == len(ids)
+        ids, now, token = s27.claim_batch(q, r)
         fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
         settled = {"token": token, "by": "complete"}
         set_ = {"state": "succeeded", "result": None, "finished_at": now, "updated_at": now, "settled": settled}

@@ -13,7 +13,7 @@
 #   purge    - what a queue that keeps them pays later: the completion, then `purge`'s
 #              `deleteMany` of the succeeded jobs by `_id` (`queue/ops.rs`), both counted.
 # Jobs, partitions and indexes as in the session 27 probe (INDEXES= as there).
-import datetime, importlib.util, os, random, sys, uuid
+import importlib.util, os, random, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,7 +27,6 @@ def load(name, file):
 
 s27 = load("s27", "issue-14-s27-probe.py")
 s28 = load("s28", "issue-14-s28-probe.py")
-from bson import Int64  # noqa: E402
 
 FORMS = sys.argv[1:] or ["pipeline", "delete", "purge"]
 # `update_matching_core` holds `coll_lock` throughout; a `deleteMany` takes it at the top of
@@ -41,12 +40,7 @@ def main():
     s27.fill(q, 30000)
     order = [f for _ in range(s27.ROUNDS) for f in random.sample(FORMS, len(FORMS))]
     for r, form in enumerate(order):
-        ids = [d["_id"] for d in s27.candidates(q, r, 1, 64, {"_id": 1})]
-        now, token = datetime.datetime.now(), uuid.uuid4().hex
-        lease = {"owner": "w", "token": token, "until": now + datetime.timedelta(seconds=30)}
-        claimed = q.update_many(s27.claim_filter(ids, now), {
-            "$set": {"state": "running", "lease": lease, "updated_at": now}, "$inc": {"attempts": Int64(1)}})
-        assert claimed.modified_count == len(ids)
+        ids, now, token = s27.claim_batch(q, r)
         fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
         settled = {"token": token, "by": "complete"}
         if form == "pipeline":

@@ -352,6 +352,16 @@ fn demo_runs_every_seed_scenario_with_zero_violations() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The JSON array a successful `--json` run printed (the run's stderr if it failed).
+fn json_rows(out: &std::process::Output) -> anyhow::Result<Vec<serde_json::Value>> {
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
 #[test]
 fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -360,12 +370,7 @@ fn bench_json_rows_carry_every_number_and_match_the_markdown() -> anyhow::Result
     let out = docwarden()
         .args(["bench", "--duration", "1", "--json", "--markdown", md_arg])
         .output()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let rows = json_rows(&out)?;
     let table = std::fs::read_to_string(&md)?;
     assert!(
         rows.len() >= 10,
@@ -433,12 +438,7 @@ fn bench_with_rounds_reports_each_rows_median_and_range() -> anyhow::Result<()> 
         ])
         .args(["--rounds", "2", "--json"])
         .output()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let rows = json_rows(&out)?;
     assert_eq!(
         rows.len(),
         3,
@@ -518,12 +518,7 @@ async fn bench_on_a_given_uri_counts_round_trips_by_driver_monitoring() -> anyho
         .args(["--uri", uri.as_str()])
         .output()
         .await?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let rows = json_rows(&out)?;
     assert_eq!(
         rows.len(),
         3,

@@ -24,12 +24,14 @@ pub const INSTALL_HINT: &str = "Install it with:\n  apt-get update && apt-get in
 const CONTROLLER: &str = r#"
 dir="$1"; log="$2"; cleanup="$3"; bin="$4"
 pid=""
-exec 3<&0
+# The controller outlives its parent while it stops the server (a test process that has
+# exited): its errors go to the log, so it holds none of the parent's output open.
+exec 3<&0 2>>"$log"
 stop_server() {
   if [ -n "$pid" ]; then
     kill "-$1" "$pid" 2>/dev/null
     kill -CONT "$pid" 2>/dev/null
-    ( sleep 15; kill -KILL "$pid" 2>/dev/null ) & timer=$!
+    ( sleep 15; kill -KILL "$pid" 2>/dev/null ) </dev/null >/dev/null 2>&1 & timer=$!
     wait "$pid"; status=$?
     kill "$timer" 2>/dev/null
     pid=""

@@ -16,7 +16,9 @@
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
-//! insertion (the test-only control; it runs last, as it leaves unsorted documents).
+//! insertion (the test-only control; it runs last, as it leaves unsorted documents). Those
+//! run on the seed's set; the in-order row's own floor, a bare `update_one` by `_id` on
+//! documents of its shape, runs just before it.
 
 use docwarden::sequence::{SequencedSet, SetOptions};
 use docwarden_workloads::Mode;
@@ -27,8 +29,13 @@ use mongodb::{Collection, Database};
 
 /// In-order applies, one `apply` per call (an issue 14 target row).
 pub(crate) const IN_ORDER: &str = "sequence: in-order stream, every member seen";
-/// The bare write of one apply on the same documents (its floor, `--stages`).
+/// The bare write of one apply on the seed's set (`--stages`): by its `student_id` key.
 pub(crate) const BARE: &str = "sequence stage: update_one by key, $inc";
+/// The bare write of one in-order apply on the in-order row's documents: `update_one` by
+/// `_id` with `$inc`, on a set of the same shape (keyed by `_id`, no members index, every
+/// member seen). The in-order target row's floor (`--stages`).
+pub(crate) const IN_ORDER_BARE: &str =
+    "sequence stage: update_one by _id, $inc (in-order documents)";
 
 use super::{BenchRow, Load, measure};
 
@@ -99,6 +106,28 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
     // state entry (seq 0): first an in-order stream (every message newer than the last, so
     // every apply applies: the case the operator form is for), then random numbers (about
     // half the applies stale or duplicate: its worst case after first touches).
+    if load.stages {
+        // The in-order row's floor, on documents of its shape (the stage rows above run on
+        // the seed's set, keyed by `student_id` with a members index).
+        let coll = seen_set(db, "bench_sequence_in_order_floor", true)
+            .await?
+            .collection()
+            .clone();
+        rows.push(
+            measure(IN_ORDER_BARE, load, move |_| {
+                let c = coll.clone();
+                async move {
+                    c.update_one(
+                        doc! { "_id": rand::random_range(0..KEYS) },
+                        doc! { "$inc": { "bench_n": 1 } },
+                    )
+                    .await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+    }
     for operator_form in [false, true] {
         let set = seen_set(db, "bench_sequence_in_order", operator_form).await?;
         let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));

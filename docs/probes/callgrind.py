@@ -36,3 +36,30 @@ def dump(out, pid, label):
                               if l.startswith(("summary:", "totals:"))), None)
                 if total is not None:
                     return total
+
+
+def connect(default_port):
+    """A client of the server on localhost at port `PORT` (environment; `default_port`
+    without it), and the server's pid for `zero` and `dump`."""
+    from pymongo import MongoClient
+    port = os.environ.get("PORT", str(default_port))
+    client = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true")
+    return client, client.admin.command("serverStatus")["pid"]
+
+
+def variants(client, pid, out, names, run, rounds, n, prefix):
+    """kIr per operation of each variant in `names`, over `rounds` rounds in a shuffled order
+    per round: `run(name)` sends `n` operations of the variant once to warm up, then once
+    counted. Returns `{name: [kIr per op, one per round]}`, and prints it."""
+    import random
+    results = {name: [] for name in names}
+    for r in range(rounds):
+        for name in random.sample(list(names), len(names)):
+            run(name)
+            zero(client, pid)
+            run(name)
+            results[name].append(dump(out, pid, f"{prefix}{r}-{name}") / n / 1000)
+    width = max(len(name) for name in names)
+    for name, values in results.items():
+        print(f"{name:{width}} kIr/op: " + " / ".join(f"{v:,.0f}" for v in values))
+    return results

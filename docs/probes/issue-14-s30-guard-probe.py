@@ -12,15 +12,13 @@
 # server's port (27995).
 import datetime, os, random, sys
 
-from pymongo import MongoClient
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
 
 OUT = os.environ.get("CGDIR", "/tmp/sq")
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 N = int(os.environ.get("N", "600"))
-c = MongoClient(f"mongodb://127.0.0.1:{os.environ.get('PORT', '27995')}/?directConnection=true")
+c, PID = callgrind.connect(27995)
 co = c.sq.shifts
 DOCTORS = ["Alice", "Bob", "Carol"]
 SHIFTS = 1000
@@ -87,18 +85,5 @@ def op(name):
 
 VARIANTS = ["reference-inc-by-id", "seed-elemMatch-positional", "by-id-arrayFilters",
             "guard-pipeline", "guard-pipeline-no-rule", "one-stage-map-only", "diagnosing-read"]
-PID = c.admin.command("serverStatus")["pid"]
 setup()
-results = {k: [] for k in VARIANTS}
-for r in range(ROUNDS):
-    order = list(VARIANTS)
-    random.shuffle(order)
-    for name in order:
-        for _ in range(N):
-            op(name)  # warm
-        callgrind.zero(c, PID)
-        for _ in range(N):
-            op(name)
-        results[name].append(callgrind.dump(OUT, PID, f"g{r}-{name}") / N / 1000)
-for name, v in results.items():
-    print(f"{name:28} kIr/op: " + " / ".join(f"{x:,.0f}" for x in v))
+callgrind.variants(c, PID, OUT, VARIANTS, lambda name: [op(name) for _ in range(N)], ROUNDS, N, "g")

@@ -13,15 +13,13 @@
 # writes what the library would. PORT picks the server's port (27995).
 import os, random, sys
 
-from pymongo import MongoClient
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
 
 OUT = os.environ.get("CGDIR", "/tmp/sq")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 N = int(os.environ.get("N", "1000"))
-c = MongoClient(f"mongodb://127.0.0.1:{os.environ.get('PORT', '27995')}/?directConnection=true")
+c, PID = callgrind.connect(27995)
 co = c.sq.s
 CLASSES = ["CS 101", "CS 201", "MATH 2", "PHYS 1", "HIST 3", "ART 4"]
 STATE = "_seq_sets.classes.state"
@@ -127,16 +125,5 @@ def run(name, state):
         state[(key, m)] = present
 
 
-PID = c.admin.command("serverStatus")["pid"]
 state = setup()
-results = {k: [] for k in VARIANTS}
-for r in range(ROUNDS):
-    order = list(VARIANTS)
-    random.shuffle(order)
-    for name in order:
-        run(name, state)  # warm
-        callgrind.zero(c, PID)
-        run(name, state)
-        results[name].append(callgrind.dump(OUT, PID, f"r{r}-{name}") / N / 1000)
-for name, v in results.items():
-    print(f"{name:32} kIr/op: " + " / ".join(f"{x:,.0f}" for x in v))
+callgrind.variants(c, PID, OUT, list(VARIANTS), lambda name: run(name, state), ROUNDS, N, "r")

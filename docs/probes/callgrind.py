@@ -38,6 +38,13 @@ def dump(out, pid, label):
                     return total
 
 
+def settings(rounds, n):
+    """`(CGDIR, ROUNDS, N)` from the environment: the dump directory (`/tmp/sq`), rounds
+    per variant and operations per counted run (defaults `rounds` and `n`)."""
+    return (os.environ.get("CGDIR", "/tmp/sq"), int(os.environ.get("ROUNDS", str(rounds))),
+            int(os.environ.get("N", str(n))))
+
+
 def connect(default_port):
     """A client of the server on localhost at port `PORT` (environment; `default_port`
     without it), and the server's pid for `zero` and `dump`."""

@@ -74,6 +74,28 @@ def claim_batch(q, r):
     return ids, now, token
 
 
+def claimed_rounds(db, forms):
+    """Fills `db.jobs` with 30,000 jobs, then yields one claimed batch per form and round
+    (forms shuffled in each of `ROUNDS` rounds): `(q, form, ids, now, fence, settled)`,
+    with the completion's fence (`_id`, `state`, `lease.token`) and its `settled` proof."""
+    q = db.jobs
+    fill(q, 30000)
+    order = [f for _ in range(ROUNDS) for f in random.sample(forms, len(forms))]
+    for r, form in enumerate(order):
+        ids, now, token = claim_batch(q, r)
+        fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
+        yield q, form, ids, now, fence, {"token": token, "by": "complete"}
+
+
+def summary(forms, functions=("Storage::update_matching_core ",)):
+    """Prints each form's kIr per job, in all and inside `functions` (the mutex)."""
+    width = max(len(f) for f in forms)
+    for form in forms:
+        inside = core_share(form, functions)
+        print(f"{form:{width}} {totals[form] / jobs[form] / 1000:7.1f} kIr per job, "
+              f"{inside / jobs[form] / 1000:7.1f} under the collection's write mutex")
+
+
 def measured(label, n, fn):
     callgrind.zero(c, PID)
     out = fn()

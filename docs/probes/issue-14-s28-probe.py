@@ -10,7 +10,6 @@
 # embedded server executes (callgrind's Ir), in all and under the collection's write mutex
 # (`update_matching_core`). Jobs, partitions and indexes as in the session 27 probe
 # (INDEXES= as there; ROUNDS rounds per form, forms shuffled in each round).
-import random
 import importlib.util, os, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,13 +44,7 @@ def pipeline(result, at, settled, lean=False):
 
 
 def main():
-    q = s27.c.cgs28.jobs
-    s27.fill(q, 30000)
-    order = [f for _ in range(s27.ROUNDS) for f in random.sample(FORMS, len(FORMS))]
-    for r, form in enumerate(order):
-        ids, now, token = s27.claim_batch(q, r)
-        fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
-        settled = {"token": token, "by": "complete"}
+    for q, form, ids, now, fence, settled in s27.claimed_rounds(s27.c.cgs28, FORMS):
         set_ = {"state": "succeeded", "result": None, "finished_at": now, "updated_at": now, "settled": settled}
         if form == "pipeline":
             f, u = fence, pipeline(None, now, settled)
@@ -68,10 +61,7 @@ def main():
         if form == "pipeline-lean":
             d = q.find_one({"_id": ids[0]})
             assert "follow_ups" not in d and "follow_up" not in d and d["state"] == "succeeded", d
-    for form in FORMS:
-        inside = s27.core_share(form)
-        print(f"{form:14} {s27.totals[form] / s27.jobs[form] / 1000:7.1f} kIr per job, "
-              f"{inside / s27.jobs[form] / 1000:7.1f} under the collection's write mutex")
+    s27.summary(FORMS)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 #   purge    - what a queue that keeps them pays later: the completion, then `purge`'s
 #              `deleteMany` of the succeeded jobs by `_id` (`queue/ops.rs`), both counted.
 # Jobs, partitions and indexes as in the session 27 probe (INDEXES= as there).
-import importlib.util, os, random, sys
+import importlib.util, os, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,13 +36,7 @@ MUTEX = ("Storage::update_matching_core ", "Storage::delete_matching_hinted ")
 
 
 def main():
-    q = s27.c.cgs29.jobs
-    s27.fill(q, 30000)
-    order = [f for _ in range(s27.ROUNDS) for f in random.sample(FORMS, len(FORMS))]
-    for r, form in enumerate(order):
-        ids, now, token = s27.claim_batch(q, r)
-        fence = {"_id": {"$in": ids}, "state": "running", "lease.token": token}
-        settled = {"token": token, "by": "complete"}
+    for q, form, ids, now, fence, settled in s27.claimed_rounds(s27.c.cgs29, FORMS):
         if form == "pipeline":
             res = s27.measured(form, len(ids), lambda: q.update_many(fence, s28.pipeline(None, now, settled)))
             assert res.modified_count == len(ids), (form, res.modified_count)
@@ -56,10 +50,7 @@ def main():
                 gone = q.delete_many({"_id": {"$in": ids}, "state": "succeeded"})
                 return done.modified_count, gone.deleted_count
             assert s27.measured(form, len(ids), both) == (len(ids), len(ids))
-    for form in FORMS:
-        inside = s27.core_share(form, MUTEX)
-        print(f"{form:9} {s27.totals[form] / s27.jobs[form] / 1000:7.1f} kIr per job, "
-              f"{inside / s27.jobs[form] / 1000:7.1f} under the collection's write mutex")
+    s27.summary(FORMS, MUTEX)
 
 
 if __name__ == "__main__":

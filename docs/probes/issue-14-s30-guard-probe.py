@@ -15,9 +15,7 @@ import datetime, os, random, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
 
-OUT = os.environ.get("CGDIR", "/tmp/sq")
-ROUNDS = int(os.environ.get("ROUNDS", "2"))
-N = int(os.environ.get("N", "600"))
+OUT, ROUNDS, N = callgrind.settings(2, 600)
 c, PID = callgrind.connect(27995)
 co = c.sq.shifts
 DOCTORS = ["Alice", "Bob", "Carol"]

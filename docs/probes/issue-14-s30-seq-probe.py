@@ -16,9 +16,7 @@ import os, random, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import callgrind  # noqa: E402
 
-OUT = os.environ.get("CGDIR", "/tmp/sq")
-ROUNDS = int(os.environ.get("ROUNDS", "3"))
-N = int(os.environ.get("N", "1000"))
+OUT, ROUNDS, N = callgrind.settings(3, 1000)
 c, PID = callgrind.connect(27995)
 co = c.sq.s
 CLASSES = ["CS 101", "CS 201", "MATH 2", "PHYS 1", "HIST 3", "ART 4"]

@@ -1,19 +1,20 @@
 //! Lock workloads: acquire + release pairs on random resources of a lock collection (each
 //! resource acquired once before the row is measured), and seed 003's locked increments of
 //! document locks (`docwarden_workloads::counters`). With `--stages`, the acquire's and the
-//! release's writes as raw commands on lock-shaped documents.
+//! release's commands sent raw on a lock collection of the same indexes (the pair's floor),
+//! and the document lock's two writes by `_id` alone (its floor).
 
 use std::time::Duration;
 
 use docwarden::clock::{ClockOptions, TimeSource};
-use docwarden::lock::format::collection::{
-    ACQUIRED_AT, ACQUISITION, CEILING, EXPIRES_AT, OWNER, PENDING, TOKEN,
+use docwarden::lock::format::collection::{ACQUISITION, TOKEN};
+use docwarden::lock::{
+    DocumentLockOptions, DocumentLocks, FencingToken, Lease, LockCollection, LockOptions, Owner,
 };
-use docwarden::lock::{DocumentLockOptions, DocumentLocks, LockCollection, LockOptions, Owner};
 use docwarden_workloads::counters::{self, Increment};
-use mongodb::Database;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
+use mongodb::{Collection, Database};
 
 use super::{BenchRow, Load, measure};
 
@@ -23,9 +24,11 @@ const RESOURCES: i64 = 1_000;
 pub(crate) const PAIR: &str = "lock acquire+release";
 /// The acquire's command sent raw (`--stages`).
 pub(crate) const ACQUIRE_STAGE: &str =
-    "lock stage: the acquire's findOneAndUpdate (pipeline, upsert)";
-/// The release's command sent raw (`--stages`).
-pub(crate) const RELEASE_STAGE: &str = "lock stage: the release's updateOne";
+    "lock stage: the acquire's findOneAndUpdate raw (same indexes)";
+/// The acquire's and the release's commands sent raw, one after the other: the pair's floor
+/// (`--stages`).
+pub(crate) const PAIR_STAGE: &str =
+    "lock stage: the acquire's and the release's commands raw (same indexes)";
 /// Seed 003's locked increment (an issue 14 target row).
 pub(crate) const DOCUMENT: &str = "document lock+release_with";
 /// Its two writes by `_id` alone (its floor, `--stages`).
@@ -130,73 +133,90 @@ async fn document_stage(db: &Database, load: &Load) -> anyhow::Result<BenchRow> 
     .await
 }
 
-/// The two writes of a fast-path acquire + release as raw commands on lock-shaped
-/// documents (`docs/locks.md`): the acquire's `findOneAndUpdate` (the library's own filter
-/// `{_id}` and one-stage pipeline, [`LockCollection::acquire_update`], upsert, post-image)
-/// on locks whose expiry has passed, and the release's `updateOne` (filter `{_id, owner,
-/// token, pending absent}`). Their costs against `update_one` say where the time of the
-/// acquire+release row goes.
+/// The lock pair's commands sent raw, on a lock collection of its own opened as the row's
+/// is (`LockCollection::open`: the `gc_at` TTL index and `{owner, _id}`), every resource
+/// acquired and released once first: the acquire's `findOneAndUpdate` alone
+/// ([`ACQUIRE_STAGE`]) and the acquire followed by the release's `updateOne`
+/// ([`PAIR_STAGE`], the pair's floor). Each is the library's own filter and pipeline
+/// ([`LockCollection::acquire_update`], [`LockCollection::release_update_for`]) with the
+/// client's clock for the server's, without what the library does around them (its time
+/// source, the acquisition's landing clean-up, the post-image's checks, tracing and
+/// metrics). Before session 31 the floor was the acquire and an operator-form release
+/// with the filter `{_id, owner, token, pending}` (the release before session 23), on a
+/// collection without the lock collection's indexes.
 async fn stages(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchRow>> {
-    let coll = db.collection::<Document>("bench_lock_stages");
-    coll.insert_many((0..RESOURCES).map(|i| {
-        doc! {
-            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
-            CEILING: i64::MAX, ACQUISITION: "n",
-            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
+    let mut rows = Vec::new();
+    for (name, release) in [(ACQUIRE_STAGE, false), (PAIR_STAGE, true)] {
+        let c = raw_lock_collection(db, &format!("bench_lock_stage_{}", rows.len())).await?;
+        rows.push(
+            measure(name, load, move |worker| {
+                let c = c.clone();
+                async move { raw_pair(&c, worker, release).await }
+            })
+            .await?,
+        );
+    }
+    Ok(rows)
+}
+
+/// A lock collection `name` opened as the row's, with every resource acquired and released
+/// once (its token block reserved), as a plain collection for raw commands.
+async fn raw_lock_collection(db: &Database, name: &str) -> anyhow::Result<Collection<Document>> {
+    let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(db, name, time, LockOptions::default()).await?;
+    let owner = Owner::random();
+    for r in 0..RESOURCES {
+        if let Some(lease) = locks
+            .try_acquire(&owner, &format!("r-{r}"), Duration::from_secs(30))
+            .await?
+        {
+            locks.release(&lease).await?;
         }
-    }))
-    .await?;
-    let c = coll.clone();
-    let acquire = measure(ACQUIRE_STAGE, load, move |_| {
-        let c = c.clone();
-        async move {
-            let id = format!("r-{}", rand::random_range(0..RESOURCES));
-            let now = DateTime::now();
-            let land_by = DateTime::from_millis(now.timestamp_millis() + 2_000);
-            // `owner` stays "o" and the expiry in the past: every call takes the lock.
-            let (filter, update) = LockCollection::acquire_update(
-                &id,
-                "o",
-                "n",
-                now,
-                land_by,
-                now,
-                DateTime::from_millis(0),
-            );
-            c.find_one_and_update(filter, update)
-                .upsert(true)
-                .return_document(ReturnDocument::After)
-                .await?;
-            Ok(1)
-        }
-    })
-    .await?;
-    let c = db.collection::<Document>("bench_lock_stages_release");
-    c.insert_many((0..RESOURCES).map(|i| {
-        doc! {
-            "_id": format!("r-{i}"), OWNER: "o", TOKEN: 1_i64,
-            CEILING: i64::MAX, ACQUISITION: "n",
-            ACQUIRED_AT: DateTime::now(), EXPIRES_AT: DateTime::now(),
-        }
-    }))
-    .await?;
-    let release = measure(
-        RELEASE_STAGE,
-        load,
-        move |_| {
-            let c = c.clone();
-            async move {
-                let id = format!("r-{}", rand::random_range(0..RESOURCES));
-                // Matches (owner "o", token 1): the write a release makes, kept held.
-                c.update_one(
-                    doc! { "_id": id, OWNER: "o", TOKEN: 1_i64, PENDING: { "$exists": false } },
-                    doc! { "$set": { OWNER: "o" }, "$unset": { PENDING: "" }, "$currentDate": { EXPIRES_AT: true } },
-                )
-                .await?;
-                Ok(1)
-            }
-        },
-    )
-    .await?;
-    Ok(vec![acquire, release])
+    }
+    Ok(db.collection(name))
+}
+
+/// One raw acquire of a random resource for worker `worker`'s owner (30 s lease), and with
+/// `release` its release: 1 if the acquire took the lock (0 when another worker held it).
+/// The acquire takes the lock while it is free or its expiry is before now, so an acquire
+/// without its release (the acquire stage) takes it again next time.
+async fn raw_pair(c: &Collection<Document>, worker: usize, release: bool) -> anyhow::Result<u64> {
+    let resource = format!("r-{}", rand::random_range(0..RESOURCES));
+    let owner = format!("bench-{worker}");
+    let nonce = format!("{:x}", rand::random::<u64>());
+    let now = DateTime::now();
+    let later = |ms: i64| DateTime::from_millis(now.timestamp_millis() + ms);
+    let expires_at = later(if release { 30_000 } else { 0 });
+    let (filter, update) = LockCollection::acquire_update(
+        &resource,
+        &owner,
+        &nonce,
+        now,
+        later(2_000),
+        now,
+        expires_at,
+    );
+    let after = c
+        .find_one_and_update(filter, update)
+        .upsert(true)
+        .return_document(ReturnDocument::After)
+        .await?;
+    let Some(token) = after
+        .filter(|d| d.get_str(ACQUISITION).ok() == Some(nonce.as_str()))
+        .and_then(|d| d.get_i64(TOKEN).ok())
+    else {
+        return Ok(0);
+    };
+    if release {
+        let lease = Lease {
+            resource,
+            owner,
+            token: FencingToken::new(token),
+            acquired_at: now,
+            expires_at,
+        };
+        let (filter, update) = LockCollection::release_update_for(&lease);
+        c.update_one(filter, update).await?;
+    }
+    Ok(1)
 }

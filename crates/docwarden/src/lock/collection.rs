@@ -531,6 +531,16 @@ impl LockCollection {
         )
     }
 
+    /// The filter and the update pipeline of [`LockCollection::release`] for `lease` (an
+    /// `updateOne`), for inspection and other-language ports, as
+    /// [`LockCollection::acquire_update`]: the filter is `{_id: resource}` alone, and the
+    /// one-stage pipeline frees the lock (`owner: null`, `expires_at: $$NOW`) only while the
+    /// document still shows `lease` — its owner and token, no acquisition pending — and
+    /// leaves it as it is otherwise (`modifiedCount` 0: the lease was lost).
+    pub fn release_update_for(lease: &Lease) -> (Document, Vec<Document>) {
+        (doc! { "_id": &lease.resource }, release_pipeline(lease))
+    }
+
     /// Tries once to acquire `resource` for `ttl`. `Ok(None)` when it is held by someone
     /// else and not certainly expired (contention is not an error).
     ///
@@ -907,10 +917,8 @@ impl LockCollection {
     /// non-holder can never release); a database error.
     #[instrument(skip(self, lease), fields(collection = %self.locks.name(), resource = %lease.resource, owner = %lease.owner, token = lease.token.get()))]
     pub async fn release(&self, lease: &Lease) -> Result<()> {
-        let result = self
-            .locks
-            .update_one(doc! { "_id": &lease.resource }, release_pipeline(lease))
-            .await?;
+        let (filter, update) = Self::release_update_for(lease);
+        let result = self.locks.update_one(filter, update).await?;
         if result.modified_count == 0 {
             return Err(lost(lease));
         }

@@ -6,7 +6,8 @@
 //! state stored next to the data. (A set sends an operation it expects to apply to a
 //! member that already has a state entry as plain query and update operators instead —
 //! [`set::SetOptions::operator_form`], on by default: still one atomic write deciding the
-//! same rule, the same stored document, see `docs/sequence.md`.) The final document equals the one you get by applying
+//! same rule, the same stored document, see `docs/sequence.md`; registers do the same for a
+//! write that wins by its number, [`register::FieldsOptions::operator_form`].) The final document equals the one you get by applying
 //! the operations one by one in sequence order, for any permutation and any number of
 //! duplicates. A unique index on the key means racing consumers can never create a second
 //! document for it (the first message for a key creates the document empty, idempotently,
@@ -61,6 +62,7 @@
 pub mod batch;
 pub mod compact;
 pub mod encode;
+mod hints;
 pub mod register;
 pub mod set;
 

@@ -1641,3 +1641,191 @@ async fn a_set_pipeline_never_iterates_a_variable() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Register values for the operator form's tests: plain ones it carries, and ones it must
+/// leave to the pipeline (NaN, −0.0, a decimal, a timestamp, a `$`-key, a dotted key),
+/// several equal in MongoDB's comparison order (`7`, `7.0`, `7` as int64).
+fn register_value(i: usize) -> Bson {
+    match i % 14 {
+        0 => Bson::Int32(7),
+        1 => Bson::Double(7.0),
+        2 => Bson::Int64(7),
+        3 => Bson::String("seven".to_owned()),
+        4 => Bson::Document(doc! { "a": 1_i32, "b": [1_i32, "x"] }),
+        5 => Bson::Array(vec![Bson::Int32(1), Bson::Document(doc! { "k": "v" })]),
+        6 => Bson::Double(f64::NAN),
+        7 => Bson::Double(-0.0),
+        8 => Bson::Decimal128(
+            "7.00"
+                .parse()
+                .unwrap_or(mongodb::bson::Decimal128::from_bytes([0; 16])),
+        ),
+        9 => Bson::Timestamp(mongodb::bson::Timestamp {
+            time: 0,
+            increment: 0,
+        }),
+        10 => Bson::Document(doc! { "$x": 1_i32 }),
+        11 => Bson::Document(doc! { "a.b": 1_i32 }),
+        12 => Bson::Null,
+        _ => Bson::Boolean(true),
+    }
+}
+
+// Issue 14, session 31: the registers' operator form (`update_one` with `$set`, tried
+// first for a number above the one the handle last saw stored) must leave the document
+// the pipeline leaves, byte for byte, and report the same outcome for every call — over
+// in-order runs (the form's case), stale and equal numbers, first writes of a field, and
+// values it must leave to the pipeline.
+#[test]
+fn register_operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(TestDb::new("register_operator_form"))?;
+    let (client, log) = rt.block_on(docwarden_testkit::counting_client(t.uri()))?;
+    let coll: Collection<Document> = client.database(t.db.name()).collection("profiles");
+    let by_operators = SequencedFields::new(coll.clone(), FieldsOptions::default())?;
+    let by_pipeline =
+        SequencedFields::new(coll.clone(), FieldsOptions::default().operator_form(false))?;
+    let next_case = std::sync::atomic::AtomicI64::new(0);
+    let updates = std::sync::atomic::AtomicU64::new(0);
+    let config = ProptestConfig {
+        cases: 24,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    // (field, in order?, seq if not, value): about half the writes continue an in-order
+    // run of their field.
+    let ops = prop::collection::vec((0_usize..3, any::<bool>(), 0_i64..8, 0_usize..14), 1..30);
+    proptest!(config, |(ops in ops)| {
+        let case = next_case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        rt.block_on(async {
+            let (a, b) = (2 * case, 2 * case + 1);
+            let mut next = [10_i64; 3];
+            for (i, &(field, in_order, seq, value)) in ops.iter().enumerate() {
+                let name = ["name", "age", "zip"][field];
+                let seq = if in_order {
+                    next[field] += 1;
+                    next[field]
+                } else {
+                    seq
+                };
+                let v = register_value(value);
+                let x = by_operators.set(a, name, v.clone(), seq).await?;
+                let y = by_pipeline.set(b, name, v.clone(), seq).await?;
+                anyhow::ensure!(x == y, "write {i} ({name}, {seq}, {v}): operators {x:?}, pipeline {y:?}");
+            }
+            updates.fetch_add(
+                u64::from(log.take_counts().get("update").copied().unwrap_or(0)),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            let x = stored_bytes(&coll, doc! { "_id": a }, &["_id"]).await?;
+            let y = stored_bytes(&coll, doc! { "_id": b }, &["_id"]).await?;
+            anyhow::ensure!(
+                x == y,
+                "documents differ:\n operators {}\n pipeline  {}",
+                shown(&coll, doc! { "_id": a }).await?,
+                shown(&coll, doc! { "_id": b }).await?,
+            );
+            Ok(())
+        })
+        .map_err(|e: anyhow::Error| TestCaseError::fail(e.to_string()))?;
+    });
+    // The operator form ran (an `update` command per write it applied): the comparison
+    // above is not the pipeline against itself.
+    let updates = updates.into_inner();
+    assert!(updates > 20, "the operator form sent {updates} updates");
+    drop((by_operators, by_pipeline));
+    rt.block_on(async move { drop(t) });
+    Ok(())
+}
+
+// Session 31: an in-order stream of register writes costs one `update` per write after
+// the field's first write (the pipeline's `findAndModify` creates it), and values the
+// operator form leaves alone, hand edits and lost races still reach the pipeline and its
+// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() -> anyhow::Result<()>
+{
+    let t = TestDb::new("register_operator_commands").await?;
+    let (client, log) = docwarden_testkit::counting_client(t.uri()).await?;
+    let coll: Collection<Document> = client.database(t.db.name()).collection("profiles");
+    let fields = SequencedFields::new(coll.clone(), FieldsOptions::default())?;
+    assert_eq!(fields.set("k", "v", 1_i64, 1).await?, ApplyOutcome::Applied);
+    log.take();
+    for seq in 2..=11 {
+        assert_eq!(fields.set("k", "v", seq, seq).await?, ApplyOutcome::Applied);
+    }
+    let sent = log.take_counts();
+    assert_eq!(sent.get("update"), Some(&10), "{sent:?}");
+    assert_eq!(sent.get("findAndModify"), None, "{sent:?}");
+    assert_eq!(fields.get("k", "v").await?, Some((Bson::Int64(11), 11)));
+
+    // A value the form leaves alone: the pipeline, and the same answer.
+    log.take();
+    assert_eq!(
+        fields.set("k", "v", Bson::Double(f64::NAN), 12).await?,
+        ApplyOutcome::Applied
+    );
+    assert_eq!(log.take_counts().get("update"), None);
+
+    // Another handle (another process) got further: this handle's hint says 12, the
+    // stored number is 20, so its write of 13 misses the operators and is stale.
+    let other = SequencedFields::new(coll.clone(), FieldsOptions::default())?;
+    assert_eq!(
+        other.set("k", "v", 20_i64, 20).await?,
+        ApplyOutcome::Applied
+    );
+    log.take();
+    assert_eq!(fields.set("k", "v", 13_i64, 13).await?, ApplyOutcome::Stale);
+    let sent = log.take_counts();
+    assert_eq!(sent.get("update"), Some(&1), "{sent:?}");
+    assert_eq!(sent.get("findAndModify"), Some(&1), "{sent:?}");
+    // The post-image taught the handle 20: the next in-order write is one update again.
+    log.take();
+    assert_eq!(
+        fields.set("k", "v", 21_i64, 21).await?,
+        ApplyOutcome::Applied
+    );
+    assert_eq!(log.take_counts().get("update"), Some(&1));
+
+    // Hand edits the operators must not write over: the number as an array, `_seq` as an
+    // array. The pipeline decides (stale or malformed), and nothing is written over them.
+    coll.update_one(doc! { "_id": "k" }, doc! { "$set": { "_seq.v": [1_i64] } })
+        .await?;
+    let r = fields.set("k", "v", 22_i64, 22).await;
+    assert!(
+        matches!(r, Err(Error::Malformed { .. }) | Ok(ApplyOutcome::Stale)),
+        "{r:?}"
+    );
+    let stored = coll
+        .find_one(doc! { "_id": "k" })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no document"))?;
+    assert_eq!(
+        stored.get_document("_seq")?.get("v"),
+        Some(&Bson::Array(vec![Bson::Int64(1)]))
+    );
+    assert_eq!(stored.get("v"), Some(&Bson::Int64(21)));
+    let seq_array = Bson::Array(vec![Bson::Document(doc! { "v": 1_i64 })]);
+    coll.update_one(
+        doc! { "_id": "k" },
+        doc! { "$set": { "_seq": seq_array.clone() } },
+    )
+    .await?;
+    // Before session 31 this was a bare database error from the pipeline
+    // (`$objectToArray` of an array); it is `Malformed`, naming the field.
+    let r = fields.set("k", "v", 23_i64, 23).await;
+    assert!(
+        matches!(&r, Err(Error::Malformed { reason, .. }) if reason.contains("`_seq`")),
+        "{r:?}"
+    );
+    let stored = coll
+        .find_one(doc! { "_id": "k" })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no document"))?;
+    assert_eq!(stored.get("_seq"), Some(&seq_array));
+    assert_eq!(stored.get("v"), Some(&Bson::Int64(21)));
+    Ok(())
+}

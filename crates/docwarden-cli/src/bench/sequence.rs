@@ -13,6 +13,10 @@
 //! The in-order stream again in batches of 64 messages per `SequencedSet::apply_many`
 //! (one `bulkWrite` command per batch on MongoDB 8.0+): ops/s counts messages.
 //!
+//! Registers (`SequencedFields::set`): an in-order stream of writes to fields already
+//! written once, by the operator form (the default since session 31) and by the pipeline
+//! alone.
+//!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
 //! without its post-image (`update_one`), and the pipeline without the canonical (sorted)
@@ -20,7 +24,7 @@
 //! run on the seed's set; the in-order row's own floor, a bare `update_one` by `_id` on
 //! documents of its shape, runs just before it.
 
-use docwarden::sequence::{SequencedSet, SetOptions};
+use docwarden::sequence::{FieldsOptions, SequencedFields, SequencedSet, SetOptions};
 use docwarden_workloads::Mode;
 use docwarden_workloads::enrollment::{self, CLASSES, FIELD, KEY_FIELD, Message};
 use mongodb::bson::{Document, doc};
@@ -29,6 +33,10 @@ use mongodb::{Collection, Database};
 
 /// In-order applies, one `apply` per call (an issue 14 target row).
 pub(crate) const IN_ORDER: &str = "sequence: in-order stream, every member seen";
+/// In-order writes of registers, one `SequencedFields::set` per call.
+pub(crate) const REGISTERS: &str = "sequence: register writes in order";
+/// The register fields of the register rows.
+const REGISTER_FIELDS: [&str; 3] = ["email", "name", "score"];
 /// The bare write of one apply on the seed's set (`--stages`): by its `student_id` key.
 pub(crate) const BARE: &str = "sequence stage: update_one by key, $inc";
 /// The bare write of one in-order apply on the in-order row's documents: `update_one` by
@@ -180,6 +188,34 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             .await?,
         );
     }
+    // Registers (`SequencedFields`): an in-order stream of writes to fields written once
+    // before by the same handle, by the operator form (since session 31) and by the
+    // pipeline alone.
+    for operator_form in [true, false] {
+        let fields = written_fields(db, operator_form).await?;
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));
+        rows.push(
+            measure(
+                if operator_form {
+                    REGISTERS
+                } else {
+                    "sequence: register writes in order, pipeline only"
+                },
+                load,
+                move |_| {
+                    let (fields, next) = (fields.clone(), next.clone());
+                    async move {
+                        let seq = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let key = rand::random_range(0..KEYS);
+                        let field = REGISTER_FIELDS[rand::random_range(0..REGISTER_FIELDS.len())];
+                        fields.set(key, field, seq, seq).await?;
+                        Ok(1)
+                    }
+                },
+            )
+            .await?,
+        );
+    }
     if load.stages {
         for operator_form in [false, true] {
             let set = seen_set(db, "bench_sequence_seen", operator_form).await?;
@@ -241,6 +277,24 @@ async fn seen_set(db: &Database, name: &str, operator_form: bool) -> anyhow::Res
         }
     }
     Ok(set)
+}
+
+/// A fresh collection of register documents keyed by `_id`, each of [`REGISTER_FIELDS`]
+/// of every key written once (number 0) by the returned handle, so its hints know them.
+async fn written_fields(db: &Database, operator_form: bool) -> anyhow::Result<SequencedFields> {
+    let coll = db.collection::<Document>(if operator_form {
+        "bench_registers"
+    } else {
+        "bench_registers_pipeline"
+    });
+    coll.drop().await?;
+    let fields = SequencedFields::new(coll, FieldsOptions::default().operator_form(operator_form))?;
+    for key in 0..KEYS {
+        for field in REGISTER_FIELDS {
+            fields.set(key, field, 0_i64, 0).await?;
+        }
+    }
+    Ok(fields)
 }
 
 /// A row of random applies on `set`.

@@ -5,6 +5,16 @@
 //! value is stored under its plain field name (readable as-is), its sequence number in
 //! `_seq.<field>` and its tie key in `_seq_tie.<field>`.
 //!
+//! **The operator form** (issue 14, [`FieldsOptions::operator_form`], on by default): a
+//! write whose number is above the last one this handle saw stored for the field (an
+//! in-order stream, after the field's first write) is sent first as one `updateOne` with
+//! `$set` of the value, its number and tie key, filtered on a stored number below it
+//! ([`SequencedFields::operator_update_for`]). It leaves the document the pipeline would
+//! leave, byte for byte; anything it does not match (a newer write got there first, a
+//! hand-edited document, a field never written) goes on to the pipeline, which decides.
+//! Values with types or keys the two forms could store differently always take the
+//! pipeline ([`operator_value`]).
+//!
 //! **Rule:** a write `(seq, value)` replaces the stored `(seq₀, value₀)` when `seq > seq₀`,
 //! or when `seq == seq₀` and `value` is greater than `value₀` in MongoDB's BSON comparison
 //! order (`$gt`), or when the two are equal there (`7`, `7.0` and `7` as int64 are, and
@@ -27,6 +37,7 @@ use mongodb::bson::{Bson, Document, doc};
 
 use mongodb::options::WriteConcern;
 
+use super::hints::Hints;
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
@@ -101,6 +112,12 @@ pub struct FieldsOptions {
     /// outside those tests.
     #[doc(hidden)]
     pub tie_keys: bool,
+    /// Send a write whose number is above the last one this handle saw stored for the
+    /// field as an operator update first (one `updateOne`; see the module docs), and the
+    /// pipeline only when that does not match. `false`: every write is the pipeline's
+    /// `findAndModify`. The stored document and the outcome are the same either way.
+    /// Default `true`.
+    pub operator_form: bool,
 }
 
 impl Default for FieldsOptions {
@@ -109,6 +126,7 @@ impl Default for FieldsOptions {
             key_field: "_id".to_owned(),
             write_concern: None,
             tie_keys: true,
+            operator_form: true,
         }
     }
 }
@@ -128,11 +146,19 @@ impl FieldsOptions {
         self
     }
 
-    /// Test-only control (see the field): switches the tie keys off.
+    /// Test-only control (see the field): switches the tie keys off (and with them the
+    /// operator form, which keeps to the rule with tie keys).
     #[doc(hidden)]
     #[must_use]
     pub fn control_without_tie_keys(mut self) -> Self {
         self.tie_keys = false;
+        self
+    }
+
+    /// Sets [`FieldsOptions::operator_form`].
+    #[must_use]
+    pub fn operator_form(mut self, on: bool) -> Self {
+        self.operator_form = on;
         self
     }
 }
@@ -143,6 +169,10 @@ pub struct SequencedFields {
     collection: Collection<Document>,
     key_field: String,
     tie_keys: bool,
+    operator_form: bool,
+    /// With [`FieldsOptions::operator_form`]: the last sequence number of each `(key,
+    /// field)` this handle (and its clones) saw stored, which picks the form to try first.
+    hints: Hints<i64>,
 }
 
 impl SequencedFields {
@@ -160,6 +190,8 @@ impl SequencedFields {
             collection: super::with_write_concern(collection, options.write_concern.as_ref()),
             key_field: options.key_field,
             tie_keys: options.tie_keys,
+            operator_form: options.operator_form && options.tie_keys,
+            hints: Hints::default(),
         })
     }
 
@@ -192,7 +224,9 @@ impl SequencedFields {
         &self.collection
     }
 
-    /// Sets `field` of `key` to `value` as of `seq`. One round trip.
+    /// Sets `field` of `key` to `value` as of `seq`. One round trip; two when the operator
+    /// form was tried and did not match (another handle had written a newer number, or a
+    /// hand edit: see the module docs), and when the document is created.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad key, a field name that is not plain (see
@@ -213,8 +247,46 @@ impl SequencedFields {
         validate_seq(seq)?;
         let value = value.into();
         let tie = tie_key(&value)?;
+        match self.set_valid(&key, field, value, tie, seq).await {
+            Err(Error::Database { source }) => Err(self.malformed_or(&key, source).await),
+            other => other,
+        }
+    }
+
+    /// [`SequencedFields::set`] after its input was checked (`tie`: the value's
+    /// [`tie_key`]).
+    async fn set_valid(
+        &self,
+        key: &Bson,
+        field: &str,
+        value: Bson,
+        tie: Vec<u8>,
+        seq: i64,
+    ) -> Result<ApplyOutcome> {
+        let key = key.clone();
+        let hint_key = (key.to_string(), field.to_owned());
+        if self.operator_form
+            && self.hints.get(&hint_key).is_some_and(|seen| seq > seen)
+            && operator_value(&value)
+        {
+            let (filter, update) =
+                operator_update(&self.key_field, &key, field, value.clone(), &tie, seq);
+            if self
+                .collection
+                .update_one(filter, update)
+                .await?
+                .matched_count
+                == 1
+            {
+                self.hints.remember(hint_key, seq);
+                tracing::debug!(%key, field, seq, "sequenced field write applied by operators");
+                return Ok(ApplyOutcome::Applied);
+            }
+        }
         let seq_path = format!("{SEQ_FIELD}.{field}");
         let tie_path = format!("{TIE_FIELD}.{field}");
+        // The stored number as the pipeline's post-image (or the diagnosing read) showed it.
+        let seen = std::sync::Mutex::new(None);
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
@@ -232,12 +304,78 @@ impl SequencedFields {
                 )
             },
             doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
-            |d| holds(d, &seq_path, &tie_path, seq, &tie, &key),
+            |d| {
+                let held = holds(d, &seq_path, &tie_path, seq, &tie, &key)?;
+                if let Ok(mut seen) = seen.lock() {
+                    *seen = super::get_path(d, &seq_path).and_then(super::stored_seq);
+                }
+                Ok(held)
+            },
             || std::future::ready(None),
         )
         .await?;
+        if self.operator_form
+            && let Some(stored) = seen.into_inner().ok().flatten()
+        {
+            self.hints.remember(hint_key, stored);
+        }
         tracing::debug!(%key, field, seq, ?outcome, "sequenced field write");
         Ok(outcome)
+    }
+
+    /// The filter and the update of the operator form a write tries first (see the module
+    /// docs), for inspection and other-language ports; `None` for a value that always
+    /// takes the pipeline ([`operator_value`]).
+    ///
+    /// # Errors
+    /// As [`SequencedFields::set`] for a bad key, field, `seq` or value.
+    pub fn operator_update_for(
+        &self,
+        key: impl Into<Bson>,
+        field: &str,
+        value: impl Into<Bson>,
+        seq: i64,
+    ) -> Result<Option<(Document, Document)>> {
+        let key = encode::key(key.into())?;
+        self.check_field(field)?;
+        validate_seq(seq)?;
+        let value = value.into();
+        let tie = tie_key(&value)?;
+        Ok(operator_value(&value)
+            .then(|| operator_update(&self.key_field, &key, field, value, &tie, seq)))
+    }
+
+    /// The error to report for `source`, a database error of a write on `key`:
+    /// [`Error::Malformed`] naming the field when the server refused the write (an error
+    /// with a code, not a network error) and the document's `_seq` or `_seq_tie` is not a
+    /// sub-document — a hand edit the pipeline cannot work on (`$objectToArray` of an
+    /// array); `source` itself otherwise (also when the read fails). Costs a read only on
+    /// such an error.
+    async fn malformed_or(&self, key: &Bson, source: mongodb::error::Error) -> Error {
+        if crate::error::error_code(&source).is_none() {
+            return source.into();
+        }
+        let stored = self
+            .collection
+            .find_one(doc! { self.key_field.as_str(): key.clone() })
+            .projection(doc! { SEQ_FIELD: 1, TIE_FIELD: 1 })
+            .await;
+        let Ok(Some(stored)) = stored else {
+            return source.into();
+        };
+        match [SEQ_FIELD, TIE_FIELD].into_iter().find(|f| {
+            stored
+                .get(*f)
+                .is_some_and(|v| !matches!(v, Bson::Document(_)))
+        }) {
+            Some(path) => Error::Malformed {
+                id: key.to_string(),
+                reason: format!(
+                    "`{path}` is not a document (the server refused the write: {source})"
+                ),
+            },
+            None => source.into(),
+        }
     }
 
     fn check_field(&self, field: &str) -> Result<()> {
@@ -376,6 +514,69 @@ impl SequencedFields {
             reason: format!("`{SEQ_FIELD}.{field}` is not a sequence number"),
         })?;
         Ok(Some((doc.get(field).cloned().unwrap_or(Bson::Null), seq)))
+    }
+}
+
+/// The operator form of the write `(value, seq)` of `field` (see the module docs): the key
+/// first, then `_seq` and `_seq_tie` plain sub-documents, a stored number of `field` that
+/// is not an array and is below `seq` (the write wins by its number alone, the
+/// pipeline's first case), and a stored tie key; the update `$set`s the value, the number
+/// and the tie key by their paths — in place, as the pipeline does for a field written
+/// before — and `$unset`s [`OUTCOME_FIELD`], as the pipeline's last stage does. `n: 1`
+/// means this write applied. Array operands are excluded on purpose: a query compares an
+/// array's elements where the pipeline compares the array.
+fn operator_update(
+    key_field: &str,
+    key: &Bson,
+    field: &str,
+    value: Bson,
+    tie: &[u8],
+    seq: i64,
+) -> (Document, Document) {
+    let seq_path = format!("{SEQ_FIELD}.{field}");
+    let tie_path = format!("{TIE_FIELD}.{field}");
+    let plain_document = doc! { "$type": "object", "$not": { "$type": "array" } };
+    let filter = doc! { "$and": [
+        { key_field: key.clone() },
+        { SEQ_FIELD: plain_document.clone() },
+        { seq_path.as_str(): { "$lt": seq, "$not": { "$type": "array" } } },
+        { TIE_FIELD: plain_document },
+        { tie_path.as_str(): { "$type": "binData" } },
+    ] };
+    let update = doc! {
+        "$set": {
+            field: value,
+            seq_path.as_str(): seq,
+            tie_path.as_str(): binary(tie.to_vec()),
+        },
+        "$unset": { OUTCOME_FIELD: "" },
+    };
+    (filter, update)
+}
+
+/// Whether the operator form may carry `value`: only types that an update operator and a
+/// pipeline's `$literal` store alike, byte for byte, on every server — 32- and 64-bit
+/// integers, doubles (not NaN nor −0.0), strings, booleans, null, dates, object ids,
+/// binary data, and documents and arrays of them whose keys are non-empty, without a `.`
+/// and not starting with `$` (an update operator refuses to store such a key, where
+/// `$literal` stores it). Anything else (a decimal, a timestamp, a regular expression,
+/// code, deprecated types) takes the pipeline.
+pub fn operator_value(value: &Bson) -> bool {
+    match value {
+        Bson::Double(d) => !(d.is_nan() || (*d == 0.0 && d.is_sign_negative())),
+        Bson::Int32(_)
+        | Bson::Int64(_)
+        | Bson::String(_)
+        | Bson::Boolean(_)
+        | Bson::Null
+        | Bson::DateTime(_)
+        | Bson::ObjectId(_)
+        | Bson::Binary(_) => true,
+        Bson::Array(items) => items.iter().all(operator_value),
+        Bson::Document(d) => d.iter().all(|(k, v)| {
+            !k.is_empty() && !k.contains('.') && !k.starts_with('$') && operator_value(v)
+        }),
+        _ => false,
     }
 }
 

@@ -37,6 +37,7 @@ use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::{ReadConcern, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 
+use super::hints::Hints;
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
@@ -163,7 +164,7 @@ pub struct SequencedSet {
     index_members: bool,
     /// With [`SetOptions::operator_form`]: the last state of each `(key, member)` entry
     /// this handle (and its clones) saw, which picks the form to try first.
-    hints: Hints,
+    hints: Hints<(i64, bool)>,
     /// Set when the server refused the `bulkWrite` command ([`SequencedSet::apply_many`]
     /// then applies one operation at a time).
     pub(super) no_bulk: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -175,10 +176,6 @@ pub struct SequencedSet {
 /// `ReadConcernMajorityNotEnabled`: the server answers majority reads with this error.
 const READ_CONCERN_MAJORITY_NOT_ENABLED: i32 = 148;
 
-/// The last state seen per `(key, member)` (see [`SequencedSet`]'s `hints`).
-type Hints =
-    std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, String), (i64, bool)>>>;
-
 /// The field of an apply's post-image (a projection, never stored) holding the `$type`s of
 /// the set's bookkeeping paths ([`SequencedSet`]'s `bookkeeping_paths`), by which the reply
 /// tells a document the pipeline left alone because its bookkeeping was hand-edited out of
@@ -188,9 +185,6 @@ const SHAPE_FIELD: &str = "_dw_shape";
 /// The pipeline's decision for a document whose bookkeeping is out of shape (bound as
 /// `$$dw_d` next to [`ApplyOutcome`]'s names and [`CREATED`]): nothing is changed.
 const MALFORMED: &str = "malformed";
-
-/// The most `(key, member)` hints a [`SequencedSet`] keeps before starting over.
-const HINTS_MAX: usize = 100_000;
 
 /// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
 /// stored in `<field>`. Field names contain no `.`, so distinct sets get distinct,
@@ -225,7 +219,7 @@ impl SequencedSet {
             field: options.field,
             canonical_order: options.canonical_order,
             operator_form: options.operator_form,
-            hints: std::sync::Arc::default(),
+            hints: Hints::default(),
             no_bulk: std::sync::Arc::default(),
             no_majority_read: std::sync::Arc::default(),
             index_members: options.index_members,
@@ -580,19 +574,13 @@ impl SequencedSet {
 
     /// The last state of `(key, member)`'s entry this handle saw, if any.
     pub(super) fn hint(&self, at: &(String, String)) -> Option<(i64, bool)> {
-        self.hints.lock().ok()?.get(at).copied()
+        self.hints.get(at)
     }
 
-    /// Records the state of `(key, member)`'s entry as seen in a reply. The map is a hint
-    /// only (it picks the form to try first; the server decides), bounded by clearing it
-    /// when it reaches [`HINTS_MAX`] entries.
+    /// Records the state of `(key, member)`'s entry as seen in a reply (a hint only: it
+    /// picks the form to try first, the server decides; see [`super::hints`]).
     pub(super) fn remember(&self, at: (String, String), state: (i64, bool)) {
-        if let Ok(mut hints) = self.hints.lock() {
-            if hints.len() >= HINTS_MAX {
-                hints.clear();
-            }
-            hints.insert(at, state);
-        }
+        self.hints.remember(at, state);
     }
 
     /// The filter and the operator update of the operator form (public as

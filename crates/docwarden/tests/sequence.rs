@@ -1829,3 +1829,81 @@ async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() 
     assert_eq!(stored.get("v"), Some(&Bson::Int64(21)));
     Ok(())
 }
+
+/// Register writes raced through `handles` (8 handles on one collection, as 8 processes,
+/// each with its own hints): per key, 24 writes of two fields with rising numbers, each
+/// delivered 1–3 times, shuffled, each delivery to a random handle. Violations: a field
+/// whose stored value and number are not the highest-numbered write's, and a write
+/// answered `Applied` more than once.
+async fn race_registers(handles: &[SequencedFields], key: i64, seed: u64) -> anyhow::Result<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let ops: Vec<Op> = (0..24_i64)
+        .map(|i| Op {
+            member: rand::Rng::random_range(&mut rng, 0..2),
+            seq: i * 2 + rand::Rng::random_range(&mut rng, 0..2),
+            present: true,
+        })
+        .collect();
+    let msgs = deliveries(&ops, &mut rng);
+    let all = handles.to_vec();
+    let outcomes = consume(msgs, move |o| {
+        let f = all[rand::random_range(0..all.len())].clone();
+        async move {
+            Ok(
+                f.set(key, ["a", "b"][o.member], Bson::Int64(o.seq * 10), o.seq)
+                    .await?,
+            )
+        }
+    })
+    .await?;
+    let mut violations = 0;
+    for member in 0..2 {
+        let last = ops
+            .iter()
+            .filter(|o| o.member == member)
+            .map(|o| o.seq)
+            .max();
+        let got = handles[0].get(key, ["a", "b"][member]).await?;
+        if got != last.map(|s| (Bson::Int64(s * 10), s)) {
+            violations += 1;
+        }
+    }
+    let mut applied: HashMap<Op, u32> = HashMap::new();
+    for (op, o) in outcomes {
+        if o == ApplyOutcome::Applied {
+            *applied.entry(op).or_default() += 1;
+        }
+    }
+    Ok(violations + applied.values().filter(|n| **n > 1).count() as u64)
+}
+
+// Session 31: register writes raced by 8 processes (8 handles, each with its own hints, so
+// the operator form meets numbers other processes stored): 0 violations. The control — the
+// operator form without "the stored number is below the write's" in its filter — lets a
+// stale write overwrite a newer one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registers_raced_by_8_processes_keep_the_newest_and_the_control_does_not()
+-> anyhow::Result<()> {
+    let t = TestDb::new("register_operator_race").await?;
+    let coll: Collection<Document> = t.db.collection("profiles");
+    let handles = |options: FieldsOptions| -> anyhow::Result<Vec<SequencedFields>> {
+        (0..CONSUMERS)
+            .map(|_| Ok(SequencedFields::new(coll.clone(), options.clone())?))
+            .collect()
+    };
+    let safe = handles(FieldsOptions::default())?;
+    let control = handles(FieldsOptions::default().control_operator_without_number_check())?;
+    let (mut safe_violations, mut control_violations) = (0, 0);
+    for round in 0..8_u64 {
+        let key = i64::try_from(round)?;
+        safe_violations += race_registers(&safe, key, round).await?;
+        control_violations += race_registers(&control, 100 + key, round).await?;
+    }
+    eprintln!("register race: {safe_violations} violations, control {control_violations}");
+    assert_eq!(safe_violations, 0, "violations with the operator form");
+    assert!(
+        control_violations > 0,
+        "the control (no number check) showed no violation"
+    );
+    Ok(())
+}

@@ -118,6 +118,11 @@ pub struct FieldsOptions {
     /// `findAndModify`. The stored document and the outcome are the same either way.
     /// Default `true`.
     pub operator_form: bool,
+    /// Test-only control: `false` drops "the stored number is below the write's" from the
+    /// operator form's filter, so the tests can show that a stale write then overwrites a
+    /// newer one. Always `true` outside those tests.
+    #[doc(hidden)]
+    pub operator_number_check: bool,
 }
 
 impl Default for FieldsOptions {
@@ -127,6 +132,7 @@ impl Default for FieldsOptions {
             write_concern: None,
             tie_keys: true,
             operator_form: true,
+            operator_number_check: true,
         }
     }
 }
@@ -155,6 +161,14 @@ impl FieldsOptions {
         self
     }
 
+    /// Test-only control (see the field): the operator form without its number check.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn control_operator_without_number_check(mut self) -> Self {
+        self.operator_number_check = false;
+        self
+    }
+
     /// Sets [`FieldsOptions::operator_form`].
     #[must_use]
     pub fn operator_form(mut self, on: bool) -> Self {
@@ -170,6 +184,8 @@ pub struct SequencedFields {
     key_field: String,
     tie_keys: bool,
     operator_form: bool,
+    /// [`FieldsOptions::operator_number_check`] (the control switches it off).
+    number_check: bool,
     /// With [`FieldsOptions::operator_form`]: the last sequence number of each `(key,
     /// field)` this handle (and its clones) saw stored, which picks the form to try first.
     hints: Hints<i64>,
@@ -191,6 +207,7 @@ impl SequencedFields {
             key_field: options.key_field,
             tie_keys: options.tie_keys,
             operator_form: options.operator_form && options.tie_keys,
+            number_check: options.operator_number_check,
             hints: Hints::default(),
         })
     }
@@ -269,8 +286,11 @@ impl SequencedFields {
             && self.hints.get(&hint_key).is_some_and(|seen| seq > seen)
             && operator_value(&value)
         {
-            let (filter, update) =
+            let (mut filter, update) =
                 operator_update(&self.key_field, &key, field, value.clone(), &tie, seq);
+            if !self.number_check {
+                filter = doc! { "$and": [{ self.key_field.as_str(): key.clone() }] };
+            }
             if self
                 .collection
                 .update_one(filter, update)

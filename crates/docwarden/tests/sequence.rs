@@ -1742,9 +1742,9 @@ fn register_operator_form_stores_the_pipelines_document_and_outcomes() -> anyhow
 }
 
 // Session 31: an in-order stream of register writes costs one `update` per write after
-// the field's first write (the pipeline's `findAndModify` creates it), and values the
-// operator form leaves alone, hand edits and lost races still reach the pipeline and its
-// answer.
+// the field's first write (the pipeline's `findAndModify` creates it), a write the hint
+// says loses one read, and values the operator form leaves alone, hand edits and lost
+// races still reach the pipeline and its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() -> anyhow::Result<()>
 {
@@ -1790,6 +1790,37 @@ async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() 
     );
     assert_eq!(log.take_counts().get("update"), Some(&1));
 
+    // A re-delivery and a stale write the hint knows lose are decided by one read (no
+    // write); the same number with another value goes to the pipeline, which compares.
+    log.take();
+    assert_eq!(
+        fields.set("k", "v", 21_i64, 21).await?,
+        ApplyOutcome::Duplicate
+    );
+    assert_eq!(fields.set("k", "v", 3_i64, 3).await?, ApplyOutcome::Stale);
+    let sent = log.take_counts();
+    assert_eq!(sent.get("find"), Some(&2), "{sent:?}");
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        fields.set("k", "v", 22_i32, 21).await?,
+        ApplyOutcome::Applied
+    );
+    assert_eq!(log.take_counts().get("findAndModify"), Some(&1));
+    assert_eq!(fields.get("k", "v").await?, Some((Bson::Int32(22), 21)));
+    // A tie key edited into a string: the read leaves it to the pipeline, `Malformed`.
+    coll.update_one(doc! { "_id": "k" }, doc! { "$set": { "_seq_tie.v": "x" } })
+        .await?;
+    let r = fields.set("k", "v", 3_i64, 3).await;
+    assert!(matches!(r, Err(Error::Malformed { .. })), "{r:?}");
+    coll.update_one(
+        doc! { "_id": "k" },
+        doc! { "$set": { "_seq_tie.v": Bson::Binary(mongodb::bson::Binary {
+            subtype: mongodb::bson::spec::BinarySubtype::Generic,
+            bytes: docwarden::sequence::register::tie_key(&Bson::Int32(22))?,
+        }) } },
+    )
+    .await?;
+
     // Hand edits the operators must not write over: the number as an array, `_seq` as an
     // array. The pipeline decides (stale or malformed), and nothing is written over them.
     coll.update_one(doc! { "_id": "k" }, doc! { "$set": { "_seq.v": [1_i64] } })
@@ -1807,7 +1838,7 @@ async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() 
         stored.get_document("_seq")?.get("v"),
         Some(&Bson::Array(vec![Bson::Int64(1)]))
     );
-    assert_eq!(stored.get("v"), Some(&Bson::Int64(21)));
+    assert_eq!(stored.get("v"), Some(&Bson::Int32(22)));
     let seq_array = Bson::Array(vec![Bson::Document(doc! { "v": 1_i64 })]);
     coll.update_one(
         doc! { "_id": "k" },
@@ -1826,7 +1857,7 @@ async fn registers_in_order_are_one_update_each_and_misses_go_to_the_pipeline() 
         .await?
         .ok_or_else(|| anyhow::anyhow!("no document"))?;
     assert_eq!(stored.get("_seq"), Some(&seq_array));
-    assert_eq!(stored.get("v"), Some(&Bson::Int64(21)));
+    assert_eq!(stored.get("v"), Some(&Bson::Int32(22)));
     Ok(())
 }
 

@@ -47,3 +47,47 @@ impl<V: Copy> Hints<V> {
         }
     }
 }
+
+/// `ReadConcernMajorityNotEnabled`: the server answers majority reads with this error.
+const READ_CONCERN_MAJORITY_NOT_ENABLED: i32 = 148;
+
+/// The read that decides a write its hint says loses (stale or a duplicate): one
+/// `find_one` with read concern `majority`, so that a no-op decided on what it returns is
+/// one against a state a majority holds, which no rollback takes back. A deployment
+/// without majority reads (error 148) is remembered, and its writes go to their update.
+#[derive(Debug, Clone, Default)]
+pub(super) struct LosingRead {
+    no_majority: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LosingRead {
+    /// The document `filter` matches, projected; `None` when there is none, when the
+    /// deployment has no majority reads, or when the read fails (the update then decides,
+    /// and reports what is wrong).
+    pub(super) async fn read(
+        &self,
+        collection: &mongodb::Collection<mongodb::bson::Document>,
+        filter: mongodb::bson::Document,
+        projection: mongodb::bson::Document,
+    ) -> Option<mongodb::bson::Document> {
+        use std::sync::atomic::Ordering;
+        if self.no_majority.load(Ordering::Relaxed) {
+            return None;
+        }
+        let read = collection
+            .find_one(filter)
+            .projection(projection)
+            .read_concern(mongodb::options::ReadConcern::majority())
+            .await;
+        match read {
+            Ok(found) => found,
+            Err(e) => {
+                if crate::error::error_code(&e) == Some(READ_CONCERN_MAJORITY_NOT_ENABLED) {
+                    self.no_majority.store(true, Ordering::Relaxed);
+                }
+                tracing::debug!(error = %e, "the losing write's read failed; the update decides");
+                None
+            }
+        }
+    }
+}

@@ -37,7 +37,7 @@ use mongodb::bson::{Bson, Document, doc};
 
 use mongodb::options::WriteConcern;
 
-use super::hints::Hints;
+use super::hints::{Hints, LosingRead};
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
@@ -189,6 +189,8 @@ pub struct SequencedFields {
     /// With [`FieldsOptions::operator_form`]: the last sequence number of each `(key,
     /// field)` this handle (and its clones) saw stored, which picks the form to try first.
     hints: Hints<i64>,
+    /// The read that decides a write whose number is at or below the hint.
+    losing_read: LosingRead,
 }
 
 impl SequencedFields {
@@ -209,6 +211,7 @@ impl SequencedFields {
             operator_form: options.operator_form && options.tie_keys,
             number_check: options.operator_number_check,
             hints: Hints::default(),
+            losing_read: LosingRead::default(),
         })
     }
 
@@ -282,10 +285,16 @@ impl SequencedFields {
     ) -> Result<ApplyOutcome> {
         let key = key.clone();
         let hint_key = (key.to_string(), field.to_owned());
-        if self.operator_form
-            && self.hints.get(&hint_key).is_some_and(|seen| seq > seen)
-            && operator_value(&value)
+        let hint = self.hints.get(&hint_key).filter(|_| self.operator_form);
+        if hint.is_some_and(|seen| seq <= seen)
+            && let Some(outcome) = self
+                .decided_by_read(&key, field, seq, &tie, &hint_key)
+                .await
         {
+            tracing::debug!(%key, field, seq, ?outcome, "sequenced field write decided by a read");
+            return Ok(outcome);
+        }
+        if hint.is_some_and(|seen| seq > seen) && operator_value(&value) {
             let (mut filter, update) =
                 operator_update(&self.key_field, &key, field, value.clone(), &tie, seq);
             if !self.number_check {
@@ -341,6 +350,48 @@ impl SequencedFields {
         }
         tracing::debug!(%key, field, seq, ?outcome, "sequenced field write");
         Ok(outcome)
+    }
+
+    /// The outcome of a write whose number is at or below the one this handle last saw
+    /// stored (stale, or a re-delivery), decided by one read of the stored number and tie
+    /// key with read concern `majority`: a stored number above `seq` is
+    /// [`ApplyOutcome::Stale`], the same number with the same tie key (the same value, byte
+    /// for byte) [`ApplyOutcome::Duplicate`] — the write is a no-op at the time of the read,
+    /// against a state a majority holds, so no rollback takes it back; nothing is written.
+    /// `None` when the read does not decide it (the same number with another value, a
+    /// smaller stored number, a document or register that is missing or not in shape): the
+    /// pipeline decides then, as for any write. The number read becomes the hint.
+    async fn decided_by_read(
+        &self,
+        key: &Bson,
+        field: &str,
+        seq: i64,
+        tie: &[u8],
+        hint_key: &(String, String),
+    ) -> Option<ApplyOutcome> {
+        let seq_path = format!("{SEQ_FIELD}.{field}");
+        let tie_path = format!("{TIE_FIELD}.{field}");
+        let stored = self
+            .losing_read
+            .read(
+                &self.collection,
+                doc! { self.key_field.as_str(): key.clone() },
+                doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
+            )
+            .await?;
+        let stored_seq = super::get_path(&stored, &seq_path).and_then(super::stored_seq)?;
+        // A tie key that is not binary data is a hand edit the pipeline reports.
+        let stored_tie = match super::get_path(&stored, &tie_path) {
+            None => None,
+            Some(Bson::Binary(b)) => Some(b.bytes.as_slice()),
+            Some(_) => return None,
+        };
+        self.hints.remember(hint_key.clone(), stored_seq);
+        if stored_seq > seq {
+            Some(ApplyOutcome::Stale)
+        } else {
+            (stored_seq == seq && stored_tie == Some(tie)).then_some(ApplyOutcome::Duplicate)
+        }
     }
 
     /// The filter and the update of the operator form a write tries first (see the module

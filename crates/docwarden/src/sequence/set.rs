@@ -34,10 +34,10 @@
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
-use mongodb::options::{ReadConcern, WriteConcern};
+use mongodb::options::WriteConcern;
 use mongodb::{Collection, Database, IndexModel};
 
-use super::hints::Hints;
+use super::hints::{Hints, LosingRead};
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
@@ -168,13 +168,10 @@ pub struct SequencedSet {
     /// Set when the server refused the `bulkWrite` command ([`SequencedSet::apply_many`]
     /// then applies one operation at a time).
     pub(super) no_bulk: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Set when the server refused read concern `majority` (the losing-operation read of
-    /// [`SequencedSet`]'s hinted applies is then left to the pipeline update).
-    no_majority_read: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The losing-operation read of hinted applies (left to the pipeline update when the
+    /// server refuses read concern `majority`).
+    losing_read: LosingRead,
 }
-
-/// `ReadConcernMajorityNotEnabled`: the server answers majority reads with this error.
-const READ_CONCERN_MAJORITY_NOT_ENABLED: i32 = 148;
 
 /// The field of an apply's post-image (a projection, never stored) holding the `$type`s of
 /// the set's bookkeeping paths ([`SequencedSet`]'s `bookkeeping_paths`), by which the reply
@@ -221,7 +218,7 @@ impl SequencedSet {
             operator_form: options.operator_form,
             hints: Hints::default(),
             no_bulk: std::sync::Arc::default(),
-            no_majority_read: std::sync::Arc::default(),
+            losing_read: LosingRead::default(),
             index_members: options.index_members,
         })
     }
@@ -411,32 +408,16 @@ impl SequencedSet {
         present: bool,
         hint_key: &(String, String),
     ) -> Result<Option<ApplyOutcome>> {
-        if self
-            .no_majority_read
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        let Some(stored) = self
+            .losing_read
+            .read(
+                &self.collection,
+                doc! { self.key_field.as_str(): key.clone() },
+                doc! { entry: 1, self.floor_field.as_str(): 1 },
+            )
+            .await
+        else {
             return Ok(None);
-        }
-        let read = self
-            .collection
-            .find_one(doc! { self.key_field.as_str(): key.clone() })
-            .projection(doc! { entry: 1, self.floor_field.as_str(): 1 })
-            .read_concern(ReadConcern::majority())
-            .await;
-        let stored = match read {
-            Ok(Some(stored)) => stored,
-            Ok(None) => return Ok(None),
-            Err(e) => {
-                // A deployment without majority reads (error 148) never gets this read
-                // again from this handle; any other error leaves the decision to the
-                // pipeline update, which reports what is wrong.
-                if crate::error::error_code(&e) == Some(READ_CONCERN_MAJORITY_NOT_ENABLED) {
-                    self.no_majority_read
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                tracing::debug!(error = %e, %key, "the losing operation's read failed; the pipeline decides");
-                return Ok(None);
-            }
         };
         let Some(state) = entry_state(&stored, entry) else {
             return Ok(None);

@@ -13,9 +13,10 @@
 //! The in-order stream again in batches of 64 messages per `SequencedSet::apply_many`
 //! (one `bulkWrite` command per batch on MongoDB 8.0+): ops/s counts messages.
 //!
-//! Registers (`SequencedFields::set`): an in-order stream of writes to fields already
-//! written once, by the operator form (the default since session 31) and by the pipeline
-//! alone.
+//! Registers (`SequencedFields::set`): writes to fields already written once, by the
+//! operator form (the default since session 31) and by the pipeline alone, as an in-order
+//! stream and with random numbers from 0 to 63 (mostly stale or duplicates once a field has
+//! been written a few times).
 //!
 //! With `--stages`, rows that time the parts of one apply on the same documents: the key
 //! lookup with a trivial update, the full filter with a trivial pipeline, the full pipeline
@@ -188,31 +189,41 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
             .await?,
         );
     }
-    // Registers (`SequencedFields`): an in-order stream of writes to fields written once
-    // before by the same handle, by the operator form (since session 31) and by the
-    // pipeline alone.
-    for operator_form in [true, false] {
+    // Registers (`SequencedFields`): writes to fields written once before by the same
+    // handle, by the operator form (since session 31) and by the pipeline alone — an
+    // in-order stream, and random numbers below the stream's (stale or duplicate once
+    // the field has a larger one, re-deliveries among them).
+    for (in_order, operator_form, name) in [
+        (true, true, REGISTERS),
+        (
+            true,
+            false,
+            "sequence: register writes in order, pipeline only",
+        ),
+        (false, true, "sequence: register writes, random numbers"),
+        (
+            false,
+            false,
+            "sequence: register writes, random numbers, pipeline only",
+        ),
+    ] {
         let fields = written_fields(db, operator_form).await?;
         let next = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1));
         rows.push(
-            measure(
-                if operator_form {
-                    REGISTERS
-                } else {
-                    "sequence: register writes in order, pipeline only"
-                },
-                load,
-                move |_| {
-                    let (fields, next) = (fields.clone(), next.clone());
-                    async move {
-                        let seq = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let key = rand::random_range(0..KEYS);
-                        let field = REGISTER_FIELDS[rand::random_range(0..REGISTER_FIELDS.len())];
-                        fields.set(key, field, seq, seq).await?;
-                        Ok(1)
-                    }
-                },
-            )
+            measure(name, load, move |_| {
+                let (fields, next) = (fields.clone(), next.clone());
+                async move {
+                    let seq = if in_order {
+                        next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    } else {
+                        rand::random_range(0..64_i64)
+                    };
+                    let key = rand::random_range(0..KEYS);
+                    let field = REGISTER_FIELDS[rand::random_range(0..REGISTER_FIELDS.len())];
+                    fields.set(key, field, seq, seq).await?;
+                    Ok(1)
+                }
+            })
             .await?,
         );
     }

@@ -81,6 +81,11 @@ use crate::error::{Error, Result};
 /// delivery order; a write to such a document removes it.)
 pub const OUTCOME_FIELD: &str = "_seq_last";
 
+/// The field of a reply's projection (never stored) holding the `$type`s of a document's
+/// bookkeeping paths, by which a reply tells a document whose bookkeeping was hand-edited
+/// out of shape (a set's apply, a register's losing read).
+pub(crate) const SHAPE_FIELD: &str = "_dw_shape";
+
 /// The marker of an applied write that also creates a new state key (a member seen for the
 /// first time, a register field written for the first time): the pipeline then restores
 /// the canonical (sorted) key order.

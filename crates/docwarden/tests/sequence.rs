@@ -1938,3 +1938,50 @@ async fn registers_raced_by_8_processes_keep_the_newest_and_the_control_does_not
     );
     Ok(())
 }
+
+// Session 31: a register document whose `_seq` or `_seq_tie` was edited into something
+// other than a sub-document is `Malformed` for every write, and nothing is written over it,
+// with either form. Before, the pipeline wrote a fresh `_seq` over a string (the edit and
+// every other field's number lost) and, over an empty-array `_seq_tie`, wrote the value
+// and answered `Stale`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn register_bookkeeping_out_of_shape_is_malformed_and_left_as_it_is() -> anyhow::Result<()> {
+    let t = TestDb::new("register_out_of_shape").await?;
+    let coll: Collection<Document> = t.db.collection("profiles");
+    let edits = [
+        ("_seq", Bson::String("x".to_owned())),
+        ("_seq", Bson::Array(vec![Bson::Int32(1)])),
+        ("_seq_tie", Bson::String("x".to_owned())),
+        ("_seq_tie", Bson::Array(vec![])),
+    ];
+    let mut key = 0_i64;
+    for (path, value) in edits {
+        for operator_form in [true, false] {
+            key += 1;
+            let fields = SequencedFields::new(
+                coll.clone(),
+                FieldsOptions::default().operator_form(operator_form),
+            )?;
+            assert_eq!(fields.set(key, "v", 1_i64, 1).await?, ApplyOutcome::Applied);
+            coll.update_one(
+                doc! { "_id": key },
+                doc! { "$set": { path: value.clone() } },
+            )
+            .await?;
+            let before = stored_bytes(&coll, doc! { "_id": key }, &[]).await?;
+            for (field, seq) in [("v", 2), ("v", 0), ("v", 1), ("w", 5)] {
+                let r = fields.set(key, field, seq, seq).await;
+                assert!(
+                    matches!(&r, Err(Error::Malformed { reason, .. }) if reason.contains(&format!("`{path}`"))),
+                    "{path} = {value}, operator form {operator_form}, {field} @ {seq}: {r:?}"
+                );
+            }
+            assert_eq!(
+                stored_bytes(&coll, doc! { "_id": key }, &[]).await?,
+                before,
+                "{path} = {value}: the document was written"
+            );
+        }
+    }
+    Ok(())
+}

@@ -38,7 +38,7 @@ use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::WriteConcern;
 
 use super::hints::{Hints, LosingRead};
-use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
+use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, SHAPE_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// The sub-document holding each register's sequence number.
@@ -319,10 +319,16 @@ impl SequencedFields {
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            vec![doc! { "$or": [
-                { seq_path.as_str(): { "$ne": seq } },
-                { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
-            ] }],
+            vec![
+                doc! { "$or": [
+                    { seq_path.as_str(): { "$ne": seq } },
+                    { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
+                ] },
+                // Bookkeeping out of shape (a hand edit) matches nothing: the pipeline
+                // would write over it, and the read below reports it.
+                document_or_missing(SEQ_FIELD),
+                document_or_missing(TIE_FIELD),
+            ],
             || {
                 Self::pipeline_with_tie(
                     field,
@@ -340,7 +346,13 @@ impl SequencedFields {
                 }
                 Ok(held)
             },
-            || std::future::ready(None),
+            || {
+                let key = key.clone();
+                async move {
+                    let path = self.out_of_shape(&key).await?;
+                    Some(shape_error(&key, path, "nothing written"))
+                }
+            },
         )
         .await?;
         if self.operator_form
@@ -376,9 +388,22 @@ impl SequencedFields {
             .read(
                 &self.collection,
                 doc! { self.key_field.as_str(): key.clone() },
-                doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
+                doc! {
+                    seq_path.as_str(): 1,
+                    tie_path.as_str(): 1,
+                    SHAPE_FIELD: [{ "$type": format!("${SEQ_FIELD}") }, { "$type": format!("${TIE_FIELD}") }],
+                },
             )
             .await?;
+        // Bookkeeping out of shape (a hand edit) is the pipeline's to report.
+        let in_shape = stored.get_array(SHAPE_FIELD).is_ok_and(|types| {
+            types
+                .iter()
+                .all(|t| matches!(t.as_str(), Some("object" | "missing")))
+        });
+        if !in_shape {
+            return None;
+        }
         let stored_seq = super::get_path(&stored, &seq_path).and_then(super::stored_seq)?;
         // A tie key that is not binary data is a hand edit the pipeline reports.
         let stored_tie = match super::get_path(&stored, &tie_path) {
@@ -426,27 +451,31 @@ impl SequencedFields {
         if crate::error::error_code(&source).is_none() {
             return source.into();
         }
+        match self.out_of_shape(key).await {
+            Some(path) => shape_error(
+                key,
+                path,
+                &format!("the server refused the write: {source}"),
+            ),
+            None => source.into(),
+        }
+    }
+
+    /// The first of `_seq` and `_seq_tie` that `key`'s document holds as anything but a
+    /// sub-document (a hand edit); `None` if both are documents or missing, or when the
+    /// read fails or finds no document.
+    async fn out_of_shape(&self, key: &Bson) -> Option<&'static str> {
         let stored = self
             .collection
             .find_one(doc! { self.key_field.as_str(): key.clone() })
             .projection(doc! { SEQ_FIELD: 1, TIE_FIELD: 1 })
-            .await;
-        let Ok(Some(stored)) = stored else {
-            return source.into();
-        };
-        match [SEQ_FIELD, TIE_FIELD].into_iter().find(|f| {
+            .await
+            .ok()??;
+        [SEQ_FIELD, TIE_FIELD].into_iter().find(|f| {
             stored
                 .get(*f)
                 .is_some_and(|v| !matches!(v, Bson::Document(_)))
-        }) {
-            Some(path) => Error::Malformed {
-                id: key.to_string(),
-                reason: format!(
-                    "`{path}` is not a document (the server refused the write: {source})"
-                ),
-            },
-            None => source.into(),
-        }
+        })
     }
 
     fn check_field(&self, field: &str) -> Result<()> {
@@ -606,12 +635,11 @@ fn operator_update(
 ) -> (Document, Document) {
     let seq_path = format!("{SEQ_FIELD}.{field}");
     let tie_path = format!("{TIE_FIELD}.{field}");
-    let plain_document = doc! { "$type": "object", "$not": { "$type": "array" } };
     let filter = doc! { "$and": [
         { key_field: key.clone() },
-        { SEQ_FIELD: plain_document.clone() },
+        { SEQ_FIELD: plain_document() },
         { seq_path.as_str(): { "$lt": seq, "$not": { "$type": "array" } } },
-        { TIE_FIELD: plain_document },
+        { TIE_FIELD: plain_document() },
         { tie_path.as_str(): { "$type": "binData" } },
     ] };
     let update = doc! {
@@ -623,6 +651,26 @@ fn operator_update(
         "$unset": { OUTCOME_FIELD: "" },
     };
     (filter, update)
+}
+
+/// A query condition on a path: a sub-document, not an array (`$type: "object"` alone
+/// would match an array holding one).
+fn plain_document() -> Document {
+    doc! { "$type": "object", "$not": { "$type": "array" } }
+}
+
+/// `path` is missing or a [`plain_document`]: the shape of `_seq` and `_seq_tie` the
+/// pipeline writes over.
+fn document_or_missing(path: &str) -> Document {
+    doc! { "$or": [{ path: { "$exists": false } }, { path: plain_document() }] }
+}
+
+/// [`Error::Malformed`] for `key`'s document whose bookkeeping `path` is not a document.
+fn shape_error(key: &Bson, path: &str, detail: &str) -> Error {
+    Error::Malformed {
+        id: key.to_string(),
+        reason: format!("`{path}` is not a document ({detail})"),
+    }
 }
 
 /// Whether the operator form may carry `value`: only types that an update operator and a

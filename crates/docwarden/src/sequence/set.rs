@@ -38,7 +38,7 @@ use mongodb::options::WriteConcern;
 use mongodb::{Collection, Database, IndexModel};
 
 use super::hints::{Hints, LosingRead};
-use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, encode, validate_seq};
+use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, SHAPE_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
 /// Options of a [`SequencedSet`], validated by [`SequencedSet::new`].
@@ -172,12 +172,6 @@ pub struct SequencedSet {
     /// server refuses read concern `majority`).
     losing_read: LosingRead,
 }
-
-/// The field of an apply's post-image (a projection, never stored) holding the `$type`s of
-/// the set's bookkeeping paths ([`SequencedSet`]'s `bookkeeping_paths`), by which the reply
-/// tells a document the pipeline left alone because its bookkeeping was hand-edited out of
-/// shape from one where the operation was stale.
-const SHAPE_FIELD: &str = "_dw_shape";
 
 /// The pipeline's decision for a document whose bookkeeping is out of shape (bound as
 /// `$$dw_d` next to [`ApplyOutcome`]'s names and [`CREATED`]): nothing is changed.

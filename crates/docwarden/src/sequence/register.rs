@@ -118,9 +118,10 @@ pub struct FieldsOptions {
     /// `findAndModify`. The stored document and the outcome are the same either way.
     /// Default `true`.
     pub operator_form: bool,
-    /// Test-only control: `false` drops "the stored number is below the write's" from the
-    /// operator form's filter, so the tests can show that a stale write then overwrites a
-    /// newer one. Always `true` outside those tests.
+    /// Test-only control: `false` sends the operator form with the key alone as its filter
+    /// (no "the stored number is below the write's", no shape checks), so the tests can
+    /// show that a stale write then overwrites a newer one. Always `true` outside those
+    /// tests.
     #[doc(hidden)]
     pub operator_number_check: bool,
 }

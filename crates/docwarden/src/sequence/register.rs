@@ -284,20 +284,17 @@ impl SequencedFields {
         tie: Vec<u8>,
         seq: i64,
     ) -> Result<ApplyOutcome> {
-        let key = key.clone();
         let hint_key = (key.to_string(), field.to_owned());
         let hint = self.hints.get(&hint_key).filter(|_| self.operator_form);
         if hint.is_some_and(|seen| seq <= seen)
-            && let Some(outcome) = self
-                .decided_by_read(&key, field, seq, &tie, &hint_key)
-                .await
+            && let Some(outcome) = self.decided_by_read(key, field, seq, &tie, &hint_key).await
         {
             tracing::debug!(%key, field, seq, ?outcome, "sequenced field write decided by a read");
             return Ok(outcome);
         }
         if hint.is_some_and(|seen| seq > seen) && operator_value(&value) {
             let (mut filter, update) =
-                operator_update(&self.key_field, &key, field, value.clone(), &tie, seq);
+                operator_update(&self.key_field, key, field, value.clone(), &tie, seq);
             if !self.number_check {
                 filter = doc! { "$and": [{ self.key_field.as_str(): key.clone() }] };
             }
@@ -341,18 +338,15 @@ impl SequencedFields {
             },
             doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
             |d| {
-                let held = holds(d, &seq_path, &tie_path, seq, &tie, &key)?;
+                let held = holds(d, &seq_path, &tie_path, seq, &tie, key)?;
                 if let Ok(mut seen) = seen.lock() {
                     *seen = super::get_path(d, &seq_path).and_then(super::stored_seq);
                 }
                 Ok(held)
             },
-            || {
-                let key = key.clone();
-                async move {
-                    let path = self.out_of_shape(&key).await?;
-                    Some(shape_error(&key, path, "nothing written"))
-                }
+            || async move {
+                let path = self.out_of_shape(key).await?;
+                Some(shape_error(key, path, "nothing written"))
             },
         )
         .await?;

@@ -132,6 +132,19 @@ impl Toggle {
         }
     }
 
+    /// The guarded change of this toggle: the doctor's `on_call` set, and `updated` to now.
+    ///
+    /// # Errors
+    /// Never for the workload's names; the constructor validates them.
+    pub fn change(&self) -> docwarden::Result<Change> {
+        Change::set_member(
+            "doctors",
+            "name",
+            self.doctor,
+            doc! { "on_call": self.on, "updated": DateTime::now() },
+        )
+    }
+
     /// The history's name of this toggle.
     #[must_use]
     pub fn op(&self) -> Op {
@@ -190,12 +203,7 @@ impl OnCall {
     pub async fn toggle(&self, t: &Toggle, mode: Mode) -> docwarden::Result<Toggled> {
         match mode {
             Mode::Safe => {
-                let change = Change::set_member(
-                    "doctors",
-                    "name",
-                    t.doctor,
-                    doc! { "on_call": t.on, "updated": DateTime::now() },
-                )?;
+                let change = t.change()?;
                 Ok(Toggled::Guarded(
                     self.guarded.update(t.shift, &change, self.rules()).await?,
                 ))
@@ -244,17 +252,7 @@ impl OnCall {
     ) -> docwarden::Result<Vec<Toggled>> {
         let changes = toggles
             .iter()
-            .map(|t| {
-                Ok((
-                    Bson::from(t.shift),
-                    Change::set_member(
-                        "doctors",
-                        "name",
-                        t.doctor,
-                        doc! { "on_call": t.on, "updated": DateTime::now() },
-                    )?,
-                ))
-            })
+            .map(|t| Ok((Bson::from(t.shift), t.change()?)))
             .collect::<docwarden::Result<Vec<_>>>()?;
         let rules: &[Invariant] = match mode {
             Mode::Safe => self.rules(),

@@ -3,9 +3,13 @@
 //! every call counts as one operation), one per call and in batches of 64 per
 //! `Guarded::update_many` (one `bulkWrite` per batch on MongoDB 8.0+; ops/s counts toggles).
 //!
-//! With `--stages`, a row of the same toggles written unguarded (seed 000's own
-//! `update_one` by `_id` and `$elemMatch`, `Mode::Control` without its read): the floor a
-//! guarded update is compared with.
+//! With `--stages`, two more rows of the same toggles:
+//! - written unguarded (seed 000's own `update_one` by `_id` and `$elemMatch`,
+//!   `Mode::Control` without its read): the floor a guarded update is compared with;
+//! - the guarded update's own command sent raw (the library's filter and pipeline, built
+//!   per call by `Toggle::change`, `Change::filter` and `Change::pipeline`, without the
+//!   read that explains a refused toggle, the retry and the outcome): what the guard's one
+//!   write costs, apart from what the library does around it (since session 32).
 
 use docwarden_workloads::Mode;
 use docwarden_workloads::on_call::{self, OnCall, Toggle};
@@ -16,6 +20,9 @@ use mongodb::bson::{DateTime, Document, doc};
 pub(crate) const ONE_PER_CALL: &str = "guard: on/off call (≥1 on call)";
 /// The same toggles written unguarded (its floor, `--stages`).
 pub(crate) const UNGUARDED: &str = "guard stage: unguarded toggle (update_one)";
+/// The guarded update's command sent raw (`--stages`).
+pub(crate) const COMMAND_RAW: &str =
+    "guard stage: the guarded update's command raw (no diagnosing read)";
 
 use super::{BenchRow, Load, measure};
 
@@ -40,6 +47,22 @@ pub(crate) async fn run(db: &Database, load: &Load) -> anyhow::Result<Vec<BenchR
                         doc! { "$set": { "doctors.$.on_call": t.on, "doctors.$.updated": DateTime::now() } },
                     )
                     .await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+        let c = coll.clone();
+        let rules = std::sync::Arc::new([on_call::rule()?]);
+        rows.push(
+            measure(COMMAND_RAW, load, move |_| {
+                let c = c.clone();
+                let rules = std::sync::Arc::clone(&rules);
+                async move {
+                    let t = Toggle::random(&mut rand::rng(), SHIFTS);
+                    let change = t.change()?;
+                    c.update_one(change.filter(&t.shift.into()), change.pipeline(&*rules))
+                        .await?;
                     Ok(1)
                 }
             })

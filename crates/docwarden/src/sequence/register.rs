@@ -38,6 +38,7 @@ use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::WriteConcern;
 
 use super::hints::{Hints, LosingRead};
+use super::set::{self, MALFORMED};
 use super::{ApplyOutcome, CREATED, OUTCOME_FIELD, SHAPE_FIELD, encode, validate_seq};
 use crate::error::{Error, Result};
 
@@ -314,19 +315,14 @@ impl SequencedFields {
         let tie_path = format!("{TIE_FIELD}.{field}");
         // The stored number as the pipeline's post-image (or the diagnosing read) showed it.
         let seen = std::sync::Mutex::new(None);
+        let shape_paths = bookkeeping_paths();
         let outcome = super::apply(
             &self.collection,
             doc! { self.key_field.as_str(): key.clone() },
-            vec![
-                doc! { "$or": [
-                    { seq_path.as_str(): { "$ne": seq } },
-                    { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
-                ] },
-                // Bookkeeping out of shape (a hand edit) matches nothing: the pipeline
-                // would write over it, and the read below reports it.
-                document_or_missing(SEQ_FIELD),
-                document_or_missing(TIE_FIELD),
-            ],
+            vec![doc! { "$or": [
+                { seq_path.as_str(): { "$ne": seq } },
+                { tie_path.as_str(): { "$ne": binary(tie.clone()) } },
+            ] }],
             || {
                 Self::pipeline_with_tie(
                     field,
@@ -336,18 +332,23 @@ impl SequencedFields {
                     self.tie_keys,
                 )
             },
-            doc! { seq_path.as_str(): 1, tie_path.as_str(): 1 },
+            doc! {
+                seq_path.as_str(): 1,
+                tie_path.as_str(): 1,
+                SHAPE_FIELD: set::types_of(&shape_paths),
+            },
             |d| {
+                // Bookkeeping out of shape (a hand edit): the pipeline decided `malformed`
+                // and left the document as it was.
+                set::check_shape(d, &shape_paths, key)?;
                 let held = holds(d, &seq_path, &tie_path, seq, &tie, key)?;
                 if let Ok(mut seen) = seen.lock() {
                     *seen = super::get_path(d, &seq_path).and_then(super::stored_seq);
                 }
                 Ok(held)
             },
-            || async move {
-                let path = self.out_of_shape(key).await?;
-                Some(shape_error(key, path, "nothing written"))
-            },
+            // A document out of shape is reported by the shape check of the read.
+            || async { None },
         )
         .await?;
         if self.operator_form
@@ -496,10 +497,17 @@ impl SequencedFields {
     }
 
     /// Four stages: (1) decide, into the temporary [`OUTCOME_FIELD`] (`created` when the
-    /// field had no sequence number yet); (2) when applied, write the value, `_seq.<field>`
-    /// and `_seq_tie.<field>` by their paths; (3) when `created`, sort the top-level fields
-    /// and the entries of `_seq` and `_seq_tie` by name, `_id` first; (4) `$unset` the
-    /// temporary field.
+    /// field had no sequence number yet; `malformed` when `_seq` or `_seq_tie` is neither
+    /// missing nor a document, a hand edit); (2) when applied, write the value and merge
+    /// the number and the tie key into `_seq` and `_seq_tie` (`$mergeObjects` on the
+    /// top-level fields: a dotted path would replace a scalar on its way; it keeps an
+    /// existing entry where it is and appends a new one, as `$set` by path does);
+    /// (3) when `created`, sort the top-level fields and the entries of `_seq` and
+    /// `_seq_tie` by name, `_id` first; (4) `$unset` the temporary field. A `malformed`
+    /// decision leaves the document as it was; the apply reads the two `$type`s in the
+    /// post-image and answers [`Error::Malformed`]. (Session 31 checked the shape in the
+    /// filter, which this server plans and checks for every write; since session 32 the
+    /// check is in the decision, as for sets.)
     fn pipeline_with_tie(
         field: &str,
         value: Bson,
@@ -540,13 +548,19 @@ impl SequencedFields {
                 "then": ApplyOutcome::Duplicate.as_str() },
             );
         }
-        let outcome = doc! { "$let": {
-            "vars": { "cur": { "$ifNull": [cur_seq.as_str(), -1_i64] } },
-            "in": { "$switch": {
-                "branches": branches,
-                "default": ApplyOutcome::Stale.as_str(),
+        // Bookkeeping out of shape (a hand edit) decides `malformed`: every field is
+        // written back as stored, and the reply's shape check names the field.
+        let outcome = doc! { "$cond": [
+            set::in_shape(&bookkeeping_paths()),
+            { "$let": {
+                "vars": { "cur": { "$ifNull": [cur_seq.as_str(), -1_i64] } },
+                "in": { "$switch": {
+                    "branches": branches,
+                    "default": ApplyOutcome::Stale.as_str(),
+                } },
             } },
-        } };
+            MALFORMED,
+        ] };
         let applied = super::applied_expr();
         let sorted = |input: Bson| -> Document {
             doc! { "$arrayToObject": { "$sortArray": {
@@ -569,10 +583,21 @@ impl SequencedFields {
         ] };
         vec![
             doc! { "$set": { OUTCOME_FIELD: outcome } },
+            // Top-level fields only: a dotted path would replace a scalar on its way.
+            // `$mergeObjects` keeps an existing entry where it is and appends a new one,
+            // as `$set` by path does.
             doc! { "$set": {
                 field: { "$cond": [applied.clone(), v, current_value.as_str()] },
-                seq_path.as_str(): { "$cond": [applied.clone(), { "$literal": seq }, cur_seq.as_str()] },
-                tie_path.as_str(): { "$cond": [applied, t, cur_tie.as_str()] },
+                SEQ_FIELD: { "$cond": [
+                    applied.clone(),
+                    { "$mergeObjects": [format!("${SEQ_FIELD}"), { field: { "$literal": seq } }] },
+                    format!("${SEQ_FIELD}"),
+                ] },
+                TIE_FIELD: { "$cond": [
+                    applied,
+                    { "$mergeObjects": [format!("${TIE_FIELD}"), { field: t }] },
+                    format!("${TIE_FIELD}"),
+                ] },
             } },
             doc! { "$replaceWith": { "$cond": [
                 { "$eq": [format!("${OUTCOME_FIELD}"), CREATED] },
@@ -654,10 +679,10 @@ fn plain_document() -> Document {
     doc! { "$type": "object", "$not": { "$type": "array" } }
 }
 
-/// `path` is missing or a [`plain_document`]: the shape of `_seq` and `_seq_tie` the
-/// pipeline writes over.
-fn document_or_missing(path: &str) -> Document {
-    doc! { "$or": [{ path: { "$exists": false } }, { path: plain_document() }] }
+/// `_seq` and `_seq_tie`, the bookkeeping the pipeline writes only when each is missing
+/// or a document ([`set::in_shape`]).
+fn bookkeeping_paths() -> [String; 2] {
+    [SEQ_FIELD.to_owned(), TIE_FIELD.to_owned()]
 }
 
 /// [`Error::Malformed`] for `key`'s document whose bookkeeping `path` is not a document.

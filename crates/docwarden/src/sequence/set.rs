@@ -175,7 +175,7 @@ pub struct SequencedSet {
 
 /// The pipeline's decision for a document whose bookkeeping is out of shape (bound as
 /// `$$dw_d` next to [`ApplyOutcome`]'s names and [`CREATED`]): nothing is changed.
-const MALFORMED: &str = "malformed";
+pub(super) const MALFORMED: &str = "malformed";
 
 /// The sub-document holding the bookkeeping of every set: `_seq_sets.<field>` for the set
 /// stored in `<field>`. Field names contain no `.`, so distinct sets get distinct,
@@ -889,7 +889,7 @@ impl SequencedSet {
 
 /// The `$type` of each of `paths` (pipeline expressions), in order: what [`in_shape`]
 /// tests and what an apply projects into [`SHAPE_FIELD`].
-fn types_of(paths: &[String]) -> Vec<Bson> {
+pub(super) fn types_of(paths: &[String]) -> Vec<Bson> {
     paths
         .iter()
         .map(|path| Bson::from(doc! { "$type": format!("${path}") }))
@@ -909,7 +909,7 @@ pub(super) fn bookkeeping_malformed(key: &Bson, path: &str, shape: &str) -> Erro
     Error::Malformed {
         id: key.to_string(),
         reason: format!(
-            "`{path}` is not {shape}: nothing written (an apply writes only over the set's bookkeeping in the shape docwarden writes)"
+            "`{path}` is not {shape}: nothing written (an apply writes only over bookkeeping in the shape docwarden writes)"
         ),
     }
 }
@@ -917,7 +917,7 @@ pub(super) fn bookkeeping_malformed(key: &Bson, path: &str, shape: &str) -> Erro
 /// [`Error::Malformed`] naming the first of `paths` whose `$type` in the reply's
 /// [`SHAPE_FIELD`] is neither `object` nor `missing`: the pipeline left such a document as
 /// it was. Nothing to check when the reply carries no types.
-fn check_shape(doc: &Document, paths: &[String], key: &Bson) -> Result<()> {
+pub(super) fn check_shape(doc: &Document, paths: &[String], key: &Bson) -> Result<()> {
     let Ok(types) = doc.get_array(SHAPE_FIELD) else {
         return Ok(());
     };

@@ -387,17 +387,15 @@ impl SequencedFields {
                 doc! {
                     seq_path.as_str(): 1,
                     tie_path.as_str(): 1,
-                    SHAPE_FIELD: [{ "$type": format!("${SEQ_FIELD}") }, { "$type": format!("${TIE_FIELD}") }],
+                    SHAPE_FIELD: set::types_of(&bookkeeping_paths()),
                 },
             )
             .await?;
-        // Bookkeeping out of shape (a hand edit) is the pipeline's to report.
-        let in_shape = stored.get_array(SHAPE_FIELD).is_ok_and(|types| {
-            types
-                .iter()
-                .all(|t| matches!(t.as_str(), Some("object" | "missing")))
-        });
-        if !in_shape {
+        // Bookkeeping out of shape (a hand edit), or a reply without the shape, is the
+        // pipeline's to report.
+        if stored.get_array(SHAPE_FIELD).is_err()
+            || set::check_shape(&stored, &bookkeeping_paths(), key).is_err()
+        {
             return None;
         }
         let stored_seq = super::get_path(&stored, &seq_path).and_then(super::stored_seq)?;

@@ -16,22 +16,43 @@
 //! names the attempt's own nonce. So an unanswered acquisition holds a lock for about
 //! [`WINDOW`] plus the clock's bound, not for its ttl.
 //!
+//! **Retries.** The clean-up's write is idempotent (its filter names the attempt's nonce,
+//! so a second run finds nothing of it), and a transient failure ([`Error::is_retryable`]:
+//! a stepdown's not-primary answer, a network error) is retried with jittered backoff for
+//! up to [`RETRY_FOR`]. Before session 33 one failed write gave up at once, and a lock an
+//! unanswered attempt took during a failover stayed held until its ttl (`docwarden verify
+//! all --faults all` logged it at stepdowns; `tests/lock_s33_cleanup_retry.rs`).
+//!
 //! **Limits.** The clean-up runs in a background task of the current tokio runtime and is
-//! best effort: if it fails (the server unreachable at that moment) or no runtime is left
-//! (the process is exiting), the acquisition expires with its ttl, as before. An attempt
-//! whose write takes longer than [`WINDOW`] to reach the server does not take a free lock
-//! (it reports contention, and a blocking acquire tries again).
+//! best effort: if it still fails after [`RETRY_FOR`], fails with an error that is not
+//! transient, or no runtime is left (the process is exiting), the acquisition expires with
+//! its ttl, as before. An attempt whose write takes longer than [`WINDOW`] to reach the
+//! server does not take a free lock (it reports contention, and a blocking acquire tries
+//! again).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mongodb::Collection;
 use mongodb::bson::{DateTime, Document, doc};
 
+use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
+use crate::error::{Error, Result};
 
 /// How long after it was sent (by the server's clock) a lock attempt's write may still
 /// apply.
 pub(crate) const WINDOW: Duration = Duration::from_secs(2);
+
+/// How long a clean-up keeps retrying a transient failure before it leaves the acquisition
+/// to expire with its ttl: a MongoDB election (10 s by default) and the driver's server
+/// selection after it fit well inside.
+pub(crate) const RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// The first and the largest delay between a clean-up's tries (full jitter, at least
+/// [`RETRY_FLOOR`]).
+const RETRY_BASE: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+const RETRY_FLOOR: Duration = Duration::from_millis(10);
 
 /// The landing deadline of an attempt sent at server time `now`: `now` + [`WINDOW`].
 pub(crate) fn deadline(now: &ServerTime) -> DateTime {
@@ -50,7 +71,7 @@ pub(crate) fn before(land_by: DateTime) -> Document {
 ///
 /// # Errors
 /// The time source's error.
-pub(crate) async fn passed(time: &TimeSource, land_by: DateTime) -> crate::Result<()> {
+pub(crate) async fn passed(time: &TimeSource, land_by: DateTime) -> Result<()> {
     loop {
         let now = time.now().await?;
         let left = land_by
@@ -129,22 +150,46 @@ impl Drop for CleanUp {
 }
 
 impl Armed {
+    /// Waits for the landing deadline, then frees what the attempt left, retrying a
+    /// transient failure for up to [`RETRY_FOR`].
     async fn run(self) {
-        if let Err(e) = passed(&self.time, self.land_by).await {
-            tracing::warn!(error = %e, what = self.what, "cannot read the server time to clean up an unanswered attempt; it expires with its ttl");
-            return;
-        }
-        match self.coll.update_one(self.filter, self.update).await {
-            Ok(r) if r.modified_count > 0 => {
-                tracing::info!(
-                    what = self.what,
-                    "freed what an unanswered attempt had taken"
-                );
+        let give_up = Instant::now() + RETRY_FOR;
+        let mut backoff = Backoff::new(RETRY_BASE, RETRY_MAX)
+            .ok()
+            .map(|b| b.with_floor(RETRY_FLOOR));
+        loop {
+            let e = match self.once().await {
+                Ok(()) => return,
+                Err(e) => e,
+            };
+            match backoff.as_mut() {
+                Some(b) if e.is_retryable() && Instant::now() < give_up => {
+                    let delay = b.next_delay();
+                    tracing::debug!(error = %e, what = self.what, tries = b.attempts(), ?delay, "cleaning up an unanswered attempt failed; trying again");
+                    tokio::time::sleep(delay).await;
+                }
+                _ => {
+                    tracing::warn!(error = %e, what = self.what, "cannot clean up an unanswered attempt; it expires with its ttl");
+                    return;
+                }
             }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, what = self.what, "cannot clean up an unanswered attempt; it expires with its ttl");
-            }
         }
+    }
+
+    /// One try: the landing deadline has passed by the server's clock, then the write.
+    async fn once(&self) -> Result<()> {
+        passed(&self.time, self.land_by).await?;
+        let r = self
+            .coll
+            .update_one(self.filter.clone(), self.update.clone())
+            .await
+            .map_err(Error::from)?;
+        if r.modified_count > 0 {
+            tracing::info!(
+                what = self.what,
+                "freed what an unanswered attempt had taken"
+            );
+        }
+        Ok(())
     }
 }

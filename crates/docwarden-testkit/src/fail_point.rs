@@ -146,8 +146,25 @@ pub async fn fail_point_client(
         );
         return Ok(None);
     }
+    client_of(t, None).await.map(Some)
+}
+
+/// A client of `t`'s server named `app_name` (the client option `appName`), so that a
+/// fail point with `appName` in its data ([`hold_next`], or `failCommand` configured by
+/// hand) acts on its commands alone. It checks the server as often as
+/// [`fail_point_client`]'s, for the same reason.
+///
+/// # Errors
+/// The URI does not parse or the client cannot be built.
+pub async fn app_client(t: &crate::TestDb, app_name: &str) -> mongodb::error::Result<Client> {
+    client_of(t, Some(app_name)).await
+}
+
+/// A client of `t`'s server that checks it every 500 ms and waits up to 20 s to select it.
+async fn client_of(t: &crate::TestDb, app_name: Option<&str>) -> mongodb::error::Result<Client> {
     let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
+    options.app_name = app_name.map(str::to_owned);
     options.heartbeat_freq = Some(std::time::Duration::from_millis(500));
     options.server_selection_timeout = Some(std::time::Duration::from_secs(20));
-    Client::with_options(options).map(Some)
+    Client::with_options(options)
 }

@@ -27,9 +27,7 @@ use docwarden::lock::Owner;
 use docwarden_testkit::{TestDb, fail_commands_off};
 use docwarden_workloads::Mode;
 use docwarden_workloads::election::{self, Leaders};
-use mongodb::Client;
 use mongodb::bson::doc;
-use mongodb::options::ClientOptions;
 
 /// The application name of the leader whose resignation is held.
 const APP: &str = "abandoned-resign";
@@ -41,9 +39,7 @@ async fn an_abandoned_resignation_is_recorded_with_its_term() -> anyhow::Result<
     let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
         return Ok(());
     };
-    let mut options = ClientOptions::parse(t.uri()).await?;
-    options.app_name = Some(APP.to_owned());
-    let leader_client = Client::with_options(options)?;
+    let leader_client = docwarden_testkit::app_client(&t, APP).await?;
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let leader_time = TimeSource::server(leader_client.clone(), ClockOptions::default())?;
     Leaders::setup(&t.db, time.clone()).await?;

@@ -1589,9 +1589,7 @@ async fn a_violator_written_while_the_validator_installs_is_reported() -> anyhow
     else {
         return Ok(());
     };
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    options.app_name = Some("guard-slow-collmod".into());
-    let installer = mongodb::Client::with_options(options)?;
+    let installer = docwarden_testkit::app_client(&t, "guard-slow-collmod").await?;
     let inv = [on_call()];
     let mut bad = shift(0, 1);
     bad.insert("doctors", vec![doc! { "name": "x", "on_call": false }]);
@@ -1892,9 +1890,7 @@ async fn installing_a_validator_while_someone_creates_the_collection_installs_it
     else {
         return Ok(());
     };
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    options.app_name = Some("guard-slow-create".into());
-    let installer = mongodb::Client::with_options(options)?;
+    let installer = docwarden_testkit::app_client(&t, "guard-slow-create").await?;
     t.client
         .database("admin")
         .run_command(doc! {

@@ -27,9 +27,8 @@ use docwarden::lock::{
 };
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
 use docwarden_testkit::{TestDb, fail_commands_off, hold_next};
+use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
-use mongodb::options::ClientOptions;
-use mongodb::{Client, Database};
 
 /// The application name of the client whose renewals are held.
 const LATE_APP: &str = "late-renewal";
@@ -93,9 +92,7 @@ async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Resul
     let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
         return Ok(());
     };
-    let mut late_options = ClientOptions::parse(t.uri()).await?;
-    late_options.app_name = Some(LATE_APP.to_owned());
-    let late_client = Client::with_options(late_options)?;
+    let late_client = docwarden_testkit::app_client(&t, LATE_APP).await?;
     let db = t.client.database(t.db.name());
     let late_db = late_client.database(t.db.name());
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;

@@ -21,9 +21,7 @@ use std::time::{Duration, Instant};
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner};
 use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
-use mongodb::Client;
 use mongodb::bson::{Bson, doc};
-use mongodb::options::ClientOptions;
 
 /// The application name of the client whose acquire goes unanswered.
 const APP: &str = "cleanup-retry";
@@ -42,11 +40,7 @@ async fn a_clean_up_refused_by_a_stepping_down_primary_tries_again() -> anyhow::
     let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
         return Ok(());
     };
-    let mut options = ClientOptions::parse(t.uri()).await?;
-    options.app_name = Some(APP.to_owned());
-    options.heartbeat_freq = Some(Duration::from_millis(500));
-    options.server_selection_timeout = Some(Duration::from_secs(20));
-    let lossy_client = Client::with_options(options)?;
+    let lossy_client = docwarden_testkit::app_client(&t, APP).await?;
 
     let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(100));
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;

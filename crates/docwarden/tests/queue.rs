@@ -852,9 +852,7 @@ async fn a_failed_sweep_does_not_fail_the_claim() -> anyhow::Result<()> {
 async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Result<()> {
     let t = TestDb::new("queue_sweep_failpoint").await?;
     let app = format!("dw-sweep-failpoint-{:08x}", rand::random::<u32>());
-    let mut options = mongodb::options::ClientOptions::parse(t.uri()).await?;
-    options.app_name = Some(app.clone());
-    let client = mongodb::Client::with_options(options)?;
+    let client = docwarden_testkit::app_client(&t, &app).await?;
     // Opened before the fail point: open's options document is an `update` too.
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let q = JobQueue::open(

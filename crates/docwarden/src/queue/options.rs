@@ -461,7 +461,9 @@ pub struct WorkerOptions {
     /// time source) and period share one pass task; any number of processes may run it;
     /// each tick is enqueued once. Default false.
     pub run_schedules: bool,
-    /// Period of the worker's scheduler passes. Default 200 ms.
+    /// Period of the worker's scheduler passes. Default 200 ms. After a pass that fails,
+    /// the next waits longer, doubling up to 5 s, until one succeeds
+    /// ([`Scheduler::spawn`](super::Scheduler::spawn)).
     pub schedule_every: Duration,
     /// Whether the worker also opens a change stream on the queue's control document
     /// (pause and resume take effect at the event instead of the next `poll_max` re-read).

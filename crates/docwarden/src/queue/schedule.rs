@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::JobQueue;
 use super::job::field;
 use super::options::{EnqueueOptions, RunAt, Safeguard};
+use crate::backoff::Backoff;
 use crate::error::{Error, Result, is_duplicate_key};
 use crate::format::schedule::{SCHEDULES_SUFFIX, missed, schedule_field as sf};
 use crate::validate;
@@ -229,7 +230,8 @@ pub struct SchedulerReport {
     pub duplicates: u64,
     /// Due ticks skipped by the missed-tick policy.
     pub skipped: u64,
-    /// Passes that failed (a database error; retried at the next pass), and schedules a
+    /// Passes that failed (a database error; retried after a backoff, see
+    /// [`Scheduler::spawn`]), and schedules a
     /// pass skipped because their document does not parse or their tick cannot be
     /// enqueued (a hand edit: a payload too large for a job, a tick before 1970); the
     /// pass goes on with the other schedules, and each is logged.
@@ -772,16 +774,27 @@ impl SchedulerCounters {
     }
 }
 
-/// Runs [`JobQueue::run_due_ticks`] every `every` until `stop`; errors are counted,
-/// logged, and retried at the next pass.
+/// The longest wait between failed scheduler passes (or the period, if longer).
+const FAILED_PASS_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Runs [`JobQueue::run_due_ticks`] every `every` until `stop`. A pass that fails is
+/// counted, logged, and tried again after a backoff: from `every`, doubling (jittered,
+/// never shorter than `every`) up to [`FAILED_PASS_BACKOFF_MAX`], so a server that is
+/// down or stepping down is not asked again every period, nor the log written to. The
+/// first pass that succeeds returns to one pass every `every`; ticks that fell due
+/// meanwhile follow their schedule's missed-tick policy, as after any pause.
 pub(crate) async fn run_scheduler(
     queue: JobQueue,
     every: Duration,
     counters: Arc<SchedulerCounters>,
     stop: CancellationToken,
 ) {
+    // `every` is validated by every caller; a zero period would only lose the backoff.
+    let mut failing = Backoff::new(every, every.max(FAILED_PASS_BACKOFF_MAX))
+        .ok()
+        .map(|b| b.with_floor(every));
     loop {
-        match queue.run_due_ticks().await {
+        let delay = match queue.run_due_ticks().await {
             Ok(r) => {
                 counters.enqueued.fetch_add(r.enqueued, Ordering::Relaxed);
                 counters
@@ -789,15 +802,21 @@ pub(crate) async fn run_scheduler(
                     .fetch_add(r.duplicates, Ordering::Relaxed);
                 counters.skipped.fetch_add(r.skipped, Ordering::Relaxed);
                 counters.errors.fetch_add(r.errors, Ordering::Relaxed);
+                if let Some(b) = failing.as_mut() {
+                    b.reset();
+                }
+                every
             }
             Err(e) => {
                 counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, "scheduler pass failed; retrying");
+                let delay = failing.as_mut().map_or(every, Backoff::next_delay);
+                tracing::warn!(error = %e, ?delay, "scheduler pass failed; retrying");
+                delay
             }
-        }
+        };
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(delay) => {}
         }
     }
 }
@@ -816,7 +835,9 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// Starts a scheduler for `queue`'s schedules on the current tokio runtime, one
-    /// pass every `every`.
+    /// pass every `every`. After a pass that fails (a database error, counted in
+    /// [`SchedulerReport::errors`] and logged), the next waits longer each time, doubling
+    /// from `every` up to 5 s (or `every`, if longer), until one succeeds.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a zero period.

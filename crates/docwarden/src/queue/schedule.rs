@@ -231,10 +231,10 @@ pub struct SchedulerReport {
     /// Due ticks skipped by the missed-tick policy.
     pub skipped: u64,
     /// Passes that failed (a database error; retried after a backoff, see
-    /// [`Scheduler::spawn`]), and schedules a
-    /// pass skipped because their document does not parse or their tick cannot be
-    /// enqueued (a hand edit: a payload too large for a job, a tick before 1970); the
-    /// pass goes on with the other schedules, and each is logged.
+    /// [`Scheduler::spawn`]), and schedules a pass skipped because their document does
+    /// not parse or their tick cannot be enqueued (a hand edit: a payload too large for a
+    /// job, a tick before 1970); the pass goes on with the other schedules, and each is
+    /// logged.
     pub errors: u64,
 }
 

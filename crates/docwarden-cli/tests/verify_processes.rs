@@ -203,14 +203,14 @@ async fn sequence_worker_without_a_primary(
     use std::process::Stdio;
 
     let app = "docwarden-verify-worker";
-    t.client
-        .database("admin")
-        .run_command(mongodb::bson::doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": failures },
-            "data": { "failCommands": ["createIndexes"], "errorCode": 10107, "appName": app },
-        })
-        .await?;
+    docwarden_testkit::fail_commands_of(
+        &t.client,
+        app,
+        &["createIndexes"],
+        10107,
+        mongodb::bson::Bson::Document(mongodb::bson::doc! { "times": failures }),
+    )
+    .await?;
     let sep = if t.uri().contains('?') { '&' } else { '?' };
     let mut child = Command::new(env!("CARGO_BIN_EXE_docwarden"))
         .args([

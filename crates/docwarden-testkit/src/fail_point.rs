@@ -25,6 +25,26 @@ pub async fn fail_commands(
     .await
 }
 
+/// As [`fail_commands`], for the commands of clients named `app_name` alone (the client
+/// option `appName`, see [`app_client`]): the test's other clients are not affected.
+///
+/// # Errors
+/// The server's refusal, for example where fail points are not enabled.
+pub async fn fail_commands_of(
+    client: &Client,
+    app_name: &str,
+    commands: &[&str],
+    code: i32,
+    mode: Bson,
+) -> mongodb::error::Result<Document> {
+    fail_command(
+        client,
+        mode,
+        doc! { "failCommands": commands, "errorCode": code, "appName": app_name },
+    )
+    .await
+}
+
 /// Configures the `failCommand` fail point with `mode` and `data`.
 async fn fail_command(
     client: &Client,

@@ -73,18 +73,14 @@ async fn a_clean_up_refused_by_a_stepping_down_primary_tries_again() -> anyhow::
     let answered = lossy.try_acquire(&Owner::random(), "r", ttl).await;
     // The clean-up, armed by the unanswered attempt, writes once the 2 s landing window
     // has passed: its first four `update`s are refused as by a primary stepping down.
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 4 },
-            "data": {
-                "failCommands": ["update"],
-                "errorCode": NOT_WRITABLE_PRIMARY,
-                "appName": APP,
-            },
-        })
-        .await?;
+    docwarden_testkit::fail_commands_of(
+        &admin,
+        APP,
+        &["update"],
+        NOT_WRITABLE_PRIMARY,
+        Bson::Document(doc! { "times": 4 }),
+    )
+    .await?;
     match &answered {
         Err(e) if e.is_retryable() => {
             let got = locks

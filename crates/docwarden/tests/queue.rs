@@ -863,14 +863,14 @@ async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Res
     )
     .await?;
     q.enqueue(doc! {}, &EnqueueOptions::default()).await?;
-    let admin = client.database("admin");
-    let on = admin
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": { "failCommands": ["update"], "errorCode": 8_i32, "appName": &app },
-        })
-        .await;
+    let on = docwarden_testkit::fail_commands_of(
+        &client,
+        &app,
+        &["update"],
+        8,
+        Bson::String("alwaysOn".into()),
+    )
+    .await;
     if let Err(e) = on {
         docwarden_testkit::skip(
             "a_sweep_failed_by_fail_command_does_not_fail_the_claim",
@@ -889,9 +889,7 @@ async fn a_sweep_failed_by_fail_command_does_not_fail_the_claim() -> anyhow::Res
         anyhow::Ok(())
     }
     .await;
-    admin
-        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
-        .await?;
+    docwarden_testkit::fail_commands_off(&client).await?;
     result
 }
 

@@ -517,14 +517,14 @@ async fn a_claim_whose_read_back_fails_gives_its_jobs_back() -> anyhow::Result<(
     .await?;
     // The claim's own sweep runs first (updates); then the candidates' find passes, the
     // leases are written, and the read of the claimed jobs fails (and its retry).
-    t.client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "skip": 1, "times": 2 },
-            "data": { "failCommands": ["find"], "errorCode": 2, "appName": "claim-read-fails" },
-        })
-        .await?;
+    docwarden_testkit::fail_commands_of(
+        &t.client,
+        "claim-read-fails",
+        &["find"],
+        2,
+        Bson::Document(doc! { "skip": 1, "times": 2 }),
+    )
+    .await?;
     let claimed = cut.claim_batch("w", 3).await;
     docwarden_testkit::fail_commands_off(&t.client).await?;
     anyhow::ensure!(claimed.is_err(), "the read did not fail: {claimed:?}");

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::queue::{JobQueue, QueueOptions, Schedule, ScheduleSpec, Scheduler};
 use docwarden_testkit::{TestDb, fail_commands_off};
-use mongodb::bson::doc;
+use mongodb::bson::{Bson, doc};
 
 /// The application name of the scheduler's client.
 const APP: &str = "scheduler-backoff";
@@ -67,14 +67,14 @@ async fn a_scheduler_whose_passes_fail_backs_off_then_recovers() -> anyhow::Resu
     ))
     .await?;
 
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": { "failCommands": ["find"], "errorCode": BAD_VALUE, "appName": APP },
-        })
-        .await?;
+    docwarden_testkit::fail_commands_of(
+        &admin,
+        APP,
+        &["find"],
+        BAD_VALUE,
+        Bson::String("alwaysOn".into()),
+    )
+    .await?;
     let scheduler = Scheduler::spawn(q.clone(), EVERY)?;
     tokio::time::sleep(FAILING).await;
     let failed = scheduler.report().errors;

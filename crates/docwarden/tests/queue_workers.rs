@@ -805,14 +805,14 @@ async fn cut_off_worker(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // A's heartbeats (and every other write of its client) fail from now on.
-    t.client
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": { "failCommands": ["update"], "errorCode": 2, "appName": "partitioned-worker" },
-        })
-        .await?;
+    docwarden_testkit::fail_commands_of(
+        &t.client,
+        "partitioned-worker",
+        &["update"],
+        2,
+        Bson::String("alwaysOn".into()),
+    )
+    .await?;
     let b = Worker::spawn(qb, worker_options.name("b"), handler)?;
     let waited = Instant::now();
     while starts.load(Ordering::SeqCst) < 2 && waited.elapsed() < Duration::from_secs(8) {

@@ -17,12 +17,7 @@ pub async fn fail_commands(
     code: i32,
     mode: Bson,
 ) -> mongodb::error::Result<Document> {
-    fail_command(
-        client,
-        mode,
-        doc! { "failCommands": commands, "errorCode": code },
-    )
-    .await
+    fail_with_code(client, None, commands, code, mode).await
 }
 
 /// As [`fail_commands`], for the commands of clients named `app_name` alone (the client
@@ -37,12 +32,23 @@ pub async fn fail_commands_of(
     code: i32,
     mode: Bson,
 ) -> mongodb::error::Result<Document> {
-    fail_command(
-        client,
-        mode,
-        doc! { "failCommands": commands, "errorCode": code, "appName": app_name },
-    )
-    .await
+    fail_with_code(client, Some(app_name), commands, code, mode).await
+}
+
+/// [`fail_commands`] and [`fail_commands_of`]: `commands` (of clients named `app_name`,
+/// if given) fail with error `code` in `mode`.
+async fn fail_with_code(
+    client: &Client,
+    app_name: Option<&str>,
+    commands: &[&str],
+    code: i32,
+    mode: Bson,
+) -> mongodb::error::Result<Document> {
+    let mut data = doc! { "failCommands": commands, "errorCode": code };
+    if let Some(app_name) = app_name {
+        data.insert("appName", app_name);
+    }
+    fail_command(client, mode, data).await
 }
 
 /// Configures the `failCommand` fail point with `mode` and `data`.

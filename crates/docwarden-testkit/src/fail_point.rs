@@ -121,20 +121,22 @@ pub async fn hold_next(
 /// makes the driver clear the client's pool, which fails the operations in flight on the
 /// same client — this command among them, when the code under test is still sending
 /// commands that fail (`tests/lock_lost_reply.rs` failed so under load). Turning the fail
-/// point off is idempotent, so a transient error is retried, up to 5 times.
+/// point off is idempotent, so a transient error is retried, for up to 5 s. Code that
+/// retries quickly on the same client can clear its pool before every try (session 34):
+/// where it can, a test turns the fail point off through another client (its `TestDb`'s;
+/// fail points are server-wide).
 ///
 /// # Errors
 /// The server's refusal, for example where fail points are not enabled.
 pub async fn fail_commands_off(client: &Client) -> mongodb::error::Result<Document> {
-    let mut tries = 0;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
         let r = client
             .database("admin")
             .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
             .await;
         match r {
-            Err(e) if tries < 5 && is_transient(&e) => {
-                tries += 1;
+            Err(e) if std::time::Instant::now() < until && is_transient(&e) => {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
             r => return r,

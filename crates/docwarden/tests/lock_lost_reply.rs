@@ -6,7 +6,11 @@
 //! command runs, then the reply carries a retryable write concern error (91,
 //! ShutdownInProgress), and the driver's own retry gets one too — what a failover between
 //! the write and its acknowledgement looks like to the client. Fail points are server-wide,
-//! so this file is its own test binary with one test that runs its cases in turn.
+//! so this file is its own test binary with one test that runs its cases in turn. They are
+//! turned off through the test's own client: each injected error clears the pool of the
+//! client that met it, and a blocking acquire still retrying on that client cleared it
+//! again before each try of the command turning the fail point off (session 34: CI failed
+//! with five tries in a row meeting a cleared pool).
 
 use std::time::Duration;
 
@@ -56,7 +60,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
         )
         .await?;
         let got = locks.acquire(&owner, resource, ttl, wait).await;
-        fail_commands_off(&client).await?;
+        fail_commands_off(&t.client).await?;
         let stored = db
             .collection::<Document>("locks")
             .find_one(doc! { "_id": resource })
@@ -97,7 +101,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     )
     .await?;
     let got = docs.lock("e1", wait).await;
-    fail_commands_off(&client).await?;
+    fail_commands_off(&t.client).await?;
     let stored = entities
         .find_one(doc! { "_id": "e1" })
         .await?
@@ -127,7 +131,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     )
     .await?;
     let got = semaphore.acquire(&sem_owner, "s", ttl, wait).await;
-    fail_commands_off(&client).await?;
+    fail_commands_off(&t.client).await?;
     let status = semaphore.status("s").await?.context("semaphore document")?;
     let ours = status
         .holders
@@ -163,7 +167,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
             Duration::from_millis(2_500),
         )
         .await;
-    fail_commands_off(&client).await?;
+    fail_commands_off(&t.client).await?;
     let stored = db
         .collection::<Document>("rw")
         .find_one(doc! { "_id": "w" })
@@ -232,7 +236,7 @@ async fn a_blocking_acquire_recognises_the_acquisition_a_lost_reply_made() -> an
     }
     // Let the read try (and lose its reply) under the writer's intent too.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    fail_commands_off(&client).await?;
+    fail_commands_off(&t.client).await?;
     let off = std::time::Instant::now();
     let (got, at) = reading.await?;
     let stored = rw_docs

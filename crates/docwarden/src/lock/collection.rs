@@ -925,6 +925,24 @@ impl LockCollection {
         Ok(())
     }
 
+    /// Releases `lease` for a caller that will not wait for the answer (a writer
+    /// withdrawing the intent it gives up on): a release that fails with a transient
+    /// error is retried in the background ([`landing::release_later`]), so the lease does
+    /// not keep the others out until its ttl; a lease already lost is nothing to release.
+    pub(crate) async fn release_in_background(&self, lease: &Lease, what: &'static str) {
+        match self.release(lease).await {
+            Ok(()) | Err(Error::LeaseLost { .. }) => {}
+            Err(e) => landing::release_later(
+                &self.locks,
+                &self.time,
+                cas_filter(lease),
+                release_update(),
+                &e,
+                what,
+            ),
+        }
+    }
+
     /// Releases every lease held by `owner` (for example when a process shuts down or an
     /// operator cleans up after it) and returns how many were released.
     ///

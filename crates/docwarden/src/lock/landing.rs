@@ -23,6 +23,16 @@
 //! unanswered attempt took during a failover stayed held until its ttl (`docwarden verify
 //! all --faults all` logged it at stepdowns; `tests/lock_s33_cleanup_retry.rs`).
 //!
+//! **Releases that failed.** The same background retry finishes a release docwarden sends
+//! itself and nobody waits for — a writer withdrawing the intent it gives up on
+//! (`lock/rwlock.rs`), a claim giving back the permits it took (`queue/limit.rs`) — when
+//! that release fails with a transient error: [`release_later`]. The acquisition was
+//! answered, so there is no landing deadline to wait for; its filter names the lease (its
+//! owner and token, or its acquisition nonce), so a retry frees that lease and nothing
+//! else, and finds nothing if the first try did apply. Before session 35 such a release
+//! was dropped, and the lease kept the others out until its ttl
+//! (`tests/lock_s35_release_later.rs`).
+//!
 //! **Limits.** The clean-up runs in a background task of the current tokio runtime and is
 //! best effort: if it still fails after [`RETRY_FOR`], fails with an error that is not
 //! transient, or no runtime is left (the process is exiting), the acquisition expires with
@@ -85,6 +95,37 @@ pub(crate) async fn passed(time: &TimeSource, land_by: DateTime) -> Result<()> {
     }
 }
 
+/// Finishes a release that failed with `error`: when the error is transient
+/// ([`Error::is_retryable`]), `update` on the document `filter` matches is retried in the
+/// background, with jittered backoff for up to [`RETRY_FOR`] (as a [`CleanUp`], without a
+/// landing deadline to wait for); any other error is only logged. `filter` must name the
+/// one lease the release frees (owner and token, or acquisition nonce), so that a retry
+/// after a first try that did apply finds nothing. `what` names the release in logs.
+pub(crate) fn release_later(
+    coll: &Collection<Document>,
+    time: &TimeSource,
+    filter: Document,
+    update: Document,
+    error: &Error,
+    what: &'static str,
+) {
+    if !error.is_retryable() {
+        tracing::debug!(%error, what, "release failed; the lease expires with its ttl");
+        return;
+    }
+    tracing::debug!(%error, what, "release failed; retrying in the background");
+    drop(CleanUp {
+        armed: Some(Armed {
+            coll: coll.clone(),
+            time: time.clone(),
+            filter,
+            update,
+            land_by: None,
+            what,
+        }),
+    });
+}
+
 /// The clean-up of one attempt: `update` on the document `filter` matches, run in the
 /// background once the attempt's landing deadline has passed, unless the attempt was
 /// [`settled`](CleanUp::settled) (it ended with an answer). Armed from before the write is
@@ -100,7 +141,8 @@ struct Armed {
     time: TimeSource,
     filter: Document,
     update: Document,
-    land_by: DateTime,
+    /// `None`: nothing to wait for (a [`release_later`]).
+    land_by: Option<DateTime>,
     what: &'static str,
 }
 
@@ -121,7 +163,7 @@ impl CleanUp {
                 time: time.clone(),
                 filter,
                 update,
-                land_by,
+                land_by: Some(land_by),
                 what,
             }),
         }
@@ -165,8 +207,12 @@ impl Armed {
             match backoff.as_mut() {
                 Some(b) if e.is_retryable() && Instant::now() < give_up => {
                     let delay = b.next_delay();
-                    tracing::debug!(error = %e, what = self.what, tries = b.attempts(), ?delay, "cleaning up an unanswered attempt failed; trying again");
+                    tracing::debug!(error = %e, what = self.what, tries = b.attempts(), ?delay, "clean-up failed; trying again");
                     tokio::time::sleep(delay).await;
+                }
+                _ if self.land_by.is_none() => {
+                    tracing::warn!(error = %e, what = self.what, "cannot finish a failed release; the lease expires with its ttl");
+                    return;
                 }
                 _ => {
                     tracing::warn!(error = %e, what = self.what, "cannot clean up an unanswered attempt; it expires with its ttl");
@@ -176,19 +222,24 @@ impl Armed {
         }
     }
 
-    /// One try: the landing deadline has passed by the server's clock, then the write.
+    /// One try: the landing deadline (if any) has passed by the server's clock, then the
+    /// write.
     async fn once(&self) -> Result<()> {
-        passed(&self.time, self.land_by).await?;
+        if let Some(land_by) = self.land_by {
+            passed(&self.time, land_by).await?;
+        }
         let r = self
             .coll
             .update_one(self.filter.clone(), self.update.clone())
             .await
             .map_err(Error::from)?;
-        if r.modified_count > 0 {
+        if r.modified_count > 0 && self.land_by.is_some() {
             tracing::info!(
                 what = self.what,
                 "freed what an unanswered attempt had taken"
             );
+        } else if r.modified_count > 0 {
+            tracing::info!(what = self.what, "finished a failed release");
         }
         Ok(())
     }

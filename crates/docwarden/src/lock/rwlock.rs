@@ -696,12 +696,15 @@ impl RwLocks {
         })
     }
 
-    /// Withdraws a write intent that will not become a write lease (best effort: an
-    /// intent left behind expires with its ttl).
+    /// Withdraws a write intent that will not become a write lease. A withdrawal that
+    /// fails with a transient error is finished in the background
+    /// ([`LockCollection::release_in_background`]): before session 35 it was dropped, and
+    /// the intent kept readers out until its ttl. Only when that also fails for a minute
+    /// does the intent expire with its ttl.
     async fn withdraw(&self, lease: &Lease) {
-        if let Err(e) = self.locks.release(lease).await {
-            tracing::debug!(error = %e, "withdrawing the write intent");
-        }
+        self.locks
+            .release_in_background(lease, "write intent withdrawal")
+            .await;
     }
 
     /// Releases a write lease ([`LockCollection::release`]).

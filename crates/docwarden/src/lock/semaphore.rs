@@ -737,17 +737,27 @@ impl Semaphore {
     /// released); a database error.
     #[instrument(skip(self, permit), fields(collection = %self.docs.name(), resource = %permit.resource, owner = %permit.owner, token = permit.token.get()))]
     pub async fn release(&self, permit: &Permit) -> Result<()> {
-        let r = self
-            .docs
-            .update_one(
-                doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": holder_match(permit) } },
-                doc! { "$pull": { field::HOLDERS: holder_match(permit) } },
-            )
-            .await?;
+        let (filter, update) = release_update(permit);
+        let r = self.docs.update_one(filter, update).await?;
         if r.modified_count == 0 {
             return Err(lost(permit));
         }
         Ok(())
+    }
+
+    /// Releases `permit` for a caller that will not wait for the answer (a claim giving
+    /// back the permits of a job it did not start, a `Worker` after a job's last
+    /// transition): a release that fails with a transient error is retried in the
+    /// background (`lock/landing.rs`, `release_later`), so the permit does not keep a
+    /// holder out until its ttl; a permit already lost is nothing to release.
+    pub(crate) async fn release_in_background(&self, permit: &Permit, what: &'static str) {
+        match self.release(permit).await {
+            Ok(()) | Err(Error::LeaseLost { .. }) => {}
+            Err(e) => {
+                let (filter, update) = release_update(permit);
+                landing::release_later(&self.docs, &self.time, filter, update, &e, what);
+            }
+        }
     }
 
     /// Releases every permit `owner` holds in any resource; how many documents changed.
@@ -840,6 +850,15 @@ fn lost(permit: &Permit) -> Error {
         resource: permit.resource.clone(),
         token: permit.token.into(),
     }
+}
+
+/// The filter and update of [`Semaphore::release`]: the resource's document holding
+/// `permit`, and the `$pull` of its holder element.
+fn release_update(permit: &Permit) -> (Document, Document) {
+    (
+        doc! { field::ID: &permit.resource, field::HOLDERS: { "$elemMatch": holder_match(permit) } },
+        doc! { "$pull": { field::HOLDERS: holder_match(permit) } },
+    )
 }
 
 /// The holder element of `permit`: `{owner, token}` (tokens are unique per resource).

@@ -503,8 +503,11 @@ impl JobQueue {
         }
     }
 
-    /// Best effort: releases permits and takes a rate start back after a failed claim (a
-    /// permit not released expires by itself).
+    /// Releases permits (and takes a rate start back after a failed claim). A release that
+    /// fails with a transient error is finished in the background
+    /// (`Semaphore::release_in_background`): before session 35 it was dropped, and the
+    /// permit held a slot of the limit until its ttl. Taking a rate start back is best
+    /// effort (a start not taken back counts until it leaves the window).
     async fn give_back(&self, permits: &[Permit], start: Option<&Start>) {
         for p in permits {
             let sem = if !p.resource.starts_with(lcoll::KEY_PREFIX) {
@@ -512,9 +515,7 @@ impl JobQueue {
             } else {
                 &self.inner.limits.keys
             };
-            if let Err(e) = sem.release(p).await {
-                tracing::debug!(error = %e, resource = %p.resource, "permit not given back");
-            }
+            sem.release_in_background(p, "concurrency permit").await;
         }
         if let Some(s) = start
             && let Err(e) = self.inner.limits.rates.take_back(s).await
@@ -526,7 +527,8 @@ impl JobQueue {
     /// Releases the permits this handle holds for `job`, a job it claimed with
     /// [`JobQueue::claim_limited`]: call it after the job's final transition was written
     /// (or its lease was lost); the [`super::Worker`] does. Nothing for a job without
-    /// permits. Best effort: a permit not released expires by itself.
+    /// permits. A release that fails with a transient error is retried in the background for
+    /// up to a minute; after that a permit not released expires by itself.
     pub async fn release_permits(&self, job: &ClaimedJob) {
         let held = self
             .inner

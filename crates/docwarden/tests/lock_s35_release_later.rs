@@ -1,0 +1,159 @@
+//! Session 35: a release docwarden sends itself, with nobody waiting for its answer, is
+//! finished in the background when it fails with a transient error (`lock/landing.rs`,
+//! "Releases that failed").
+//!
+//! Two such releases:
+//! - a writer that gives up waiting for the readers withdraws its intent
+//!   (`RwLocks::write`); a failed withdrawal was dropped, and the intent kept every new
+//!   reader out until its ttl;
+//! - a `JobQueue` gives back a job's concurrency permits (`release_permits`, which the
+//!   `Worker` calls after a job's last transition); a failed release was dropped, and the
+//!   permit held a slot of the limit until its ttl.
+//!
+//! Each release's `update` is refused three times with `NotWritablePrimary` (a primary
+//! stepping down), matched by the releasing client's application name so that the test's
+//! own client is not affected: the release's try and the driver's retry fail, so the
+//! call's release fails. The lease must then be free within [`BOUND`], far below its ttl
+//! (60 s for the intent, 45 s for the permits). Without the background retry (the release
+//! as before session 35) each case is a violation: 2 in all. Fail points are server-wide,
+//! so this file is its own test binary with one test that runs its cases in turn.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use docwarden::clock::{ClockOptions, TimeSource};
+use docwarden::lock::{LockCollection, LockOptions, Owner, RwLockOptions, RwLocks};
+use docwarden::queue::{EnqueueOptions, JobQueue, LimitOptions, QueueOptions};
+use docwarden_testkit::{TestDb, fail_commands_of, fail_commands_off};
+use mongodb::bson::{Bson, Document, doc};
+
+/// The application name of the client whose releases fail.
+const APP: &str = "release-later";
+
+/// How soon the lease must be free after the call that released it returned: a few
+/// refused tries with backoff, with room for a slow machine.
+const BOUND: Duration = Duration::from_secs(5);
+
+/// `NotWritablePrimary`: what a primary stepping down answers a write.
+const NOT_WRITABLE_PRIMARY: i32 = 10107;
+
+/// The next three `update`s of [`APP`]'s client are refused.
+async fn refuse_three_updates(admin: &mongodb::Client) -> anyhow::Result<()> {
+    fail_commands_of(
+        admin,
+        APP,
+        &["update"],
+        NOT_WRITABLE_PRIMARY,
+        Bson::Document(doc! { "times": 3 }),
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> anyhow::Result<()> {
+    let test = "a_failed_release_nobody_waits_for_is_finished_in_the_background";
+    let t = TestDb::new(test).await?;
+    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+        return Ok(());
+    };
+    let lossy_client = docwarden_testkit::app_client(&t, APP).await?;
+    let lossy_db = lossy_client.database(t.db.name());
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let lossy_time = TimeSource::server(lossy_client.clone(), ClockOptions::default())?;
+    let mut violations = Vec::new();
+
+    // A writer that gives up: its intent's withdrawal fails.
+    let ttl = Duration::from_secs(60);
+    let rw = RwLocks::new(
+        LockCollection::open(&t.db, "rw", time.clone(), LockOptions::default()).await?,
+        RwLockOptions::default(),
+    )?;
+    let lossy_rw = RwLocks::new(
+        LockCollection::open(&lossy_db, "rw", lossy_time.clone(), LockOptions::default()).await?,
+        RwLockOptions::default().poll_interval(Duration::from_millis(50)),
+    )?;
+    // A first write lease and release, so that the resource has its token block and the
+    // writer's intent is one `findAndModify` (no `update` of the fail point's).
+    let first = rw
+        .try_write(&Owner::random(), "w", ttl)
+        .await?
+        .context("the first write lease")?;
+    rw.release_write(&first).await?;
+    let reader = rw
+        .try_read(&Owner::random(), "w", ttl)
+        .await?
+        .context("reader")?;
+    let writer = Owner::random();
+    refuse_three_updates(&admin).await?;
+    let got = lossy_rw
+        .write(&writer, "w", ttl, Duration::from_secs(1))
+        .await;
+    let gave_up = Instant::now();
+    if !matches!(got, Ok(None)) {
+        violations.push(format!(
+            "rwlock: the writer's wait should end with Ok(None), got {got:?}"
+        ));
+    }
+    let rw_docs = t.db.collection::<Document>("rw");
+    loop {
+        let stored = rw_docs
+            .find_one(doc! { "_id": "w" })
+            .await?
+            .context("rw document")?;
+        if stored.get_str("owner").ok() != Some(writer.id()) {
+            break;
+        }
+        if gave_up.elapsed() > BOUND {
+            violations.push(format!(
+                "rwlock: {BOUND:?} after the writer gave up, its intent (ttl {ttl:?}) still keeps readers out: {stored}"
+            ));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fail_commands_off(&admin).await?;
+    rw.release_read(&reader).await?;
+
+    // A job's concurrency permits given back: the releases fail.
+    let limits = QueueOptions::default().limits(LimitOptions::default().queue_concurrency(1));
+    let lossy_q = JobQueue::open(&lossy_db, "jobs", lossy_time, limits.clone()).await?;
+    let q = JobQueue::open(&t.db, "jobs", time, limits).await?;
+    for i in 0..2 {
+        q.enqueue(
+            doc! { "i": i },
+            &EnqueueOptions::default().concurrency_key("k"),
+        )
+        .await?;
+    }
+    let first = lossy_q.claim_limited("first", 1).await?;
+    let first = first.first().context("the first limited claim")?;
+    lossy_q.complete(first, Bson::Null).await?;
+    refuse_three_updates(&admin).await?;
+    lossy_q.release_permits(first).await;
+    let gave_back = Instant::now();
+    loop {
+        let next = q.claim_limited("next", 1).await?;
+        if let Some(job) = next.first() {
+            q.complete(job, Bson::Null).await?;
+            q.release_permits(job).await;
+            break;
+        }
+        if gave_back.elapsed() > BOUND {
+            violations.push(format!(
+                "limits: {BOUND:?} after the permits were given back, the next job of the key still cannot be claimed: {:?}",
+                q.concurrency_limits().await?
+            ));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fail_commands_off(&admin).await?;
+
+    assert!(
+        violations.is_empty(),
+        "{} violations: {violations:#?}",
+        violations.len()
+    );
+    Ok(())
+}

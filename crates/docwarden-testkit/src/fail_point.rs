@@ -196,3 +196,23 @@ async fn client_of(t: &crate::TestDb, app_name: Option<&str>) -> mongodb::error:
     options.server_selection_timeout = Some(std::time::Duration::from_secs(20));
     Client::with_options(options)
 }
+
+/// What a test that aims fail points at one client needs: [`crate::TestDb::new`] for
+/// `test` (its database, on a client no fail point names), the client that configures the
+/// fail points ([`fail_point_client`]), and the client named `app_name` ([`app_client`])
+/// whose commands [`fail_commands_of`] and [`hold_next`] act on, in that order. `None`
+/// (the skip is reported for `test`) where the server has no fail points.
+///
+/// # Errors
+/// As [`crate::TestDb::new`]; a client that cannot be built.
+pub async fn app_faults(
+    test: &str,
+    app_name: &str,
+) -> crate::Result<Option<(crate::TestDb, Client, Client)>> {
+    let t = crate::TestDb::new(test).await?;
+    let Some(admin) = fail_point_client(&t, test).await? else {
+        return Ok(None);
+    };
+    let app = app_client(&t, app_name).await?;
+    Ok(Some((t, admin, app)))
+}

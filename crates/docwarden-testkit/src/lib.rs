@@ -18,8 +18,8 @@ pub use docwarden_server::{
     mask_uri, uri_from_env,
 };
 pub use fail_point::{
-    app_client, fail_commands, fail_commands_of, fail_commands_off, fail_point_client, hold_next,
-    lose_replies,
+    app_client, app_faults, fail_commands, fail_commands_of, fail_commands_off, fail_point_client,
+    hold_next, lose_replies,
 };
 pub use skip::{SKIP_LOG_ENV, skip, skip_log};
 pub use testdb::{TestDb, shared_uri};

@@ -24,7 +24,7 @@ use docwarden::check::election::{ELECT_OP, RESIGN_OP, WRITE_OP};
 use docwarden::check::{History, OpOutcome};
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::Owner;
-use docwarden_testkit::{TestDb, fail_commands_off};
+use docwarden_testkit::fail_commands_off;
 use docwarden_workloads::Mode;
 use docwarden_workloads::election::{self, Leaders};
 use mongodb::bson::doc;
@@ -35,11 +35,9 @@ const APP: &str = "abandoned-resign";
 #[tokio::test]
 async fn an_abandoned_resignation_is_recorded_with_its_term() -> anyhow::Result<()> {
     let test = "an_abandoned_resignation_is_recorded_with_its_term";
-    let t = TestDb::new(test).await?;
-    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+    let Some((t, admin, leader_client)) = docwarden_testkit::app_faults(test, APP).await? else {
         return Ok(());
     };
-    let leader_client = docwarden_testkit::app_client(&t, APP).await?;
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let leader_time = TimeSource::server(leader_client.clone(), ClockOptions::default())?;
     Leaders::setup(&t.db, time.clone()).await?;

@@ -26,7 +26,7 @@ use docwarden::lock::{
     LockCollection, LockOptions, Owner, RwLockOptions, RwLocks, Semaphore, SemaphoreOptions,
 };
 use docwarden::queue::{EnqueueOptions, JobQueue, QueueOptions};
-use docwarden_testkit::{TestDb, fail_commands_off, hold_next};
+use docwarden_testkit::{fail_commands_off, hold_next};
 use mongodb::Database;
 use mongodb::bson::{DateTime, Document, doc};
 
@@ -88,11 +88,9 @@ async fn stored_date(
 #[tokio::test]
 async fn a_renewal_that_lands_late_does_not_shorten_the_lease() -> anyhow::Result<()> {
     let test = "a_renewal_that_lands_late_does_not_shorten_the_lease";
-    let t = TestDb::new(test).await?;
-    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+    let Some((t, admin, late_client)) = docwarden_testkit::app_faults(test, LATE_APP).await? else {
         return Ok(());
     };
-    let late_client = docwarden_testkit::app_client(&t, LATE_APP).await?;
     let db = t.client.database(t.db.name());
     let late_db = late_client.database(t.db.name());
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;

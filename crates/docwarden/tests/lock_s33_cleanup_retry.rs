@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner};
-use docwarden_testkit::{TestDb, fail_commands_off, lose_replies};
+use docwarden_testkit::{fail_commands_off, lose_replies};
 use mongodb::bson::{Bson, doc};
 
 /// The application name of the client whose acquire goes unanswered.
@@ -36,11 +36,9 @@ const NOT_WRITABLE_PRIMARY: i32 = 10107;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_up_refused_by_a_stepping_down_primary_tries_again() -> anyhow::Result<()> {
     let test = "a_clean_up_refused_by_a_stepping_down_primary_tries_again";
-    let t = TestDb::new(test).await?;
-    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+    let Some((t, admin, lossy_client)) = docwarden_testkit::app_faults(test, APP).await? else {
         return Ok(());
     };
-    let lossy_client = docwarden_testkit::app_client(&t, APP).await?;
 
     let fast = LockOptions::default().backoff(Duration::from_millis(5), Duration::from_millis(100));
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;

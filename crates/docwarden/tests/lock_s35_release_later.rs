@@ -24,7 +24,7 @@ use anyhow::Context;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{LockCollection, LockOptions, Owner, RwLockOptions, RwLocks};
 use docwarden::queue::{EnqueueOptions, JobQueue, LimitOptions, QueueOptions};
-use docwarden_testkit::{TestDb, fail_commands_of, fail_commands_off};
+use docwarden_testkit::{fail_commands_of, fail_commands_off};
 use mongodb::bson::{Bson, Document, doc};
 
 /// The application name of the client whose releases fail.
@@ -53,11 +53,9 @@ async fn refuse_three_updates(admin: &mongodb::Client) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> anyhow::Result<()> {
     let test = "a_failed_release_nobody_waits_for_is_finished_in_the_background";
-    let t = TestDb::new(test).await?;
-    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+    let Some((t, admin, lossy_client)) = docwarden_testkit::app_faults(test, APP).await? else {
         return Ok(());
     };
-    let lossy_client = docwarden_testkit::app_client(&t, APP).await?;
     let lossy_db = lossy_client.database(t.db.name());
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
     let lossy_time = TimeSource::server(lossy_client.clone(), ClockOptions::default())?;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::queue::{JobQueue, QueueOptions, Schedule, ScheduleSpec, Scheduler};
-use docwarden_testkit::{TestDb, fail_commands_off};
+use docwarden_testkit::fail_commands_off;
 use mongodb::bson::{Bson, doc};
 
 /// The application name of the scheduler's client.
@@ -47,11 +47,9 @@ const BAD_VALUE: i32 = 2;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduler_whose_passes_fail_backs_off_then_recovers() -> anyhow::Result<()> {
     let test = "a_scheduler_whose_passes_fail_backs_off_then_recovers";
-    let t = TestDb::new(test).await?;
-    let Some(admin) = docwarden_testkit::fail_point_client(&t, test).await? else {
+    let Some((t, admin, client)) = docwarden_testkit::app_faults(test, APP).await? else {
         return Ok(());
     };
-    let client = docwarden_testkit::app_client(&t, APP).await?;
     let time = TimeSource::server(client.clone(), ClockOptions::default())?;
     let q = JobQueue::open(
         &client.database(t.db.name()),

@@ -39,7 +39,7 @@ mod deadline;
 mod document;
 mod election;
 mod fence;
-mod landing;
+pub(crate) mod landing;
 mod lease;
 mod rwlock;
 mod semaphore;

@@ -8,14 +8,18 @@
 //!   reader out until its ttl;
 //! - a `JobQueue` gives back a job's concurrency permits (`release_permits`, which the
 //!   `Worker` calls after a job's last transition); a failed release was dropped, and the
-//!   permit held a slot of the limit until its ttl.
+//!   permit held a slot of the limit until its ttl;
+//! - a batch claim whose jobs cannot be read back gives them back (`ready`, the attempt
+//!   returned); a failed give-back was dropped, and the jobs waited for their lease to
+//!   expire, charged an attempt they never ran.
 //!
 //! Each release's `update` is refused three times with `NotWritablePrimary` (a primary
 //! stepping down), matched by the releasing client's application name so that the test's
 //! own client is not affected: the release's try and the driver's retry fail, so the
-//! call's release fails. The lease must then be free within [`BOUND`], far below its ttl
-//! (60 s for the intent, 45 s for the permits). Without the background retry (the release
-//! as before session 35) each case is a violation: 2 in all. Fail points are server-wide,
+//! call's release fails (the claim's read-back and give-back fail until the fail point is
+//! turned off). The lease must then be free within [`BOUND`], far below its ttl (60 s for
+//! the intent and the jobs, 45 s for the permits). Without the background retry (the
+//! release as before session 35) each case is a violation: 3 in all. Fail points are server-wide,
 //! so this file is its own test binary with one test that runs its cases in turn.
 
 use std::time::{Duration, Instant};
@@ -115,8 +119,9 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
 
     // A job's concurrency permits given back: the releases fail.
     let limits = QueueOptions::default().limits(LimitOptions::default().queue_concurrency(1));
-    let lossy_q = JobQueue::open(&lossy_db, "jobs", lossy_time, limits.clone()).await?;
-    let q = JobQueue::open(&t.db, "jobs", time, limits).await?;
+    let lossy_q = JobQueue::open(&lossy_db, "jobs", lossy_time.clone(), limits.clone()).await?;
+    let q = JobQueue::open(&t.db, "jobs", time.clone(), limits).await?;
+    let (lossy_time_q, time_q) = (lossy_time, time);
     for i in 0..2 {
         q.enqueue(
             doc! { "i": i },
@@ -147,6 +152,68 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     fail_commands_off(&admin).await?;
+
+    // A claim whose jobs cannot be read back gives them back, and that fails too.
+    let opts = QueueOptions::default()
+        .lease_ttl(Duration::from_secs(60))
+        .reap_interval(Duration::from_secs(3600))
+        .partitions(1);
+    let lossy_q = JobQueue::open(&lossy_db, "claims", lossy_time_q, opts.clone()).await?;
+    let q = JobQueue::open(&t.db, "claims", time_q, opts).await?;
+    // A first claim, so that the handle's sweep is behind it: the next batch claim sends a
+    // `find` (the candidates, of the one partition), an `update` (the claim) and a `find`
+    // (the read-back).
+    q.enqueue(doc! { "warm": true }, &EnqueueOptions::default())
+        .await?;
+    let warm = lossy_q.claim_batch("w", 4).await?;
+    lossy_q
+        .complete(warm.first().context("the first claim")?, Bson::Null)
+        .await?;
+    let id = q
+        .enqueue(doc! { "i": 1 }, &EnqueueOptions::default())
+        .await?
+        .created()
+        .context("the job")?;
+    // The candidates' read and the claim pass; the read-back and the give-back fail
+    // (with the driver's retries) until the fail point is turned off.
+    admin
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "skip": 2 },
+            "data": {
+                "failCommands": ["update", "find"],
+                "errorCode": NOT_WRITABLE_PRIMARY,
+                "appName": APP,
+            },
+        })
+        .await?;
+    let claimed = lossy_q.claim_batch("r", 4).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fail_commands_off(&admin).await?;
+    let recovered = Instant::now();
+    let jobs = t.db.collection::<Document>("claims");
+    match claimed {
+        Err(e) if e.is_retryable() => loop {
+            let stored = jobs
+                .find_one(doc! { "_id": id })
+                .await?
+                .context("the job")?;
+            if stored.get_str("state") == Ok("ready") && stored.get_i64("attempts") == Ok(0) {
+                break;
+            }
+            if recovered.elapsed() > BOUND {
+                violations.push(format!(
+                    "claim: {BOUND:?} after the server recovered, the job not read back is still not given back (lease 60 s): {stored}"
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        },
+        other => violations.push(format!(
+            "claim: the claim whose read-back failed answered {other:?}"
+        )),
+    }
 
     assert!(
         violations.is_empty(),

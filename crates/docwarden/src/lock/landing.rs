@@ -25,11 +25,12 @@
 //!
 //! **Releases that failed.** The same background retry finishes a release docwarden sends
 //! itself and nobody waits for — a writer withdrawing the intent it gives up on
-//! (`lock/rwlock.rs`), a claim giving back the permits it took (`queue/limit.rs`) — when
-//! that release fails with a transient error: [`release_later`]. The acquisition was
+//! (`lock/rwlock.rs`), a queue giving back a job's permits (`queue/limit.rs`) or the jobs
+//! a claim could not read back (`queue/claim.rs`) — when that release fails with a
+//! transient error: [`release_later`], [`release_many_later`]. The acquisition was
 //! answered, so there is no landing deadline to wait for; its filter names the lease (its
-//! owner and token, or its acquisition nonce), so a retry frees that lease and nothing
-//! else, and finds nothing if the first try did apply. Before session 35 such a release
+//! owner and token, its holder entry, or a claim's token), so a retry frees that lease
+//! and nothing else, and finds nothing if the first try did apply. Before session 35 such a release
 //! was dropped, and the lease kept the others out until its ttl
 //! (`tests/lock_s35_release_later.rs`).
 //!
@@ -44,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use mongodb::Collection;
 use mongodb::bson::{DateTime, Document, doc};
+use mongodb::options::UpdateModifications;
 
 use crate::backoff::Backoff;
 use crate::clock::{ServerTime, TimeSource};
@@ -109,6 +111,33 @@ pub(crate) fn release_later(
     error: &Error,
     what: &'static str,
 ) {
+    retry_later(coll, time, filter, update.into(), false, error, what);
+}
+
+/// [`release_later`] for a release of every document `filter` matches (an `updateMany`,
+/// operators or a pipeline): `filter` must name what the release frees (a claim's lease
+/// token and the state it left the documents in), so that a retry finds nothing of what
+/// a first try did free.
+pub(crate) fn release_many_later(
+    coll: &Collection<Document>,
+    time: &TimeSource,
+    filter: Document,
+    update: UpdateModifications,
+    error: &Error,
+    what: &'static str,
+) {
+    retry_later(coll, time, filter, update, true, error, what);
+}
+
+fn retry_later(
+    coll: &Collection<Document>,
+    time: &TimeSource,
+    filter: Document,
+    update: UpdateModifications,
+    many: bool,
+    error: &Error,
+    what: &'static str,
+) {
     if !error.is_retryable() {
         tracing::debug!(%error, what, "release failed; the lease expires with its ttl");
         return;
@@ -120,6 +149,7 @@ pub(crate) fn release_later(
             time: time.clone(),
             filter,
             update,
+            many,
             land_by: None,
             what,
         }),
@@ -140,7 +170,9 @@ struct Armed {
     coll: Collection<Document>,
     time: TimeSource,
     filter: Document,
-    update: Document,
+    update: UpdateModifications,
+    /// An `updateMany` (a [`release_many_later`]), else an `updateOne`.
+    many: bool,
     /// `None`: nothing to wait for (a [`release_later`]).
     land_by: Option<DateTime>,
     what: &'static str,
@@ -162,7 +194,8 @@ impl CleanUp {
                 coll: coll.clone(),
                 time: time.clone(),
                 filter,
-                update,
+                update: update.into(),
+                many: false,
                 land_by: Some(land_by),
                 what,
             }),
@@ -228,11 +261,13 @@ impl Armed {
         if let Some(land_by) = self.land_by {
             passed(&self.time, land_by).await?;
         }
-        let r = self
-            .coll
-            .update_one(self.filter.clone(), self.update.clone())
-            .await
-            .map_err(Error::from)?;
+        let (filter, update) = (self.filter.clone(), self.update.clone());
+        let r = if self.many {
+            self.coll.update_many(filter, update).await
+        } else {
+            self.coll.update_one(filter, update).await
+        }
+        .map_err(Error::from)?;
         if r.modified_count > 0 && self.land_by.is_some() {
             tracing::info!(
                 what = self.what,

@@ -219,8 +219,11 @@ impl JobQueue {
     /// back: gives the running jobs matching `claimed` (a filter naming the claim's
     /// token) back as a release does — `ready` (`retrying` after earlier attempts), the
     /// attempt returned — so they are claimable at once instead of after their lease,
-    /// and not charged an attempt they never ran. If this write fails too, the leases
-    /// expire and the sweep takes the jobs back.
+    /// and not charged an attempt they never ran. If this write fails with a transient
+    /// error it is retried in the background for up to a minute (`lock/landing.rs`,
+    /// "Releases that failed"; before session 35 it was not, and the jobs waited for their
+    /// lease to expire, charged the attempt); after that the leases expire and the sweep
+    /// takes the jobs back.
     async fn give_back_unread(&self, mut claimed: Document) {
         claimed.insert(field::STATE, JobState::Running.as_str());
         let now = match self.inner.time.now().await {
@@ -239,15 +242,30 @@ impl JobQueue {
             field::ATTEMPTS: { "$subtract": [format!("${}", field::ATTEMPTS), 1_i64] },
             field::UPDATED_AT: now,
         } }];
-        match self.inner.coll.update_many(claimed, give_back).await {
+        match self
+            .inner
+            .coll
+            .update_many(claimed.clone(), give_back.clone())
+            .await
+        {
             Ok(r) => tracing::warn!(
                 jobs = r.modified_count,
                 "claimed jobs could not be read back: given back"
             ),
-            Err(e) => tracing::warn!(
-                error = %e,
-                "claimed jobs not read back, nor given back: claimable once their lease expires"
-            ),
+            Err(e) => {
+                let e = Error::from(e);
+                tracing::warn!(error = %e, "claimed jobs not read back, nor given back yet");
+                // The filter names the claim's token and `running`: a retry finds nothing
+                // of what a first try did give back.
+                crate::lock::landing::release_many_later(
+                    &self.inner.coll,
+                    &self.inner.time,
+                    claimed,
+                    give_back.into(),
+                    &e,
+                    "claimed jobs given back",
+                );
+            }
         }
     }
 

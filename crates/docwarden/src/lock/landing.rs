@@ -30,8 +30,8 @@
 //! transient error: [`release_later`], [`release_many_later`]. The acquisition was
 //! answered, so there is no landing deadline to wait for; its filter names the lease (its
 //! owner and token, its holder entry, or a claim's token), so a retry frees that lease
-//! and nothing else, and finds nothing if the first try did apply. Before session 35 such a release
-//! was dropped, and the lease kept the others out until its ttl
+//! and nothing else, and finds nothing if the first try did apply. Before session 35
+//! such a release was dropped, and the lease kept the others out until its ttl
 //! (`tests/lock_s35_release_later.rs`).
 //!
 //! **Limits.** The clean-up runs in a background task of the current tokio runtime and is
@@ -101,7 +101,7 @@ pub(crate) async fn passed(time: &TimeSource, land_by: DateTime) -> Result<()> {
 /// ([`Error::is_retryable`]), `update` on the document `filter` matches is retried in the
 /// background, with jittered backoff for up to [`RETRY_FOR`] (as a [`CleanUp`], without a
 /// landing deadline to wait for); any other error is only logged. `filter` must name the
-/// one lease the release frees (owner and token, or acquisition nonce), so that a retry
+/// one lease the release frees (owner and token, or a holder entry), so that a retry
 /// after a first try that did apply finds nothing. `what` names the release in logs.
 pub(crate) fn release_later(
     coll: &Collection<Document>,

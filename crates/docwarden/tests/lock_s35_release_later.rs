@@ -11,15 +11,19 @@
 //!   permit held a slot of the limit until its ttl;
 //! - a batch claim whose jobs cannot be read back gives them back (`ready`, the attempt
 //!   returned); a failed give-back was dropped, and the jobs waited for their lease to
-//!   expire, charged an attempt they never ran.
+//!   expire, charged an attempt they never ran;
+//! - a limited claim that fails after its rate start was admitted takes the start back; a
+//!   failed take-back was dropped, and the start counted against the rate until it left
+//!   its interval.
 //!
 //! Each release's `update` is refused three times with `NotWritablePrimary` (a primary
 //! stepping down), matched by the releasing client's application name so that the test's
 //! own client is not affected: the release's try and the driver's retry fail, so the
-//! call's release fails (the claim's read-back and give-back fail until the fail point is
-//! turned off). The lease must then be free within [`BOUND`], far below its ttl (60 s for
-//! the intent and the jobs, 45 s for the permits). Without the background retry (the
-//! release as before session 35) each case is a violation: 3 in all. Fail points are server-wide,
+//! call's release fails (in the last two cases every matching command fails from the
+//! claim on, until the fail point is turned off). The lease must then be free within
+//! [`BOUND`], far below its ttl (60 s for the intent and the jobs, 45 s for the permits,
+//! an hour for the start). Without the background retry (the release as before session
+//! 35) each case is a violation: 4 in all. Fail points are server-wide,
 //! so this file is its own test binary with one test that runs its cases in turn.
 
 use std::time::{Duration, Instant};
@@ -158,8 +162,8 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         .lease_ttl(Duration::from_secs(60))
         .reap_interval(Duration::from_secs(3600))
         .partitions(1);
-    let lossy_q = JobQueue::open(&lossy_db, "claims", lossy_time_q, opts.clone()).await?;
-    let q = JobQueue::open(&t.db, "claims", time_q, opts).await?;
+    let lossy_q = JobQueue::open(&lossy_db, "claims", lossy_time_q.clone(), opts.clone()).await?;
+    let q = JobQueue::open(&t.db, "claims", time_q.clone(), opts).await?;
     // A first claim, so that the handle's sweep is behind it: the next batch claim sends a
     // `find` (the candidates, of the one partition), an `update` (the claim) and a `find`
     // (the read-back).
@@ -212,6 +216,66 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         },
         other => violations.push(format!(
             "claim: the claim whose read-back failed answered {other:?}"
+        )),
+    }
+
+    // A limited claim that fails after its rate start was admitted takes the start back,
+    // and that fails too.
+    let opts = QueueOptions::default()
+        .reap_interval(Duration::from_secs(3600))
+        .limits(LimitOptions::default().rate(2, Duration::from_secs(3600)));
+    let lossy_q = JobQueue::open(&lossy_db, "rated", lossy_time_q.clone(), opts.clone()).await?;
+    let q = JobQueue::open(&t.db, "rated", time_q.clone(), opts).await?;
+    for i in 0..3 {
+        q.enqueue(doc! { "i": i }, &EnqueueOptions::default().rate_key("r"))
+            .await?;
+    }
+    // A first claim takes one of the hour's two starts (and puts the sweep behind the
+    // handle): the next limited claim sends a `findAndModify` admitting a start, then a
+    // `findAndModify` claiming the job.
+    let warm = lossy_q.claim_limited("w", 1).await?;
+    lossy_q
+        .complete(warm.first().context("the first rated claim")?, Bson::Null)
+        .await?;
+    // The admission passes; the claim and the start's take-back fail (with the driver's
+    // retries) until the fail point is turned off.
+    admin
+        .database("admin")
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "skip": 1 },
+            "data": {
+                "failCommands": ["findAndModify", "update"],
+                "errorCode": NOT_WRITABLE_PRIMARY,
+                "appName": APP,
+            },
+        })
+        .await?;
+    let failed = lossy_q.claim_limited("r", 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fail_commands_off(&admin).await?;
+    let recovered = Instant::now();
+    match failed {
+        Err(e) if e.is_retryable() => loop {
+            let next = q.claim_limited("next", 1).await?;
+            if let Some(job) = next.first() {
+                q.complete(job, Bson::Null).await?;
+                break;
+            }
+            if recovered.elapsed() > BOUND {
+                let rates =
+                    t.db.collection::<Document>("rated.rates")
+                        .find_one(doc! { "_id": "r" })
+                        .await?;
+                violations.push(format!(
+                    "rate: {BOUND:?} after the server recovered, the failed claim's start still counts (2 per hour): {rates:?}"
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        },
+        other => violations.push(format!(
+            "rate: the limited claim that failed answered {other:?}"
         )),
     }
 

@@ -25,13 +25,14 @@
 //!
 //! **Releases that failed.** The same background retry finishes a release docwarden sends
 //! itself and nobody waits for — a writer withdrawing the intent it gives up on
-//! (`lock/rwlock.rs`), a queue giving back a job's permits (`queue/limit.rs`) or the jobs
-//! a claim could not read back (`queue/claim.rs`) — when that release fails with a
-//! transient error: [`release_later`], [`release_many_later`]. The acquisition was
-//! answered, so there is no landing deadline to wait for; its filter names the lease (its
-//! owner and token, its holder entry, or a claim's token), so a retry frees that lease
-//! and nothing else, and finds nothing if the first try did apply. Before session 35
-//! such a release was dropped, and the lease kept the others out until its ttl
+//! (`lock/rwlock.rs`), a queue giving back a job's permits (`queue/limit.rs`), a rate
+//! start (`queue/rate.rs`) or the jobs a claim could not read back (`queue/claim.rs`) —
+//! when that release fails with a transient error: [`release_later`],
+//! [`release_many_later`]. The acquisition was answered, so there is no landing deadline
+//! to wait for; its filter names the lease (its owner and token, its holder entry, its
+//! start's id, or a claim's token), so a retry frees that lease and nothing else, and
+//! finds nothing if the first try did apply. Before session 35 such a release was
+//! dropped, and the lease kept the others out until its ttl
 //! (`tests/lock_s35_release_later.rs`).
 //!
 //! **Limits.** The clean-up runs in a background task of the current tokio runtime and is

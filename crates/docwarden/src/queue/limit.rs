@@ -505,9 +505,9 @@ impl JobQueue {
 
     /// Releases permits (and takes a rate start back after a failed claim). A release that
     /// fails with a transient error is finished in the background
-    /// (`Semaphore::release_in_background`): before session 35 it was dropped, and the
-    /// permit held a slot of the limit until its ttl. Taking a rate start back is best
-    /// effort (a start not taken back counts until it leaves the window).
+    /// (`Semaphore::release_in_background`, `RateLimiter::take_back`): before session 35
+    /// it was dropped, and the permit held a slot of the limit until its ttl, the start
+    /// one of the rate until it left its interval.
     async fn give_back(&self, permits: &[Permit], start: Option<&Start>) {
         for p in permits {
             let sem = if !p.resource.starts_with(lcoll::KEY_PREFIX) {
@@ -517,10 +517,8 @@ impl JobQueue {
             };
             sem.release_in_background(p, "concurrency permit").await;
         }
-        if let Some(s) = start
-            && let Err(e) = self.inner.limits.rates.take_back(s).await
-        {
-            tracing::debug!(error = %e, key = %s.key, "rate start not taken back");
+        if let Some(s) = start {
+            self.inner.limits.rates.take_back(s, &self.inner.time).await;
         }
     }
 

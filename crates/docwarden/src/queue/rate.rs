@@ -20,6 +20,7 @@ use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ReturnDocument;
 use mongodb::{Collection, Database};
 
+use crate::clock::TimeSource;
 use crate::error::{self, Error, Result};
 use crate::format::job::rate as field;
 use crate::validate;
@@ -119,15 +120,23 @@ impl RateLimiter {
         Ok(None)
     }
 
-    /// Takes back a start whose claim failed.
-    pub(crate) async fn take_back(&self, start: &Start) -> Result<()> {
-        self.coll
-            .update_one(
-                doc! { field::ID: &start.key },
-                doc! { "$pull": { field::STARTS: { field::start::ID: &start.id } } },
-            )
-            .await?;
-        Ok(())
+    /// Takes back a start whose claim failed. One that fails with a transient error is
+    /// retried in the background (`lock/landing.rs`, "Releases that failed": until
+    /// session 35 it was dropped, and the start counted until it left its interval); the
+    /// `$pull` names the start's own id, so a retry after a first try that did apply
+    /// finds nothing. `time` is the queue's time source.
+    pub(crate) async fn take_back(&self, start: &Start, time: &TimeSource) {
+        let (filter, update) = take_back_update(start);
+        if let Err(e) = self.coll.update_one(filter.clone(), update.clone()).await {
+            crate::lock::landing::release_later(
+                &self.coll,
+                time,
+                filter,
+                update,
+                &Error::from(e),
+                "rate start taken back",
+            );
+        }
     }
 
     pub(crate) async fn set(&self, key: &str, limit: u32, interval: Duration) -> Result<()> {
@@ -207,6 +216,15 @@ fn admit_pipeline(id: &str, limit: i64, interval_ms: i64, ignore_limit: bool) ->
             &starts,
         ] } } },
     ]
+}
+
+/// The filter and update that take `start` back: the `$pull` of its entry, by id, from
+/// its key's document.
+fn take_back_update(start: &Start) -> (Document, Document) {
+    (
+        doc! { field::ID: &start.key },
+        doc! { "$pull": { field::STARTS: { field::start::ID: &start.id } } },
+    )
 }
 
 #[cfg(test)]

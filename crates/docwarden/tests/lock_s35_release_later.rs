@@ -45,14 +45,43 @@ const BOUND: Duration = Duration::from_secs(5);
 /// `NotWritablePrimary`: what a primary stepping down answers a write.
 const NOT_WRITABLE_PRIMARY: i32 = 10107;
 
-/// The next three `update`s of [`APP`]'s client are refused.
-async fn refuse_three_updates(admin: &mongodb::Client) -> anyhow::Result<()> {
+/// Whether `freed` answers `true` within [`BOUND`] of `since`, asked every 50 ms.
+async fn freed_within<F, Fut>(since: Instant, mut freed: F) -> anyhow::Result<bool>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    loop {
+        if freed().await? {
+            return Ok(true);
+        }
+        if since.elapsed() > BOUND {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether `q` can claim a limited job now (it is completed and its permits released).
+async fn claim_next(q: &JobQueue) -> anyhow::Result<bool> {
+    let next = q.claim_limited("next", 1).await?;
+    let Some(job) = next.first() else {
+        return Ok(false);
+    };
+    q.complete(job, Bson::Null).await?;
+    q.release_permits(job).await;
+    Ok(true)
+}
+
+/// `commands` of [`APP`]'s client are refused as by a stepping-down primary, in `mode`
+/// (`{times: n}`: the next `n`; `{skip: n}`: all after the next `n`).
+async fn refuse(admin: &mongodb::Client, commands: &[&str], mode: Document) -> anyhow::Result<()> {
     fail_commands_of(
         admin,
         APP,
-        &["update"],
+        commands,
         NOT_WRITABLE_PRIMARY,
-        Bson::Document(doc! { "times": 3 }),
+        Bson::Document(mode),
     )
     .await?;
     Ok(())
@@ -91,7 +120,7 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         .await?
         .context("reader")?;
     let writer = Owner::random();
-    refuse_three_updates(&admin).await?;
+    refuse(&admin, &["update"], doc! { "times": 3 }).await?;
     let got = lossy_rw
         .write(&writer, "w", ttl, Duration::from_secs(1))
         .await;
@@ -102,21 +131,16 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         ));
     }
     let rw_docs = t.db.collection::<Document>("rw");
-    loop {
-        let stored = rw_docs
-            .find_one(doc! { "_id": "w" })
-            .await?
-            .context("rw document")?;
-        if stored.get_str("owner").ok() != Some(writer.id()) {
-            break;
-        }
-        if gave_up.elapsed() > BOUND {
-            violations.push(format!(
-                "rwlock: {BOUND:?} after the writer gave up, its intent (ttl {ttl:?}) still keeps readers out: {stored}"
-            ));
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let intent = doc! { "_id": "w", "owner": writer.id() };
+    let withdrawn = freed_within(gave_up, || async {
+        Ok(rw_docs.find_one(intent.clone()).await?.is_none())
+    })
+    .await?;
+    if !withdrawn {
+        violations.push(format!(
+            "rwlock: {BOUND:?} after the writer gave up, its intent (ttl {ttl:?}) still keeps readers out: {:?}",
+            rw_docs.find_one(doc! { "_id": "w" }).await?
+        ));
     }
     fail_commands_off(&admin).await?;
     rw.release_read(&reader).await?;
@@ -136,24 +160,14 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
     let first = lossy_q.claim_limited("first", 1).await?;
     let first = first.first().context("the first limited claim")?;
     lossy_q.complete(first, Bson::Null).await?;
-    refuse_three_updates(&admin).await?;
+    refuse(&admin, &["update"], doc! { "times": 3 }).await?;
     lossy_q.release_permits(first).await;
     let gave_back = Instant::now();
-    loop {
-        let next = q.claim_limited("next", 1).await?;
-        if let Some(job) = next.first() {
-            q.complete(job, Bson::Null).await?;
-            q.release_permits(job).await;
-            break;
-        }
-        if gave_back.elapsed() > BOUND {
-            violations.push(format!(
-                "limits: {BOUND:?} after the permits were given back, the next job of the key still cannot be claimed: {:?}",
-                q.concurrency_limits().await?
-            ));
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if !freed_within(gave_back, || claim_next(&q)).await? {
+        violations.push(format!(
+            "limits: {BOUND:?} after the permits were given back, the next job of the key still cannot be claimed: {:?}",
+            q.concurrency_limits().await?
+        ));
     }
     fail_commands_off(&admin).await?;
 
@@ -180,40 +194,26 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         .context("the job")?;
     // The candidates' read and the claim pass; the read-back and the give-back fail
     // (with the driver's retries) until the fail point is turned off.
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "skip": 2 },
-            "data": {
-                "failCommands": ["update", "find"],
-                "errorCode": NOT_WRITABLE_PRIMARY,
-                "appName": APP,
-            },
-        })
-        .await?;
+    refuse(&admin, &["update", "find"], doc! { "skip": 2 }).await?;
     let claimed = lossy_q.claim_batch("r", 4).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     fail_commands_off(&admin).await?;
     let recovered = Instant::now();
     let jobs = t.db.collection::<Document>("claims");
     match claimed {
-        Err(e) if e.is_retryable() => loop {
-            let stored = jobs
-                .find_one(doc! { "_id": id })
-                .await?
-                .context("the job")?;
-            if stored.get_str("state") == Ok("ready") && stored.get_i64("attempts") == Ok(0) {
-                break;
-            }
-            if recovered.elapsed() > BOUND {
+        Err(e) if e.is_retryable() => {
+            let given_back = doc! { "_id": id, "state": "ready", "attempts": 0_i64 };
+            if !freed_within(recovered, || async {
+                Ok(jobs.find_one(given_back.clone()).await?.is_some())
+            })
+            .await?
+            {
                 violations.push(format!(
-                    "claim: {BOUND:?} after the server recovered, the job not read back is still not given back (lease 60 s): {stored}"
+                    "claim: {BOUND:?} after the server recovered, the job not read back is still not given back (lease 60 s): {:?}",
+                    jobs.find_one(doc! { "_id": id }).await?
                 ));
-                break;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        },
+        }
         other => violations.push(format!(
             "claim: the claim whose read-back failed answered {other:?}"
         )),
@@ -239,30 +239,14 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
         .await?;
     // The admission passes; the claim and the start's take-back fail (with the driver's
     // retries) until the fail point is turned off.
-    admin
-        .database("admin")
-        .run_command(doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "skip": 1 },
-            "data": {
-                "failCommands": ["findAndModify", "update"],
-                "errorCode": NOT_WRITABLE_PRIMARY,
-                "appName": APP,
-            },
-        })
-        .await?;
+    refuse(&admin, &["findAndModify", "update"], doc! { "skip": 1 }).await?;
     let failed = lossy_q.claim_limited("r", 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     fail_commands_off(&admin).await?;
     let recovered = Instant::now();
     match failed {
-        Err(e) if e.is_retryable() => loop {
-            let next = q.claim_limited("next", 1).await?;
-            if let Some(job) = next.first() {
-                q.complete(job, Bson::Null).await?;
-                break;
-            }
-            if recovered.elapsed() > BOUND {
+        Err(e) if e.is_retryable() => {
+            if !freed_within(recovered, || claim_next(&q)).await? {
                 let rates =
                     t.db.collection::<Document>("rated.rates")
                         .find_one(doc! { "_id": "r" })
@@ -270,10 +254,8 @@ async fn a_failed_release_nobody_waits_for_is_finished_in_the_background() -> an
                 violations.push(format!(
                     "rate: {BOUND:?} after the server recovered, the failed claim's start still counts (2 per hour): {rates:?}"
                 ));
-                break;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        },
+        }
         other => violations.push(format!(
             "rate: the limited claim that failed answered {other:?}"
         )),

@@ -1,25 +1,35 @@
 //! A client that records the commands it sends (driver command monitoring), for tests
-//! that count round trips.
+//! that count round trips or check what a command asked for.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use mongodb::Client;
+use mongodb::bson::Document;
 use mongodb::event::EventHandler;
 use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 
-/// The names of the commands a [`counting_client`] has started, in order.
+/// The commands a [`counting_client`] has started (name and body), in order.
 #[derive(Clone, Debug, Default)]
-pub struct CommandLog(Arc<Mutex<Vec<String>>>);
+pub struct CommandLog(Arc<Mutex<Vec<(String, Document)>>>);
 
 impl CommandLog {
-    /// The commands recorded since the last `take` (or since the client was made), in
-    /// the order they were sent; the log starts empty again.
+    /// The names of the commands recorded since the last `take` (or since the client was
+    /// made), in the order they were sent; the log starts empty again.
     pub fn take(&self) -> Vec<String> {
+        self.take_bodies()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    /// The commands recorded since the last `take`, each as its name and the body the
+    /// driver sent, in order; the log starts empty again.
+    pub fn take_bodies(&self) -> Vec<(String, Document)> {
         self.0
             .lock()
-            .map(|mut names| std::mem::take(&mut *names))
+            .map(|mut commands| std::mem::take(&mut *commands))
             .unwrap_or_default()
     }
 
@@ -33,9 +43,9 @@ impl CommandLog {
         counts
     }
 
-    fn push(&self, name: String) {
-        if let Ok(mut names) = self.0.lock() {
-            names.push(name);
+    fn push(&self, name: String, body: Document) {
+        if let Ok(mut commands) = self.0.lock() {
+            commands.push((name, body));
         }
     }
 }
@@ -51,7 +61,7 @@ pub async fn counting_client(uri: &str) -> mongodb::error::Result<(Client, Comma
     let l = log.clone();
     options.command_event_handler = Some(EventHandler::callback(move |event| {
         if let CommandEvent::Started(e) = event {
-            l.push(e.command_name);
+            l.push(e.command_name, e.command);
         }
     }));
     Ok((Client::with_options(options)?, log))

@@ -51,6 +51,7 @@ mod control;
 mod enqueue;
 pub(crate) mod job;
 mod limit;
+mod malformed;
 mod ops;
 mod options;
 mod rate;
@@ -164,10 +165,9 @@ struct Inner {
     options: QueueOptions,
     ttl_ms: i64,
     last_reap: Mutex<Option<Instant>>,
-    /// When `maybe_reap` last ran the sweep of undatable jobs (a collection scan on
-    /// servers that cannot bound `$not: {$type}`), run every `claim::UNDATABLE_SWEEP_EVERY`
-    /// sweeps.
-    last_undatable_sweep: Mutex<Option<Instant>>,
+    /// Where the claims' sweep of waiting jobs that no claim can take is: the next
+    /// partition it reads, and when (`queue/malformed.rs`).
+    malformed_sweep: Mutex<malformed::SweepCursor>,
     /// The problem last logged per schedule document (`_id` → reason) by this handle's
     /// scheduler passes: a schedule that cannot tick is logged once as a warning, and
     /// again only when its problem changes or after it ticked (`queue/schedule.rs`).
@@ -241,7 +241,7 @@ impl JobQueue {
                 time,
                 ttl_ms,
                 last_reap: Mutex::new(None),
-                last_undatable_sweep: Mutex::new(None),
+                malformed_sweep: Mutex::new(malformed::SweepCursor::new(options.partitions)),
                 schedule_problems: Mutex::new(std::collections::HashMap::new()),
                 wakes: wakes::WakeLedger::default(),
                 single_claim_index: tokio::sync::OnceCell::new(),

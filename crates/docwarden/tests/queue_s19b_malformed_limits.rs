@@ -32,9 +32,12 @@ async fn created(q: &JobQueue, n: i32) -> anyhow::Result<ObjectId> {
 async fn a_waiting_job_with_unreadable_limits_is_buried_not_stuck() -> anyhow::Result<()> {
     let t = TestDb::new("queue_s19b_malformed_limits").await?;
     let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
-    // A handle that claims limited jobs too: neither kind of claim may take them.
+    // A handle that claims limited jobs too: neither kind of claim may take them. The
+    // claims' sweep reads one partition at a time (`queue/malformed.rs`): with 4
+    // partitions a pass is 5 slices.
     let opts = QueueOptions::default()
         .reap_interval(Duration::from_millis(100))
+        .partitions(4)
         .limits(LimitOptions::default().key_concurrency(2));
     let q = JobQueue::open(&t.db, "jobs", time, opts).await?;
     let coll = q.collection().clone();

@@ -52,9 +52,6 @@ pub(crate) const LEASE_EXPIRED_REASON: &str = "lease expired before the job fini
 /// went past its `max_stalls` (stall accounting, issue 15).
 pub(crate) const STALLED_REASON: &str = "stalled: the lease expired more than max_stalls times";
 
-/// `maybe_reap` sweeps undatable jobs every this many `reap_interval`s.
-pub(crate) const UNDATABLE_SWEEP_EVERY: u32 = 60;
-
 /// How many times one claim call retries after burying a malformed job.
 const MAX_ROUNDS: usize = 8;
 
@@ -634,10 +631,10 @@ impl JobQueue {
         Ok(buried)
     }
 
-    /// Sweeps expired leases if the last sweep is older than `reap_interval`; also
-    /// sweeps undatable jobs at the first sweep and then every
-    /// [`UNDATABLE_SWEEP_EVERY`] × `reap_interval` (that filter cannot be bounded by an
-    /// index on every server, so it may scan the collection).
+    /// Sweeps expired leases if the last sweep is older than `reap_interval`, then reads
+    /// the handle's next slice of waiting jobs that no claim can take if it is due
+    /// (`queue/malformed.rs`: one partition's at a time, so its cost does not grow with
+    /// the backlog).
     ///
     /// The sweep is housekeeping: if it fails (an `updateMany`, which drivers never
     /// retry, refused or cut off), the failure is logged and the claim goes on; the next
@@ -658,20 +655,12 @@ impl JobQueue {
             }
             *last = Some(Instant::now());
         }
-        let undatable = {
-            let mut last = self
-                .inner
-                .last_undatable_sweep
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let due = last.is_none_or(|t| t.elapsed() >= every * UNDATABLE_SWEEP_EVERY);
-            if due {
-                *last = Some(Instant::now());
-            }
-            due
+        let swept = match self.reap_running().await {
+            Ok((_, now)) => self.sweep_malformed_slice(&now).await,
+            Err(e) => Err(e),
         };
-        if let Err(e) = self.reap(undatable).await {
-            tracing::warn!(error = %e, "sweep of expired leases failed; claiming anyway");
+        if let Err(e) = swept {
+            tracing::warn!(error = %e, "housekeeping sweep failed; claiming anyway");
         }
     }
 
@@ -686,16 +675,20 @@ impl JobQueue {
     /// past the same cut-off, and goes to `retrying` (or `dead`) with the reason; a
     /// `ready`/`retrying` job whose `run_at` is not a date can never be due, and one
     /// whose `limits` is neither a document nor null can never be claimed: both go to
-    /// `dead` with the reason.
+    /// `dead` with the reason. Unlike the claims' automatic sweep, which reads one
+    /// partition's waiting jobs at a time (`queue/malformed.rs`), this reads every waiting
+    /// job of the queue.
     ///
     /// # Errors
     /// A database error.
     pub async fn reap_expired(&self) -> Result<u64> {
-        self.reap(true).await
+        let (moved, now) = self.reap_running().await?;
+        Ok(moved + self.bury_unclaimable(None, &now).await?)
     }
 
-    /// [`JobQueue::reap_expired`]; the sweep of undatable jobs only if `undatable`.
-    async fn reap(&self, undatable: bool) -> Result<u64> {
+    /// The sweep of running jobs: expired leases, and leases that cannot be read. Returns
+    /// how many jobs it moved, and the server time it used.
+    async fn reap_running(&self) -> Result<(u64, ServerTime)> {
         let now = self.inner.time.now().await?;
         let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
         let expired = self
@@ -740,82 +733,7 @@ impl JobQueue {
                 "running jobs without a date in lease.until swept as expired"
             );
         }
-        if !undatable {
-            return Ok(expired + unreadable);
-        }
-        let undue = self
-            .inner
-            .coll
-            .update_many(
-                self.undatable_filter(),
-                vec![doc! { "$set": {
-                    field::STATE: JobState::Dead.as_str(),
-                    field::LAST_ERROR: { "$concat": [
-                        "malformed job document: `run_at` must be a date, found ",
-                        { "$type": "$run_at" },
-                    ] },
-                    field::FINISHED_AT: now.estimate(),
-                    field::UPDATED_AT: now.estimate(),
-                } }],
-            )
-            .await?
-            .modified_count;
-        if undue > 0 {
-            tracing::warn!(
-                jobs = undue,
-                "jobs whose run_at is not a date moved to dead"
-            );
-        }
-        let unlimitable = self
-            .inner
-            .coll
-            .update_many(
-                self.malformed_limits_filter(),
-                vec![doc! { "$set": {
-                    field::STATE: JobState::Dead.as_str(),
-                    field::LAST_ERROR: { "$concat": [
-                        "malformed job document: `limits` must be a document, found ",
-                        { "$type": "$limits" },
-                    ] },
-                    field::FINISHED_AT: now.estimate(),
-                    field::UPDATED_AT: now.estimate(),
-                } }],
-            )
-            .await?
-            .modified_count;
-        if unlimitable > 0 {
-            tracing::warn!(
-                jobs = unlimitable,
-                "jobs whose limits is neither a document nor null moved to dead"
-            );
-        }
-        Ok(expired + unreadable + undue + unlimitable)
-    }
-
-    /// Claimable jobs that can never be due: `run_at` is not a date.
-    pub(crate) fn undatable_filter(&self) -> Document {
-        doc! {
-            field::STATE: { "$in": claimable_states() },
-            field::RUN_AT: { "$not": { "$type": "date" } },
-            field::QUEUE: self.queue_value(),
-        }
-    }
-
-    /// Claimable jobs that no claim can take: `limits` is there but neither a document
-    /// nor null (a hand edit). Every plain claim requires `limits: null` and every
-    /// limited claim `limits: {$type: "object"}`; an array counts as malformed whatever
-    /// it holds (`$type` matches an array by its elements).
-    pub(crate) fn malformed_limits_filter(&self) -> Document {
-        doc! { "$and": [
-            {
-                field::STATE: { "$in": claimable_states() },
-                field::QUEUE: self.queue_value(),
-            },
-            { "$or": [
-                { field::LIMITS: { "$type": "array" } },
-                { field::LIMITS: { "$exists": true, "$not": { "$type": ["object", "null"] } } },
-            ] },
-        ] }
+        Ok((expired + unreadable, now))
     }
 
     /// Running jobs whose `lease.until` is not a date.

@@ -70,6 +70,9 @@ pub(crate) struct Load {
     /// The queue `Worker` rows' batch size (`WorkerOptions::batch_size`); `None` keeps the
     /// library's default.
     pub(crate) batch_size: Option<usize>,
+    /// The queue `Worker` rows' partitions (`QueueOptions::partitions`); `None` keeps the
+    /// library's default.
+    pub(crate) partitions: Option<u32>,
     /// The queue `Worker` rows' backlogs (`None`: 100, 10,000 and 100,000).
     pub(crate) backlogs: Option<Vec<usize>>,
     /// The server's process id when it runs on this machine (the embedded server), for
@@ -407,6 +410,11 @@ pub(crate) struct Args {
     /// Batch size of the queue `Worker` rows (jobs per claim; default: the library's).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Partitions of the queue `Worker` rows' queues (1 to 1024; default: the library's,
+    /// 256). On the embedded server a batch claim's read costs about one partition's due
+    /// jobs, so a backlog of millions wants more partitions (`docs/queue.md`, "Partitions").
+    #[arg(long)]
+    partitions: Option<u32>,
     /// Backlogs of the queue rows, comma separated [default: 100,10000,100000].
     #[arg(long, value_delimiter = ',')]
     backlogs: Vec<usize>,
@@ -433,6 +441,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         !args.workers.is_empty() && args.workers.iter().all(|w| *w > 0),
         "--workers must list counts of at least 1"
     );
+    if let Some(n) = args.partitions {
+        anyhow::ensure!(
+            (1..=docwarden::queue::MAX_PARTITIONS).contains(&n),
+            "--partitions must be between 1 and {} (got {n})",
+            docwarden::queue::MAX_PARTITIONS
+        );
+    }
     let session = args.conn.open(args.json).await?;
     let timeout = Duration::from_secs(30);
     let (client, commands) = if session.embedded() {
@@ -470,6 +485,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         commands,
         stages: args.stages,
         batch_size: args.batch_size,
+        partitions: args.partitions,
         backlogs: (!args.backlogs.is_empty()).then(|| args.backlogs.clone()),
         server_pid,
         reference: None,

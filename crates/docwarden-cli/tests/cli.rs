@@ -470,6 +470,15 @@ fn bench_with_rounds_reports_each_rows_median_and_range() -> anyhow::Result<()> 
     let (code, stderr) = code_and_stderr(docwarden().args(["bench", "--rounds", "0"]))?;
     assert_ne!(code, Some(0), "{stderr}");
     assert!(stderr.contains("--rounds"), "{stderr}");
+    for partitions in ["0", "1025"] {
+        let (code, stderr) =
+            code_and_stderr(docwarden().args(["bench", "--partitions", partitions]))?;
+        assert_ne!(code, Some(0), "{stderr}");
+        assert!(
+            stderr.contains("--partitions must be between 1 and 1024"),
+            "{stderr}"
+        );
+    }
     Ok(())
 }
 

@@ -117,7 +117,10 @@ async fn worker_row(
     load.progress
         .set_message(format!("{name} × {} handlers", load.workers));
     let time = TimeSource::server(db.client().clone(), ClockOptions::default())?;
-    let options = QueueOptions::default();
+    let mut options = QueueOptions::default();
+    if let Some(n) = load.partitions {
+        options = options.partitions(n);
+    }
     let ttl_ms = i64::try_from(options.lease_ttl.as_millis())?;
     let coll = format!(
         "bench_queue_{backlog}{}",

@@ -47,6 +47,7 @@ mod data;
 mod guard;
 mod live;
 mod metrics;
+mod snapshot;
 
 use data::Catalog;
 
@@ -91,6 +92,11 @@ pub(crate) struct Args {
     /// A directory of `docwarden verify` HTML reports to list and serve.
     #[arg(long)]
     reports: Option<PathBuf>,
+    /// Read the queue counts at most every this many seconds (1 to 3600), and at most every
+    /// 20 times what reading them took: every page and scrape in between shows the last
+    /// ones read (a count reads the whole collection).
+    #[arg(long, default_value_t = 1)]
+    counts_every: u64,
     /// Test-only: poll for changes instead of opening a change stream.
     #[arg(long, hide = true)]
     poll_only: bool,
@@ -113,6 +119,8 @@ pub(crate) struct UiConfig {
     pub(crate) kinds: KindNames,
     /// Entity collections whose document locks are shown.
     pub(crate) documents: Vec<String>,
+    /// The shortest time the queue counts are reused (`ui/snapshot.rs`).
+    pub(crate) counts_every: Duration,
     /// Poll for changes instead of watching a change stream (tests of the fallback).
     pub(crate) poll_only: bool,
 }
@@ -128,6 +136,7 @@ impl UiConfig {
             reports: None,
             kinds: KindNames::default(),
             documents: Vec::new(),
+            counts_every: snapshot::MIN_FRESH,
             poll_only: false,
         }
     }
@@ -206,6 +215,8 @@ struct AppState {
     kinds: KindNames,
     documents: Vec<String>,
     live: Arc<live::Live>,
+    /// The queue collections' counts, read at a paced rate (`ui/snapshot.rs`).
+    snapshots: Arc<snapshot::Snapshots>,
     loopback: bool,
 }
 
@@ -266,10 +277,12 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
     };
     let cancel = CancellationToken::new();
     let live = live::Live::new();
+    let snapshots = Arc::new(snapshot::Snapshots::new(cfg.counts_every));
     live.spawn(
         db.clone(),
         time.clone(),
         catalogue.clone(),
+        Arc::clone(&snapshots),
         cfg.poll_only,
         cancel.clone(),
     );
@@ -295,6 +308,7 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
         kinds: cfg.kinds,
         documents: cfg.documents,
         live,
+        snapshots,
         loopback: addr.ip().is_loopback(),
     });
     let app = router(state);
@@ -562,12 +576,17 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
     let catalog = s.catalogue.get(&s.db).await?;
     let now = s.now_ms().await?;
     let mut cards = Vec::new();
+    let mut ages = Vec::new();
     for name in &catalog.queues {
-        let named = data::named_queues(&s.db, &s.time, name).await?;
-        let several = named.len() > 1;
-        for (queue_name, q) in named {
-            let stats = q.stats().await?;
-            let history = data::history(&q, &queue_name, now).await?;
+        let snapshot = s.snapshots.get(&s.db, &s.time, name).await?;
+        ages.extend(
+            snapshot::age_note(&snapshot, s.snapshots.min_fresh())
+                .map(|note| format!("{name}: {note}")),
+        );
+        let several = snapshot.queues.len() > 1;
+        for counts in &snapshot.queues {
+            let (queue_name, q, stats) = (counts.name.clone(), &counts.handle, &counts.stats);
+            let history = data::history(q, &queue_name, now).await?;
             let control = q.control().await?;
             let describe = |what: &str, at: Option<mongodb::bson::DateTime>| {
                 let mut t = format!("{what} since {}", at.map(data::date).unwrap_or_default());
@@ -593,7 +612,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
                     .flatten(),
                 named: queue_name,
                 total: stats.total,
-                states: data::state_counts(&stats),
+                states: data::state_counts(stats),
                 oldest_due: stats.oldest_due_ms.map(human_ms),
                 expired_running: stats.expired_running,
                 unreadable_leases: stats.unreadable_leases,
@@ -608,7 +627,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
     s.render(
         "queues.html",
         "queues",
-        context! { queues => cards, locks => catalog.locks, notice => n.notice, minutes => data::HISTORY_MINUTES },
+        context! { queues => cards, locks => catalog.locks, notice => n.notice, minutes => data::HISTORY_MINUTES, counts_age => ages },
     )
 }
 
@@ -784,7 +803,15 @@ async fn events(State(s): State<Shared>) -> impl IntoResponse {
 
 async fn metrics_endpoint(State(s): State<Shared>) -> Result<Response, UiError> {
     let catalog = s.catalogue.get(&s.db).await?;
-    let text = metrics::scrape(&s.db, &s.time, &catalog, &s.kinds, s.live.listeners()).await?;
+    let text = metrics::scrape(
+        &s.db,
+        &s.time,
+        &catalog,
+        &s.kinds,
+        &s.snapshots,
+        s.live.listeners(),
+    )
+    .await?;
     Ok((
         [(
             header::CONTENT_TYPE,
@@ -900,6 +927,7 @@ async fn action_retry(
     let id = parse_job_id(form.id.as_deref())?;
     let ids: Option<Vec<ObjectId>> = id.map(|i| vec![i]);
     let n = q.retry_dead(ids.as_deref()).await?;
+    s.snapshots.forget(&form.queue).await;
     done("retry");
     tracing::info!(queue = %form.queue, ?id, revived = n, "retry from the dashboard");
     Ok(back(
@@ -930,6 +958,7 @@ async fn action_cancel(
         CancelOutcome::NotFound => "no such job".to_owned(),
         _ => "unknown outcome".to_owned(),
     };
+    s.snapshots.forget(&form.queue).await;
     done("cancel");
     tracing::info!(queue = %form.queue, %id, outcome = %text, "cancel from the dashboard");
     Ok(back(&form.queue, Some(id), &text))
@@ -947,6 +976,7 @@ async fn action_purge(
     let age = crate::queue::parse_age(form.older_than.as_deref().unwrap_or(""))
         .map_err(|e| UiError(StatusCode::BAD_REQUEST, format!("{e:#}")))?;
     let n = q.purge(age).await?;
+    s.snapshots.forget(&form.queue).await;
     done("purge");
     tracing::info!(queue = %form.queue, purged = n, "purge from the dashboard");
     Ok(back(
@@ -972,6 +1002,7 @@ async fn action_pause(
         PauseOutcome::AlreadyPaused => "was already paused",
         _ => "paused: workers start no new claim from it; running jobs finish",
     };
+    s.snapshots.forget(&form.queue).await;
     done("pause");
     tracing::info!(queue = %form.queue, named = q.queue_name(), "pause from the dashboard");
     Ok(back(
@@ -994,6 +1025,7 @@ async fn action_resume(
         PauseOutcome::NotPaused => "was not paused",
         _ => "resumed: workers claim from it again",
     };
+    s.snapshots.forget(&form.queue).await;
     done("resume");
     tracing::info!(queue = %form.queue, named = q.queue_name(), "resume from the dashboard");
     Ok(back(
@@ -1018,6 +1050,11 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &args.reports {
         anyhow::ensure!(dir.is_dir(), "--reports {}: not a directory", dir.display());
     }
+    anyhow::ensure!(
+        (1..=3600).contains(&args.counts_every),
+        "--counts-every must be between 1 and 3600 seconds (got {})",
+        args.counts_every
+    );
     // An address that is taken fails here, before a server is started or connected to
     // (`start` binds it again for good: a port taken in between still fails there).
     drop(
@@ -1041,6 +1078,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 semaphores: args.semaphores,
             },
             documents: args.documents,
+            counts_every: Duration::from_secs(args.counts_every),
             poll_only: args.poll_only,
         },
     )

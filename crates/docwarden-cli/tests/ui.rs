@@ -223,6 +223,19 @@ async fn page(ui: &Ui, path: &str) -> anyhow::Result<String> {
     Ok(body)
 }
 
+/// The page at `path` once it satisfies `shows` (the queue counts are a snapshot reused
+/// for at least a second, `ui/snapshot.rs`): tried for up to 5 s.
+async fn page_once(ui: &Ui, path: &str, shows: impl Fn(&str) -> bool) -> anyhow::Result<String> {
+    let started = std::time::Instant::now();
+    loop {
+        let p = page(ui, path).await?;
+        if shows(&p) || started.elapsed() > Duration::from_secs(5) {
+            return Ok(p);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn state_of(f: &Fixture, id: ObjectId) -> anyhow::Result<String> {
     let d = f
         .queue
@@ -1156,8 +1169,8 @@ async fn jobs_stored_with_queue_default_are_reported_on_the_queues_page() -> any
             doc! { "$set": { field::QUEUE: "default" } },
         )
         .await?;
-    let home = page(&ui, "/").await?;
-    assert!(home.contains("in no queue"), "{home}");
+    // The counts are a snapshot reused for at least a second (`ui/snapshot.rs`).
+    let home = page_once(&ui, "/", |p| p.contains("in no queue")).await?;
     assert!(
         home.contains("shows the fix): <strong>1</strong>"),
         "{home}"
@@ -1203,5 +1216,65 @@ async fn the_kind_not_named_is_discovered_and_a_queues_limits_are_not_leases() -
     );
     let home = page(&ui, "/").await?;
     assert!(home.contains("data-queue=\"jobs\""), "{home}");
+    Ok(())
+}
+
+/// Session 36: `JobQueue::stats` reads the whole collection (6.5–6.9 s at 1,000,000 jobs on
+/// the embedded server), and every page view and `/metrics` scrape called it for every
+/// named queue. The counts are now one snapshot per collection (`ui/snapshot.rs`), read
+/// again at most every `--counts-every` (and 20 times the read's own duration). The
+/// server's profiler of the test's database counts the counts' `$group` reads: ten views
+/// and scrapes within `--counts-every 600` read them once per named queue. Without the
+/// snapshot (and its option) the test fails.
+#[tokio::test]
+async fn queue_counts_are_read_once_per_snapshot_however_many_views_and_scrapes()
+-> anyhow::Result<()> {
+    let t = TestDb::new("ui_counts_snapshot").await?;
+    let f = fixture(&t).await?;
+    let ui = start_ui(&t, &["--counts-every", "600"]).await?;
+    let jobs = f.queue.collection().name().to_owned();
+    let groups = || async {
+        let n =
+            t.db.collection::<mongodb::bson::Document>("system.profile")
+                .count_documents(doc! {
+                    "command.aggregate": &jobs,
+                    "command.pipeline.1.$group": { "$exists": true },
+                })
+                .await?;
+        anyhow::Ok(n)
+    };
+    t.db.run_command(doc! { "profile": 2 }).await?;
+    page(&ui, "/").await?;
+    let once = groups().await?;
+    for _ in 0..5 {
+        page(&ui, "/metrics").await?;
+        page(&ui, "/").await?;
+    }
+    let after = groups().await?;
+    t.db.run_command(doc! { "profile": 0 }).await?;
+    println!("counts read {once} time(s) for the first view, {after} after ten more requests");
+    assert!(
+        once >= 1,
+        "the profiler saw no count: the test observed nothing"
+    );
+    assert_eq!(
+        after, once,
+        "views and scrapes within --counts-every read the counts again"
+    );
+
+    let (code, stderr) = {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_docwarden"))
+            .args(["ui", "--counts-every", "0"])
+            .output()?;
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("--counts-every must be between 1 and 3600"),
+        "{stderr}"
+    );
     Ok(())
 }

@@ -4,7 +4,9 @@
 //!
 //! **Guarantee:** a change made while a page is open reaches it within about a second
 //! (change stream) or [`POLL_EVERY`] (polling). Notifications are coalesced: a burst of
-//! writes is one event per [`COALESCE`]. **Limits:** polling compares counts per named
+//! writes is one event per [`COALESCE`]. The page then shows the queue counts of its
+//! collection's snapshot (`ui/snapshot.rs`), which on a large collection may be older
+//! than the change. **Limits:** polling compares counts per named
 //! queue, pauses and lease holders, so an edit that changes none of them (a payload
 //! rewritten in place, a semaphore permit taken) is not noticed until the next change
 //! that does.
@@ -99,6 +101,7 @@ impl Live {
         db: Database,
         time: TimeSource,
         catalog: super::Catalogue,
+        snapshots: Arc<super::snapshot::Snapshots>,
         poll_only: bool,
         cancel: CancellationToken,
     ) {
@@ -121,7 +124,7 @@ impl Live {
         tokio::spawn(async move {
             tokio::select! {
                 () = cancel.cancelled() => {}
-                () = this.watch(db, time, catalog, poll_only) => {}
+                () = this.watch(db, time, catalog, &snapshots, poll_only) => {}
             }
         });
     }
@@ -132,6 +135,7 @@ impl Live {
         db: Database,
         time: TimeSource,
         catalog: super::Catalogue,
+        snapshots: &super::snapshot::Snapshots,
         poll_only: bool,
     ) {
         let stream = if poll_only {
@@ -165,7 +169,7 @@ impl Live {
         let mut last = String::new();
         loop {
             tokio::time::sleep(POLL_EVERY).await;
-            match fingerprint(&db, &time, &catalog).await {
+            match fingerprint(&db, &time, &catalog, snapshots).await {
                 Ok(f) if f != last => {
                     if !last.is_empty() {
                         self.dirty.store(true, Ordering::Relaxed);
@@ -185,14 +189,17 @@ async fn fingerprint(
     db: &Database,
     time: &TimeSource,
     catalog: &super::Catalogue,
+    snapshots: &super::snapshot::Snapshots,
 ) -> anyhow::Result<String> {
     let c = catalog.get(db).await?;
     let mut out = String::new();
     for q in &c.queues {
-        for (named, handle) in super::data::named_queues(db, time, q).await? {
-            let stats = handle.stats().await?;
-            let paused = handle.is_paused().await?;
-            out.push_str(&format!("{q}:{named}:{paused}:{:?};", stats.by_state));
+        for counts in &snapshots.get(db, time, q).await?.queues {
+            let paused = counts.handle.is_paused().await?;
+            out.push_str(&format!(
+                "{q}:{}:{paused}:{:?};",
+                counts.name, counts.stats.by_state
+            ));
         }
     }
     for l in &c.locks {

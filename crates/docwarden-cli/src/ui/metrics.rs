@@ -64,6 +64,10 @@ pub(crate) fn describe() {
         "Running jobs whose lease certainly expired (the next claim sweeps them)."
     );
     metrics::describe_gauge!(
+        "docwarden_ui_counts_age_seconds",
+        "Age of the queue counts a scrape reports: they are read again once older than --counts-every (1 s) and 20 times what reading them took."
+    );
+    metrics::describe_gauge!(
         "docwarden_locks",
         "Leases in a lock collection by status (held, expired), read at scrape time."
     );
@@ -100,17 +104,22 @@ pub(crate) async fn scrape(
     time: &TimeSource,
     catalog: &super::data::Catalog,
     kinds: &super::KindNames,
+    snapshots: &super::snapshot::Snapshots,
     listeners: usize,
 ) -> anyhow::Result<String> {
     let handle = handle()?;
     let started = std::time::Instant::now();
     for c in &catalog.queues {
         // Every named queue of the collection, labelled as the workers label theirs
-        // (`JobQueue::metrics_label`).
-        for (_, handle) in super::data::named_queues(db, time, c).await? {
-            let q = handle.metrics_label().to_owned();
-            let stats = handle.stats().await?;
-            for s in super::data::state_counts(&stats) {
+        // (`JobQueue::metrics_label`); the counts are the collection's paced snapshot
+        // (`ui/snapshot.rs`).
+        let snapshot = snapshots.get(db, time, c).await?;
+        metrics::gauge!("docwarden_ui_counts_age_seconds", "collection" => c.clone())
+            .set(snapshot.at.elapsed().as_secs_f64());
+        for counts in &snapshot.queues {
+            let q = counts.handle.metrics_label().to_owned();
+            let stats = &counts.stats;
+            for s in super::data::state_counts(stats) {
                 metrics::gauge!("docwarden_jobs", "queue" => q.clone(), field::STATE => s.state)
                     .set(count(s.count));
             }

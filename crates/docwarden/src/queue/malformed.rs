@@ -13,7 +13,9 @@
 //! reads one *slice* at a time: the waiting jobs of one partition (`partition: {$in:
 //! [k]}`, the batch claim's own index prefix), and a last slice for jobs of format 1
 //! (`partition` missing or null) and out-of-range partitions. A slice is one read of
-//! `_id`s; only the `_id`s it finds are then written, with the condition re-checked.
+//! `_id`s; only the `_id`s it finds are then written, with the condition re-checked. A
+//! job whose `partition` was hand-edited into something that is neither a number nor null
+//! is in no slice: [`JobQueue::stats`] counts it and [`JobQueue::reap_expired`] sweeps it.
 //!
 //! **Pacing.** A handle sweeps its next slice at most once per `reap_interval` and, after
 //! a slice that took `d`, not before [`SHARE`] × `d` has passed: the sweep takes at most

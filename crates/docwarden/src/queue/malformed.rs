@@ -200,59 +200,50 @@ impl JobQueue {
         ids: Option<Vec<Bson>>,
         now: &ServerTime,
     ) -> Result<u64> {
-        let among = |mut filter: Document| {
+        // Each condition: its filter, the field it names, what that field must be, and
+        // the warning logged when it moved jobs.
+        let conditions = [
+            (
+                self.undatable_filter(),
+                field::RUN_AT,
+                "a date",
+                "jobs whose run_at is not a date moved to dead",
+            ),
+            (
+                self.malformed_limits_filter(),
+                field::LIMITS,
+                "a document",
+                "jobs whose limits is neither a document nor null moved to dead",
+            ),
+        ];
+        let mut moved = 0;
+        for (mut filter, name, must_be, warning) in conditions {
             if let Some(ids) = &ids {
                 filter.insert(field::ID, doc! { "$in": ids.clone() });
             }
-            filter
-        };
-        let undue = self
-            .inner
-            .coll
-            .update_many(
-                among(self.undatable_filter()),
-                vec![doc! { "$set": {
-                    field::STATE: JobState::Dead.as_str(),
-                    field::LAST_ERROR: { "$concat": [
-                        "malformed job document: `run_at` must be a date, found ",
-                        { "$type": "$run_at" },
-                    ] },
-                    field::FINISHED_AT: now.estimate(),
-                    field::UPDATED_AT: now.estimate(),
-                } }],
-            )
-            .await?
-            .modified_count;
-        if undue > 0 {
-            tracing::warn!(
-                jobs = undue,
-                "jobs whose run_at is not a date moved to dead"
-            );
+            let n = self
+                .inner
+                .coll
+                .update_many(
+                    filter,
+                    vec![doc! { "$set": {
+                        field::STATE: JobState::Dead.as_str(),
+                        field::LAST_ERROR: { "$concat": [
+                            format!("malformed job document: `{name}` must be {must_be}, found "),
+                            { "$type": format!("${name}") },
+                        ] },
+                        field::FINISHED_AT: now.estimate(),
+                        field::UPDATED_AT: now.estimate(),
+                    } }],
+                )
+                .await?
+                .modified_count;
+            if n > 0 {
+                tracing::warn!(jobs = n, "{warning}");
+            }
+            moved += n;
         }
-        let unlimitable = self
-            .inner
-            .coll
-            .update_many(
-                among(self.malformed_limits_filter()),
-                vec![doc! { "$set": {
-                    field::STATE: JobState::Dead.as_str(),
-                    field::LAST_ERROR: { "$concat": [
-                        "malformed job document: `limits` must be a document, found ",
-                        { "$type": "$limits" },
-                    ] },
-                    field::FINISHED_AT: now.estimate(),
-                    field::UPDATED_AT: now.estimate(),
-                } }],
-            )
-            .await?
-            .modified_count;
-        if unlimitable > 0 {
-            tracing::warn!(
-                jobs = unlimitable,
-                "jobs whose limits is neither a document nor null moved to dead"
-            );
-        }
-        Ok(undue + unlimitable)
+        Ok(moved)
     }
 }
 

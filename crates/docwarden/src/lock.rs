@@ -51,7 +51,9 @@ pub use crate::format::lock as format;
 pub use crate::token::FencingToken;
 #[doc(hidden)]
 pub use collection::AcquirePause;
-pub use collection::{LockCollection, LockListFilter, LockOptions, LockRecord, MAX_GC_AFTER};
+pub use collection::{
+    LockCollection, LockCounts, LockListFilter, LockOptions, LockRecord, MAX_GC_AFTER,
+};
 pub use document::{DocumentGuard, DocumentLockOptions, DocumentLockRecord, DocumentLocks};
 pub use election::{Election, ElectionOptions, Leader, Leadership, Observer};
 pub use fence::{Fence, FenceOptions, FenceOutcome, Fenced};

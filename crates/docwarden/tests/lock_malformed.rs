@@ -9,7 +9,8 @@ use anyhow::Context;
 use docwarden::Error;
 use docwarden::clock::{ClockOptions, TimeSource};
 use docwarden::lock::{
-    DocumentLockOptions, DocumentLocks, FenceOutcome, LockCollection, LockListFilter, Owner,
+    DocumentLockOptions, DocumentLocks, FenceOutcome, LockCollection, LockCounts, LockListFilter,
+    Owner,
 };
 use docwarden_testkit::TestDb;
 use mongodb::bson::{Bson, DateTime, Document, doc};
@@ -185,6 +186,100 @@ async fn other_malformed_fields_are_listed_not_fatal() -> anyhow::Result<()> {
             .await?
             .is_none(),
         "a lock with a date expiry in the future is held, whatever else is malformed"
+    );
+    Ok(())
+}
+
+/// `counts` (one aggregation, for dashboards) agrees with the listing on every kind of
+/// lock document: held by one owner or another, expired, hand-edited expiries (each counts
+/// as expired), a malformed token with a future expiry (held), and released ones (not
+/// counted). A limit lists the first locks by resource.
+#[tokio::test]
+async fn counts_agree_with_the_listing_and_a_limit_lists_the_first() -> anyhow::Result<()> {
+    let t = TestDb::new("lock_counts").await?;
+    let locks = open(&t).await?;
+    assert_eq!(locks.counts().await?, LockCounts::default(), "empty");
+    let lock_docs = t.db.collection::<Document>(LOCKS);
+    let (a, b) = (Owner::random(), Owner::random());
+    let long = Duration::from_secs(60);
+    for i in 0..5 {
+        locks
+            .try_acquire(&a, &format!("a-{i}"), long)
+            .await?
+            .context("a")?;
+    }
+    for i in 0..3 {
+        locks
+            .try_acquire(&b, &format!("b-{i}"), long)
+            .await?
+            .context("b")?;
+    }
+    // Expired: a short lease left to lapse, and every hand-edited expiry.
+    locks
+        .try_acquire(&b, "short", Duration::from_millis(300))
+        .await?
+        .context("short")?;
+    for (i, (_, edit)) in bad_expiries().into_iter().enumerate() {
+        let r = format!("edited-{i}");
+        locks.try_acquire(&a, &r, long).await?.context("edited")?;
+        lock_docs.update_one(doc! { "_id": &r }, edit).await?;
+    }
+    // Held though malformed: the token is not an int64, the expiry is a future date.
+    locks
+        .try_acquire(&a, "token", long)
+        .await?
+        .context("token")?;
+    lock_docs
+        .update_one(
+            doc! { "_id": "token" },
+            doc! { "$set": { "token": "seven" } },
+        )
+        .await?;
+    // Released: kept as a document without an owner, not counted.
+    let gone = locks
+        .try_acquire(&b, "released", long)
+        .await?
+        .context("released")?;
+    locks.release(&gone).await?;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+
+    let listed = locks.list(&LockListFilter::default()).await?;
+    let held = listed.iter().filter(|r| !r.expired).count();
+    let holders: std::collections::BTreeSet<&str> = listed
+        .iter()
+        .filter(|r| !r.expired)
+        .map(|r| r.owner.as_str())
+        .collect();
+    let counts = locks.counts().await?;
+    println!("{counts:?}, {} listed", listed.len());
+    assert_eq!(counts.held, 5 + 3 + 1, "{listed:?}");
+    assert_eq!(counts.expired, 1 + 4, "{listed:?}");
+    assert_eq!(counts.holders, 2);
+    assert_eq!(
+        (counts.held, counts.expired, counts.holders),
+        (
+            u64::try_from(held)?,
+            u64::try_from(listed.len() - held)?,
+            u64::try_from(holders.len())?
+        ),
+        "counts and listing disagree"
+    );
+
+    let first = locks.list(&LockListFilter::default().limit(3)).await?;
+    let names: Vec<&str> = first.iter().map(|r| r.resource.as_str()).collect();
+    assert_eq!(names, ["a-0", "a-1", "a-2"]);
+    assert!(
+        locks
+            .list(&LockListFilter::default().limit(0))
+            .await?
+            .is_empty()
+    );
+    assert_eq!(
+        locks
+            .list(&LockListFilter::default().owner(b.id()).limit(2))
+            .await?
+            .len(),
+        2
     );
     Ok(())
 }

@@ -219,6 +219,8 @@ pub struct LockListFilter {
     pub owner: Option<String>,
     /// Only the lock on this resource.
     pub resource: Option<String>,
+    /// At most this many locks, the first by resource (`None`: all of them).
+    pub limit: Option<u64>,
 }
 
 impl LockListFilter {
@@ -233,6 +235,27 @@ impl LockListFilter {
         self.resource = Some(resource.into());
         self
     }
+
+    /// At most `limit` locks, the first by resource. A listing for display should set
+    /// one: with a lock per entity, a collection can hold many thousands of leases, and
+    /// [`LockCollection::counts`] says how many there are in one small reply.
+    pub fn limit(mut self, limit: u64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+}
+
+/// How many locks a lock collection holds, from [`LockCollection::counts`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct LockCounts {
+    /// Held locks that have not certainly expired (as [`LockRecord::expired`] says).
+    pub held: u64,
+    /// Lock documents that still name an owner but have certainly expired, or whose
+    /// `expires_at` is not a date: the next acquire takes them over.
+    pub expired: u64,
+    /// Distinct owners among the held (not expired) locks.
+    pub holders: u64,
 }
 
 /// A held lock as stored, for listing.
@@ -973,14 +996,68 @@ impl LockCollection {
         }
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
-        let docs: Vec<Document> = self
-            .locks
-            .find(query)
-            .sort(doc! { "_id": 1 })
-            .await?
-            .try_collect()
-            .await?;
+        let mut find = self.locks.find(query).sort(doc! { "_id": 1 });
+        match filter.limit {
+            Some(0) => return Ok(Vec::new()),
+            // The server's limit 0 is none: so is one over i64::MAX.
+            Some(limit) => find = find.limit(i64::try_from(limit).unwrap_or(0)),
+            None => {}
+        }
+        let docs: Vec<Document> = find.await?.try_collect().await?;
         Ok(docs.iter().map(|d| record(d, cutoff)).collect())
+    }
+
+    /// How many locks are held and expired, and by how many owners, in one aggregation
+    /// whose reply is one small document, however many locks there are.
+    ///
+    /// The server still reads every lock document that names an owner (on MongoDB through
+    /// the `{owner: 1, _id: 1}` index's keys and the documents' `expires_at`), so this
+    /// costs the server in proportion to the held locks: a dashboard or exporter should
+    /// pace it (`docwarden ui` reads it at most once per `--counts-every`). A lock counts
+    /// as expired exactly when [`LockRecord::expired`] would say so.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn counts(&self) -> Result<LockCounts> {
+        let now = self.time.now().await?;
+        let cutoff = now.expired_before(self.time.skew_margin_ms());
+        let expires = format!("${}", f::EXPIRES_AT);
+        let live = doc! { "$and": [
+            { "$eq": [{ "$type": &expires }, "date"] },
+            { "$gte": [&expires, cutoff] },
+        ] };
+        let pipeline = vec![
+            doc! { "$match": { f::OWNER: { "$ne": Bson::Null } } },
+            // One row per owner: its live locks and all its locks.
+            doc! { "$group": {
+                "_id": format!("${}", f::OWNER),
+                "live": { "$sum": { "$cond": [live, 1, 0] } },
+                "all": { "$sum": 1 },
+            } },
+            doc! { "$group": {
+                "_id": Bson::Null,
+                "held": { "$sum": "$live" },
+                "all": { "$sum": "$all" },
+                "holders": { "$sum": { "$cond": [{ "$gt": ["$live", 0] }, 1, 0] } },
+            } },
+        ];
+        let mut cursor = self.locks.aggregate(pipeline).await?;
+        let Some(row) = cursor.try_next().await? else {
+            return Ok(LockCounts::default());
+        };
+        let n = |k: &str| -> u64 {
+            match row.get(k) {
+                Some(Bson::Int32(v)) => u64::try_from(*v).unwrap_or(0),
+                Some(Bson::Int64(v)) => u64::try_from(*v).unwrap_or(0),
+                _ => 0,
+            }
+        };
+        let held = n("held");
+        Ok(LockCounts {
+            held,
+            expired: n("all").saturating_sub(held),
+            holders: n("holders"),
+        })
     }
 
     /// The fencing token of the last committed acquisition of `resource`, as stored in its

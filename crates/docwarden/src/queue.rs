@@ -195,6 +195,15 @@ pub struct JobQueue {
     inner: Arc<Inner>,
 }
 
+/// `filter` restricted to the jobs whose `queue` is `queue` (`None`: every job of the
+/// collection), for the filters that serve one queue and the counts of every queue.
+pub(crate) fn in_queue(mut filter: Document, queue: Option<mongodb::bson::Bson>) -> Document {
+    if let Some(q) = queue {
+        filter.insert(field::QUEUE, q);
+    }
+    filter
+}
+
 impl JobQueue {
     /// A handle on `collection`, without touching the server. Call
     /// [`JobQueue::ensure_indexes`] and [`JobQueue::store_options`] once (or use

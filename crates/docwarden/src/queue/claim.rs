@@ -738,11 +738,19 @@ impl JobQueue {
 
     /// Running jobs whose `lease.until` is not a date.
     pub(crate) fn unreadable_lease_filter(&self) -> Document {
-        doc! {
-            field::STATE: JobState::Running.as_str(),
-            field::LEASE_UNTIL: { "$not": { "$type": "date" } },
-            field::QUEUE: self.queue_value(),
-        }
+        Self::unreadable_lease_in(Some(self.queue_value()))
+    }
+
+    /// [`JobQueue::unreadable_lease_filter`] for the jobs whose `queue` is `queue`, or
+    /// for every job of the collection (`None`).
+    pub(crate) fn unreadable_lease_in(queue: Option<Bson>) -> Document {
+        super::in_queue(
+            doc! {
+                field::STATE: JobState::Running.as_str(),
+                field::LEASE_UNTIL: { "$not": { "$type": "date" } },
+            },
+            queue,
+        )
     }
 
     /// The sweep's update of the running jobs matching `filter`: `retrying`, due now, or

@@ -85,11 +85,19 @@ fn slice_arms(slice: u32, partitions: u32) -> Vec<Bson> {
 impl JobQueue {
     /// Claimable jobs that can never be due: `run_at` is not a date.
     pub(crate) fn undatable_filter(&self) -> Document {
-        doc! {
-            field::STATE: { "$in": claimable_states() },
-            field::RUN_AT: { "$not": { "$type": "date" } },
-            field::QUEUE: self.queue_value(),
-        }
+        Self::undatable_in(Some(self.queue_value()))
+    }
+
+    /// [`JobQueue::undatable_filter`] for the jobs whose `queue` is `queue`, or for every
+    /// job of the collection (`None`).
+    pub(crate) fn undatable_in(queue: Option<Bson>) -> Document {
+        super::in_queue(
+            doc! {
+                field::STATE: { "$in": claimable_states() },
+                field::RUN_AT: { "$not": { "$type": "date" } },
+            },
+            queue,
+        )
     }
 
     /// Claimable jobs that no claim can take: `limits` is there but neither a document
@@ -97,13 +105,14 @@ impl JobQueue {
     /// limited claim `limits: {$type: "object"}`; an array counts as malformed whatever
     /// it holds (`$type` matches an array by its elements).
     pub(crate) fn malformed_limits_filter(&self) -> Document {
-        doc! { "$and": [
-            {
-                field::STATE: { "$in": claimable_states() },
-                field::QUEUE: self.queue_value(),
-            },
-            Self::malformed_limits(),
-        ] }
+        Self::malformed_limits_in(Some(self.queue_value()))
+    }
+
+    /// [`JobQueue::malformed_limits_filter`] for the jobs whose `queue` is `queue`, or for
+    /// every job of the collection (`None`).
+    pub(crate) fn malformed_limits_in(queue: Option<Bson>) -> Document {
+        let waiting = super::in_queue(doc! { field::STATE: { "$in": claimable_states() } }, queue);
+        doc! { "$and": [waiting, Self::malformed_limits()] }
     }
 
     /// The condition on `limits` of [`JobQueue::malformed_limits_filter`].

@@ -62,6 +62,41 @@ pub struct QueueStats {
     pub misnamed_default: u64,
 }
 
+/// The queue a stored job belongs to, from its `queue` field.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum QueueKey {
+    /// No `queue` field, or null.
+    Default,
+    /// `queue: "default"`: in no queue ([`QueueStats::misnamed_default`]).
+    MisnamedDefault,
+    /// A named queue.
+    Named(String),
+    /// A `queue` that is neither a string nor null (a hand edit): in no queue.
+    Foreign,
+}
+
+impl QueueKey {
+    fn of(value: Option<&Bson>) -> Self {
+        match value {
+            None | Some(Bson::Null) => Self::Default,
+            Some(Bson::String(s)) if s == crate::format::schedule::DEFAULT_QUEUE => {
+                Self::MisnamedDefault
+            }
+            Some(Bson::String(s)) => Self::Named(s.clone()),
+            Some(_) => Self::Foreign,
+        }
+    }
+}
+
+/// A `$sum`'s count.
+fn count_of(n: Option<&Bson>) -> u64 {
+    match n {
+        Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Which jobs [`JobQueue::list`] returns. Every criterion set must hold (they are
 /// combined with "and").
 #[derive(Clone, Debug)]
@@ -85,6 +120,11 @@ pub struct JobListFilter {
     pub error_contains: Option<String>,
     /// At most this many (newest `updated_at` first). Default 50.
     pub limit: i64,
+    /// The jobs of every named queue of the collection, not only the handle's own
+    /// (each document's `queue` field says which; none: the default queue). One read for
+    /// a view of the whole collection, instead of [`JobQueue::queue_names`] (which reads
+    /// every job) and one listing per name. Default `false`.
+    pub every_queue: bool,
 }
 
 impl Default for JobListFilter {
@@ -94,6 +134,7 @@ impl Default for JobListFilter {
             key: None,
             error_contains: None,
             limit: 50,
+            every_queue: false,
         }
     }
 }
@@ -119,6 +160,12 @@ impl JobListFilter {
         self.limit = limit;
         self
     }
+    /// Sets [`JobListFilter::every_queue`]: list the jobs of every named queue of the
+    /// collection.
+    pub fn every_queue(mut self) -> Self {
+        self.every_queue = true;
+        self
+    }
 
     /// The query of this filter (the queue's own criterion is added by
     /// [`JobQueue::list`]).
@@ -133,8 +180,17 @@ impl JobListFilter {
                 vec![
                     doc! { field::DEDUPE_KEY: k.as_str() },
                     // The slot is `<key>@<window start in ms>`: the digits are anchored,
-                    // so a key that contains `@` (`k@eu`) is not listed for `k`.
-                    doc! { field::UNIQUE_SLOT: { "$regex": format!("^{}@[0-9]+$", regex_literal(k)) } },
+                    // so a key that contains `@` (`k@eu`) is not listed for `k`. The
+                    // range `["<key>@0", "<key>@:")` (`:` follows `9`) holds every such
+                    // slot: MongoDB bounds the index scan by it as by the anchored
+                    // regex's prefix, and the embedded server, which bounds no `$regex`
+                    // and evaluates one per document (60 s over 1,000,000 jobs), needs
+                    // it to read the index at all (`docs/surrogate.md`).
+                    doc! { field::UNIQUE_SLOT: {
+                        "$gte": format!("{k}@0"),
+                        "$lt": format!("{k}@:"),
+                        "$regex": format!("^{}@[0-9]+$", regex_literal(k)),
+                    } },
                     doc! { field::LIMITS_KEY: k.as_str() },
                     doc! { field::LIMITS_RATE: k.as_str() },
                 ],
@@ -203,59 +259,161 @@ pub enum CancelOutcome {
 impl JobQueue {
     /// Counts by state, the oldest due job's wait, and running jobs with expired leases.
     ///
+    /// The counts by state and of hand-edited waiting jobs read the queue's jobs (no index
+    /// serves them): a dashboard or exporter should pace this call (`docwarden ui` reads
+    /// it at most once per `--counts-every`). For every named queue of the collection, use
+    /// [`JobQueue::stats_of_every_queue`], which reads the collection once, not once per
+    /// queue.
+    ///
     /// # Errors
     /// A database error.
     pub async fn stats(&self) -> Result<QueueStats> {
-        let coll = &self.inner.coll;
-        let mut stats = QueueStats::default();
-        let mut groups = coll
-            .aggregate(vec![
-                doc! { "$match": { field::QUEUE: self.queue_value() } },
-                doc! { "$group": { "_id": "$state", "n": { "$sum": 1 } } },
-            ])
-            .await?;
-        while let Some(g) = groups.try_next().await? {
-            let state = match g.get("_id") {
-                Some(Bson::String(s)) => s.clone(),
-                Some(other) => format!("<{other}>"),
-                None => "<missing>".into(),
-            };
-            let n = match g.get("n") {
-                Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
-                Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
-                _ => 0,
-            };
-            stats.total += n;
-            *stats.by_state.entry(state).or_default() += n;
-        }
-        let now = self.inner.time.now().await?;
-        let oldest = coll
-            .find_one(self.due_filter(&now))
-            .sort(doc! { field::RUN_AT: 1 })
-            .projection(doc! { field::RUN_AT: 1 })
-            .await?;
-        stats.oldest_due_ms = oldest
-            .and_then(|d| d.get_datetime(field::RUN_AT).ok().copied())
-            .map(|t| now.estimate_ms.saturating_sub(t.timestamp_millis()).max(0));
-        let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
-        stats.expired_running = coll
-            .count_documents(doc! {
-                field::STATE: JobState::Running.as_str(),
-                field::LEASE_UNTIL: { "$lt": cutoff },
-                field::QUEUE: self.queue_value(),
-            })
-            .await?;
-        stats.unreadable_leases = coll.count_documents(self.unreadable_lease_filter()).await?;
-        stats.undatable = coll.count_documents(self.undatable_filter()).await?;
-        stats.malformed_limits = coll.count_documents(self.malformed_limits_filter()).await?;
+        let own = self.queue_value();
+        let mut by_queue = self.stats_in(Some(own.clone())).await?;
+        let mut stats = by_queue
+            .remove(&QueueKey::of(Some(&own)))
+            .unwrap_or_default();
         if self.inner.options.queue.is_none() {
             // Not indexed (the claim indexes are partial on the claimable states): one
-            // read of the collection, as the counts by state above.
-            stats.misnamed_default = coll
+            // read of the collection, as the counts by state.
+            stats.misnamed_default = self
+                .inner
+                .coll
                 .count_documents(Self::misnamed_default_filter())
                 .await?;
         }
         Ok(stats)
+    }
+
+    /// [`JobQueue::stats`] of every named queue of this handle's collection, as
+    /// [`JobQueue::queue_names`] names them (the default queue first), from one pass of
+    /// each count over the collection grouped by queue. `queue_names` and one `stats` per
+    /// queue read every job once for the names and once or more per queue: at 1,000,000
+    /// jobs on the embedded server, 12 s for one queue (`docs/ui.md`, "Counts at scale").
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn stats_of_every_queue(&self) -> Result<Vec<(String, QueueStats)>> {
+        let mut by_queue = self.stats_in(None).await?;
+        let misnamed = by_queue
+            .remove(&QueueKey::MisnamedDefault)
+            .map_or(0, |s| s.total);
+        let mut names = self.meta_queue_names().await?;
+        names.extend(by_queue.keys().filter_map(|k| match k {
+            QueueKey::Named(n) => Some(n.clone()),
+            _ => None,
+        }));
+        let default = crate::format::schedule::DEFAULT_QUEUE;
+        names.remove(default);
+        let mut stats = by_queue.remove(&QueueKey::Default).unwrap_or_default();
+        stats.misnamed_default = misnamed;
+        let mut out = vec![(default.to_owned(), stats)];
+        for name in names {
+            if validate::name("queue", &name).is_ok() {
+                let stats = by_queue
+                    .remove(&QueueKey::Named(name.clone()))
+                    .unwrap_or_default();
+                out.push((name, stats));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The counts of the jobs whose `queue` is `scope`, or of every job (`None`), by the
+    /// queue each job belongs to. Each count is one aggregation grouped by `queue`.
+    async fn stats_in(&self, scope: Option<Bson>) -> Result<BTreeMap<QueueKey, QueueStats>> {
+        let coll = &self.inner.coll;
+        let mut out: BTreeMap<QueueKey, QueueStats> = BTreeMap::new();
+        let within = |filter: Document| super::in_queue(filter, scope.clone());
+        let queue = format!("${}", field::QUEUE);
+        let mut groups = coll
+            .aggregate(vec![
+                doc! { "$match": within(Document::new()) },
+                doc! { "$group": {
+                    "_id": { "q": &queue, "s": format!("${}", field::STATE) },
+                    "n": { "$sum": 1 },
+                } },
+            ])
+            .await?;
+        while let Some(g) = groups.try_next().await? {
+            let id = g.get_document("_id").ok();
+            let state = match id.and_then(|i| i.get("s")) {
+                Some(Bson::String(s)) => s.clone(),
+                Some(other) => format!("<{other}>"),
+                None => "<missing>".into(),
+            };
+            let n = count_of(g.get("n"));
+            let stats = out
+                .entry(QueueKey::of(id.and_then(|i| i.get("q"))))
+                .or_default();
+            stats.total += n;
+            *stats.by_state.entry(state).or_default() += n;
+        }
+        let now = self.inner.time.now().await?;
+        // The oldest due job per queue: `run_at: {$lte: date}` matches dates only.
+        let due = within(doc! {
+            field::STATE: { "$in": super::job::claimable_states() },
+            field::RUN_AT: { "$lte": now.latest() },
+        });
+        let oldest = doc! { "$min": format!("${}", field::RUN_AT) };
+        for (key, value) in self.grouped(due, oldest).await? {
+            if let Bson::DateTime(t) = value {
+                out.entry(key).or_default().oldest_due_ms =
+                    Some(now.estimate_ms.saturating_sub(t.timestamp_millis()).max(0));
+            }
+        }
+        let cutoff = now.expired_before(self.inner.time.skew_margin_ms());
+        let one = doc! { "$sum": 1 };
+        let expired = within(doc! {
+            field::STATE: JobState::Running.as_str(),
+            field::LEASE_UNTIL: { "$lt": cutoff },
+        });
+        for (key, n) in self.grouped(expired, one.clone()).await? {
+            out.entry(key).or_default().expired_running = count_of(Some(&n));
+        }
+        for (key, n) in self
+            .grouped(Self::unreadable_lease_in(scope.clone()), one.clone())
+            .await?
+        {
+            out.entry(key).or_default().unreadable_leases = count_of(Some(&n));
+        }
+        for (key, n) in self
+            .grouped(Self::undatable_in(scope.clone()), one.clone())
+            .await?
+        {
+            out.entry(key).or_default().undatable = count_of(Some(&n));
+        }
+        for (key, n) in self
+            .grouped(Self::malformed_limits_in(scope.clone()), one)
+            .await?
+        {
+            out.entry(key).or_default().malformed_limits = count_of(Some(&n));
+        }
+        Ok(out)
+    }
+
+    /// `accumulator` over the jobs matching `filter`, per queue.
+    async fn grouped(
+        &self,
+        filter: Document,
+        accumulator: Document,
+    ) -> Result<Vec<(QueueKey, Bson)>> {
+        let mut cursor = self
+            .inner
+            .coll
+            .aggregate(vec![
+                doc! { "$match": filter },
+                doc! { "$group": { "_id": format!("${}", field::QUEUE), "v": accumulator } },
+            ])
+            .await?;
+        let mut out = Vec::new();
+        while let Some(g) = cursor.try_next().await? {
+            out.push((
+                QueueKey::of(g.get("_id")),
+                g.get("v").cloned().unwrap_or(Bson::Null),
+            ));
+        }
+        Ok(out)
     }
 
     /// The jobs that store `queue: "default"` ([`QueueStats::misnamed_default`]): in no
@@ -268,7 +426,8 @@ impl JobQueue {
         doc! { field::QUEUE: crate::format::schedule::DEFAULT_QUEUE }
     }
 
-    /// The stored job documents of this queue matching `filter`, newest change first (raw, so a
+    /// The stored job documents of this queue (of every queue of the collection with
+    /// [`JobListFilter::every_queue`]) matching `filter`, newest change first (raw, so a
     /// malformed document is shown as it is; parse with
     /// [`Job::from_document`](super::Job::from_document)).
     ///
@@ -285,7 +444,9 @@ impl JobQueue {
             return Err(Error::invalid("error text", "must not be empty"));
         }
         let mut query = filter.query();
-        query.insert(field::QUEUE, self.queue_value());
+        if !filter.every_queue {
+            query.insert(field::QUEUE, self.queue_value());
+        }
         Ok(self
             .inner
             .coll
@@ -308,13 +469,27 @@ impl JobQueue {
     /// # Errors
     /// A database error.
     pub async fn queue_names(&self) -> Result<Vec<String>> {
-        use crate::format::schedule::{OPTIONS_ID_PREFIX, control};
-        let mut names = std::collections::BTreeSet::new();
+        let mut names = self.meta_queue_names().await?;
         for v in self.inner.coll.distinct(field::QUEUE, doc! {}).await? {
             if let Bson::String(s) = v {
                 names.insert(s);
             }
         }
+        let default = crate::format::schedule::DEFAULT_QUEUE;
+        names.remove(default);
+        let mut out = vec![default.to_owned()];
+        out.extend(
+            names
+                .into_iter()
+                .filter(|n| validate::name("queue", n).is_ok()),
+        );
+        Ok(out)
+    }
+
+    /// The queues with an options or control document in the meta collection.
+    async fn meta_queue_names(&self) -> Result<std::collections::BTreeSet<String>> {
+        use crate::format::schedule::{OPTIONS_ID_PREFIX, control};
+        let mut names = std::collections::BTreeSet::new();
         let pattern = format!(
             "^({}|{})",
             regex_literal(OPTIONS_ID_PREFIX),
@@ -334,15 +509,7 @@ impl JobQueue {
                 names.insert(name.to_owned());
             }
         }
-        let default = crate::format::schedule::DEFAULT_QUEUE;
-        names.remove(default);
-        let mut out = vec![default.to_owned()];
-        out.extend(
-            names
-                .into_iter()
-                .filter(|n| validate::name("queue", n).is_ok()),
-        );
-        Ok(out)
+        Ok(names)
     }
 
     /// Moves dead jobs (all, or those in `ids`) back to `ready`, due now, to run as a

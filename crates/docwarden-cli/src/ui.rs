@@ -92,9 +92,9 @@ pub(crate) struct Args {
     /// A directory of `docwarden verify` HTML reports to list and serve.
     #[arg(long)]
     reports: Option<PathBuf>,
-    /// Read the queue counts at most every this many seconds (1 to 3600), and at most every
-    /// 20 times what reading them took: every page and scrape in between shows the last
-    /// ones read (a count reads the whole collection).
+    /// Read the queue and lock counts at most every this many seconds (1 to 3600), and at
+    /// most every 20 times what reading them took: every page and scrape in between shows
+    /// the last ones read (a count reads the whole collection).
     #[arg(long, default_value_t = 1)]
     counts_every: u64,
     /// Test-only: poll for changes instead of opening a change stream.
@@ -586,7 +586,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
         let several = snapshot.queues.len() > 1;
         for counts in &snapshot.queues {
             let (queue_name, q, stats) = (counts.name.clone(), &counts.handle, &counts.stats);
-            let history = data::history(q, &queue_name, now).await?;
+            let history = counts.history.clone();
             let control = q.control().await?;
             let describe = |what: &str, at: Option<mongodb::bson::DateTime>| {
                 let mut t = format!("{what} since {}", at.map(data::date).unwrap_or_default());
@@ -637,9 +637,11 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
         Ok(rows) => rows,
         Err(e) => return Err(UiError(StatusCode::BAD_REQUEST, format!("{e:#}"))),
     };
+    // The names for the filter, from the paced snapshot (`queue_names` reads every job).
     let mut named = std::collections::BTreeSet::new();
     for name in &catalog.queues {
-        named.extend(data::queue(&s.db, &s.time, name)?.queue_names().await?);
+        let snapshot = s.snapshots.get(&s.db, &s.time, name).await?;
+        named.extend(snapshot.queues.iter().map(|c| c.name.clone()));
     }
     let states: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
     s.render(
@@ -675,8 +677,15 @@ async fn locks_page(State(s): State<Shared>) -> Page {
     // Plain leases; the elections', read/write locks' and semaphores' collections have
     // their own sections below.
     for name in catalog.locks.iter().filter(|l| !s.kinds.contains(l)) {
-        let leases = data::lock_list(&s.db, &s.time, name, now).await?;
-        collections.push(context! { name => name, leases => leases });
+        let snapshot = s.snapshots.leases(&s.db, &s.time, name).await?;
+        collections.push(context! {
+            name => name,
+            leases => data::lock_views(name, &snapshot.first, now),
+            counts => snapshot.counts,
+            truncated => snapshot.truncated(),
+            shown => snapshot::LEASES_SHOWN,
+            counts_age => snapshot::age_note(&snapshot, s.snapshots.min_fresh()),
+        });
     }
     let kinds = crate::locks::Kinds {
         db: &s.db,

@@ -1278,3 +1278,162 @@ async fn queue_counts_are_read_once_per_snapshot_however_many_views_and_scrapes(
     );
     Ok(())
 }
+
+/// Session 37: the locks page, the lock gauges of `GET /metrics` and the live-update
+/// fingerprint used to list every held lease of a lock collection on each view and scrape
+/// (with a lock per entity, many thousands of documents each time). They now share the
+/// collection's paced snapshot: `LockCollection::counts` (one small reply) and the first
+/// 200 leases by resource. The server's profiler sums the lock documents returned to the
+/// dashboard over ten views and scrapes of a collection of 1,000 leases: about 10,000
+/// before, at most one page (200) after.
+#[tokio::test]
+async fn lock_views_read_counts_and_one_page_not_every_lease() -> anyhow::Result<()> {
+    const LEASES: usize = 1_000;
+    let t = TestDb::new("ui_lock_snapshot").await?;
+    let time = TimeSource::server(t.client.clone(), ClockOptions::default())?;
+    let locks = LockCollection::open(&t.db, "locks", time, LockOptions::default()).await?;
+    let owners = [Owner::random(), Owner::random(), Owner::random()];
+    for i in 0..LEASES {
+        locks
+            .try_acquire(
+                &owners[i % owners.len()],
+                &format!("user-{i:05}"),
+                Duration::from_secs(300),
+            )
+            .await?
+            .context("acquire")?;
+    }
+    let ui = start_ui(&t, &["--counts-every", "600"]).await?;
+    let returned = || async {
+        let ns = format!("{}.locks", t.db.name());
+        let mut cursor =
+            t.db.collection::<mongodb::bson::Document>("system.profile")
+                .find(doc! { "ns": ns, "op": { "$in": ["query", "getmore"] } })
+                .await?;
+        let mut n = 0_i64;
+        while cursor.advance().await? {
+            let entry = cursor.deserialize_current()?;
+            n += match entry.get("nreturned") {
+                Some(Bson::Int32(v)) => i64::from(*v),
+                Some(Bson::Int64(v)) => *v,
+                _ => 0,
+            };
+        }
+        anyhow::Ok(n)
+    };
+    t.db.run_command(doc! { "profile": 2 }).await?;
+    let first = page(&ui, "/locks").await?;
+    for _ in 0..5 {
+        page(&ui, "/metrics").await?;
+        page(&ui, "/locks").await?;
+    }
+    let metrics = page(&ui, "/metrics").await?;
+    let n = returned().await?;
+    t.db.run_command(doc! { "profile": 0 }).await?;
+    println!("{n} lock documents returned to the dashboard over twelve views and scrapes");
+    assert!(
+        n <= 200,
+        "{n} lock documents returned: the views list every lease"
+    );
+    assert!(
+        first.contains("1000 held, 0 expired, 3 holder(s)"),
+        "the counts of the whole collection: {first}"
+    );
+    assert!(first.contains("user-00000") && first.contains("user-00199"));
+    assert!(!first.contains("user-00200"), "more than one page listed");
+    assert!(first.contains("The first 200 leases by resource"));
+    let gauge = |name: &str, status: Option<&str>| {
+        metrics
+            .lines()
+            .filter_map(sample)
+            .find_map(|(n, labels, v)| {
+                let has = |k: &str, val: &str| labels.iter().any(|(a, b)| a == k && b == val);
+                (n == name
+                    && has("collection", "locks")
+                    && status.is_none_or(|st| has("status", st)))
+                .then_some(v)
+            })
+    };
+    assert_eq!(
+        gauge("docwarden_locks", Some("held")),
+        Some(1000.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        gauge("docwarden_locks", Some("expired")),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        gauge("docwarden_lock_holders", None),
+        Some(3.0),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+/// Session 37: a view of the jobs page read every job twice over on a large collection:
+/// `JobQueue::queue_names` (a `distinct` over the whole collection) and then one listing
+/// per named queue; and every view of the queues page read each named queue's chart of
+/// finished jobs. Now the jobs page lists every named queue in one read
+/// (`JobListFilter::every_queue`), and the chart is part of the paced snapshot. Counted
+/// with the server's profiler over five views of each page: no `distinct` and one listing
+/// per jobs view, one chart read per named queue in all.
+#[tokio::test]
+async fn the_jobs_page_reads_once_per_view_and_the_chart_once_per_snapshot() -> anyhow::Result<()> {
+    let t = TestDb::new("ui_jobs_reads").await?;
+    let f = fixture(&t).await?;
+    let mail = f.queue.named("mail", QueueOptions::default())?;
+    mail.enqueue(doc! { "to": "a@example.com" }, &EnqueueOptions::default())
+        .await?;
+    // A hand-edited job whose `queue` is not a string: listed, marked as such.
+    let now = mongodb::bson::DateTime::now();
+    f.queue
+        .collection()
+        .insert_one(doc! { "queue": 5, "state": "ready", "run_at": now, "updated_at": now })
+        .await?;
+    let ui = start_ui(&t, &["--counts-every", "600"]).await?;
+    let jobs = f.queue.collection().name().to_owned();
+    let profiled = |filter: mongodb::bson::Document| {
+        let coll = t.db.collection::<mongodb::bson::Document>("system.profile");
+        async move { anyhow::Ok(coll.count_documents(filter).await?) }
+    };
+    t.db.run_command(doc! { "profile": 2 }).await?;
+    page(&ui, "/").await?;
+    let distinct_first = profiled(doc! { "command.distinct": &jobs }).await?;
+    let mut listed = String::new();
+    for _ in 0..5 {
+        page(&ui, "/").await?;
+        listed = page(&ui, "/jobs").await?;
+    }
+    let distinct = profiled(doc! { "command.distinct": &jobs }).await?;
+    let charts = profiled(doc! {
+        "command.find": &jobs,
+        "command.filter.finished_at": { "$exists": true },
+    })
+    .await?;
+    let listings = profiled(doc! {
+        "command.find": &jobs,
+        "command.sort.updated_at": -1,
+    })
+    .await?;
+    t.db.run_command(doc! { "profile": 0 }).await?;
+    println!(
+        "distinct: {distinct_first} for the first view, {distinct} in all; chart reads {charts}; listings {listings}"
+    );
+    // The counts' snapshot reads the names with the counts (`stats_of_every_queue`).
+    assert_eq!(distinct, 0, "a view read the queue names with a distinct");
+    assert_eq!(listings, 5, "one listing per jobs view");
+    assert_eq!(charts, 2, "one chart read per named queue (default, mail)");
+    // Every named queue's jobs are on the page, each with its queue.
+    assert!(
+        listed.contains("a@example.com") || listed.contains("mail"),
+        "{listed}"
+    );
+    assert!(listed.contains(&f.running.to_hex()), "{listed}");
+    assert!(
+        listed.contains("&lt;5&gt;"),
+        "the foreign queue value: {listed}"
+    );
+    Ok(())
+}

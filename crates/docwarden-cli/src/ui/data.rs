@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 
 use docwarden::clock::TimeSource;
-use docwarden::lock::{LockCollection, LockListFilter, LockOptions, LockRecord};
+use docwarden::lock::{LockCollection, LockOptions, LockRecord};
 use docwarden::queue::format::{field, meta};
 use docwarden::queue::{Job, JobListFilter, JobQueue, JobState, QueueOptions, QueueStats};
 use futures::TryStreamExt;
@@ -82,22 +82,6 @@ pub(crate) fn queue(db: &Database, time: &TimeSource, name: &str) -> anyhow::Res
         time.clone(),
         QueueOptions::default(),
     )?)
-}
-
-/// Read-only handles on every named queue of queue collection `name`
-/// ([`JobQueue::queue_names`]: the default queue first), with their names.
-pub(crate) async fn named_queues(
-    db: &Database,
-    time: &TimeSource,
-    name: &str,
-) -> anyhow::Result<Vec<(String, JobQueue)>> {
-    let base = queue(db, time, name)?;
-    let mut out = Vec::new();
-    for n in base.queue_names().await? {
-        let handle = base.named(&n, QueueOptions::default())?;
-        out.push((n, handle));
-    }
-    Ok(out)
 }
 
 /// A read-only handle on lock collection `name`.
@@ -364,26 +348,34 @@ pub(crate) async fn jobs(
             }
             continue;
         }
-        for (named, handle) in named_queues(db, time, name).await? {
-            if let Some(only) = JobQuery::clean(&q.named)
-                && only != named
-            {
-                continue;
+        let handle = queue(db, time, name)?;
+        let docs = match JobQuery::clean(&q.named) {
+            // One named queue: its own listing.
+            Some(only) => {
+                handle
+                    .named(only, QueueOptions::default())?
+                    .list(&filter)
+                    .await?
             }
-            let docs = handle.list(&filter).await?;
-            rows.extend(docs.iter().map(|d| row(name, &named, d)));
-        }
+            // Every named queue in one read; each row says which from its document (not
+            // `queue_names`, which reads every job, on each view).
+            None => handle.list(&filter.clone().every_queue()).await?,
+        };
+        rows.extend(docs.iter().map(|d| row(name, &named_of(d), d)));
     }
     rows.sort_by_key(|r| std::cmp::Reverse(r.updated_ms));
     rows.truncate(usize::try_from(limit).unwrap_or(100));
     Ok(rows)
 }
 
-/// The named queue a stored job belongs to (`default` when it has no `queue` string).
+/// The named queue a stored job belongs to: `default` when it has no `queue` (or null),
+/// and a `queue` that is not a string shown as `<value>` (a hand edit: in no queue).
 pub(crate) fn named_of(d: &Document) -> String {
-    d.get_str(field::QUEUE)
-        .unwrap_or(docwarden::queue::format::DEFAULT_QUEUE)
-        .to_owned()
+    match d.get(field::QUEUE) {
+        None | Some(Bson::Null) => docwarden::queue::format::DEFAULT_QUEUE.to_owned(),
+        Some(Bson::String(s)) => s.clone(),
+        Some(other) => format!("<{other}>"),
+    }
 }
 
 /// One job, for its page.
@@ -528,20 +520,12 @@ pub(crate) fn lock_view(collection: &str, r: &LockRecord, now_ms: i64) -> LockVi
     }
 }
 
-/// Every held lease of `collection`.
-pub(crate) async fn lock_list(
-    db: &Database,
-    time: &TimeSource,
-    collection: &str,
-    now_ms: i64,
-) -> anyhow::Result<Vec<LockView>> {
-    let handle = locks(db, time, collection)?;
-    Ok(handle
-        .list(&LockListFilter::default())
-        .await?
+/// The first held leases of `collection` (from its snapshot) as views.
+pub(crate) fn lock_views(collection: &str, records: &[LockRecord], now_ms: i64) -> Vec<LockView> {
+    records
         .iter()
         .map(|r| lock_view(collection, r, now_ms))
-        .collect())
+        .collect()
 }
 
 /// One holder of a semaphore, an election, a read/write lock or a document, for

@@ -203,10 +203,10 @@ async fn fingerprint(
         }
     }
     for l in &c.locks {
-        for r in super::data::locks(db, time, l)?
-            .list(&docwarden::lock::LockListFilter::default())
-            .await?
-        {
+        // The counts and the first leases the page shows, from the paced snapshot.
+        let leases = snapshots.leases(db, time, l).await?;
+        out.push_str(&format!("{l}:{:?};", leases.counts));
+        for r in &leases.first {
             out.push_str(&format!("{l}:{}:{}:{:?};", r.resource, r.owner, r.token));
         }
     }

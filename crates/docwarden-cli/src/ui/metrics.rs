@@ -11,11 +11,9 @@
 //! until the process restarts. The recorder is process-global: the first caller installs
 //! it; a process that installed another recorder gets no `/metrics` (an error says so).
 
-use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
 use docwarden::clock::TimeSource;
-use docwarden::lock::LockListFilter;
 use docwarden::queue::format::field;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use mongodb::Database;
@@ -130,21 +128,17 @@ pub(crate) async fn scrape(
         }
     }
     for l in catalog.locks.iter().filter(|l| !kinds.contains(l)) {
-        let records = super::data::locks(db, time, l)?
-            .list(&LockListFilter::default())
-            .await?;
-        let held = records.iter().filter(|r| !r.expired).count();
-        let holders: BTreeSet<&str> = records
-            .iter()
-            .filter(|r| !r.expired)
-            .map(|r| r.owner.as_str())
-            .collect();
+        // The collection's paced snapshot: one aggregation, not a listing.
+        let snapshot = snapshots.leases(db, time, l).await?;
+        metrics::gauge!("docwarden_ui_counts_age_seconds", "collection" => l.clone())
+            .set(snapshot.at.elapsed().as_secs_f64());
+        let counts = snapshot.counts;
         metrics::gauge!("docwarden_locks", "collection" => l.clone(), "status" => "held")
-            .set(count_usize(held));
+            .set(count(counts.held));
         metrics::gauge!("docwarden_locks", "collection" => l.clone(), "status" => "expired")
-            .set(count_usize(records.len() - held));
+            .set(count(counts.expired));
         metrics::gauge!("docwarden_lock_holders", "collection" => l.clone())
-            .set(count_usize(holders.len()));
+            .set(count(counts.holders));
     }
     metrics::gauge!("docwarden_ui_live_listeners").set(count_usize(listeners));
     metrics::histogram!("docwarden_ui_scrape_seconds").record(started.elapsed().as_secs_f64());

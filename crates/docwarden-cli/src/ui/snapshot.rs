@@ -1,33 +1,42 @@
-//! The counts of a queue collection (its named queues and each one's `JobQueue::stats`),
+//! The counts of a queue collection (its named queues, each one's `JobQueue::stats` and
+//! its chart of finished jobs per minute) and of a lock collection (`LockCollection::counts` and the first leases by resource),
 //! read at a rate that does not grow with the collection.
 //!
 //! `stats` reads the whole collection: a `$group` by state over every job, and counts of
 //! the hand-edit conditions over every waiting job. At 1,000,000 jobs that took 6.5–6.9 s
 //! on the embedded server (`docs/benchmarks.md`, session 36), and the dashboard used to
 //! call it for every queue on every page view, live fingerprint and `GET /metrics`
-//! scrape. So the dashboard shares one snapshot per collection: a view or scrape reuses
-//! it while it is younger than `--counts-every` ([`MIN_FRESH`]) or [`SHARE`] times what
-//! reading it took,
-//! whichever is longer, so the counts cost the server at most about 1/[`SHARE`] of one
-//! connection's time however many pages and scrapers ask. Concurrent requests for a stale
-//! snapshot wait for the one read. An action on a collection (retry, purge, pause, cancel)
-//! drops its snapshot, so the page after it shows fresh counts.
+//! scrape. A lock collection's counts read every held lock document (with a lock per
+//! entity, many thousands), and the dashboard used to list every one of them on each view,
+//! fingerprint and scrape. So the dashboard shares one snapshot per collection: a view or
+//! scrape reuses it while it is younger than `--counts-every` ([`MIN_FRESH`]) or [`SHARE`]
+//! times what reading it took, whichever is longer, so the counts cost the server at most
+//! about 1/[`SHARE`] of one connection's time however many pages and scrapers ask.
+//! Concurrent requests for a stale snapshot wait for the one read. An action on a queue
+//! collection (retry, purge, pause, cancel) drops its snapshot, so the page after it shows
+//! fresh counts.
 //!
-//! **Limit:** on a large collection the counts a page shows can be that old; the page
-//! says how old they are.
+//! **Limits:** on a large collection the counts a page shows can be that old; the page
+//! says how old they are. The locks page shows the first [`LEASES_SHOWN`] leases of a
+//! collection by resource, with the counts of all of them.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use docwarden::clock::TimeSource;
-use docwarden::queue::{JobQueue, QueueStats};
+use docwarden::lock::{LockCounts, LockListFilter, LockRecord};
+use docwarden::queue::{JobQueue, QueueOptions, QueueStats};
 use mongodb::Database;
 
 /// A snapshot is always reused for at least this long.
 pub(crate) const MIN_FRESH: Duration = Duration::from_secs(1);
 /// A snapshot that took `t` to read is reused for `SHARE × t`.
 pub(crate) const SHARE: u32 = 20;
+/// How many leases of a lock collection the locks page lists (the first by resource).
+pub(crate) const LEASES_SHOWN: u64 = 200;
 
 /// One named queue of a collection, with its counts.
 #[derive(Debug, Clone)]
@@ -38,20 +47,52 @@ pub(crate) struct QueueCounts {
     pub(crate) handle: JobQueue,
     /// Its counts when the snapshot was read.
     pub(crate) stats: QueueStats,
+    /// Its finished jobs per minute over the last minutes, as of the read (the chart).
+    pub(crate) history: Vec<super::data::Minute>,
 }
 
-/// The named queues of one collection and their counts, as read at one time.
+/// The named queues of one queue collection and their counts.
 #[derive(Debug)]
-pub(crate) struct Snapshot {
+pub(crate) struct Queues {
     /// Every named queue, the default one first.
     pub(crate) queues: Vec<QueueCounts>,
+}
+
+/// The counts of one lock collection and its first leases.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    /// Held and expired locks, and holders, of the whole collection.
+    pub(crate) counts: LockCounts,
+    /// The first [`LEASES_SHOWN`] leases by resource.
+    pub(crate) first: Vec<LockRecord>,
+}
+
+impl Leases {
+    /// Whether [`Leases::first`] lists fewer leases than the collection holds.
+    pub(crate) fn truncated(&self) -> bool {
+        let listed = u64::try_from(self.first.len()).unwrap_or(u64::MAX);
+        listed < self.counts.held.saturating_add(self.counts.expired)
+    }
+}
+
+/// What was read, when, and how long reading it took.
+#[derive(Debug)]
+pub(crate) struct Snapshot<T> {
+    value: T,
     /// When the read finished.
     pub(crate) at: Instant,
     /// How long the read took.
     pub(crate) took: Duration,
 }
 
-impl Snapshot {
+impl<T> Deref for Snapshot<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> Snapshot<T> {
     /// Whether the snapshot may still be served (see the module docs).
     fn fresh(&self, min_fresh: Duration) -> bool {
         self.at.elapsed() < reuse_for(self.took, min_fresh)
@@ -63,12 +104,64 @@ fn reuse_for(took: Duration, min_fresh: Duration) -> Duration {
     took.saturating_mul(SHARE).max(min_fresh)
 }
 
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Snapshot>>>>;
+type Slot<T> = Arc<tokio::sync::Mutex<Option<Arc<Snapshot<T>>>>>;
 
-/// The dashboard's snapshots, one per queue collection.
+/// Snapshots of one kind, one per collection.
+#[derive(Debug)]
+struct Paced<T> {
+    slots: Mutex<HashMap<String, Slot<T>>>,
+}
+
+impl<T> Paced<T> {
+    fn new() -> Self {
+        Self {
+            slots: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn slot(&self, collection: &str) -> Slot<T> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(slots.entry(collection.to_owned()).or_default())
+    }
+
+    /// The held snapshot of `collection` if it is still fresh, else `read`'s (one read at
+    /// a time per collection).
+    async fn get<F, Fut>(
+        &self,
+        collection: &str,
+        min_fresh: Duration,
+        read: F,
+    ) -> anyhow::Result<Arc<Snapshot<T>>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = anyhow::Result<T>>,
+    {
+        let slot = self.slot(collection);
+        let mut held = slot.lock().await;
+        if let Some(s) = held.as_ref().filter(|s| s.fresh(min_fresh)) {
+            return Ok(Arc::clone(s));
+        }
+        let started = Instant::now();
+        let value = read().await?;
+        let snapshot = Arc::new(Snapshot {
+            value,
+            at: Instant::now(),
+            took: started.elapsed(),
+        });
+        *held = Some(Arc::clone(&snapshot));
+        Ok(snapshot)
+    }
+
+    async fn forget(&self, collection: &str) {
+        *self.slot(collection).lock().await = None;
+    }
+}
+
+/// The dashboard's snapshots, one per queue collection and one per lock collection.
 #[derive(Debug)]
 pub(crate) struct Snapshots {
-    slots: Mutex<HashMap<String, Slot>>,
+    queues: Paced<Queues>,
+    leases: Paced<Leases>,
     min_fresh: Duration,
 }
 
@@ -77,14 +170,10 @@ impl Snapshots {
     /// [`MIN_FRESH`] by default).
     pub(crate) fn new(min_fresh: Duration) -> Self {
         Self {
-            slots: Mutex::new(HashMap::new()),
+            queues: Paced::new(),
+            leases: Paced::new(),
             min_fresh,
         }
-    }
-
-    fn slot(&self, collection: &str) -> Slot {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        Arc::clone(slots.entry(collection.to_owned()).or_default())
     }
 
     /// The snapshot of queue collection `collection`: the one held if it is still fresh,
@@ -97,29 +186,50 @@ impl Snapshots {
         db: &Database,
         time: &TimeSource,
         collection: &str,
-    ) -> anyhow::Result<Arc<Snapshot>> {
-        let slot = self.slot(collection);
-        let mut held = slot.lock().await;
-        if let Some(s) = held.as_ref().filter(|s| s.fresh(self.min_fresh)) {
-            return Ok(Arc::clone(s));
-        }
-        let started = Instant::now();
-        let mut queues = Vec::new();
-        for (name, handle) in super::data::named_queues(db, time, collection).await? {
-            let stats = handle.stats().await?;
-            queues.push(QueueCounts {
-                name,
-                handle,
-                stats,
-            });
-        }
-        let snapshot = Arc::new(Snapshot {
-            queues,
-            at: Instant::now(),
-            took: started.elapsed(),
-        });
-        *held = Some(Arc::clone(&snapshot));
-        Ok(snapshot)
+    ) -> anyhow::Result<Arc<Snapshot<Queues>>> {
+        self.queues
+            .get(collection, self.min_fresh, || async {
+                let mut queues = Vec::new();
+                // Every named queue's counts from one pass over the collection per count.
+                let base = super::data::queue(db, time, collection)?;
+                let every = base.stats_of_every_queue().await?;
+                let now_ms = time.now().await?.estimate_ms;
+                for (name, stats) in every {
+                    let handle = base.named(&name, QueueOptions::default())?;
+                    let history = super::data::history(&handle, &name, now_ms).await?;
+                    queues.push(QueueCounts {
+                        name,
+                        handle,
+                        stats,
+                        history,
+                    });
+                }
+                Ok(Queues { queues })
+            })
+            .await
+    }
+
+    /// The snapshot of lock collection `collection`: its counts (one aggregation) and its
+    /// first [`LEASES_SHOWN`] leases, reused as [`Snapshots::get`]'s.
+    ///
+    /// # Errors
+    /// A database error of the read.
+    pub(crate) async fn leases(
+        &self,
+        db: &Database,
+        time: &TimeSource,
+        collection: &str,
+    ) -> anyhow::Result<Arc<Snapshot<Leases>>> {
+        self.leases
+            .get(collection, self.min_fresh, || async {
+                let locks = super::data::locks(db, time, collection)?;
+                let counts = locks.counts().await?;
+                let first = locks
+                    .list(&LockListFilter::default().limit(LEASES_SHOWN))
+                    .await?;
+                Ok(Leases { counts, first })
+            })
+            .await
     }
 
     /// The shortest time a snapshot is reused.
@@ -127,15 +237,15 @@ impl Snapshots {
         self.min_fresh
     }
 
-    /// Drops the snapshot of `collection` (after an action on it).
+    /// Drops the snapshot of queue collection `collection` (after an action on it).
     pub(crate) async fn forget(&self, collection: &str) {
-        *self.slot(collection).lock().await = None;
+        self.queues.forget(collection).await;
     }
 }
 
 /// How old the counts of `snapshot` are, as text, once that is worth saying (2 s or
 /// more); `min_fresh` as in [`Snapshots::new`].
-pub(crate) fn age_note(snapshot: &Snapshot, min_fresh: Duration) -> Option<String> {
+pub(crate) fn age_note<T>(snapshot: &Snapshot<T>, min_fresh: Duration) -> Option<String> {
     let age = snapshot.at.elapsed();
     (age >= Duration::from_secs(2)).then(|| {
         format!(

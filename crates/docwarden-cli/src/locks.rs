@@ -294,40 +294,21 @@ pub(crate) struct Holdings {
     pub(crate) semaphores: Vec<SemaphoreRecord>,
 }
 
-/// Reads the [`Holdings`] of `kinds` that match `filter` (owner, resource).
+/// Reads the [`Holdings`] of `kinds` that match `filter` (owner, resource, and at most
+/// `limit` elections, read/write resources and semaphores each). The server does the
+/// filtering: each kind is one read of the matching documents only.
 pub(crate) async fn holdings(
     kinds: &Kinds<'_>,
     filter: &LockListFilter,
 ) -> anyhow::Result<Holdings> {
-    let elections = Election::list(&kinds.lock_collection(kinds.elections)?)
-        .await?
-        .into_iter()
-        .filter(|l| filter.owner.as_ref().is_none_or(|o| *o == l.owner))
-        .filter(|l| filter.resource.as_ref().is_none_or(|r| *r == l.election))
-        .collect();
+    let elections =
+        Election::list_matching(&kinds.lock_collection(kinds.elections)?, filter).await?;
     let rw = RwLocks::new(
         kinds.lock_collection(kinds.rwlocks)?,
         RwLockOptions::default(),
     )?;
-    let rwlocks = rw
-        .list()
-        .await?
-        .into_iter()
-        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
-        .filter(|r| {
-            filter.owner.as_ref().is_none_or(|o| {
-                r.writer.as_ref().is_some_and(|w| w.owner == *o)
-                    || r.readers.iter().any(|x| x.owner == *o)
-            })
-        })
-        .collect();
-    let semaphores = kinds
-        .semaphore()?
-        .list(filter.owner.as_deref(), false)
-        .await?
-        .into_iter()
-        .filter(|r| filter.resource.as_ref().is_none_or(|x| *x == r.resource))
-        .collect();
+    let rwlocks = rw.list_matching(filter).await?;
+    let semaphores = kinds.semaphore()?.list_matching(filter, false).await?;
     Ok(Holdings {
         elections,
         rwlocks,

@@ -694,12 +694,16 @@ async fn locks_page(State(s): State<Shared>) -> Page {
         rwlocks: &s.kinds.rwlocks,
         semaphores: &s.kinds.semaphores,
     };
-    let held = crate::locks::holdings(&kinds, &docwarden::lock::LockListFilter::default()).await?;
-    let others = data::kinds_view(&kinds, &held, now);
+    // One page of each kind: a lock per entity makes one document per entity. One more
+    // than is shown is read, to say whether there are more.
+    let shown = usize::try_from(snapshot::LEASES_SHOWN).unwrap_or(usize::MAX);
+    let filter = docwarden::lock::LockListFilter::default().limit(snapshot::LEASES_SHOWN + 1);
+    let held = crate::locks::holdings(&kinds, &filter).await?;
+    let others = data::kinds_view(&kinds, held, shown, now);
     let mut documents = Vec::new();
     for name in &s.documents {
-        let locked = data::document_locks(&s.db, &s.time, name, now).await?;
-        documents.push(context! { name => name, locked => locked });
+        let (locked, truncated) = data::document_locks(&s.db, &s.time, name, shown, now).await?;
+        documents.push(context! { name => name, locked => locked, truncated => truncated });
     }
     s.render(
         "locks.html",

@@ -591,6 +591,22 @@ pub(crate) struct KindsView {
     /// One row per writer or reader.
     pub(crate) rwlocks: Vec<HolderView>,
     pub(crate) semaphores: Vec<SemaphoreView>,
+    /// There are more elections with a leader than [`KindsView::leaders`] shows.
+    pub(crate) leaders_truncated: bool,
+    /// There are more read/write locks held than [`KindsView::rwlocks`] shows.
+    pub(crate) rwlocks_truncated: bool,
+    /// There are more semaphores than [`KindsView::semaphores`] shows.
+    pub(crate) semaphores_truncated: bool,
+    /// How many of each kind a view shows at most (elections, read/write resources,
+    /// semaphores).
+    pub(crate) shown: usize,
+}
+
+/// Keeps the first `shown` of `v`; whether there were more.
+fn truncate<T>(v: &mut Vec<T>, shown: usize) -> bool {
+    let more = v.len() > shown;
+    v.truncate(shown);
+    more
 }
 
 fn token_text(t: Option<docwarden::lock::FencingToken>) -> String {
@@ -600,12 +616,18 @@ fn token_text(t: Option<docwarden::lock::FencingToken>) -> String {
     )
 }
 
-/// The [`crate::locks::Holdings`] (read by `docwarden locks list`'s reader) as views.
+/// The [`crate::locks::Holdings`] (read by `docwarden locks list`'s reader) as views: at
+/// most `shown` elections, read/write resources and semaphores each (read `shown + 1` of
+/// each to know whether there are more).
 pub(crate) fn kinds_view(
     kinds: &crate::locks::Kinds<'_>,
-    held: &crate::locks::Holdings,
+    mut held: crate::locks::Holdings,
+    shown: usize,
     now_ms: i64,
 ) -> KindsView {
+    let leaders_truncated = truncate(&mut held.elections, shown);
+    let rwlocks_truncated = truncate(&mut held.rwlocks, shown);
+    let semaphores_truncated = truncate(&mut held.semaphores, shown);
     let leaders = held
         .elections
         .iter()
@@ -681,25 +703,35 @@ pub(crate) fn kinds_view(
         leaders,
         rwlocks,
         semaphores,
+        leaders_truncated,
+        rwlocks_truncated,
+        semaphores_truncated,
+        shown,
     }
 }
 
 /// The locked documents of entity collection `collection` (document locks: the lock id
-/// and lock time stored in the entity, default fields and a 30 s validity), read with
-/// [`docwarden::lock::DocumentLocks::list_locked`].
+/// and lock time stored in the entity, default fields and a 30 s validity), the first
+/// `shown` by `_id`, read with [`docwarden::lock::DocumentLocks::list_locked_first`];
+/// and whether more are locked.
 pub(crate) async fn document_locks(
     db: &Database,
     time: &TimeSource,
     collection: &str,
+    shown: usize,
     now_ms: i64,
-) -> anyhow::Result<Vec<HolderView>> {
+) -> anyhow::Result<(Vec<HolderView>, bool)> {
     let options = docwarden::lock::DocumentLockOptions::default();
     let max_ms = i64::try_from(options.max_duration.as_millis()).unwrap_or(i64::MAX);
     let locks =
         docwarden::lock::DocumentLocks::new(db.collection(collection), time.clone(), options)?;
-    Ok(locks
-        .list_locked()
-        .await?
+    let mut records = locks
+        .list_locked_first(Some(
+            u64::try_from(shown).unwrap_or(u64::MAX).saturating_add(1),
+        ))
+        .await?;
+    let more = truncate(&mut records, shown);
+    let views = records
         .iter()
         .map(|r| {
             let until = r
@@ -709,5 +741,6 @@ pub(crate) async fn document_locks(
             v.malformed = r.malformed.clone();
             v
         })
-        .collect())
+        .collect();
+    Ok((views, more))
 }

@@ -245,6 +245,29 @@ impl LockListFilter {
     }
 }
 
+/// The documents of `coll` matching `query`, by `_id`, at most `limit` (`None`: all of
+/// them; `Some(0)`: none, and nothing is read, since the server's limit 0 means "no
+/// limit"). Every lock kind's listing reads through this: leases
+/// ([`LockCollection::list`]), elections, read/write locks, semaphores and document locks.
+pub(crate) async fn listing(
+    coll: &Collection<Document>,
+    query: Document,
+    projection: Option<Document>,
+    limit: Option<u64>,
+) -> Result<Vec<Document>> {
+    let mut find = coll.find(query).sort(doc! { "_id": 1 });
+    if let Some(projection) = projection {
+        find = find.projection(projection);
+    }
+    match limit {
+        Some(0) => return Ok(Vec::new()),
+        // The server's limit 0 is none: so is one over i64::MAX.
+        Some(limit) => find = find.limit(i64::try_from(limit).unwrap_or(0)),
+        None => {}
+    }
+    Ok(find.await?.try_collect().await?)
+}
+
 /// How many locks a lock collection holds, from [`LockCollection::counts`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -996,14 +1019,7 @@ impl LockCollection {
         }
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
-        let mut find = self.locks.find(query).sort(doc! { "_id": 1 });
-        match filter.limit {
-            Some(0) => return Ok(Vec::new()),
-            // The server's limit 0 is none: so is one over i64::MAX.
-            Some(limit) => find = find.limit(i64::try_from(limit).unwrap_or(0)),
-            None => {}
-        }
-        let docs: Vec<Document> = find.await?.try_collect().await?;
+        let docs = listing(&self.locks, query, None, filter.limit).await?;
         Ok(docs.iter().map(|d| record(d, cutoff)).collect())
     }
 

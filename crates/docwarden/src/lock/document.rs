@@ -17,13 +17,12 @@
 
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
 use tracing::instrument;
 
-use super::collection::describe;
+use super::collection::{describe, listing};
 use super::deadline::{Deadline, Unanswered};
 use super::fence::FenceOutcome;
 use super::landing;
@@ -582,19 +581,27 @@ impl DocumentLocks {
     /// # Errors
     /// A database error.
     pub async fn list_locked(&self) -> Result<Vec<DocumentLockRecord>> {
+        self.list_locked_first(None).await
+    }
+
+    /// [`DocumentLocks::list_locked`], at most `limit` documents (`None`: all of them),
+    /// the first by `_id`. A view should set a limit: every entity can be locked at once.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_locked_first(&self, limit: Option<u64>) -> Result<Vec<DocumentLockRecord>> {
         let (id_f, time_f) = (
             self.options.lock_id_field.as_str(),
             self.options.lock_time_field.as_str(),
         );
         let cutoff = self.cutoff().await?;
-        let docs: Vec<Document> = self
-            .coll
-            .find(doc! { id_f: { "$ne": Bson::Null } })
-            .projection(doc! { id_f: 1, time_f: 1 })
-            .sort(doc! { "_id": 1 })
-            .await?
-            .try_collect()
-            .await?;
+        let docs = listing(
+            &self.coll,
+            doc! { id_f: { "$ne": Bson::Null } },
+            Some(doc! { id_f: 1, time_f: 1 }),
+            limit,
+        )
+        .await?;
         Ok(docs
             .iter()
             .map(|d| {

@@ -183,7 +183,20 @@ impl Election {
     /// # Errors
     /// A database error.
     pub async fn list(locks: &LockCollection) -> Result<Vec<Leader>> {
-        let records = locks.list(&LockListFilter::default()).await?;
+        Self::list_matching(locks, &LockListFilter::default()).await
+    }
+
+    /// The elections of `locks` with a leader that match `filter` (the leader's owner id,
+    /// the election's name, at most `limit` of them), by name. A view that shows leaders
+    /// should set a limit: [`Election::list`] reads one document per election.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_matching(
+        locks: &LockCollection,
+        filter: &LockListFilter,
+    ) -> Result<Vec<Leader>> {
+        let records = locks.list(filter).await?;
         Ok(records
             .into_iter()
             .map(|r| {

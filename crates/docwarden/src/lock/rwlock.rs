@@ -29,13 +29,14 @@
 
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::IndexOptions;
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
-use super::collection::{LockCollection, LockOptions, acquire_filter, as_rfc3339, keep_gc_at};
+use super::collection::{
+    LockCollection, LockListFilter, LockOptions, acquire_filter, as_rfc3339, keep_gc_at, listing,
+};
 use super::deadline::{Deadline, Unanswered};
 use super::landing;
 use super::lease::{Lease, Owner};
@@ -737,18 +738,33 @@ impl RwLocks {
     /// # Errors
     /// A database error.
     pub async fn list(&self) -> Result<Vec<RwLockRecord>> {
+        self.list_matching(&LockListFilter::default()).await
+    }
+
+    /// The read/write locks with a writer or readers that match `filter`, by resource:
+    /// with an owner id, those it holds as writer (or waiting writer) or reader; with a
+    /// resource, that one; at most `limit` resources. A view should set a limit: a
+    /// read/write lock per entity makes one document per entity.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_matching(&self, filter: &LockListFilter) -> Result<Vec<RwLockRecord>> {
+        let mut clauses = vec![doc! { "$or": [
+            { f::OWNER: { "$ne": Bson::Null } },
+            { format!("{}.0", rf::READERS): { "$exists": true } },
+        ] }];
+        if let Some(owner) = &filter.owner {
+            clauses.push(doc! { "$or": [
+                { f::OWNER: owner.as_str() },
+                { format!("{}.{}", rf::READERS, rf::READER_OWNER): owner.as_str() },
+            ] });
+        }
+        if let Some(resource) = &filter.resource {
+            clauses.push(doc! { "_id": resource.as_str() });
+        }
         let now = self.locks.time().now().await?;
         let cutoff = now.expired_before(self.margin());
-        let docs: Vec<Document> = self
-            .coll()
-            .find(doc! { "$or": [
-                { f::OWNER: { "$ne": Bson::Null } },
-                { format!("{}.0", rf::READERS): { "$exists": true } },
-            ] })
-            .sort(doc! { "_id": 1 })
-            .await?
-            .try_collect()
-            .await?;
+        let docs = listing(self.coll(), doc! { "$and": clauses }, None, filter.limit).await?;
         Ok(docs.iter().map(|d| rw_record(d, cutoff)).collect())
     }
 }

@@ -35,12 +35,12 @@
 
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::options::{IndexOptions, ReturnDocument, WriteConcern};
 use mongodb::{Collection, Database, IndexModel};
 use tracing::instrument;
 
+use super::collection::{LockListFilter, listing};
 use super::deadline::{Deadline, Unanswered};
 use super::landing;
 use super::lease::{Lease, Owner};
@@ -825,22 +825,40 @@ impl Semaphore {
     /// # Errors
     /// A database error.
     pub async fn list(&self, owner: Option<&str>, held_only: bool) -> Result<Vec<SemaphoreRecord>> {
-        let key = format!("{}.{}", field::HOLDERS, field::holder::OWNER);
+        let filter = LockListFilter {
+            owner: owner.map(str::to_owned),
+            ..LockListFilter::default()
+        };
+        self.list_matching(&filter, held_only).await
+    }
+
+    /// The semaphore documents that match `filter` (with an owner id, those it holds a
+    /// permit of; with a resource, that one; at most `limit` of them), by resource; with
+    /// `held_only`, only those with at least one holder stored. A view should set a limit:
+    /// a semaphore per entity makes one document per entity.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn list_matching(
+        &self,
+        filter: &LockListFilter,
+        held_only: bool,
+    ) -> Result<Vec<SemaphoreRecord>> {
         let mut query = Document::new();
-        if let Some(owner) = owner {
-            query.insert(key, owner);
+        if let Some(owner) = &filter.owner {
+            query.insert(
+                format!("{}.{}", field::HOLDERS, field::holder::OWNER),
+                owner.as_str(),
+            );
         } else if held_only {
             query.insert(format!("{}.0", field::HOLDERS), doc! { "$exists": true });
         }
+        if let Some(resource) = &filter.resource {
+            query.insert(field::ID, resource.as_str());
+        }
         let now = self.time.now().await?;
         let cutoff = now.expired_before(self.time.skew_margin_ms());
-        let docs: Vec<Document> = self
-            .docs
-            .find(query)
-            .sort(doc! { field::ID: 1 })
-            .await?
-            .try_collect()
-            .await?;
+        let docs = listing(&self.docs, query, None, filter.limit).await?;
         Ok(docs.iter().map(|d| record(d, cutoff)).collect())
     }
 }

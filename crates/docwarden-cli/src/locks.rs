@@ -59,6 +59,10 @@ enum LocksCommand {
         /// Only the lease on this resource.
         #[arg(long)]
         resource: Option<String>,
+        /// At most this many of each kind (leases, elections, read/write locks,
+        /// semaphores), the first by resource; 0 lists none. Default: all of them.
+        #[arg(long)]
+        limit: Option<u64>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -76,6 +80,9 @@ enum LocksCommand {
         /// The field holding the lock time.
         #[arg(long, default_value = lock_format::document::LOCK_TIME)]
         lock_time_field: String,
+        /// At most this many documents, the first by `_id`; 0 lists none. Default: all.
+        #[arg(long)]
+        limit: Option<u64>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -141,6 +148,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         max_duration_secs,
         lock_id_field,
         lock_time_field,
+        limit,
         json,
     } = args.command
     {
@@ -152,7 +160,7 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .max_duration(std::time::Duration::from_secs(max_duration_secs))
                 .fields(lock_id_field, lock_time_field),
         )?;
-        let records = locks.list_locked().await?;
+        let records = locks.list_locked_first(limit).await?;
         if json {
             crate::output::print_json(&records)?;
         } else if records.is_empty() {
@@ -188,9 +196,13 @@ pub(crate) async fn run(args: Args) -> anyhow::Result<ExitCode> {
         LocksCommand::List {
             owner,
             resource,
+            limit,
             json,
         } => {
             let mut filter = LockListFilter::default();
+            if let Some(limit) = limit {
+                filter = filter.limit(limit);
+            }
             if let Some(owner) = owner {
                 filter = filter.owner(Owner::from_existing(owner)?.id());
             }

@@ -170,6 +170,13 @@ async fn documents_lists_document_locks_with_malformed_ones() -> anyhow::Result<
     assert_eq!(rows[1]["id"], "stuck");
     assert_eq!(rows[1]["expired"], true);
     assert_eq!(rows[1]["malformed"], "lock_time is missing");
+    let first = json(
+        &t,
+        "dummies",
+        &["locks", "documents", "--json", "--limit", "1"],
+    )?;
+    assert_eq!(first.as_array().map(Vec::len), Some(1), "{first}");
+    assert_eq!(first[0]["id"], "held");
     let stdout = text(&t, "dummies", &["locks", "documents"])?;
     assert!(
         stdout.contains("expired (malformed: lock_time is missing)"),
@@ -285,6 +292,21 @@ async fn list_and_release_cover_leaders_rwlocks_and_semaphores() -> anyhow::Resu
         Some(1),
         "{scheduler}"
     );
+    // `--limit` applies to each kind: the first by resource.
+    let one = json(&t, "locks", &["locks", "list", "--json", "--limit", "1"])?;
+    let rw_one = one["rwlocks"].as_array().context("rwlocks")?;
+    assert_eq!(rw_one.len(), 1, "{one}");
+    assert_eq!(rw_one[0]["resource"], "config");
+    assert_eq!(one["elections"].as_array().map(Vec::len), Some(1), "{one}");
+    assert_eq!(one["semaphores"].as_array().map(Vec::len), Some(1), "{one}");
+    let none = json(&t, "locks", &["locks", "list", "--json", "--limit", "0"])?;
+    for kind in ["leases", "elections", "rwlocks", "semaphores"] {
+        assert_eq!(
+            none[kind].as_array().map(Vec::len),
+            Some(0),
+            "{kind}: {none}"
+        );
+    }
 
     let released = json(
         &t,

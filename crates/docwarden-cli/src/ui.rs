@@ -92,9 +92,10 @@ pub(crate) struct Args {
     /// A directory of `docwarden verify` HTML reports to list and serve.
     #[arg(long)]
     reports: Option<PathBuf>,
-    /// Read the queue and lock counts at most every this many seconds (1 to 3600), and at
-    /// most every 20 times what reading them took: every page and scrape in between shows
-    /// the last ones read (a count reads the whole collection).
+    /// Read the queue and lock counts, and each job listing (per filter), at most every
+    /// this many seconds (1 to 3600), and at most every 20 times what reading them took:
+    /// every page and scrape in between shows the last ones read (a count reads the whole
+    /// collection; a listing, every job its filter matches).
     #[arg(long, default_value_t = 1)]
     counts_every: u64,
     /// Test-only: poll for changes instead of opening a change stream.
@@ -633,10 +634,17 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
 
 async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> Page {
     let catalog = s.catalogue.get(&s.db).await?;
-    let rows = match data::jobs(&s.db, &s.time, &catalog.queues, &q).await {
+    // One listing per filter, paced (`ui/snapshot.rs`): it reads every job it filters.
+    let key = format!("{:?} {q:?}", catalog.queues);
+    let rows = match s
+        .snapshots
+        .listing(&key, || data::jobs(&s.db, &s.time, &catalog.queues, &q))
+        .await
+    {
         Ok(rows) => rows,
         Err(e) => return Err(UiError(StatusCode::BAD_REQUEST, format!("{e:#}"))),
     };
+    let listed_age = snapshot::read_note("this list", &rows, s.snapshots.min_fresh());
     // The names for the filter, from the paced snapshot (`queue_names` reads every job).
     let mut named = std::collections::BTreeSet::new();
     for name in &catalog.queues {
@@ -647,7 +655,7 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
     s.render(
         "jobs.html",
         "jobs",
-        context! { jobs => rows, queues => catalog.queues, named_queues => named, states => states, filter => q },
+        context! { jobs => rows.as_slice(), listed_age => listed_age, queues => catalog.queues, named_queues => named, states => states, filter => q },
     )
 }
 

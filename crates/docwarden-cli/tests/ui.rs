@@ -1459,10 +1459,14 @@ async fn lock_kinds_views_read_one_page_of_each_kind() -> anyhow::Result<()> {
 /// per named queue; and every view of the queues page read each named queue's chart of
 /// finished jobs. Now the jobs page lists every named queue in one read
 /// (`JobListFilter::every_queue`), and the chart is part of the paced snapshot. Counted
-/// with the server's profiler over five views of each page: no `distinct` and one listing
-/// per jobs view, one chart read per named queue in all.
+/// with the server's profiler over five views of each page: no `distinct`, one chart read
+/// per named queue in all. Session 38: a listing is paced like the counts (it reads every
+/// job it filters, and an open page fetches itself after every burst of writes): five
+/// views of one filter read it once (5 before), another filter once more, and an action
+/// drops the listings so that the next view shows its effect.
 #[tokio::test]
-async fn the_jobs_page_reads_once_per_view_and_the_chart_once_per_snapshot() -> anyhow::Result<()> {
+async fn the_jobs_page_reads_once_per_filter_and_the_chart_once_per_snapshot() -> anyhow::Result<()>
+{
     let t = TestDb::new("ui_jobs_reads").await?;
     let f = fixture(&t).await?;
     let mail = f.queue.named("mail", QueueOptions::default())?;
@@ -1505,7 +1509,7 @@ async fn the_jobs_page_reads_once_per_view_and_the_chart_once_per_snapshot() -> 
     );
     // The counts' snapshot reads the names with the counts (`stats_of_every_queue`).
     assert_eq!(distinct, 0, "a view read the queue names with a distinct");
-    assert_eq!(listings, 5, "one listing per jobs view");
+    assert_eq!(listings, 1, "one listing per filter while it is fresh");
     assert_eq!(charts, 2, "one chart read per named queue (default, mail)");
     // Every named queue's jobs are on the page, each with its queue.
     assert!(
@@ -1516,6 +1520,38 @@ async fn the_jobs_page_reads_once_per_view_and_the_chart_once_per_snapshot() -> 
     assert!(
         listed.contains("&lt;5&gt;"),
         "the foreign queue value: {listed}"
+    );
+    // Another filter is another listing; the dead job is listed as dead.
+    t.db.run_command(doc! { "profile": 2 }).await?;
+    let dead = f.dead.to_hex();
+    for _ in 0..3 {
+        let d = page(&ui, "/jobs?in_state=dead").await?;
+        assert!(d.contains(&dead), "{d}");
+    }
+    let listings_of_two = profiled(doc! {
+        "command.find": &jobs,
+        "command.sort.updated_at": -1,
+    })
+    .await?;
+    t.db.run_command(doc! { "profile": 0 }).await?;
+    assert_eq!(listings_of_two, 2, "one more listing for the second filter");
+    // An action drops the listings: the retried job is no longer listed as dead.
+    let token = ui.token.clone().context("no token printed")?;
+    let r = post(
+        &ui,
+        "retry",
+        &[
+            ("queue", "jobs"),
+            ("id", dead.as_str()),
+            ("token", token.as_str()),
+        ],
+    )
+    .await?;
+    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    let after = page(&ui, "/jobs?in_state=dead").await?;
+    assert!(
+        !after.contains(&dead),
+        "the listing after the retry is stale: {after}"
     );
     Ok(())
 }

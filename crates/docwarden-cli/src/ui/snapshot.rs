@@ -16,6 +16,13 @@
 //! collection (retry, purge, pause, cancel) drops its snapshot, so the page after it shows
 //! fresh counts.
 //!
+//! The jobs page's listings are paced the same way, one per filter (session 38): a
+//! listing sorts by `updated_at`, which no index serves (an index on it would cost every
+//! job write), so on a large collection each one reads every job it filters (about 1.3 s
+//! per 1,000,000 jobs here), and an open page fetches itself again after every burst of
+//! writes (`ui/live.rs`, at most every 0.7 s). At most [`LISTINGS_KEPT`] filters are kept;
+//! an action drops them all.
+//!
 //! **Limits:** on a large collection the counts a page shows can be that old; the page
 //! says how old they are. The locks page shows the first [`LEASES_SHOWN`] leases of a
 //! collection by resource, with the counts of all of them.
@@ -37,6 +44,9 @@ pub(crate) const MIN_FRESH: Duration = Duration::from_secs(1);
 pub(crate) const SHARE: u32 = 20;
 /// How many leases of a lock collection the locks page lists (the first by resource).
 pub(crate) const LEASES_SHOWN: u64 = 200;
+/// How many job listings (distinct filters) are kept; past that, those nobody is reading
+/// are dropped.
+pub(crate) const LISTINGS_KEPT: usize = 64;
 
 /// One named queue of a collection, with its counts.
 #[derive(Debug, Clone)]
@@ -124,6 +134,15 @@ impl<T> Paced<T> {
         Arc::clone(slots.entry(collection.to_owned()).or_default())
     }
 
+    /// Drops the slots nobody holds once there are more than `kept` (a slot held is being
+    /// read or served).
+    fn prune(&self, kept: usize) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slots.len() > kept {
+            slots.retain(|_, slot| Arc::strong_count(slot) > 1);
+        }
+    }
+
     /// The held snapshot of `collection` if it is still fresh, else `read`'s (one read at
     /// a time per collection).
     async fn get<F, Fut>(
@@ -155,6 +174,10 @@ impl<T> Paced<T> {
     async fn forget(&self, collection: &str) {
         *self.slot(collection).lock().await = None;
     }
+
+    fn forget_all(&self) {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
 }
 
 /// The dashboard's snapshots, one per queue collection and one per lock collection.
@@ -162,6 +185,7 @@ impl<T> Paced<T> {
 pub(crate) struct Snapshots {
     queues: Paced<Queues>,
     leases: Paced<Leases>,
+    listings: Paced<Vec<super::data::JobRow>>,
     min_fresh: Duration,
 }
 
@@ -172,6 +196,7 @@ impl Snapshots {
         Self {
             queues: Paced::new(),
             leases: Paced::new(),
+            listings: Paced::new(),
             min_fresh,
         }
     }
@@ -232,24 +257,53 @@ impl Snapshots {
             .await
     }
 
+    /// The job listing named `key` (its filter): the one held if it is still fresh, else
+    /// `read`'s, reused as [`Snapshots::get`]'s.
+    ///
+    /// # Errors
+    /// `read`'s error.
+    pub(crate) async fn listing<F, Fut>(
+        &self,
+        key: &str,
+        read: F,
+    ) -> anyhow::Result<Arc<Snapshot<Vec<super::data::JobRow>>>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = anyhow::Result<Vec<super::data::JobRow>>>,
+    {
+        self.listings.prune(LISTINGS_KEPT);
+        self.listings.get(key, self.min_fresh, read).await
+    }
+
     /// The shortest time a snapshot is reused.
     pub(crate) fn min_fresh(&self) -> Duration {
         self.min_fresh
     }
 
-    /// Drops the snapshot of queue collection `collection` (after an action on it).
+    /// Drops the snapshot of queue collection `collection` and every job listing (after
+    /// an action on it).
     pub(crate) async fn forget(&self, collection: &str) {
         self.queues.forget(collection).await;
+        self.listings.forget_all();
     }
 }
 
 /// How old the counts of `snapshot` are, as text, once that is worth saying (2 s or
 /// more); `min_fresh` as in [`Snapshots::new`].
 pub(crate) fn age_note<T>(snapshot: &Snapshot<T>, min_fresh: Duration) -> Option<String> {
+    read_note("counts", snapshot, min_fresh)
+}
+
+/// [`age_note`] of what `snapshot` holds (`what`: "counts", "this list").
+pub(crate) fn read_note<T>(
+    what: &str,
+    snapshot: &Snapshot<T>,
+    min_fresh: Duration,
+) -> Option<String> {
     let age = snapshot.at.elapsed();
     (age >= Duration::from_secs(2)).then(|| {
         format!(
-            "counts read {} s ago (reading them took {:.1} s; read again at most every {} s)",
+            "{what} read {} s ago (reading took {:.1} s; read again at most every {} s)",
             age.as_secs(),
             snapshot.took.as_secs_f64(),
             reuse_for(snapshot.took, min_fresh).as_secs()

@@ -1279,6 +1279,26 @@ async fn queue_counts_are_read_once_per_snapshot_however_many_views_and_scrapes(
     Ok(())
 }
 
+/// How many documents the server's profiler saw returned by reads (`find`, `getMore`) of
+/// collection `coll` since profiling was switched on.
+async fn returned(t: &TestDb, coll: &str) -> anyhow::Result<i64> {
+    let ns = format!("{}.{coll}", t.db.name());
+    let mut cursor =
+        t.db.collection::<mongodb::bson::Document>("system.profile")
+            .find(doc! { "ns": ns, "op": { "$in": ["query", "getmore"] } })
+            .await?;
+    let mut n = 0_i64;
+    while cursor.advance().await? {
+        let entry = cursor.deserialize_current()?;
+        n += match entry.get("nreturned") {
+            Some(Bson::Int32(v)) => i64::from(*v),
+            Some(Bson::Int64(v)) => *v,
+            _ => 0,
+        };
+    }
+    Ok(n)
+}
+
 /// Session 37: the locks page, the lock gauges of `GET /metrics` and the live-update
 /// fingerprint used to list every held lease of a lock collection on each view and scrape
 /// (with a lock per entity, many thousands of documents each time). They now share the
@@ -1304,23 +1324,6 @@ async fn lock_views_read_counts_and_one_page_not_every_lease() -> anyhow::Result
             .context("acquire")?;
     }
     let ui = start_ui(&t, &["--counts-every", "600"]).await?;
-    let returned = || async {
-        let ns = format!("{}.locks", t.db.name());
-        let mut cursor =
-            t.db.collection::<mongodb::bson::Document>("system.profile")
-                .find(doc! { "ns": ns, "op": { "$in": ["query", "getmore"] } })
-                .await?;
-        let mut n = 0_i64;
-        while cursor.advance().await? {
-            let entry = cursor.deserialize_current()?;
-            n += match entry.get("nreturned") {
-                Some(Bson::Int32(v)) => i64::from(*v),
-                Some(Bson::Int64(v)) => *v,
-                _ => 0,
-            };
-        }
-        anyhow::Ok(n)
-    };
     t.db.run_command(doc! { "profile": 2 }).await?;
     let first = page(&ui, "/locks").await?;
     for _ in 0..5 {
@@ -1328,7 +1331,7 @@ async fn lock_views_read_counts_and_one_page_not_every_lease() -> anyhow::Result
         page(&ui, "/locks").await?;
     }
     let metrics = page(&ui, "/metrics").await?;
-    let n = returned().await?;
+    let n = returned(&t, "locks").await?;
     t.db.run_command(doc! { "profile": 0 }).await?;
     println!("{n} lock documents returned to the dashboard over twelve views and scrapes");
     assert!(
@@ -1420,20 +1423,7 @@ async fn lock_kinds_views_read_one_page_of_each_kind() -> anyhow::Result<()> {
     }
     t.db.run_command(doc! { "profile": 0 }).await?;
     for coll in ["elections", "rwlocks", "semaphores", "entities"] {
-        let ns = format!("{}.{coll}", t.db.name());
-        let mut cursor =
-            t.db.collection::<mongodb::bson::Document>("system.profile")
-                .find(doc! { "ns": ns, "op": { "$in": ["query", "getmore"] } })
-                .await?;
-        let mut n = 0_i64;
-        while cursor.advance().await? {
-            let entry = cursor.deserialize_current()?;
-            n += match entry.get("nreturned") {
-                Some(Bson::Int32(v)) => i64::from(*v),
-                Some(Bson::Int64(v)) => *v,
-                _ => 0,
-            };
-        }
+        let n = returned(&t, coll).await?;
         println!("{coll}: {n} documents returned over {VIEWS} views");
         assert!(
             n <= 201 * VIEWS,

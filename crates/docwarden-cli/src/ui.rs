@@ -50,6 +50,7 @@ mod metrics;
 mod snapshot;
 
 use data::Catalog;
+use snapshot::Stale;
 
 /// Arguments of `docwarden ui`.
 #[derive(Debug, clap::Args)]
@@ -278,7 +279,11 @@ pub(crate) async fn start(client: Client, db: Database, cfg: UiConfig) -> anyhow
     };
     let cancel = CancellationToken::new();
     let live = live::Live::new();
-    let snapshots = Arc::new(snapshot::Snapshots::new(cfg.counts_every));
+    // A page served stale counts is told to fetch itself again once they are read.
+    let snapshots = Arc::new(snapshot::Snapshots::new(cfg.counts_every, {
+        let live = Arc::clone(&live);
+        Arc::new(move || live.changed())
+    }));
     live.spawn(
         db.clone(),
         time.clone(),
@@ -579,7 +584,7 @@ async fn queues_page(State(s): State<Shared>, Query(n): Query<Notice>) -> Page {
     let mut cards = Vec::new();
     let mut ages = Vec::new();
     for name in &catalog.queues {
-        let snapshot = s.snapshots.get(&s.db, &s.time, name).await?;
+        let snapshot = s.snapshots.get(&s.db, &s.time, name, Stale::Serve).await?;
         ages.extend(
             snapshot::age_note(&snapshot, s.snapshots.min_fresh())
                 .map(|note| format!("{name}: {note}")),
@@ -638,7 +643,15 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
     let key = format!("{:?} {q:?}", catalog.queues);
     let rows = match s
         .snapshots
-        .listing(&key, || data::jobs(&s.db, &s.time, &catalog.queues, &q))
+        .listing(&key, {
+            let (db, time, queues, q) = (
+                s.db.clone(),
+                s.time.clone(),
+                catalog.queues.clone(),
+                q.clone(),
+            );
+            move || async move { data::jobs(&db, &time, &queues, &q).await }
+        })
         .await
     {
         Ok(rows) => rows,
@@ -648,7 +661,7 @@ async fn jobs_page(State(s): State<Shared>, Query(q): Query<data::JobQuery>) -> 
     // The names for the filter, from the paced snapshot (`queue_names` reads every job).
     let mut named = std::collections::BTreeSet::new();
     for name in &catalog.queues {
-        let snapshot = s.snapshots.get(&s.db, &s.time, name).await?;
+        let snapshot = s.snapshots.get(&s.db, &s.time, name, Stale::Serve).await?;
         named.extend(snapshot.queues.iter().map(|c| c.name.clone()));
     }
     let states: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
@@ -685,7 +698,10 @@ async fn locks_page(State(s): State<Shared>) -> Page {
     // Plain leases; the elections', read/write locks' and semaphores' collections have
     // their own sections below.
     for name in catalog.locks.iter().filter(|l| !s.kinds.contains(l)) {
-        let snapshot = s.snapshots.leases(&s.db, &s.time, name).await?;
+        let snapshot = s
+            .snapshots
+            .leases(&s.db, &s.time, name, Stale::Serve)
+            .await?;
         collections.push(context! {
             name => name,
             leases => data::lock_views(name, &snapshot.first, now),

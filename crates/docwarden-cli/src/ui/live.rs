@@ -91,6 +91,12 @@ impl Live {
         self.tx.receiver_count()
     }
 
+    /// Something the pages show changed (a snapshot read in the background): the open
+    /// pages are told on the next tick, with the database's own changes.
+    pub(crate) fn changed(&self) {
+        self.dirty.store(true, Ordering::Relaxed);
+    }
+
     fn set_mode(&self, m: Mode) {
         self.mode.store(m as u8, Ordering::Relaxed);
     }
@@ -194,7 +200,11 @@ async fn fingerprint(
     let c = catalog.get(db).await?;
     let mut out = String::new();
     for q in &c.queues {
-        for counts in &snapshots.get(db, time, q).await?.queues {
+        for counts in &snapshots
+            .get(db, time, q, super::snapshot::Stale::Wait)
+            .await?
+            .queues
+        {
             let paused = counts.handle.is_paused().await?;
             out.push_str(&format!(
                 "{q}:{}:{paused}:{:?};",
@@ -204,7 +214,9 @@ async fn fingerprint(
     }
     for l in &c.locks {
         // The counts and the first leases the page shows, from the paced snapshot.
-        let leases = snapshots.leases(db, time, l).await?;
+        let leases = snapshots
+            .leases(db, time, l, super::snapshot::Stale::Wait)
+            .await?;
         out.push_str(&format!("{l}:{:?};", leases.counts));
         for r in &leases.first {
             out.push_str(&format!("{l}:{}:{}:{:?};", r.resource, r.owner, r.token));

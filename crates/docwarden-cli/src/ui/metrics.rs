@@ -111,7 +111,9 @@ pub(crate) async fn scrape(
         // Every named queue of the collection, labelled as the workers label theirs
         // (`JobQueue::metrics_label`); the counts are the collection's paced snapshot
         // (`ui/snapshot.rs`).
-        let snapshot = snapshots.get(db, time, c).await?;
+        let snapshot = snapshots
+            .get(db, time, c, super::snapshot::Stale::Wait)
+            .await?;
         metrics::gauge!("docwarden_ui_counts_age_seconds", "collection" => c.clone())
             .set(snapshot.at.elapsed().as_secs_f64());
         for counts in &snapshot.queues {
@@ -129,7 +131,9 @@ pub(crate) async fn scrape(
     }
     for l in catalog.locks.iter().filter(|l| !kinds.contains(l)) {
         // The collection's paced snapshot: one aggregation, not a listing.
-        let snapshot = snapshots.leases(db, time, l).await?;
+        let snapshot = snapshots
+            .leases(db, time, l, super::snapshot::Stale::Wait)
+            .await?;
         metrics::gauge!("docwarden_ui_counts_age_seconds", "collection" => l.clone())
             .set(snapshot.at.elapsed().as_secs_f64());
         let counts = snapshot.counts;

@@ -12,9 +12,12 @@
 //! scrape reuses it while it is younger than `--counts-every` ([`MIN_FRESH`]) or [`SHARE`]
 //! times what reading it took, whichever is longer, so the counts cost the server at most
 //! about 1/[`SHARE`] of one connection's time however many pages and scrapers ask.
-//! Concurrent requests for a stale snapshot wait for the one read. An action on a queue
-//! collection (retry, purge, pause, cancel) drops its snapshot, so the page after it shows
-//! fresh counts.
+//! A page view that finds a snapshot stale is served it at once and it is read again in
+//! the background ([`Stale::Serve`]); the live poller and `/metrics` wait for the new read
+//! ([`Stale::Wait`]), as does everyone when nothing is held yet (one read at a time). An
+//! action on a queue collection (retry, purge, pause, cancel) drops its snapshot, so the
+//! page after it shows fresh counts; a background read started before the action is not
+//! stored.
 //!
 //! The jobs page's listings are paced the same way, one per filter (session 38): a
 //! listing sorts by `updated_at`, which no index serves (an index on it would cost every
@@ -114,7 +117,56 @@ fn reuse_for(took: Duration, min_fresh: Duration) -> Duration {
     took.saturating_mul(SHARE).max(min_fresh)
 }
 
-type Slot<T> = Arc<tokio::sync::Mutex<Option<Arc<Snapshot<T>>>>>;
+/// What a slot holds: the last snapshot, whether a background read is under way, and a
+/// generation that [`Paced::forget`] moves on, so that a background read started before
+/// an action does not store what it read over the action's effect.
+#[derive(Debug)]
+struct Held<T> {
+    snapshot: Option<Arc<Snapshot<T>>>,
+    refreshing: bool,
+    generation: u64,
+}
+
+impl<T> Default for Held<T> {
+    fn default() -> Self {
+        Self {
+            snapshot: None,
+            refreshing: false,
+            generation: 0,
+        }
+    }
+}
+
+type Slot<T> = Arc<tokio::sync::Mutex<Held<T>>>;
+
+/// Called when a background read has stored a new snapshot: the open pages were served
+/// the old one, and fetch themselves again on the live updates' next tick.
+pub(crate) type Refreshed = Arc<dyn Fn() + Send + Sync>;
+
+/// How a caller takes a snapshot that is no longer fresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stale {
+    /// Wait for it to be read again (the live poller, which compares what it reads, and
+    /// `GET /metrics`, whose samples should be as fresh as the pacing allows).
+    Wait,
+    /// Take it at once and read it again in the background (page views: at 1,000,000
+    /// jobs a read of the counts takes seconds, and the page says how old they are).
+    Serve,
+}
+
+/// Runs `read` and stamps what it read.
+async fn timed<T, Fut>(read: impl FnOnce() -> Fut) -> anyhow::Result<Snapshot<T>>
+where
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let started = Instant::now();
+    let value = read().await?;
+    Ok(Snapshot {
+        value,
+        at: Instant::now(),
+        took: started.elapsed(),
+    })
+}
 
 /// Snapshots of one kind, one per collection.
 #[derive(Debug)]
@@ -122,7 +174,7 @@ struct Paced<T> {
     slots: Mutex<HashMap<String, Slot<T>>>,
 }
 
-impl<T> Paced<T> {
+impl<T: Send + Sync + 'static> Paced<T> {
     fn new() -> Self {
         Self {
             slots: Mutex::new(HashMap::new()),
@@ -144,35 +196,68 @@ impl<T> Paced<T> {
     }
 
     /// The held snapshot of `collection` if it is still fresh, else `read`'s (one read at
-    /// a time per collection).
+    /// a time per collection). With [`Stale::Serve`] a snapshot that is no longer fresh
+    /// is returned at once and read again in the background (one read at a time); with
+    /// nothing held, every caller waits for the one read.
     async fn get<F, Fut>(
         &self,
         collection: &str,
         min_fresh: Duration,
+        stale: Stale,
+        refreshed: &Refreshed,
         read: F,
     ) -> anyhow::Result<Arc<Snapshot<T>>>
     where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = anyhow::Result<T>>,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = anyhow::Result<T>> + Send + 'static,
     {
         let slot = self.slot(collection);
         let mut held = slot.lock().await;
-        if let Some(s) = held.as_ref().filter(|s| s.fresh(min_fresh)) {
-            return Ok(Arc::clone(s));
+        if let Some(s) = held.snapshot.as_ref() {
+            if s.fresh(min_fresh) {
+                return Ok(Arc::clone(s));
+            }
+            if stale == Stale::Serve {
+                let served = Arc::clone(s);
+                if !held.refreshing {
+                    held.refreshing = true;
+                    let generation = held.generation;
+                    let slot = Arc::clone(&slot);
+                    let name = collection.to_owned();
+                    let refreshed = Arc::clone(refreshed);
+                    tokio::spawn(async move {
+                        let read = timed(read).await;
+                        let mut held = slot.lock().await;
+                        held.refreshing = false;
+                        match read {
+                            Ok(s) if held.generation == generation => {
+                                held.snapshot = Some(Arc::new(s));
+                                refreshed();
+                            }
+                            // An action dropped the snapshot meanwhile: what was read may
+                            // predate it.
+                            Ok(_) => {}
+                            // The page keeps the old one and says how old it is; the next
+                            // view tries again.
+                            Err(e) => {
+                                tracing::warn!(collection = %name, "reading the dashboard's counts again failed: {e:#}");
+                            }
+                        }
+                    });
+                }
+                return Ok(served);
+            }
         }
-        let started = Instant::now();
-        let value = read().await?;
-        let snapshot = Arc::new(Snapshot {
-            value,
-            at: Instant::now(),
-            took: started.elapsed(),
-        });
-        *held = Some(Arc::clone(&snapshot));
+        let snapshot = Arc::new(timed(read).await?);
+        held.snapshot = Some(Arc::clone(&snapshot));
         Ok(snapshot)
     }
 
     async fn forget(&self, collection: &str) {
-        *self.slot(collection).lock().await = None;
+        let slot = self.slot(collection);
+        let mut held = slot.lock().await;
+        held.snapshot = None;
+        held.generation = held.generation.wrapping_add(1);
     }
 
     fn forget_all(&self) {
@@ -181,28 +266,42 @@ impl<T> Paced<T> {
 }
 
 /// The dashboard's snapshots, one per queue collection and one per lock collection.
-#[derive(Debug)]
 pub(crate) struct Snapshots {
     queues: Paced<Queues>,
     leases: Paced<Leases>,
     listings: Paced<Vec<super::data::JobRow>>,
     min_fresh: Duration,
+    refreshed: Refreshed,
+}
+
+impl std::fmt::Debug for Snapshots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshots")
+            .field("queues", &self.queues)
+            .field("leases", &self.leases)
+            .field("listings", &self.listings)
+            .field("min_fresh", &self.min_fresh)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Snapshots {
     /// Snapshots reused for at least `min_fresh` (`docwarden ui --counts-every`,
-    /// [`MIN_FRESH`] by default).
-    pub(crate) fn new(min_fresh: Duration) -> Self {
+    /// [`MIN_FRESH`] by default); `refreshed` is called after each background read that
+    /// stored a new snapshot.
+    pub(crate) fn new(min_fresh: Duration, refreshed: Refreshed) -> Self {
         Self {
             queues: Paced::new(),
             leases: Paced::new(),
             listings: Paced::new(),
             min_fresh,
+            refreshed,
         }
     }
 
     /// The snapshot of queue collection `collection`: the one held if it is still fresh,
-    /// else a new read (one at a time per collection).
+    /// else a new read (one at a time per collection), or with [`Stale::Serve`] the one
+    /// held while it is read again in the background.
     ///
     /// # Errors
     /// A database error of the read.
@@ -211,26 +310,34 @@ impl Snapshots {
         db: &Database,
         time: &TimeSource,
         collection: &str,
+        stale: Stale,
     ) -> anyhow::Result<Arc<Snapshot<Queues>>> {
+        let (db, time, name) = (db.clone(), time.clone(), collection.to_owned());
         self.queues
-            .get(collection, self.min_fresh, || async {
-                let mut queues = Vec::new();
-                // Every named queue's counts from one pass over the collection per count.
-                let base = super::data::queue(db, time, collection)?;
-                let every = base.stats_of_every_queue().await?;
-                let now_ms = time.now().await?.estimate_ms;
-                for (name, stats) in every {
-                    let handle = base.named(&name, QueueOptions::default())?;
-                    let history = super::data::history(&handle, &name, now_ms).await?;
-                    queues.push(QueueCounts {
-                        name,
-                        handle,
-                        stats,
-                        history,
-                    });
-                }
-                Ok(Queues { queues })
-            })
+            .get(
+                collection,
+                self.min_fresh,
+                stale,
+                &self.refreshed,
+                move || async move {
+                    let mut queues = Vec::new();
+                    // Every named queue's counts from one pass over the collection per count.
+                    let base = super::data::queue(&db, &time, &name)?;
+                    let every = base.stats_of_every_queue().await?;
+                    let now_ms = time.now().await?.estimate_ms;
+                    for (name, stats) in every {
+                        let handle = base.named(&name, QueueOptions::default())?;
+                        let history = super::data::history(&handle, &name, now_ms).await?;
+                        queues.push(QueueCounts {
+                            name,
+                            handle,
+                            stats,
+                            history,
+                        });
+                    }
+                    Ok(Queues { queues })
+                },
+            )
             .await
     }
 
@@ -244,21 +351,30 @@ impl Snapshots {
         db: &Database,
         time: &TimeSource,
         collection: &str,
+        stale: Stale,
     ) -> anyhow::Result<Arc<Snapshot<Leases>>> {
+        let (db, time, name) = (db.clone(), time.clone(), collection.to_owned());
         self.leases
-            .get(collection, self.min_fresh, || async {
-                let locks = super::data::locks(db, time, collection)?;
-                let counts = locks.counts().await?;
-                let first = locks
-                    .list(&LockListFilter::default().limit(LEASES_SHOWN))
-                    .await?;
-                Ok(Leases { counts, first })
-            })
+            .get(
+                collection,
+                self.min_fresh,
+                stale,
+                &self.refreshed,
+                move || async move {
+                    let locks = super::data::locks(&db, &time, &name)?;
+                    let counts = locks.counts().await?;
+                    let first = locks
+                        .list(&LockListFilter::default().limit(LEASES_SHOWN))
+                        .await?;
+                    Ok(Leases { counts, first })
+                },
+            )
             .await
     }
 
     /// The job listing named `key` (its filter): the one held if it is still fresh, else
-    /// `read`'s, reused as [`Snapshots::get`]'s.
+    /// `read`'s, reused as [`Snapshots::get`]'s; a page view takes a stale one at once
+    /// ([`Stale::Serve`]).
     ///
     /// # Errors
     /// `read`'s error.
@@ -268,11 +384,13 @@ impl Snapshots {
         read: F,
     ) -> anyhow::Result<Arc<Snapshot<Vec<super::data::JobRow>>>>
     where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = anyhow::Result<Vec<super::data::JobRow>>>,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = anyhow::Result<Vec<super::data::JobRow>>> + Send + 'static,
     {
         self.listings.prune(LISTINGS_KEPT);
-        self.listings.get(key, self.min_fresh, read).await
+        self.listings
+            .get(key, self.min_fresh, Stale::Serve, &self.refreshed, read)
+            .await
     }
 
     /// The shortest time a snapshot is reused.

@@ -110,6 +110,11 @@ impl<T> Snapshot<T> {
     fn fresh(&self, min_fresh: Duration) -> bool {
         self.at.elapsed() < reuse_for(self.took, min_fresh)
     }
+
+    /// When its read started.
+    fn started(&self) -> Instant {
+        self.at.checked_sub(self.took).unwrap_or(self.at)
+    }
 }
 
 /// How long a snapshot that took `took` to read is reused.
@@ -230,17 +235,24 @@ impl<T: Send + Sync + 'static> Paced<T> {
                         let mut held = slot.lock().await;
                         held.refreshing = false;
                         match read {
-                            Ok(s) if held.generation == generation => {
+                            // Not over a newer read (a waiting caller's, made meanwhile),
+                            // nor after an action dropped the snapshot: what was read may
+                            // predate it.
+                            Ok(s)
+                                if held.generation == generation
+                                    && held
+                                        .snapshot
+                                        .as_ref()
+                                        .is_none_or(|h| h.started() <= s.started()) =>
+                            {
                                 held.snapshot = Some(Arc::new(s));
                                 refreshed();
                             }
-                            // An action dropped the snapshot meanwhile: what was read may
-                            // predate it.
                             Ok(_) => {}
                             // The page keeps the old one and says how old it is; the next
                             // view tries again.
                             Err(e) => {
-                                tracing::warn!(collection = %name, "reading the dashboard's counts again failed: {e:#}");
+                                tracing::warn!(key = %name, "reading a dashboard snapshot again failed: {e:#}");
                             }
                         }
                     });

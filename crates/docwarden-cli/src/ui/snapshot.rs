@@ -173,16 +173,28 @@ where
     })
 }
 
-/// Snapshots of one kind, one per collection.
-#[derive(Debug)]
+/// Snapshots of one kind, one per collection (or filter), each reused for at least
+/// `min_fresh`; `refreshed` is called after each background read that stored one.
 struct Paced<T> {
     slots: Mutex<HashMap<String, Slot<T>>>,
+    min_fresh: Duration,
+    refreshed: Refreshed,
+}
+
+impl<T> std::fmt::Debug for Paced<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Paced")
+            .field("min_fresh", &self.min_fresh)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<T: Send + Sync + 'static> Paced<T> {
-    fn new() -> Self {
+    fn new(min_fresh: Duration, refreshed: &Refreshed) -> Self {
         Self {
             slots: Mutex::new(HashMap::new()),
+            min_fresh,
+            refreshed: Arc::clone(refreshed),
         }
     }
 
@@ -207,9 +219,7 @@ impl<T: Send + Sync + 'static> Paced<T> {
     async fn get<F, Fut>(
         &self,
         collection: &str,
-        min_fresh: Duration,
         stale: Stale,
-        refreshed: &Refreshed,
         read: F,
     ) -> anyhow::Result<Arc<Snapshot<T>>>
     where
@@ -219,7 +229,7 @@ impl<T: Send + Sync + 'static> Paced<T> {
         let slot = self.slot(collection);
         let mut held = slot.lock().await;
         if let Some(s) = held.snapshot.as_ref() {
-            if s.fresh(min_fresh) {
+            if s.fresh(self.min_fresh) {
                 return Ok(Arc::clone(s));
             }
             if stale == Stale::Serve {
@@ -229,7 +239,7 @@ impl<T: Send + Sync + 'static> Paced<T> {
                     let generation = held.generation;
                     let slot = Arc::clone(&slot);
                     let name = collection.to_owned();
-                    let refreshed = Arc::clone(refreshed);
+                    let refreshed = Arc::clone(&self.refreshed);
                     tokio::spawn(async move {
                         let read = timed(read).await;
                         let mut held = slot.lock().await;
@@ -278,23 +288,12 @@ impl<T: Send + Sync + 'static> Paced<T> {
 }
 
 /// The dashboard's snapshots, one per queue collection and one per lock collection.
+#[derive(Debug)]
 pub(crate) struct Snapshots {
     queues: Paced<Queues>,
     leases: Paced<Leases>,
     listings: Paced<Vec<super::data::JobRow>>,
     min_fresh: Duration,
-    refreshed: Refreshed,
-}
-
-impl std::fmt::Debug for Snapshots {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Snapshots")
-            .field("queues", &self.queues)
-            .field("leases", &self.leases)
-            .field("listings", &self.listings)
-            .field("min_fresh", &self.min_fresh)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Snapshots {
@@ -303,11 +302,10 @@ impl Snapshots {
     /// stored a new snapshot.
     pub(crate) fn new(min_fresh: Duration, refreshed: Refreshed) -> Self {
         Self {
-            queues: Paced::new(),
-            leases: Paced::new(),
-            listings: Paced::new(),
+            queues: Paced::new(min_fresh, &refreshed),
+            leases: Paced::new(min_fresh, &refreshed),
+            listings: Paced::new(min_fresh, &refreshed),
             min_fresh,
-            refreshed,
         }
     }
 
@@ -326,30 +324,24 @@ impl Snapshots {
     ) -> anyhow::Result<Arc<Snapshot<Queues>>> {
         let (db, time, name) = (db.clone(), time.clone(), collection.to_owned());
         self.queues
-            .get(
-                collection,
-                self.min_fresh,
-                stale,
-                &self.refreshed,
-                move || async move {
-                    let mut queues = Vec::new();
-                    // Every named queue's counts from one pass over the collection per count.
-                    let base = super::data::queue(&db, &time, &name)?;
-                    let every = base.stats_of_every_queue().await?;
-                    let now_ms = time.now().await?.estimate_ms;
-                    for (name, stats) in every {
-                        let handle = base.named(&name, QueueOptions::default())?;
-                        let history = super::data::history(&handle, &name, now_ms).await?;
-                        queues.push(QueueCounts {
-                            name,
-                            handle,
-                            stats,
-                            history,
-                        });
-                    }
-                    Ok(Queues { queues })
-                },
-            )
+            .get(collection, stale, move || async move {
+                let mut queues = Vec::new();
+                // Every named queue's counts from one pass over the collection per count.
+                let base = super::data::queue(&db, &time, &name)?;
+                let every = base.stats_of_every_queue().await?;
+                let now_ms = time.now().await?.estimate_ms;
+                for (name, stats) in every {
+                    let handle = base.named(&name, QueueOptions::default())?;
+                    let history = super::data::history(&handle, &name, now_ms).await?;
+                    queues.push(QueueCounts {
+                        name,
+                        handle,
+                        stats,
+                        history,
+                    });
+                }
+                Ok(Queues { queues })
+            })
             .await
     }
 
@@ -367,20 +359,14 @@ impl Snapshots {
     ) -> anyhow::Result<Arc<Snapshot<Leases>>> {
         let (db, time, name) = (db.clone(), time.clone(), collection.to_owned());
         self.leases
-            .get(
-                collection,
-                self.min_fresh,
-                stale,
-                &self.refreshed,
-                move || async move {
-                    let locks = super::data::locks(&db, &time, &name)?;
-                    let counts = locks.counts().await?;
-                    let first = locks
-                        .list(&LockListFilter::default().limit(LEASES_SHOWN))
-                        .await?;
-                    Ok(Leases { counts, first })
-                },
-            )
+            .get(collection, stale, move || async move {
+                let locks = super::data::locks(&db, &time, &name)?;
+                let counts = locks.counts().await?;
+                let first = locks
+                    .list(&LockListFilter::default().limit(LEASES_SHOWN))
+                    .await?;
+                Ok(Leases { counts, first })
+            })
             .await
     }
 
@@ -400,9 +386,7 @@ impl Snapshots {
         Fut: Future<Output = anyhow::Result<Vec<super::data::JobRow>>> + Send + 'static,
     {
         self.listings.prune(LISTINGS_KEPT);
-        self.listings
-            .get(key, self.min_fresh, Stale::Serve, &self.refreshed, read)
-            .await
+        self.listings.get(key, Stale::Serve, read).await
     }
 
     /// The shortest time a snapshot is reused.

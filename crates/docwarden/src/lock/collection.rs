@@ -211,7 +211,9 @@ impl LockOptions {
     }
 }
 
-/// Which locks [`LockCollection::list`] returns. Empty: every held lock.
+/// Which locks a listing returns: [`LockCollection::list`], and the same filter for
+/// [`crate::lock::Election::list_matching`], [`crate::lock::RwLocks::list_matching`] and
+/// [`crate::lock::Semaphore::list_matching`]. Empty: every held lock.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct LockListFilter {

@@ -505,6 +505,17 @@ async fn post(ui: &Ui, action: &str, form: &[(&str, &str)]) -> anyhow::Result<re
         .await?)
 }
 
+/// Posts `action` with `form` and the dashboard's action token, and asserts it was done
+/// (303, redirected to the page that shows the result).
+async fn act(ui: &Ui, action: &str, form: &[(&str, &str)]) -> anyhow::Result<()> {
+    let token = ui.token.clone().context("no token printed")?;
+    let mut form = form.to_vec();
+    form.push(("token", token.as_str()));
+    let r = post(ui, action, &form).await?;
+    assert_eq!(r.status().as_u16(), 303, "{action}: {}", r.text().await?);
+    Ok(())
+}
+
 /// Pause and resume a named queue from the dashboard (token-protected like every
 /// action); every named queue of the collection on the queues page and in the job list's
 /// filters; the key and error filters; the locks page's leaders, read/write locks,
@@ -663,18 +674,12 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
         "{job}"
     );
     let id = bounced.to_hex();
-    let r = post(
+    act(
         &ui,
         "retry",
-        &[
-            ("queue", "jobs"),
-            ("named", "mail"),
-            ("id", id.as_str()),
-            ("token", token.as_str()),
-        ],
+        &[("queue", "jobs"), ("named", "mail"), ("id", id.as_str())],
     )
     .await?;
-    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
     assert_eq!(state_of(&f, bounced).await?, JobState::Ready.as_str());
     // Session 18: by-id operations act only on the handle's own queue, so the Cancel form
     // must name the queue too (without it the default queue's handle finds no such job).
@@ -688,34 +693,18 @@ async fn pause_resume_named_queues_filters_and_every_kind_of_lock() -> anyhow::R
         cancel_form.contains("<input type=\"hidden\" name=\"named\" value=\"mail\">"),
         "{cancel_form}"
     );
-    let r = post(
-        &ui,
-        "cancel",
-        &[
-            ("queue", "jobs"),
-            ("id", id.as_str()),
-            ("token", token.as_str()),
-        ],
-    )
-    .await?;
-    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    act(&ui, "cancel", &[("queue", "jobs"), ("id", id.as_str())]).await?;
     assert_eq!(
         state_of(&f, bounced).await?,
         JobState::Ready.as_str(),
         "the default queue's handle cancelled a job of `mail`"
     );
-    let r = post(
+    act(
         &ui,
         "cancel",
-        &[
-            ("queue", "jobs"),
-            ("named", "mail"),
-            ("id", id.as_str()),
-            ("token", token.as_str()),
-        ],
+        &[("queue", "jobs"), ("named", "mail"), ("id", id.as_str())],
     )
     .await?;
-    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
     assert_eq!(state_of(&f, bounced).await?, JobState::Cancelled.as_str());
 
     // The locks page: every kind, the HTML owner id as text.
@@ -1582,18 +1571,7 @@ async fn the_jobs_page_reads_once_per_filter_and_the_chart_once_per_snapshot() -
     t.db.run_command(doc! { "profile": 0 }).await?;
     assert_eq!(listings_of_two, 2, "one more listing for the second filter");
     // An action drops the listings: the retried job is no longer listed as dead.
-    let token = ui.token.clone().context("no token printed")?;
-    let r = post(
-        &ui,
-        "retry",
-        &[
-            ("queue", "jobs"),
-            ("id", dead.as_str()),
-            ("token", token.as_str()),
-        ],
-    )
-    .await?;
-    assert_eq!(r.status().as_u16(), 303, "{}", r.text().await?);
+    act(&ui, "retry", &[("queue", "jobs"), ("id", dead.as_str())]).await?;
     let after = page(&ui, "/jobs?in_state=dead").await?;
     assert!(
         !after.contains(&dead),
